@@ -1,0 +1,50 @@
+# gpusnap — developer entry points. `make run` and `make test` work on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CRIU_PREFIX ?= $(CURDIR)/.criu
+SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
+STORE ?= $(CURDIR)/build/store
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-gpu typecheck proto criu venv install-service bench-gpu bench-gpu-engine clean help
+
+help:
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(STAMP) ## create .venv with gpusnap (editable) and the dev tools
+
+criu: ## install CRIU >= 4.1 + pycriu into .criu (Debian 13 packages on older systems)
+	scripts/install-criu.sh $(CRIU_PREFIX)
+
+run: venv criu ## run gpusnapd in the foreground (socket build/run/gpusnapd.sock, store build/store)
+	mkdir -p $(dir $(SOCKET)) $(STORE)
+	$(VENV)/bin/gpusnapd --socket $(SOCKET) --store $(STORE) --criu $(CRIU_PREFIX)/bin/criu \
+		--pycriu-path $(CRIU_PREFIX)/python --log-format console
+
+test: venv criu ## run the test suite (real CRIU; no GPU needed)
+	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) -m pytest -q
+
+test-gpu: ## run the GPU tests (needs an NVIDIA GPU, driver >= 580)
+	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider $(PYTEST_ARGS)
+
+typecheck: venv ## mypy --strict over the gpusnap package
+	rm -rf .mypy_src && mkdir -p .mypy_src/gpusnap
+	ln -s ../../daemon .mypy_src/gpusnap/daemon && ln -s ../../adapters .mypy_src/gpusnap/adapters
+	cd .mypy_src && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p gpusnap.daemon -p gpusnap.adapters
+
+proto: venv ## regenerate daemon/_proto from proto/
+	$(PY) scripts/gen_protos.py
+
+install-service: ## install gpusnapd as a systemd service (root)
+	scripts/install-service.sh
+
+clean:
+	rm -rf build .mypy_src .pytest_cache

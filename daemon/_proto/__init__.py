@@ -1,0 +1,1 @@
+"""Generated gRPC code for gpusnap.v1 (scripts/gen_protos.py). Do not edit."""

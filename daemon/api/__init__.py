@@ -1,0 +1,1 @@
+"""Domain types and errors shared by every layer; imports no gRPC."""

@@ -1,0 +1,160 @@
+"""The gpusnap error tree.
+
+Every error the daemon reports is a :class:`GpusnapError` subclass carrying a machine-readable
+``reason`` (``UPPER_SNAKE``), a message that names the cause and the fix, and a ``code`` that mirrors a
+gRPC status code (the one mapping to and from gRPC lives in ``gpusnap.daemon.service.errors``; this
+module imports no gRPC). Pattern from containerd's ``errdefs`` and Temporal's ``RPCStatusCode``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+
+class Code(enum.IntEnum):
+    """Status codes, numerically equal to ``grpc.StatusCode`` values."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+class GpusnapError(Exception):
+    """Root of every gpusnap error.
+
+    Args:
+        message: one line naming the cause and what to do about it.
+        reason: machine-readable ``UPPER_SNAKE`` reason; defaults to the class's ``default_reason``.
+        metadata: string facts for programs (``{"pid": "123"}``); sent as ``google.rpc.ErrorInfo``.
+    """
+
+    code: Code = Code.UNKNOWN
+    default_reason = "UNKNOWN"
+
+    def __init__(self, message: str, *, reason: str | None = None, metadata: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.reason = reason or self.default_reason
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgumentError(GpusnapError):
+    """The request itself is wrong (bad PID, name, id, map); retrying it unchanged never helps."""
+
+    code = Code.INVALID_ARGUMENT
+    default_reason = "INVALID_ARGUMENT"
+
+
+class NotFoundError(GpusnapError):
+    """A named thing (process, snapshot, operation) does not exist."""
+
+    code = Code.NOT_FOUND
+    default_reason = "NOT_FOUND"
+
+
+class AlreadyExistsError(GpusnapError):
+    """A snapshot with that name already exists."""
+
+    code = Code.ALREADY_EXISTS
+    default_reason = "ALREADY_EXISTS"
+
+
+class PermissionDeniedError(GpusnapError):
+    """The caller may not act on that process or snapshot."""
+
+    code = Code.PERMISSION_DENIED
+    default_reason = "PERMISSION_DENIED"
+
+
+class FailedPreconditionError(GpusnapError):
+    """The system is not in a state where the request can work (old CRIU, no GPU, corrupt image…)."""
+
+    code = Code.FAILED_PRECONDITION
+    default_reason = "FAILED_PRECONDITION"
+
+
+class AbortedError(GpusnapError):
+    """Conflicting concurrent work, e.g. a second operation on the same process tree."""
+
+    code = Code.ABORTED
+    default_reason = "ABORTED"
+
+
+class DeadlineExceededError(GpusnapError):
+    """A bounded step did not finish in time."""
+
+    code = Code.DEADLINE_EXCEEDED
+    default_reason = "DEADLINE_EXCEEDED"
+
+
+class ResourceExhaustedError(GpusnapError):
+    """Not enough disk, host RAM or GPU memory."""
+
+    code = Code.RESOURCE_EXHAUSTED
+    default_reason = "RESOURCE_EXHAUSTED"
+
+
+class UnavailableError(GpusnapError):
+    """The daemon (or a dependency such as CRIU) cannot serve right now."""
+
+    code = Code.UNAVAILABLE
+    default_reason = "UNAVAILABLE"
+
+
+class InternalError(GpusnapError):
+    """A bug or an unexpected failure of an underlying tool; the message carries its words."""
+
+    code = Code.INTERNAL
+    default_reason = "INTERNAL"
+
+
+class DataLossError(GpusnapError):
+    """Snapshot images are corrupt or missing (checksum mismatch, truncated file)."""
+
+    code = Code.DATA_LOSS
+    default_reason = "DATA_LOSS"
+
+
+_BY_CODE: dict[Code, type[GpusnapError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        NotFoundError,
+        AlreadyExistsError,
+        PermissionDeniedError,
+        FailedPreconditionError,
+        AbortedError,
+        DeadlineExceededError,
+        ResourceExhaustedError,
+        UnavailableError,
+        InternalError,
+        DataLossError,
+    )
+}
+
+
+def error_for_code(code: Code, message: str, *, reason: str | None = None, metadata: Mapping[str, str] | None = None) -> GpusnapError:
+    """Rebuild the domain error for a status code (the client side of the mapping)."""
+    cls = _BY_CODE.get(code, GpusnapError)
+    err = cls(message, reason=reason, metadata=metadata)
+    if cls is GpusnapError:
+        err.code = code
+    return err

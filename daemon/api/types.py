@@ -1,0 +1,149 @@
+"""Domain types: what a snapshot, an operation and their parts are, independent of gRPC.
+
+Conversions to and from protobuf live in ``gpusnap.daemon.service.convert``; the JSON form of a
+snapshot's manifest lives in ``gpusnap.daemon.store.manifest``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from datetime import datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessFacts:
+    """The process tree a snapshot was taken from."""
+
+    pid: int
+    """Root PID in the daemon's PID namespace."""
+    comm: str
+    cmdline: tuple[str, ...]
+    uid: int
+    gid: int
+    tree_pids: tuple[int, ...]
+    """Every PID of the tree, root first."""
+    rss_bytes: int
+    """Resident memory of the whole tree, bytes."""
+    cwd: str
+
+
+@dataclasses.dataclass(frozen=True)
+class HostFacts:
+    """The host a snapshot was taken on."""
+
+    hostname: str
+    kernel: str
+    machine: str
+    criu_version: str
+    gpusnap_version: str
+    cpu_model: str
+    cpu_flags: tuple[str, ...]
+    nvidia_driver_version: str = ""
+    cuda_driver_version: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageFile:
+    """One file of a snapshot's images; ``path`` is relative to the images directory."""
+
+    path: str
+    size_bytes: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseTiming:
+    """Duration (seconds) and bytes moved of one phase of an operation."""
+
+    phase: str
+    duration_seconds: float
+    bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuProcess:
+    """GPU use of one CUDA process at capture."""
+
+    pid: int
+    gpu_uuids: tuple[str, ...]
+    gpu_memory_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A complete, published snapshot."""
+
+    id: str
+    name: str
+    created: datetime
+    labels: Mapping[str, str]
+    source: ProcessFacts
+    host: HostFacts
+    files: tuple[ImageFile, ...]
+    phases: tuple[PhaseTiming, ...]
+    owner_uid: int
+    gpu_processes: tuple[GpuProcess, ...] = ()
+
+    @property
+    def size_bytes(self) -> int:
+        """Sum of the image files' sizes, bytes."""
+        return sum(f.size_bytes for f in self.files)
+
+
+class TcpMode(enum.Enum):
+    """What a checkpoint does with established TCP connections."""
+
+    REFUSE = "refuse"
+    ESTABLISHED = "established"
+    CLOSE = "close"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """A validated checkpoint request."""
+
+    pid: int
+    name: str = ""
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    leave_running: bool = False
+    tcp: TcpMode = TcpMode.REFUSE
+    timeout_s: float | None = None
+    gpu_lock_timeout_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreOptions:
+    """A validated restore request."""
+
+    snapshot: str
+    host_pid_namespace: bool = False
+    gpu_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    timeout_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    """Where a restored tree lives: host PIDs, root first."""
+
+    pid: int
+    pids: tuple[int, ...]
+    snapshot_id: str
+    namespace_pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """Who asked, from the socket's peer credentials (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    @property
+    def is_root(self) -> bool:
+        return self.uid == 0
+
+
+ROOT_CALLER = Caller(pid=0, uid=0, gid=0)

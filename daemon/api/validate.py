@@ -1,0 +1,97 @@
+"""Validation of names, ids, labels and PIDs received from callers."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from gpusnap.daemon.api.errors import InvalidArgumentError
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+SNAPSHOT_ID_RE = re.compile(r"^snap-[a-z2-7]{26}$")
+OPERATION_ID_RE = re.compile(r"^op-[a-z2-7]{26}$")
+LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
+MAX_LABEL_VALUE = 256
+MAX_LABELS = 64
+
+
+def snapshot_name(name: str) -> str:
+    """Return ``name`` if valid (``[a-z0-9][a-z0-9._-]{0,62}``, not a snapshot id); raise otherwise.
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_NAME``.
+    """
+    if not NAME_RE.fullmatch(name) or SNAPSHOT_ID_RE.fullmatch(name):
+        raise InvalidArgumentError(
+            f"invalid snapshot name {name!r}: use 1-63 characters of a-z, 0-9, '.', '_', '-', "
+            "starting with a letter or digit (and not of the form snap-…)",
+            reason="INVALID_NAME",
+            metadata={"name": name[:100]},
+        )
+    return name
+
+
+def snapshot_ref(ref: str) -> str:
+    """Return ``ref`` if it can name a snapshot (an id or a valid name).
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_SNAPSHOT_REF``.
+    """
+    if SNAPSHOT_ID_RE.fullmatch(ref) or NAME_RE.fullmatch(ref):
+        return ref
+    raise InvalidArgumentError(
+        f"{ref!r} is neither a snapshot id (snap-…) nor a valid snapshot name; list snapshots with `gpusnap ls`",
+        reason="INVALID_SNAPSHOT_REF",
+        metadata={"snapshot": ref[:100]},
+    )
+
+
+def operation_id(op_id: str) -> str:
+    """Return ``op_id`` if well formed (``op-`` + 26 base32 characters).
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_OPERATION_ID``.
+    """
+    if not OPERATION_ID_RE.fullmatch(op_id):
+        raise InvalidArgumentError(f"invalid operation id {op_id!r}", reason="INVALID_OPERATION_ID")
+    return op_id
+
+
+def labels(value: Mapping[str, str]) -> dict[str, str]:
+    """Return a copy of ``value`` if every key and value is acceptable.
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_LABEL``.
+    """
+    if len(value) > MAX_LABELS:
+        raise InvalidArgumentError(f"too many labels ({len(value)} > {MAX_LABELS})", reason="INVALID_LABEL")
+    for key, val in value.items():
+        if not LABEL_KEY_RE.fullmatch(key):
+            raise InvalidArgumentError(
+                f"invalid label key {key!r}: 1-128 characters of letters, digits, '.', '_', '/', '-'",
+                reason="INVALID_LABEL",
+            )
+        if len(val) > MAX_LABEL_VALUE or any(ord(c) < 32 for c in val):
+            raise InvalidArgumentError(
+                f"invalid value for label {key!r}: at most {MAX_LABEL_VALUE} printable characters",
+                reason="INVALID_LABEL",
+            )
+    return dict(value)
+
+
+def pid(value: int) -> int:
+    """Return ``value`` if it can be a PID (2 … 2**22).
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_PID``.
+    """
+    if value == 1:
+        raise InvalidArgumentError(
+            "PID 1 is the init process of this PID namespace and cannot be checkpointed; "
+            "name the root of the worker's process tree instead",
+            reason="INVALID_PID",
+            metadata={"pid": "1"},
+        )
+    if not 1 < value <= 4194304:
+        raise InvalidArgumentError(f"{value} is not a valid PID", reason="INVALID_PID", metadata={"pid": str(value)})
+    return value

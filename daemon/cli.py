@@ -1,0 +1,330 @@
+"""gpusnap: the command-line client of gpusnapd.
+
+Exit codes (also in ``gpusnap --help`` and the README):
+
+    0 success                       5 conflict (ABORTED, ALREADY_EXISTS: busy tree, name taken)
+    1 internal or unknown error     6 permission denied
+    2 usage or invalid argument     7 daemon unavailable
+    3 not found                     8 deadline exceeded
+    4 failed precondition or damaged snapshot (FAILED_PRECONDITION, DATA_LOSS)
+    9 resources exhausted (RESOURCE_EXHAUSTED)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC
+from typing import Any, TypeVar
+
+import click
+from google.protobuf import json_format
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gpusnap.daemon import __version__
+from gpusnap.daemon._proto import operations_pb2
+from gpusnap.daemon.api.errors import Code, GpusnapError
+from gpusnap.daemon.client import DaemonClient, raise_if_failed
+from gpusnap.daemon.config import DEFAULT_SOCKET
+
+EXIT_CODES: dict[Code, int] = {
+    Code.INVALID_ARGUMENT: 2,
+    Code.OUT_OF_RANGE: 2,
+    Code.NOT_FOUND: 3,
+    Code.FAILED_PRECONDITION: 4,
+    Code.DATA_LOSS: 4,
+    Code.ABORTED: 5,
+    Code.ALREADY_EXISTS: 5,
+    Code.PERMISSION_DENIED: 6,
+    Code.UNAUTHENTICATED: 6,
+    Code.UNAVAILABLE: 7,
+    Code.DEADLINE_EXCEEDED: 8,
+    Code.RESOURCE_EXHAUSTED: 9,
+}
+
+T = TypeVar("T")
+err_console = Console(stderr=True)
+out_console = Console()
+
+
+class Ctx:
+    def __init__(self, socket: str, output: str):
+        self.socket = socket
+        self.output = output
+
+    def client(self) -> DaemonClient:
+        return DaemonClient(self.socket)
+
+
+def _fail(err: GpusnapError) -> None:
+    click.echo(f"gpusnap: error: {err.message}", err=True)
+    sys.exit(EXIT_CODES.get(err.code, 1))
+
+
+def _run(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except GpusnapError as err:
+        _fail(err)
+        raise AssertionError("unreachable") from err
+
+
+def _json(msg: Any) -> str:
+    if isinstance(msg, list):
+        return json.dumps([json_format.MessageToDict(m) for m in msg], indent=2)
+    return json.dumps(json_format.MessageToDict(msg), indent=2)
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)
+
+
+def _labels(values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for item in values:
+        key, sep, val = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--label")
+        out[key] = val
+    return out
+
+
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Exit codes: 0 ok, 1 internal, 2 usage/invalid argument, 3 not found, 4 failed precondition or "
+    "damaged snapshot, 5 conflict (busy tree, name taken), 6 permission denied, 7 daemon unavailable, "
+    "8 deadline exceeded, 9 resources exhausted.",
+)
+@click.option("--socket", envvar="GPUSNAP_SOCKET", default=str(DEFAULT_SOCKET), show_default=True, help="gpusnapd socket")
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@click.version_option(__version__, prog_name="gpusnap")
+@click.pass_context
+def main(ctx: click.Context, socket: str, output: str) -> None:
+    """Checkpoint and restore GPU inference workers through gpusnapd."""
+    ctx.obj = Ctx(socket, output)
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationEvent], None]]:
+    """A live phase display on a terminal; a no-op elsewhere."""
+    if not enabled:
+        yield lambda event: None
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description:<12}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=False) as progress:
+        tasks: dict[str, Any] = {}
+
+        def show(event: operations_pb2.OperationEvent) -> None:
+            E = operations_pb2.OperationEvent
+            if event.type == E.TYPE_PHASE_STARTED:
+                tasks[event.phase] = progress.add_task(event.phase, total=None)
+            elif event.type == E.TYPE_PROGRESS and event.phase in tasks:
+                progress.update(tasks[event.phase], completed=event.bytes, total=event.total_bytes or None)
+            elif event.type in (E.TYPE_PHASE_FINISHED, E.TYPE_PHASE_FAILED) and event.phase in tasks:
+                mark = "" if event.type == E.TYPE_PHASE_FINISHED else " [red]failed[/red]"
+                total = event.bytes or 1
+                progress.update(tasks[event.phase], description=event.phase + mark, completed=total, total=total)
+            elif event.type == E.TYPE_ROLLBACK:
+                progress.console.print(f"[yellow]rollback[/yellow] {event.phase}: {event.message}")
+
+        yield show
+
+
+def _follow(client: DaemonClient, op: operations_pb2.Operation, show_progress: bool) -> operations_pb2.Operation:
+    with _progress(show_progress) as show:
+        for event in client.watch(op.id):
+            show(event)
+            if event.type == operations_pb2.OperationEvent.TYPE_OPERATION_FINISHED:
+                raise_if_failed(event.operation)
+                return event.operation
+    return client.wait(op.id)
+
+
+def _phase_summary(op: operations_pb2.Operation) -> str:
+    return ", ".join(f"{p.phase} {p.duration_seconds:.2f}s" for p in op.phases)
+
+
+@main.command()
+@click.argument("pid", type=int)
+@click.option("--name", default="", help="snapshot name, unique in the store")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="label (repeatable)")
+@click.option("--leave-running", is_flag=True, help="keep the source running after the dump")
+@click.option("--tcp", type=click.Choice(["refuse", "established", "close"]), default="refuse", show_default=True,
+              help="established TCP connections: refuse the dump, capture them, or restore them closed")
+@click.option("--timeout", type=float, help="seconds for the whole checkpoint [daemon default]")
+@click.option("--gpu-lock-timeout", type=float, help="seconds to wait for CUDA work to drain [daemon default]")
+@click.option("--detach", is_flag=True, help="print the operation id and return at once")
+@click.pass_obj
+def dump(obj: Ctx, pid: int, name: str, labels: tuple[str, ...], leave_running: bool, tcp: str,
+         timeout: float | None, gpu_lock_timeout: float | None, detach: bool) -> None:
+    """Checkpoint the process tree rooted at PID into a new snapshot; prints its id."""
+    with obj.client() as client:
+        op = _run(lambda: client.checkpoint(pid, name=name, labels=_labels(labels), leave_running=leave_running,
+                                            tcp=tcp, timeout_s=timeout, gpu_lock_timeout_s=gpu_lock_timeout))
+        if detach:
+            click.echo(_json({"operation": op.id}) if obj.output == "json" else op.id)  # type: ignore[arg-type]
+            return
+        done = _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
+    snap = done.snapshot
+    if obj.output == "json":
+        click.echo(json.dumps({"id": snap.id, "name": snap.name, "operation": done.id, "size_bytes": snap.size_bytes,
+                               "phases": {p.phase: p.duration_seconds for p in done.phases}}, indent=2))
+    else:
+        click.echo(snap.id)
+        err_console.print(f"snapshot {snap.id} ({_size(snap.size_bytes)}): {_phase_summary(done)}", highlight=False)
+
+
+@main.command()
+@click.argument("snapshot")
+@click.option("--host-pidns", is_flag=True, help="restore with the original PIDs in gpusnapd's PID namespace")
+@click.option("--timeout", type=float, help="seconds for the whole restore [daemon default]")
+@click.option("--detach", is_flag=True, help="print the operation id and return at once")
+@click.pass_obj
+def restore(obj: Ctx, snapshot: str, host_pidns: bool, timeout: float | None, detach: bool) -> None:
+    """Restore SNAPSHOT (id or name) as a new process tree; prints the restored root's PID."""
+    with obj.client() as client:
+        op = _run(lambda: client.restore(snapshot, host_pid_namespace=host_pidns, timeout_s=timeout))
+        if detach:
+            click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
+            return
+        done = _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
+    res = done.restore
+    if obj.output == "json":
+        click.echo(json.dumps({"pid": res.pid, "pids": list(res.pids), "namespace_pid": res.namespace_pid,
+                               "snapshot_id": res.snapshot_id, "operation": done.id,
+                               "phases": {p.phase: p.duration_seconds for p in done.phases}}, indent=2))
+    else:
+        click.echo(res.pid)
+        err_console.print(f"restored {res.snapshot_id} as PID {res.pid}: {_phase_summary(done)}", highlight=False)
+
+
+@main.command("ls")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="only snapshots with this label")
+@click.pass_obj
+def list_snapshots(obj: Ctx, labels: tuple[str, ...]) -> None:
+    """List snapshots."""
+    with obj.client() as client:
+        snaps = _run(lambda: client.list_snapshots(_labels(labels)))
+    if obj.output == "json":
+        click.echo(_json(snaps))
+        return
+    table = Table("ID", "NAME", "CREATED", "SIZE", "SOURCE", "GPUS", box=None)
+    table.columns[0].no_wrap = True
+    for s in snaps:
+        created = s.created.ToDatetime(tzinfo=UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+        gpus = len({u for g in s.gpu_processes for u in g.gpu_uuids})
+        table.add_row(s.id, s.name or "-", created, _size(s.size_bytes), f"{s.source.pid} {s.source.comm}", str(gpus))
+    out_console.print(table)
+
+
+@main.command()
+@click.argument("snapshot")
+@click.pass_obj
+def inspect(obj: Ctx, snapshot: str) -> None:
+    """Show a snapshot's manifest."""
+    with obj.client() as client:
+        snap = _run(lambda: client.get_snapshot(snapshot))
+    if obj.output == "json":
+        click.echo(_json(snap))
+        return
+    rows = [
+        ("id", snap.id), ("name", snap.name or "-"),
+        ("created", snap.created.ToDatetime(tzinfo=UTC).astimezone().isoformat(timespec="seconds")),
+        ("size", f"{_size(snap.size_bytes)} in {len(snap.files)} files"),
+        ("source", f"PID {snap.source.pid} ({snap.source.comm}), {len(snap.source.tree_pids)} processes, "
+                   f"uid {snap.source.uid}, RSS {_size(snap.source.rss_bytes)}"),
+        ("command", " ".join(snap.source.cmdline)),
+        ("host", f"{snap.host.hostname}, kernel {snap.host.kernel} {snap.host.machine}, CRIU {snap.host.criu_version}, "
+                 f"gpusnap {snap.host.gpusnap_version}"),
+        ("cpu", snap.host.cpu_model),
+        ("labels", ", ".join(f"{k}={v}" for k, v in sorted(snap.labels.items())) or "-"),
+        ("phases", ", ".join(f"{p.phase} {p.duration_seconds:.3f}s" for p in snap.phases)),
+    ]
+    if snap.host.nvidia_driver_version:
+        rows.append(("driver", f"NVIDIA {snap.host.nvidia_driver_version}, CUDA {snap.host.cuda_driver_version}"))
+    for g in snap.gpu_processes:
+        rows.append(("gpu", f"PID {g.pid}: {', '.join(g.gpu_uuids)} ({_size(g.gpu_memory_bytes)})"))
+    table = Table(show_header=False, box=None)
+    for key, value in rows:
+        table.add_row(key, value)
+    out_console.print(table)
+
+
+@main.command()
+@click.argument("snapshots", nargs=-1, required=True)
+@click.pass_obj
+def rm(obj: Ctx, snapshots: tuple[str, ...]) -> None:
+    """Delete snapshots (ids or names)."""
+    with obj.client() as client:
+        deleted = [_run(lambda ref=ref: client.delete_snapshot(ref)) for ref in snapshots]  # type: ignore[misc]
+    click.echo(json.dumps({"deleted": deleted}) if obj.output == "json" else "\n".join(deleted))
+
+
+@main.command()
+@click.pass_obj
+def node(obj: Ctx) -> None:
+    """Show facts about the node: versions, store, GPUs."""
+    with obj.client() as client:
+        info = _run(client.node_info)
+    if obj.output == "json":
+        click.echo(_json(info))
+        return
+    h = info.host
+    table = Table(show_header=False, box=None)
+    for key, value in (
+        ("host", f"{h.hostname} ({h.machine})"), ("kernel", h.kernel), ("gpusnap", h.gpusnap_version),
+        ("criu", f"{h.criu_version} ({info.criu_path})"),
+        ("store", f"{info.store_path}: {info.snapshot_count} snapshots, {_size(info.store_used_bytes)}"),
+        ("cpu", h.cpu_model),
+        ("nvidia driver", h.nvidia_driver_version or "-"),
+        ("cuda checkpoint", "supported" if info.cuda_checkpoint_supported else (info.cuda_unavailable_reason or "-")),
+    ):
+        table.add_row(key, value)
+    out_console.print(table)
+    if info.gpus:
+        gpus = Table("IDX", "UUID", "NAME", "MEMORY FREE/TOTAL", "PERSISTENCE", "MIG", "PROCESSES", box=None)
+        for g in info.gpus:
+            gpus.add_row(str(g.index), g.uuid, g.name, f"{_size(g.memory_free_bytes)} / {_size(g.memory_total_bytes)}",
+                         "on" if g.persistence_mode else "off", "on" if g.mig_mode else "off",
+                         ", ".join(str(p.pid) for p in g.processes) or "-")
+        out_console.print(gpus)
+
+
+@main.command()
+@click.argument("operation")
+@click.pass_obj
+def wait(obj: Ctx, operation: str) -> None:
+    """Wait for an operation (from --detach) to end; exits with its outcome."""
+    with obj.client() as client:
+        op = _run(lambda: _follow(client, client.get_operation(operation), obj.output == "table" and err_console.is_terminal))
+    click.echo(_json(op) if obj.output == "json" else f"{op.id} succeeded: {_phase_summary(op)}")
+
+
+@main.command("ops")
+@click.pass_obj
+def list_operations(obj: Ctx) -> None:
+    """List this daemon's operations."""
+    with obj.client() as client:
+        ops = _run(client.list_operations)
+    if obj.output == "json":
+        click.echo(_json(ops))
+        return
+    table = Table("ID", "KIND", "STATE", "PHASE", "STARTED", "TARGET", box=None)
+    table.columns[0].no_wrap = True
+    for op in ops:
+        kind = operations_pb2.OperationKind.Name(op.kind).removeprefix("OPERATION_KIND_").lower()
+        state = operations_pb2.OperationState.Name(op.state).removeprefix("OPERATION_STATE_").lower()
+        started = op.started.ToDatetime(tzinfo=UTC).astimezone().strftime("%H:%M:%S")
+        table.add_row(op.id, kind, state, op.phase, started, op.target_snapshot or str(op.target_pid))
+    out_console.print(table)
+
+

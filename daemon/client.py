@@ -1,0 +1,155 @@
+"""DaemonClient: a synchronous Python client of gpusnapd's gRPC API (what the CLI uses).
+
+Failed calls raise the matching :class:`~gpusnap.daemon.api.errors.GpusnapError` subclass,
+rebuilt from the status's ``google.rpc.ErrorInfo``; a failed operation's error is raised the same way
+by :meth:`DaemonClient.wait`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2
+
+from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
+from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc, types_pb2
+from gpusnap.daemon.api.errors import Code, GpusnapError, UnavailableError
+from gpusnap.daemon.config import DEFAULT_SOCKET
+from gpusnap.daemon.service.errors import from_rpc_error, from_status_proto
+
+TCP_MODES = {
+    "refuse": operations_pb2.TCP_MODE_UNSPECIFIED,
+    "established": operations_pb2.TCP_MODE_ESTABLISHED,
+    "close": operations_pb2.TCP_MODE_CLOSE,
+}
+
+
+def _duration(seconds: float | None) -> duration_pb2.Duration | None:
+    if seconds is None:
+        return None
+    d = duration_pb2.Duration()
+    d.FromMilliseconds(int(seconds * 1000))
+    return d
+
+
+class DaemonClient:
+    """Talk to gpusnapd.
+
+    Args:
+        target: a socket path, or a gRPC target (``unix:…``, ``host:port`` with ``credentials``).
+        credentials: TLS channel credentials for TCP targets.
+    """
+
+    def __init__(self, target: str | Path = DEFAULT_SOCKET, credentials: grpc.ChannelCredentials | None = None):
+        target = str(target)
+        self.target = target if ":" in target and not target.startswith("/") else f"unix:{target}"
+        self._channel = (
+            grpc.secure_channel(self.target, credentials) if credentials else grpc.insecure_channel(self.target)
+        )
+        self._ops = operations_pb2_grpc.OperationServiceStub(self._channel)
+        self._snaps = snapshots_pb2_grpc.SnapshotServiceStub(self._channel)
+        self._node = node_pb2_grpc.NodeServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Any, request: Any, timeout: float | None = 60.0) -> Any:
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+
+    def _error(self, exc: grpc.RpcError) -> GpusnapError:
+        err = from_rpc_error(exc)
+        if err.code == Code.UNAVAILABLE and err.reason in ("DAEMON_UNAVAILABLE", "UNAVAILABLE"):
+            return UnavailableError(
+                f"cannot reach gpusnapd at {self.target.removeprefix('unix:')} ({err.message}); is it running? "
+                "start it with `make run` or `systemctl start gpusnapd`, or pass --socket",
+                reason="DAEMON_UNAVAILABLE",
+            )
+        return err
+
+    def checkpoint(
+        self,
+        pid: int,
+        *,
+        name: str = "",
+        labels: Mapping[str, str] | None = None,
+        leave_running: bool = False,
+        tcp: str = "refuse",
+        timeout_s: float | None = None,
+        gpu_lock_timeout_s: float | None = None,
+    ) -> operations_pb2.Operation:
+        """Start a checkpoint of the tree rooted at ``pid``; returns the running operation."""
+        req = operations_pb2.CheckpointRequest(
+            pid=pid,
+            name=name,
+            labels=dict(labels or {}),
+            leave_running=leave_running,
+            tcp=TCP_MODES[tcp],
+            timeout=_duration(timeout_s),
+            gpu_lock_timeout=_duration(gpu_lock_timeout_s),
+        )
+        return self._call(self._ops.Checkpoint, req).operation
+
+    def restore(
+        self,
+        snapshot: str,
+        *,
+        host_pid_namespace: bool = False,
+        gpu_map: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> operations_pb2.Operation:
+        """Start a restore of ``snapshot`` (id or name); returns the running operation."""
+        req = operations_pb2.RestoreRequest(
+            snapshot=snapshot, host_pid_namespace=host_pid_namespace, gpu_map=dict(gpu_map or {}), timeout=_duration(timeout_s)
+        )
+        return self._call(self._ops.Restore, req).operation
+
+    def get_operation(self, op_id: str) -> operations_pb2.Operation:
+        return self._call(self._ops.GetOperation, operations_pb2.GetOperationRequest(id=op_id)).operation
+
+    def list_operations(self) -> list[operations_pb2.Operation]:
+        return list(self._call(self._ops.ListOperations, operations_pb2.ListOperationsRequest()).operations)
+
+    def watch(self, op_id: str) -> Iterator[operations_pb2.OperationEvent]:
+        """The operation's events from its start until its final event."""
+        try:
+            for resp in self._ops.WatchOperation(operations_pb2.WatchOperationRequest(id=op_id)):
+                yield resp.event
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+
+    def wait(self, op_id: str, timeout_s: float | None = None) -> operations_pb2.Operation:
+        """Wait for the operation to end; raise its error if it failed."""
+        op = self._call(self._ops.WaitOperation, operations_pb2.WaitOperationRequest(id=op_id), timeout=timeout_s)
+        raise_if_failed(op)
+        return op
+
+    def list_snapshots(self, label_selector: Mapping[str, str] | None = None) -> list[types_pb2.Snapshot]:
+        req = snapshots_pb2.ListSnapshotsRequest(label_selector=dict(label_selector or {}))
+        return list(self._call(self._snaps.ListSnapshots, req).snapshots)
+
+    def get_snapshot(self, snapshot: str) -> types_pb2.Snapshot:
+        return self._call(self._snaps.GetSnapshot, snapshots_pb2.GetSnapshotRequest(snapshot=snapshot)).snapshot
+
+    def delete_snapshot(self, snapshot: str) -> str:
+        return str(self._call(self._snaps.DeleteSnapshot, snapshots_pb2.DeleteSnapshotRequest(snapshot=snapshot)).id)
+
+    def node_info(self) -> node_pb2.NodeInfo:
+        return self._call(self._node.GetNodeInfo, node_pb2.GetNodeInfoRequest()).node
+
+
+def raise_if_failed(op: operations_pb2.Operation) -> None:
+    """Raise the domain error of a failed operation."""
+    if op.state == operations_pb2.OPERATION_STATE_FAILED:
+        raise from_status_proto(op.error)

@@ -1,0 +1,102 @@
+"""gpusnapd configuration: defaults < TOML file < ``GPUSNAP_*`` environment < command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gpusnap.daemon.api.errors import InvalidArgumentError
+
+DEFAULT_SOCKET = Path("/run/gpusnap/gpusnapd.sock")
+DEFAULT_STORE = Path("/var/lib/gpusnap")
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonConfig:
+    """Every setting of gpusnapd. Times are seconds."""
+
+    socket: Path = DEFAULT_SOCKET
+    """Unix socket of the gRPC API (mode 0660, group ``socket_group``)."""
+    store: Path = DEFAULT_STORE
+    """Snapshot store directory."""
+    socket_group: str = "gpusnap"
+    """Group that may use the socket; ignored when it does not exist."""
+    listen: str = ""
+    """Optional TCP ``host:port``; requires ``tls_cert`` and ``tls_key``."""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    """When set, TCP clients must present a certificate signed by this CA (mutual TLS)."""
+    criu_binary: str = "criu"
+    """``criu`` executable; ``make criu`` installs one under ``.criu/bin/criu``."""
+    pycriu_path: str = ""
+    """Directory holding the ``pycriu`` package when it is not importable already."""
+    checkpoint_timeout: float = 900.0
+    restore_timeout: float = 900.0
+    freeze_timeout: int = 10
+    """Bound on CRIU freezing the tree (CRIU ``--timeout``)."""
+    gpu_lock_timeout: float = 10.0
+    """Bound on ``cuCheckpointProcessLock`` per process."""
+    gpu_call_timeout: float = 600.0
+    """Bound on any other CUDA checkpoint driver call."""
+    max_operations: int = 8
+    log_format: str = "auto"
+    """``auto`` (JSON unless stderr is a terminal), ``json`` or ``console``."""
+    log_level: str = "info"
+
+    @classmethod
+    def load(
+        cls,
+        file: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> DaemonConfig:
+        """Build a config from a TOML file, ``GPUSNAP_<FIELD>`` variables and explicit overrides.
+
+        Raises:
+            InvalidArgumentError: unknown keys, unreadable file, values of the wrong type.
+        """
+        values: dict[str, Any] = {}
+        if file is not None:
+            try:
+                doc = tomllib.loads(file.read_text())
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise InvalidArgumentError(f"cannot read config file {file}: {exc}", reason="BAD_CONFIG") from exc
+            values.update(doc.get("gpusnapd", doc))
+        env = os.environ if env is None else env
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for name in fields:
+            key = f"GPUSNAP_{name.upper()}"
+            if key in env:
+                values[name] = env[key]
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise InvalidArgumentError(f"unknown config keys: {', '.join(unknown)}", reason="BAD_CONFIG")
+        return cls(**{k: _coerce(k, fields[k].type, v) for k, v in values.items()})
+
+    def validate(self) -> None:
+        """Raise InvalidArgumentError for inconsistent settings."""
+        if self.listen and not (self.tls_cert and self.tls_key):
+            raise InvalidArgumentError(
+                "--listen needs TLS: set tls_cert and tls_key (and tls_client_ca for mutual TLS)", reason="BAD_CONFIG"
+            )
+        if self.log_format not in ("auto", "json", "console"):
+            raise InvalidArgumentError(f"log_format must be auto, json or console, not {self.log_format!r}", reason="BAD_CONFIG")
+
+
+def _coerce(name: str, typ: Any, value: Any) -> Any:
+    try:
+        if typ in ("Path", Path):
+            return Path(value)
+        if typ in ("float", float):
+            return float(value)
+        if typ in ("int", int):
+            return int(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"config {name}: {value!r} is not a valid {typ}", reason="BAD_CONFIG") from exc

@@ -1,0 +1,108 @@
+"""Daemon: the domain API the gRPC servicers call. One method per RPC; no gRPC here.
+
+Validation, permission checks and the one-operation-per-tree rule are applied synchronously, so a
+bad request fails its RPC at once; the work itself runs as a background operation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from gpusnap.daemon.api import validate
+from gpusnap.daemon.api.errors import NotFoundError
+from gpusnap.daemon.api.types import Caller, CheckpointOptions, HostFacts, RestoreOptions, Snapshot
+from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.operations.base import OperationKind, OperationRecord
+from gpusnap.daemon.operations.checkpoint import host_facts, run_checkpoint
+from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.operations.restore import check_may_restore, run_restore
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeInfo:
+    """What ``GetNodeInfo`` reports."""
+
+    host: HostFacts
+    store_path: str
+    store_used_bytes: int
+    snapshot_count: int
+    criu_path: str
+
+
+class Daemon:
+    """The daemon's behaviour behind its API.
+
+    Args:
+        deps: drivers, store and config, built by ``gpusnap.daemon.server.build_daemon``.
+        registry: where operations run.
+    """
+
+    def __init__(self, deps: Deps, registry: OperationRegistry):
+        self.deps = deps
+        self.registry = registry
+
+    def checkpoint(self, opts: CheckpointOptions, caller: Caller) -> OperationRecord:
+        """Validate and start a checkpoint.
+
+        Raises:
+            InvalidArgumentError, NotFoundError, PermissionDeniedError, AlreadyExistsError,
+            AbortedError (tree busy).
+        """
+        validate.pid(opts.pid)
+        if opts.name:
+            validate.snapshot_name(opts.name)
+            self.deps.store.check_name_free(opts.name)
+        validate.labels(opts.labels)
+        proc.check_may_checkpoint(opts.pid, caller)
+        record = OperationRecord(OperationKind.CHECKPOINT, target_pid=opts.pid, owner_uid=caller.uid)
+        return self.registry.start(
+            record, proc.tree_pids(opts.pid), lambda run: run_checkpoint(run, self.deps, opts, caller.uid)
+        )
+
+    def restore(self, opts: RestoreOptions, caller: Caller) -> OperationRecord:
+        """Validate and start a restore.
+
+        Raises:
+            InvalidArgumentError, NotFoundError, PermissionDeniedError, DataLossError (manifest).
+        """
+        snapshot = self.deps.store.get(opts.snapshot)
+        check_may_restore(snapshot, caller)
+        record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid)
+        return self.registry.start(record, (), lambda run: run_restore(run, self.deps, opts, caller))
+
+    def operation(self, op_id: str, caller: Caller) -> OperationRecord:
+        """An operation the caller may see (its own, or any for root)."""
+        record = self.registry.get(op_id)
+        if not caller.is_root and record.owner_uid != caller.uid:
+            raise NotFoundError(f"no operation {op_id!r} in this daemon", reason="OPERATION_NOT_FOUND")
+        return record
+
+    def operations(self, caller: Caller) -> list[OperationRecord]:
+        return [r for r in self.registry.list() if caller.is_root or r.owner_uid == caller.uid]
+
+    def snapshots(self, caller: Caller, label_selector: Mapping[str, str]) -> list[Snapshot]:
+        return [s for s in self.deps.store.list(label_selector) if caller.is_root or s.owner_uid == caller.uid]
+
+    def snapshot(self, ref: str, caller: Caller) -> Snapshot:
+        snapshot = self.deps.store.get(ref)
+        check_may_restore(snapshot, caller)
+        return snapshot
+
+    def delete_snapshot(self, ref: str, caller: Caller) -> str:
+        """Delete a snapshot; root may delete damaged ones whose owner cannot be read."""
+        if not caller.is_root:
+            self.snapshot(ref, caller)
+        return self.deps.store.delete(ref)
+
+    def node_info(self) -> NodeInfo:
+        snapshots = self.deps.store.list()
+        return NodeInfo(
+            host=host_facts(self.deps),
+            store_path=str(self.deps.store.root),
+            store_used_bytes=self.deps.store.used_bytes(),
+            snapshot_count=len(snapshots),
+            criu_path=self.deps.criu.binary,
+        )
+

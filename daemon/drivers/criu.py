@@ -1,0 +1,336 @@
+"""CriuDriver: CRIU dump and restore of process trees, through pycriu's swrk RPC.
+
+Each request runs in a helper process (``gpusnap.daemon.drivers.criu_exec``) so gpusnapd never forks
+from its threaded process, a hung CRIU can be killed as a group, and a restore can be placed in a fresh
+PID namespace. CRIU's log is written to the work directory (kept with the snapshot); on failure the
+raised error carries its relevant lines.
+
+CRIU >= 4.1 is required: on Linux >= 6.13 older releases stop with "vdso: Unexpected rt vDSO area
+bounds" (checkpoint-restore/criu#2532, fixed by PR #2539 in 4.1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpusnap.daemon.api.errors import (
+    AbortedError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    GpusnapError,
+)
+from gpusnap.daemon.api.types import TcpMode
+
+log = structlog.get_logger(__name__)
+
+MIN_VERSION = (4, 1)
+LOG_LINES = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredTree:
+    """A restored tree: ``init_pid`` is the host PID of its namespace's init (0 without a new
+    namespace); ``ns_pid`` the root's PID as CRIU created it (its original PID)."""
+
+    init_pid: int
+    ns_pid: int
+
+
+class CriuError(GpusnapError):
+    """CRIU refused or failed; ``log_lines`` holds the relevant lines of its log."""
+
+    def __init__(self, message: str, *, code_cls: type[GpusnapError], reason: str, log_lines: list[str], **kw: Any):
+        super().__init__(message, reason=reason, **kw)
+        self.code = code_cls.code
+        self.log_lines = log_lines
+
+
+class CriuDriver:
+    """Drive one CRIU installation.
+
+    Args:
+        binary: the ``criu`` executable (the wrapper of gpusnap's private prefix, or a system one).
+        pycriu_path: directory that holds the ``pycriu`` package, added to the helper's ``PYTHONPATH``;
+            empty when pycriu is importable already.
+    """
+
+    def __init__(self, binary: str, pycriu_path: str = ""):
+        self.binary = binary
+        self.pycriu_path = pycriu_path
+
+    def version(self) -> str:
+        """CRIU's version string, e.g. ``"4.1.1"``.
+
+        Raises:
+            FailedPreconditionError: CRIU missing or not runnable (reason ``CRIU_MISSING``).
+        """
+        try:
+            out = subprocess.run([self.binary, "--version"], capture_output=True, text=True, timeout=30, check=True)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise FailedPreconditionError(
+                f"cannot run CRIU at {self.binary!r} ({exc}); install it with `make criu` or set criu_binary",
+                reason="CRIU_MISSING",
+            ) from exc
+        match = re.search(r"Version:\s*(\S+)", out.stdout)
+        if not match:
+            raise FailedPreconditionError(f"cannot parse `criu --version` output: {out.stdout!r}", reason="CRIU_MISSING")
+        return match.group(1)
+
+    def require_supported(self) -> str:
+        """Return the version if it is >= 4.1 and pycriu imports; raise otherwise.
+
+        Raises:
+            FailedPreconditionError: reason ``CRIU_TOO_OLD``, ``CRIU_MISSING`` or ``PYCRIU_MISSING``.
+        """
+        version = self.version()
+        parts = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+        if parts < MIN_VERSION:
+            raise FailedPreconditionError(
+                f"CRIU {version} is too old: gpusnap needs CRIU >= 4.1 (older releases fail on Linux >= 6.13 "
+                "with 'Unexpected rt vDSO area bounds'); install it with `make criu`",
+                reason="CRIU_TOO_OLD",
+                metadata={"criu_version": version},
+            )
+        probe = subprocess.run(
+            [sys.executable, "-c", "import pycriu"], env=self._env(), capture_output=True, text=True, timeout=60
+        )
+        if probe.returncode != 0:
+            raise FailedPreconditionError(
+                f"pycriu cannot be imported ({probe.stderr.strip().splitlines()[-1:]}); install it with `make criu`",
+                reason="PYCRIU_MISSING",
+            )
+        return version
+
+    def dump(
+        self,
+        *,
+        pid: int,
+        images_dir: Path,
+        work_dir: Path,
+        leave_running: bool,
+        tcp: TcpMode,
+        freeze_timeout_s: int,
+        timeout_s: float,
+        enter_ns_of: int = 0,
+        on_start: Callable[[int], None] | None = None,
+        on_post_dump: Callable[[], None] | None = None,
+    ) -> None:
+        """Dump the tree rooted at ``pid`` into ``images_dir``; CRIU's log goes to ``work_dir/dump.log``.
+
+        Args:
+            pid: root PID as seen from the namespace CRIU runs in (see ``enter_ns_of``).
+            enter_ns_of: host PID whose PID and mount namespaces CRIU runs in (0: gpusnapd's own).
+            on_start: called with the helper's PID once it runs (used by fault-injection tests).
+            on_post_dump: called once the images are complete while the tree is still frozen (CRIU's
+                ``post-dump`` notification). If it raises, CRIU fails the dump and resumes the tree,
+                and the exception is re-raised here: this is how a snapshot is published before the
+                source is killed, so a failed publish never loses the source.
+
+        Raises:
+            CriuError: CRIU refused (FAILED_PRECONDITION, with log lines) or died (ABORTED).
+            DeadlineExceededError: not done within ``timeout_s``; CRIU was killed.
+        """
+        opts: dict[str, Any] = {
+            "pid": pid,
+            "shell_job": True,
+            "ext_unix_sk": True,
+            "file_locks": True,
+            "link_remap": True,
+            "leave_running": leave_running,
+            "log_level": 4,
+            "log_file": "dump.log",
+            "timeout": freeze_timeout_s,
+        }
+        if tcp is TcpMode.ESTABLISHED:
+            opts["tcp_established"] = True
+        elif tcp is TcpMode.CLOSE:
+            opts["tcp_close"] = True
+        req = {"action": "dump", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts}
+        if enter_ns_of:
+            req["enter_ns_of"] = enter_ns_of
+        self._run(req, work_dir / "dump.log", timeout_s, on_start=on_start, on_notify=_notify_handler(on_post_dump))
+
+    def restore(
+        self,
+        *,
+        images_dir: Path,
+        work_dir: Path,
+        log_name: str,
+        new_pidns: bool,
+        tcp: TcpMode,
+        timeout_s: float,
+    ) -> RestoredTree:
+        """Restore the tree dumped in ``images_dir``; the log goes to ``work_dir/<log_name>``.
+
+        Raises:
+            CriuError: CRIU refused or died; nothing of the tree is left running.
+            DeadlineExceededError: not done within ``timeout_s``; everything restored so far was killed.
+        """
+        opts: dict[str, Any] = {
+            "shell_job": True,
+            "ext_unix_sk": True,
+            "file_locks": True,
+            "link_remap": True,
+            "log_level": 4,
+            "log_file": log_name,
+        }
+        if tcp is TcpMode.ESTABLISHED:
+            opts["tcp_established"] = True
+        elif tcp is TcpMode.CLOSE:
+            opts["tcp_close"] = True
+        req = {"action": "restore", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts, "new_pidns": new_pidns}
+        events = self._run(req, work_dir / log_name, timeout_s)
+        init_pid = next((e["pid"] for e in events if e.get("event") == "init"), 0)
+        result = events[-1]
+        return RestoredTree(init_pid=init_pid, ns_pid=int(result["pid"]))
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        paths = [p for p in (self.pycriu_path, env.get("PYTHONPATH", "")) if p]
+        # The helper must import this very gpusnap too (an editable install resolves through sys.path).
+        paths.extend(p for p in sys.path if p)
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        return env
+
+    def _run(
+        self,
+        req: dict[str, Any],
+        log_path: Path,
+        timeout_s: float,
+        on_start: Callable[[int], None] | None = None,
+        on_notify: _NotifyHandler | None = None,
+    ) -> list[dict[str, Any]]:
+        req = {**req, "criu": self.binary}
+        action = req["action"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpusnap.daemon.drivers.criu_exec"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=self._env(),
+            start_new_session=True,
+        )
+        if on_start:
+            on_start(proc.pid)
+        assert proc.stdin and proc.stdout and proc.stderr
+        proc.stdin.write(json.dumps(req).encode() + b"\n")
+        proc.stdin.flush()
+        events: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        buf = b""
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._kill(proc, events)
+                    raise DeadlineExceededError(
+                        f"CRIU {action} did not finish within {timeout_s:.0f} s and was killed; "
+                        f"see {log_path}; raise the operation timeout if the tree is large",
+                        reason="CRIU_TIMEOUT",
+                    )
+                if not sel.select(timeout=min(remaining, 1.0)):
+                    continue
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    event = json.loads(line)
+                    events.append(event)
+                    if event.get("event") == "notify":
+                        ok = on_notify.handle(event["script"]) if on_notify else True
+                        proc.stdin.write(json.dumps({"ok": ok}).encode() + b"\n")
+                        proc.stdin.flush()
+        finally:
+            sel.close()
+            proc.stdin.close()
+        proc.wait()
+        stderr = proc.stderr.read().decode(errors="replace").strip()
+        result = events[-1] if events and events[-1].get("event") == "result" else None
+        if result is None:
+            lines = log_lines(log_path)
+            raise CriuError(
+                f"CRIU {action} died before answering (helper exit status {proc.returncode}); "
+                f"{_joined(lines) or stderr[-500:]}",
+                code_cls=AbortedError,
+                reason="CRIU_DIED",
+                log_lines=lines,
+            )
+        if not result["ok"]:
+            if on_notify and on_notify.error:
+                raise on_notify.error
+            lines = log_lines(log_path)
+            died = "not running" in result["error"] or "Connection" in result["error"] or "Broken pipe" in result["error"]
+            raise CriuError(
+                f"CRIU {action} failed: {result['error']}. {_joined(lines)} (full log: {log_path})",
+                code_cls=AbortedError if died else FailedPreconditionError,
+                reason="CRIU_DIED" if died else f"CRIU_{action.upper()}_FAILED",
+                log_lines=lines,
+            )
+        return events
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[bytes], events: list[dict[str, Any]]) -> None:
+        for event in events:  # a restore's namespace init takes everything inside with it
+            if event.get("event") == "init":
+                try:
+                    os.kill(int(event["pid"]), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+class _NotifyHandler:
+    """Answers CRIU's ``post-dump`` notification by calling back; keeps the callback's exception."""
+
+    def __init__(self, on_post_dump: Callable[[], None]):
+        self.on_post_dump = on_post_dump
+        self.error: BaseException | None = None
+
+    def handle(self, script: str) -> bool:
+        if script != "post-dump":
+            return True
+        try:
+            self.on_post_dump()
+        except BaseException as exc:  # re-raised by _run once CRIU has resumed the tree
+            self.error = exc
+            return False
+        return True
+
+
+def _notify_handler(on_post_dump: Callable[[], None] | None) -> _NotifyHandler | None:
+    return _NotifyHandler(on_post_dump) if on_post_dump else None
+
+
+def log_lines(path: Path, limit: int = LOG_LINES) -> list[str]:
+    """The lines of a CRIU log worth showing: its errors (or its last lines), at most ``limit``."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    errors = [ln.strip() for ln in lines if "Error" in ln or "error" in ln.split(":", 1)[0]]
+    return (errors or [ln.strip() for ln in lines])[-limit:]
+
+
+def _joined(lines: list[str]) -> str:
+    return ("CRIU log: " + " | ".join(lines)) if lines else ""

@@ -1,0 +1,219 @@
+"""Runs one CRIU request through pycriu in a short-lived helper process.
+
+gpusnapd never forks CRIU from its own (multi-threaded) process. It starts
+``python -m gpusnap.daemon.drivers.criu_exec``, writes one JSON request on its stdin and reads JSON
+lines from its stdout. The helper is single-threaded, so it may safely fork, enter namespaces and
+let pycriu spawn ``criu swrk``.
+
+Request (one JSON object)::
+
+    {"action": "dump" | "restore", "criu": "/path/to/criu", "images_dir": "…", "work_dir": "…",
+     "opts": {criu_opts field: value, …},      # see images/rpc.proto in CRIU
+     "new_pidns": false,                       # restore: into a fresh PID + mount namespace
+     "enter_ns_of": 0}                         # dump: enter this host PID's PID + mount namespaces
+
+Replies, one JSON object per line::
+
+    {"event": "init", "pid": <host PID of the namespace's init>}   # restore with new_pidns only
+    {"event": "result", "ok": true, "pid": <restored root PID, as CRIU sees it>}
+    {"event": "result", "ok": false, "error": "…", "errno": 0}
+
+With ``new_pidns`` the helper unshares a PID and a mount namespace and forks the namespace's init:
+that init (PID 1 inside) makes mounts slaves of the host's, mounts a fresh /proc, runs the CRIU
+restore, reports, and then stays as the tree's reaper until the tree ends, so restored PIDs can
+never clash with PIDs in use and the tree outlives both the helper and gpusnapd. The recipe is
+``unshare --pid --mount --fork --mount-proc`` (util-linux) followed by ``criu restore``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REC = 16384
+MS_SLAVE = 1 << 19
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def _setns(path: str, nstype: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), f"setns({path})")
+    finally:
+        os.close(fd)
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int) -> None:
+    enc = (lambda s: s.encode() if s is not None else None)
+    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), None), f"mount({target})")
+
+
+def _emit(stream: Any, obj: dict[str, Any]) -> None:
+    stream.write(json.dumps(obj) + "\n")
+    stream.flush()
+
+
+ASKED_SCRIPTS = frozenset({"post-dump"})
+"""CRIU notifications the daemon answers itself; all others are acknowledged here at once."""
+
+
+def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
+    """Run the request's CRIU action in this process; returns the result event.
+
+    CRIU's notifications (``notify_scripts``) are relayed: for ``post-dump`` (images complete, tree
+    still frozen) the helper emits ``{"event": "notify", "script": "post-dump"}`` and waits for a line
+    ``{"ok": true|false}`` on stdin; ``false`` makes CRIU fail the dump and resume the tree.
+    pycriu answers one request with one response and has no notification loop, so this loop is
+    written here on pycriu's own ``rpc_pb2`` messages and transport.
+    """
+    import pycriu  # from the CRIU prefix; see scripts/install-criu.sh
+    from pycriu import rpc_pb2 as rpc
+
+    c = pycriu.criu()
+    c.use_binary(req["criu"])
+    images_fd = os.open(req["images_dir"], os.O_DIRECTORY)
+    work_fd = os.open(req["work_dir"], os.O_DIRECTORY)
+    try:
+        c.opts.images_dir_fd = images_fd
+        c.opts.work_dir_fd = work_fd
+        for key, value in req.get("opts", {}).items():
+            setattr(c.opts, key, value)
+        c.opts.notify_scripts = True
+        msg = rpc.criu_req()
+        msg.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[req["action"]]
+        msg.opts.MergeFrom(c.opts)
+        sk = c._comm.connect(False)
+        try:
+            sk.send(msg.SerializeToString())
+            while True:
+                resp = rpc.criu_resp()
+                resp.ParseFromString(sk.recv(len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))))
+                if resp.type != rpc.NOTIFY:
+                    break
+                ok = True
+                if resp.notify.script in ASKED_SCRIPTS:
+                    _emit(sys.stdout, {"event": "notify", "script": resp.notify.script})
+                    answer = sys.stdin.readline()
+                    ok = bool(answer) and bool(json.loads(answer).get("ok"))
+                ack = rpc.criu_req()
+                ack.type = rpc.NOTIFY
+                ack.notify_success = ok
+                sk.send(ack.SerializeToString())
+        finally:
+            c._comm.disconnect()
+        if not resp.success:
+            err = resp.cr_errmsg or os.strerror(resp.cr_errno) if resp.cr_errno else resp.cr_errmsg
+            return {"event": "result", "ok": False, "error": err or "CRIU reported failure", "errno": resp.cr_errno}
+        pid = int(resp.restore.pid) if req["action"] == "restore" else 0
+        return {"event": "result", "ok": True, "pid": pid}
+    except Exception as exc:  # transport errors, a killed criu, OSError, …
+        return {"event": "result", "ok": False, "error": f"{type(exc).__name__}: {exc}", "errno": getattr(exc, "errno", 0) or 0}
+    finally:
+        os.close(images_fd)
+        os.close(work_fd)
+
+
+def _reap_forever() -> None:
+    """Namespace init: reap children until none is left."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            return
+        except InterruptedError:
+            continue
+
+
+def _silence_stdio() -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _restore_in_new_pidns(req: dict[str, Any], out: Any) -> int:
+    _unshare(CLONE_NEWPID | CLONE_NEWNS)
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # PID 1 of the new namespace
+        os.close(r)
+        try:
+            os.setsid()
+            _mount(None, "/", None, MS_REC | MS_SLAVE)
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            result = _run_criu(req)
+        except BaseException as exc:  # report anything, never hang the daemon
+            result = {"event": "result", "ok": False, "error": f"namespace init: {exc}", "errno": getattr(exc, "errno", 0) or 0}
+        os.write(w, (json.dumps(result) + "\n").encode())
+        os.close(w)
+        if not result["ok"]:
+            os._exit(1)
+        _silence_stdio()
+        _reap_forever()
+        os._exit(0)
+    os.close(w)
+    _emit(out, {"event": "init", "pid": child})
+    with os.fdopen(r) as fh:
+        line = fh.readline()
+    if not line:
+        _emit(out, {"event": "result", "ok": False, "error": "namespace init died before reporting", "errno": 0})
+        return 1
+    result = json.loads(line)
+    if not result["ok"]:
+        os.waitpid(child, 0)
+    _emit(out, result)
+    return 0 if result["ok"] else 1
+
+
+def _dump_in_ns_of(req: dict[str, Any], out: Any) -> int:
+    host_pid = int(req["enter_ns_of"])
+    _setns(f"/proc/{host_pid}/ns/pid", CLONE_NEWPID)
+    child = os.fork()  # only children enter the PID namespace
+    if child == 0:
+        try:
+            _setns(f"/proc/{host_pid}/ns/mnt", CLONE_NEWNS)
+            result = _run_criu(req)
+        except BaseException as exc:
+            result = {"event": "result", "ok": False, "error": f"entering namespaces of {host_pid}: {exc}", "errno": 0}
+        _emit(out, result)
+        os._exit(0 if result["ok"] else 1)
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def main() -> int:
+    req = json.loads(sys.stdin.readline())
+    out = sys.stdout
+    if req["action"] == "restore" and req.get("new_pidns"):
+        return _restore_in_new_pidns(req, out)
+    if req["action"] == "dump" and req.get("enter_ns_of"):
+        return _dump_in_ns_of(req, out)
+    result = _run_criu(req)
+    _emit(out, result)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Facts about live process trees, read from /proc through psutil."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import psutil
+
+from gpusnap.daemon.api.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
+from gpusnap.daemon.api.types import Caller, ProcessFacts
+
+
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` followed by all its descendants (depth first).
+
+    Raises:
+        NotFoundError: no such process (reason ``PROCESS_NOT_FOUND``).
+    """
+    proc = _process(pid)
+    try:
+        return [pid, *(c.pid for c in proc.children(recursive=True))]
+    except psutil.NoSuchProcess as exc:
+        raise _not_found(pid) from exc
+
+
+def facts(pid: int) -> ProcessFacts:
+    """Describe the tree rooted at ``pid``.
+
+    Raises:
+        NotFoundError: the root vanished.
+    """
+    proc = _process(pid)
+    pids = tree_pids(pid)
+    try:
+        with proc.oneshot():
+            uids = proc.uids()
+            gids = proc.gids()
+            comm = proc.name()
+            cmdline = tuple(proc.cmdline())
+            try:
+                cwd = proc.cwd()
+            except psutil.AccessDenied:
+                cwd = ""
+    except psutil.NoSuchProcess as exc:
+        raise _not_found(pid) from exc
+    rss = 0
+    for p in pids:
+        try:
+            rss += psutil.Process(p).memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return ProcessFacts(
+        pid=pid, comm=comm, cmdline=cmdline, uid=uids.real, gid=gids.real, tree_pids=tuple(pids), rss_bytes=rss, cwd=cwd
+    )
+
+
+def check_may_checkpoint(pid: int, caller: Caller) -> None:
+    """Refuse targets no caller may checkpoint, and other users' processes for non-root callers.
+
+    Raises:
+        InvalidArgumentError: the daemon itself or one of its ancestors.
+        PermissionDeniedError: a non-root caller names a process it does not own.
+        NotFoundError: no such process.
+    """
+    own = os.getpid()
+    ancestors = {own}
+    try:
+        ancestors.update(p.pid for p in psutil.Process(own).parents())
+    except psutil.Error:
+        pass
+    if pid in ancestors:
+        raise InvalidArgumentError(
+            f"PID {pid} is gpusnapd itself or one of its ancestors; name the worker's process tree instead",
+            reason="INVALID_PID",
+            metadata={"pid": str(pid)},
+        )
+    owners = set()
+    for p in tree_pids(pid):
+        if p == own:
+            raise InvalidArgumentError(
+                f"the tree of PID {pid} contains gpusnapd itself", reason="INVALID_PID", metadata={"pid": str(pid)}
+            )
+        try:
+            owners.add(psutil.Process(p).uids().real)
+        except psutil.NoSuchProcess:
+            continue
+    if not caller.is_root and owners != {caller.uid}:
+        raise PermissionDeniedError(
+            f"PID {pid} (or a process of its tree) does not belong to uid {caller.uid}; "
+            "only root may checkpoint other users' processes",
+            reason="NOT_OWNER",
+            metadata={"pid": str(pid)},
+        )
+
+
+def established_tcp(pids: list[int]) -> list[str]:
+    """Established TCP connections of the tree, as ``"pid: laddr -> raddr"`` lines."""
+    out = []
+    for p in pids:
+        try:
+            conns = psutil.Process(p).net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_ESTABLISHED and c.raddr:
+                out.append(f"{p}: {c.laddr.ip}:{c.laddr.port} -> {c.raddr.ip}:{c.raddr.port}")
+    return out
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stopped(pid: int) -> bool:
+    """True if ``pid`` is stopped or traced (e.g. left frozen by a dead CRIU)."""
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc/<pid>/task/*/children)."""
+    out: list[int] = []
+    task_dir = Path(f"/proc/{pid}/task")
+    try:
+        for task in task_dir.iterdir():
+            out.extend(int(x) for x in (task / "children").read_text().split())
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    return out
+
+
+def namespace_pid(pid: int) -> int:
+    """``pid``'s PID inside its innermost PID namespace (last NSpid field)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return pid
+
+
+def _process(pid: int) -> psutil.Process:
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            raise _not_found(pid)
+        return proc
+    except psutil.NoSuchProcess as exc:
+        raise _not_found(pid) from exc
+
+
+def _not_found(pid: int) -> NotFoundError:
+    return NotFoundError(
+        f"no process with PID {pid} (in gpusnapd's PID namespace); check the PID with `ps -p {pid}`",
+        reason="PROCESS_NOT_FOUND",
+        metadata={"pid": str(pid)},
+    )
+
+
+def ensure_no_frozen(pids: list[int]) -> list[int]:
+    """Send SIGCONT to any process of ``pids`` left stopped (after a killed CRIU); returns those resumed."""
+    resumed = []
+    for p in pids:
+        if stopped(p):
+            try:
+                os.kill(p, signal.SIGCONT)
+                resumed.append(p)
+            except ProcessLookupError:
+                continue
+    return resumed
+

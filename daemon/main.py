@@ -1,0 +1,64 @@
+"""gpusnapd: the gpusnap node daemon (entry point)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import click
+import sdnotify
+import structlog
+
+from gpusnap.daemon import __version__, logsetup
+from gpusnap.daemon.api.errors import GpusnapError
+from gpusnap.daemon.config import DaemonConfig
+from gpusnap.daemon.server import build_daemon
+
+EXIT_CONFIG = 2
+EXIT_PRECONDITION = 3
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--socket", type=click.Path(path_type=Path), help="API Unix socket [/run/gpusnap/gpusnapd.sock]")
+@click.option("--store", type=click.Path(path_type=Path), help="snapshot store directory [/var/lib/gpusnap]")
+@click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="TOML config file")
+@click.option("--listen", help="also serve on TCP host:port (TLS only; set tls_cert/tls_key)")
+@click.option("--criu", "criu_binary", help="criu executable [criu on PATH]")
+@click.option("--pycriu-path", help="directory that holds the pycriu package")
+@click.option("--log-format", type=click.Choice(["auto", "json", "console"]))
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.version_option(__version__, prog_name="gpusnapd")
+def main(config_file: Path | None, **flags: object) -> None:
+    """Run the gpusnap daemon in the foreground until SIGTERM or SIGINT.
+
+    Settings come from, in rising order of precedence: defaults, the TOML file (keys of
+    gpusnap.daemon.config.DaemonConfig, optionally under [gpusnapd]), GPUSNAP_<KEY> environment
+    variables, and these flags.
+    """
+    try:
+        config = DaemonConfig.load(config_file, overrides=flags)
+        config.validate()
+    except GpusnapError as err:
+        click.echo(f"gpusnapd: {err}", err=True)
+        sys.exit(EXIT_CONFIG)
+    logsetup.configure(config.log_format, config.log_level)
+    log = structlog.get_logger("gpusnapd")
+    try:
+        running = build_daemon(config)
+    except GpusnapError as err:
+        log.error("daemon.start_failed", reason=err.reason, error=str(err))
+        click.echo(f"gpusnapd: {err}", err=True)
+        sys.exit(EXIT_PRECONDITION)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    notifier = sdnotify.SystemdNotifier()
+    notifier.notify("READY=1")
+    notifier.notify(f"STATUS=serving on {config.socket}")
+    stop.wait()
+    notifier.notify("STOPPING=1")
+    log.info("daemon.stopping")
+    running.stop()
+    log.info("daemon.stopped")

@@ -1,0 +1,253 @@
+"""What every operation shares: its record, its event log, and a phase runner with rollback.
+
+An operation is a sequence of named phases. Each phase is timed and announced as events
+(``PHASE_STARTED`` / ``PHASE_FINISHED`` / ``PHASE_FAILED``). Work that must be undone if a later phase
+fails registers an undo step; on failure the undo steps run in reverse order, each guarded, so one
+failing undo never skips the rest (containerd's deferred cleanup on a detached context, done here
+with plain threads: operations never observe RPC cancellation).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import enum
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+
+from gpusnap.daemon.api.errors import GpusnapError, InternalError
+from gpusnap.daemon.api.types import PhaseTiming
+
+
+class OperationKind(enum.Enum):
+    CHECKPOINT = "checkpoint"
+    RESTORE = "restore"
+    SUSPEND = "suspend"
+    RESUME = "resume"
+
+
+class OperationState(enum.Enum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class EventType(enum.Enum):
+    PHASE_STARTED = "phase_started"
+    PHASE_FINISHED = "phase_finished"
+    PHASE_FAILED = "phase_failed"
+    PROGRESS = "progress"
+    ROLLBACK = "rollback"
+    OPERATION_FINISHED = "operation_finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class OperationEvent:
+    """One event of an operation; ``sequence`` counts from 0 within the operation."""
+
+    sequence: int
+    type: EventType
+    time: datetime
+    phase: str = ""
+    duration_seconds: float = 0.0
+    bytes: int = 0
+    total_bytes: int = 0
+    message: str = ""
+
+
+def new_operation_id() -> str:
+    """A fresh id: ``op-`` + 26 lowercase base32 characters."""
+    return "op-" + base64.b32encode(os.urandom(16)).decode().lower().rstrip("=")
+
+
+class OperationRecord:
+    """The state of one operation, shared between its worker thread and any number of watchers."""
+
+    def __init__(self, kind: OperationKind, *, target_pid: int = 0, target_snapshot: str = "", owner_uid: int = 0):
+        self.id = new_operation_id()
+        self.kind = kind
+        self.target_pid = target_pid
+        self.target_snapshot = target_snapshot
+        self.owner_uid = owner_uid
+        self.started = datetime.now(UTC)
+        self.finished: datetime | None = None
+        self.state = OperationState.RUNNING
+        self.phase = ""
+        self.phases: list[PhaseTiming] = []
+        self.result: Any = None
+        self.error: GpusnapError | None = None
+        self.events: list[OperationEvent] = []
+        self._cond = threading.Condition()
+
+    @property
+    def done(self) -> bool:
+        return self.state is not OperationState.RUNNING
+
+    def emit(self, type: EventType, **fields: Any) -> OperationEvent:
+        """Append an event and wake watchers."""
+        with self._cond:
+            event = OperationEvent(sequence=len(self.events), type=type, time=datetime.now(UTC), **fields)
+            self.events.append(event)
+            self._cond.notify_all()
+            return event
+
+    def finish(self, *, result: Any = None, error: GpusnapError | None = None) -> None:
+        """Record the outcome and emit the final event."""
+        with self._cond:
+            self.result = result
+            self.error = error
+            self.finished = datetime.now(UTC)
+            self.state = OperationState.FAILED if error else OperationState.SUCCEEDED
+        self.emit(EventType.OPERATION_FINISHED, phase=self.phase, message=str(error) if error else "")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the operation is done or ``timeout`` seconds pass; True if done."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.done, timeout=timeout)
+
+    def events_after(self, sequence: int, timeout: float) -> list[OperationEvent]:
+        """Events with ``sequence`` greater than the given one, waiting up to ``timeout`` s for one."""
+        with self._cond:
+            self._cond.wait_for(lambda: len(self.events) > sequence + 1, timeout=timeout)
+            return self.events[sequence + 1 :]
+
+
+class PhaseRunner:
+    """Runs an operation's phases, times them and keeps the undo stack.
+
+    Args:
+        record: the operation's record; phases and events are written to it.
+    """
+
+    def __init__(self, record: OperationRecord):
+        self.record = record
+        self.log = structlog.get_logger("gpusnap.operation").bind(
+            operation_id=record.id, kind=record.kind.value
+        )
+        self._undo: list[tuple[str, Callable[[], None]]] = []
+        self._open: tuple[str, float, PhaseProgress] | None = None
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[PhaseProgress]:
+        """Run the block as phase ``name``; set ``progress.bytes`` to report bytes moved."""
+        self.record.phase = name
+        self.record.emit(EventType.PHASE_STARTED, phase=name)
+        progress = PhaseProgress(self.record, name)
+        start = time.monotonic()
+        try:
+            yield progress
+        except BaseException as exc:
+            elapsed = time.monotonic() - start
+            self.record.emit(EventType.PHASE_FAILED, phase=name, duration_seconds=elapsed, message=str(exc))
+            self.log.warning("phase.failed", phase=name, duration_s=round(elapsed, 4), error=str(exc))
+            raise
+        elapsed = time.monotonic() - start
+        self.record.phases.append(PhaseTiming(phase=name, duration_seconds=elapsed, bytes=progress.bytes))
+        self.record.emit(EventType.PHASE_FINISHED, phase=name, duration_seconds=elapsed, bytes=progress.bytes)
+        self.log.info("phase.finished", phase=name, duration_s=round(elapsed, 4), bytes=progress.bytes)
+
+    def open_phase(self, name: str) -> PhaseProgress:
+        """Start phase ``name`` without a block (closing any phase opened this way before).
+
+        For phases whose end is signalled by a callback, such as CRIU's ``post-dump`` notification.
+        A phase left open when the operation fails is reported as failed.
+        """
+        self.close_phase()
+        self.record.phase = name
+        self.record.emit(EventType.PHASE_STARTED, phase=name)
+        progress = PhaseProgress(self.record, name)
+        self._open = (name, time.monotonic(), progress)
+        return progress
+
+    def close_phase(self) -> None:
+        """Finish the phase opened by :meth:`open_phase`, if any."""
+        if self._open is None:
+            return
+        name, start, progress = self._open
+        self._open = None
+        elapsed = time.monotonic() - start
+        self.record.phases.append(PhaseTiming(phase=name, duration_seconds=elapsed, bytes=progress.bytes))
+        self.record.emit(EventType.PHASE_FINISHED, phase=name, duration_seconds=elapsed, bytes=progress.bytes)
+        self.log.info("phase.finished", phase=name, duration_s=round(elapsed, 4), bytes=progress.bytes)
+
+    def _fail_open_phase(self, exc: BaseException) -> None:
+        if self._open is None:
+            return
+        name, start, _ = self._open
+        self._open = None
+        elapsed = time.monotonic() - start
+        self.record.emit(EventType.PHASE_FAILED, phase=name, duration_seconds=elapsed, message=str(exc))
+        self.log.warning("phase.failed", phase=name, duration_s=round(elapsed, 4), error=str(exc))
+
+    def on_failure(self, name: str, undo: Callable[[], None]) -> None:
+        """Register ``undo`` to run (in reverse order of registration) if the operation fails."""
+        self._undo.append((name, undo))
+
+    def drop_undo(self, name: str) -> None:
+        """Forget the undo step ``name`` (its work has been made permanent or undone already)."""
+        self._undo = [(n, u) for n, u in self._undo if n != name]
+
+    def rollback(self) -> list[str]:
+        """Run the undo steps in reverse; returns messages of undo steps that failed."""
+        failures = []
+        while self._undo:
+            name, undo = self._undo.pop()
+            start = time.monotonic()
+            try:
+                undo()
+                msg = "done"
+            except Exception as exc:  # keep undoing the rest
+                msg = f"failed: {exc}"
+                failures.append(f"{name}: {exc}")
+            elapsed = time.monotonic() - start
+            self.record.emit(EventType.ROLLBACK, phase=name, duration_seconds=elapsed, message=msg)
+            self.log.warning("rollback", step=name, result=msg, duration_s=round(elapsed, 4))
+        return failures
+
+    def run(self, body: Callable[[PhaseRunner], Any]) -> None:
+        """Run ``body``; on failure roll back, then record the outcome on the operation."""
+        try:
+            result = body(self)
+            self.close_phase()
+        except GpusnapError as exc:
+            self._fail_open_phase(exc)
+            failures = self.rollback()
+            if failures:
+                exc.message += "; rollback also failed: " + "; ".join(failures)
+            self.record.finish(error=exc)
+            return
+        except Exception as exc:  # a bug: report it as INTERNAL, never leave the operation hanging
+            self.log.exception("operation.crashed")
+            self._fail_open_phase(exc)
+            failures = self.rollback()
+            err = InternalError(f"internal error in {self.record.phase or 'operation'}: {type(exc).__name__}: {exc}")
+            if failures:
+                err.message += "; rollback also failed: " + "; ".join(failures)
+            self.record.finish(error=err)
+            return
+        self.record.finish(result=result)
+        self.log.info(
+            "operation.succeeded",
+            total_s=round(sum(p.duration_seconds for p in self.record.phases), 4),
+            phases={p.phase: round(p.duration_seconds, 4) for p in self.record.phases},
+        )
+
+
+@dataclasses.dataclass
+class PhaseProgress:
+    """Handle a phase body uses to report bytes moved (``bytes``) and progress events."""
+
+    record: OperationRecord
+    phase: str
+    bytes: int = 0
+
+    def report(self, done: int, total: int) -> None:
+        """Emit a ``PROGRESS`` event: ``done`` of ``total`` bytes."""
+        self.record.emit(EventType.PROGRESS, phase=self.phase, bytes=done, total_bytes=total)

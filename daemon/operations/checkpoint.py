@@ -1,0 +1,100 @@
+"""Checkpoint: capture a live process tree into a new snapshot.
+
+Phases: ``preflight`` → ``dump`` (CRIU freezes the tree and writes images) → ``checksum`` →
+``publish`` → ``finish`` (CRIU kills the source, or resumes it with ``leave_running``).
+
+``checksum`` and ``publish`` run inside CRIU's ``post-dump`` notification, while the tree is still
+frozen: the source is killed only once its snapshot is durable, and if publishing fails CRIU resumes
+the source instead. A failure anywhere leaves the source running and nothing listed.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from gpusnap.daemon.api.errors import FailedPreconditionError
+from gpusnap.daemon.api.types import CheckpointOptions, HostFacts, Snapshot, TcpMode
+from gpusnap.daemon.drivers import host, proc
+from gpusnap.daemon.operations.base import PhaseRunner
+from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.store.checksum import image_files
+
+
+def host_facts(deps: Deps) -> HostFacts:
+    """Facts about this host for a manifest."""
+    model, flags = host.cpu_model_and_flags()
+    return HostFacts(
+        hostname=host.hostname(),
+        kernel=host.kernel(),
+        machine=host.machine(),
+        criu_version=deps.criu_version,
+        gpusnap_version=host.gpusnap_version(),
+        cpu_model=model,
+        cpu_flags=flags,
+    )
+
+
+def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_uid: int) -> Snapshot:
+    """The body of a checkpoint operation (see the module docstring)."""
+    timeout = opts.timeout_s or deps.config.checkpoint_timeout
+    with run.phase("preflight"):
+        facts = proc.facts(opts.pid)
+        if opts.tcp is TcpMode.REFUSE:
+            conns = proc.established_tcp(list(facts.tree_pids))
+            if conns:
+                raise FailedPreconditionError(
+                    f"the tree has established TCP connections ({'; '.join(conns[:3])}); "
+                    "close them first, or pass --tcp close (restored closed) or --tcp established (needs the same "
+                    "addresses at restore)",
+                    reason="TCP_ESTABLISHED",
+                )
+        facts_host = host_facts(deps)
+        ns_pid = proc.namespace_pid(opts.pid)
+        enter_ns_of = opts.pid if ns_pid != opts.pid else 0
+
+    run.on_failure("resume-source", lambda: _resume_source(list(facts.tree_pids)))
+    with deps.store.stage(opts.name) as staging:
+        published: list[Snapshot] = []
+
+        def publish() -> None:  # CRIU's post-dump: images complete, tree still frozen
+            run.close_phase()
+            with run.phase("checksum") as progress:
+                files = image_files(staging.images)
+                progress.bytes = sum(f.size_bytes for f in files)
+            with run.phase("publish"):
+                snapshot = Snapshot(
+                    id=staging.snapshot_id,
+                    name=opts.name,
+                    created=datetime.now(UTC),
+                    labels=dict(opts.labels),
+                    source=facts,
+                    host=facts_host,
+                    files=files,
+                    phases=tuple(run.record.phases),
+                    owner_uid=owner_uid,
+                )
+                deps.store.publish(staging, snapshot)
+            published.append(snapshot)
+            run.on_failure("unpublish", lambda: deps.store.delete(snapshot.id))
+            run.open_phase("finish")
+
+        run.open_phase("dump")
+        deps.criu.dump(
+            pid=ns_pid,
+            images_dir=staging.images,
+            work_dir=staging.path,
+            leave_running=opts.leave_running,
+            tcp=opts.tcp,
+            freeze_timeout_s=deps.config.freeze_timeout,
+            timeout_s=timeout,
+            enter_ns_of=enter_ns_of,
+            on_post_dump=publish,
+        )
+        run.close_phase()
+    run.drop_undo("unpublish")
+    return published[0]
+
+
+def _resume_source(pids: list[int]) -> None:
+    """Make sure no process of the source tree is left stopped (e.g. by a CRIU that was killed)."""
+    proc.ensure_no_frozen(pids)

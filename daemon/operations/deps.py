@@ -1,0 +1,17 @@
+"""What operations need from the rest of the daemon, built once by ``gpusnap.daemon.server``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpusnap.daemon.config import DaemonConfig
+from gpusnap.daemon.drivers.criu import CriuDriver
+from gpusnap.daemon.store import SnapshotStore
+
+
+@dataclasses.dataclass(frozen=True)
+class Deps:
+    config: DaemonConfig
+    store: SnapshotStore
+    criu: CriuDriver
+    criu_version: str

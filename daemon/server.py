@@ -1,0 +1,108 @@
+"""build_daemon(config): the one place where drivers, store, operations and services are wired."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
+from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
+from gpusnap.daemon.config import DaemonConfig
+from gpusnap.daemon.core import Daemon
+from gpusnap.daemon.drivers.criu import CriuDriver
+from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.service.peercred import PeerCredProxy
+from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, SnapshotServicer
+from gpusnap.daemon.store import SnapshotStore
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAMES = (
+    operations_pb2.DESCRIPTOR.services_by_name["OperationService"].full_name,
+    snapshots_pb2.DESCRIPTOR.services_by_name["SnapshotService"].full_name,
+    node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
+)
+
+
+@dataclasses.dataclass
+class Running:
+    """A started daemon; :meth:`stop` shuts it down."""
+
+    server: grpc.Server
+    proxy: PeerCredProxy
+    daemon: Daemon
+    health: health.HealthServicer
+
+    def stop(self, grace: float = 5.0) -> None:
+        for name in ("", *SERVICE_NAMES):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.proxy.stop()
+        self.server.stop(grace).wait()
+        self.daemon.registry.shutdown(wait=False)
+        self.daemon.deps.store.close()
+
+
+def build_daemon(config: DaemonConfig) -> Running:
+    """Check CRIU, open the store, start the gRPC server and the socket proxy.
+
+    Raises:
+        FailedPreconditionError: CRIU missing or older than 4.1, store locked by another daemon.
+        InvalidArgumentError: inconsistent configuration.
+    """
+    config.validate()
+    criu = CriuDriver(config.criu_binary, config.pycriu_path)
+    criu_version = criu.require_supported()
+    store = SnapshotStore(config.store)
+    store.open()
+    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version)
+    daemon = Daemon(deps, OperationRegistry(max_workers=config.max_operations))
+
+    private_dir = config.socket.parent / ".gpusnapd-private"
+    private_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(private_dir, 0o700)
+    private = private_dir / "grpc.sock"
+    if private.exists():
+        private.unlink()
+    proxy = PeerCredProxy(config.socket, private, config.socket_group)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="gpusnap-rpc"))
+    operations_pb2_grpc.add_OperationServiceServicer_to_server(OperationServicer(daemon, proxy), server)
+    snapshots_pb2_grpc.add_SnapshotServiceServicer_to_server(SnapshotServicer(daemon, proxy), server)
+    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(daemon, proxy), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    server.add_insecure_port(f"unix:{private}")
+    if config.listen:
+        server.add_secure_port(config.listen, _tls_credentials(config))
+    server.start()
+    proxy.start()
+    for name in ("", *SERVICE_NAMES):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "daemon.started",
+        socket=str(config.socket),
+        store=str(config.store),
+        criu=config.criu_binary,
+        criu_version=criu_version,
+        listen=config.listen or None,
+    )
+    return Running(server=server, proxy=proxy, daemon=daemon, health=health_servicer)
+
+
+def _tls_credentials(config: DaemonConfig) -> grpc.ServerCredentials:
+    key = Path(config.tls_key).read_bytes()
+    cert = Path(config.tls_cert).read_bytes()
+    if config.tls_client_ca:
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=Path(config.tls_client_ca).read_bytes(), require_client_auth=True
+        )
+    return grpc.ssl_server_credentials([(key, cert)])

@@ -1,0 +1,174 @@
+"""Conversions between domain types and gpusnap.v1 protobuf messages."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from google.protobuf import timestamp_pb2
+
+from gpusnap.daemon._proto import node_pb2, operations_pb2, types_pb2
+from gpusnap.daemon.api.types import (
+    CheckpointOptions,
+    HostFacts,
+    PhaseTiming,
+    RestoreOptions,
+    RestoreResult,
+    Snapshot,
+    TcpMode,
+)
+from gpusnap.daemon.core import NodeInfo
+from gpusnap.daemon.operations.base import EventType, OperationEvent, OperationKind, OperationRecord, OperationState
+from gpusnap.daemon.service.errors import to_status_proto
+
+_TCP = {
+    operations_pb2.TCP_MODE_UNSPECIFIED: TcpMode.REFUSE,
+    operations_pb2.TCP_MODE_ESTABLISHED: TcpMode.ESTABLISHED,
+    operations_pb2.TCP_MODE_CLOSE: TcpMode.CLOSE,
+}
+_KIND = {
+    OperationKind.CHECKPOINT: operations_pb2.OPERATION_KIND_CHECKPOINT,
+    OperationKind.RESTORE: operations_pb2.OPERATION_KIND_RESTORE,
+    OperationKind.SUSPEND: operations_pb2.OPERATION_KIND_SUSPEND,
+    OperationKind.RESUME: operations_pb2.OPERATION_KIND_RESUME,
+}
+_STATE = {
+    OperationState.RUNNING: operations_pb2.OPERATION_STATE_RUNNING,
+    OperationState.SUCCEEDED: operations_pb2.OPERATION_STATE_SUCCEEDED,
+    OperationState.FAILED: operations_pb2.OPERATION_STATE_FAILED,
+}
+_EVENT = {
+    EventType.PHASE_STARTED: operations_pb2.OperationEvent.TYPE_PHASE_STARTED,
+    EventType.PHASE_FINISHED: operations_pb2.OperationEvent.TYPE_PHASE_FINISHED,
+    EventType.PHASE_FAILED: operations_pb2.OperationEvent.TYPE_PHASE_FAILED,
+    EventType.PROGRESS: operations_pb2.OperationEvent.TYPE_PROGRESS,
+    EventType.ROLLBACK: operations_pb2.OperationEvent.TYPE_ROLLBACK,
+    EventType.OPERATION_FINISHED: operations_pb2.OperationEvent.TYPE_OPERATION_FINISHED,
+}
+
+
+def timestamp(value: datetime) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromDatetime(value.astimezone(UTC))
+    return ts
+
+
+def checkpoint_options(req: operations_pb2.CheckpointRequest) -> CheckpointOptions:
+    return CheckpointOptions(
+        pid=req.pid,
+        name=req.name,
+        labels=dict(req.labels),
+        leave_running=req.leave_running,
+        tcp=_TCP.get(req.tcp, TcpMode.REFUSE),
+        timeout_s=req.timeout.ToTimedelta().total_seconds() if req.HasField("timeout") else None,
+        gpu_lock_timeout_s=req.gpu_lock_timeout.ToTimedelta().total_seconds() if req.HasField("gpu_lock_timeout") else None,
+    )
+
+
+def restore_options(req: operations_pb2.RestoreRequest) -> RestoreOptions:
+    return RestoreOptions(
+        snapshot=req.snapshot,
+        host_pid_namespace=req.host_pid_namespace,
+        gpu_map=dict(req.gpu_map),
+        timeout_s=req.timeout.ToTimedelta().total_seconds() if req.HasField("timeout") else None,
+    )
+
+
+def phase(p: PhaseTiming) -> types_pb2.PhaseTiming:
+    return types_pb2.PhaseTiming(phase=p.phase, duration_seconds=p.duration_seconds, bytes=p.bytes)
+
+
+def host(h: HostFacts) -> types_pb2.HostFacts:
+    return types_pb2.HostFacts(
+        hostname=h.hostname,
+        kernel=h.kernel,
+        machine=h.machine,
+        criu_version=h.criu_version,
+        gpusnap_version=h.gpusnap_version,
+        cpu_model=h.cpu_model,
+        cpu_flags=list(h.cpu_flags),
+        nvidia_driver_version=h.nvidia_driver_version,
+        cuda_driver_version=h.cuda_driver_version,
+    )
+
+
+def snapshot(s: Snapshot) -> types_pb2.Snapshot:
+    src = s.source
+    return types_pb2.Snapshot(
+        id=s.id,
+        name=s.name,
+        created=timestamp(s.created),
+        labels=dict(s.labels),
+        source=types_pb2.ProcessFacts(
+            pid=src.pid,
+            comm=src.comm,
+            cmdline=list(src.cmdline),
+            uid=src.uid,
+            gid=src.gid,
+            tree_pids=list(src.tree_pids),
+            rss_bytes=src.rss_bytes,
+            cwd=src.cwd,
+        ),
+        host=host(s.host),
+        files=[types_pb2.ImageFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in s.files],
+        size_bytes=s.size_bytes,
+        phases=[phase(p) for p in s.phases],
+        owner_uid=s.owner_uid,
+        manifest_version=1,
+        gpu_processes=[
+            types_pb2.GpuProcess(pid=g.pid, gpu_uuids=list(g.gpu_uuids), gpu_memory_bytes=g.gpu_memory_bytes)
+            for g in s.gpu_processes
+        ],
+    )
+
+
+def operation(r: OperationRecord) -> operations_pb2.Operation:
+    msg = operations_pb2.Operation(
+        id=r.id,
+        kind=_KIND[r.kind],
+        state=_STATE[r.state],
+        started=timestamp(r.started),
+        phase=r.phase,
+        phases=[phase(p) for p in r.phases],
+        target_pid=r.target_pid,
+        target_snapshot=r.target_snapshot,
+    )
+    if r.finished:
+        msg.finished.CopyFrom(timestamp(r.finished))
+    if r.error is not None:
+        msg.error.CopyFrom(to_status_proto(r.error))
+    if isinstance(r.result, Snapshot):
+        msg.snapshot.CopyFrom(snapshot(r.result))
+    elif isinstance(r.result, RestoreResult):
+        msg.restore.CopyFrom(
+            operations_pb2.RestoreResult(
+                pid=r.result.pid, pids=list(r.result.pids), snapshot_id=r.result.snapshot_id, namespace_pid=r.result.namespace_pid
+            )
+        )
+    return msg
+
+
+def event(r: OperationRecord, e: OperationEvent) -> operations_pb2.OperationEvent:
+    msg = operations_pb2.OperationEvent(
+        operation_id=r.id,
+        type=_EVENT[e.type],
+        time=timestamp(e.time),
+        phase=e.phase,
+        duration_seconds=e.duration_seconds,
+        bytes=e.bytes,
+        total_bytes=e.total_bytes,
+        message=e.message,
+        sequence=e.sequence,
+    )
+    if e.type is EventType.OPERATION_FINISHED:
+        msg.operation.CopyFrom(operation(r))
+    return msg
+
+
+def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
+    return node_pb2.NodeInfo(
+        host=host(n.host),
+        store_path=n.store_path,
+        store_used_bytes=n.store_used_bytes,
+        snapshot_count=n.snapshot_count,
+        criu_path=n.criu_path,
+    )

@@ -1,0 +1,54 @@
+"""The one mapping between gpusnap errors and gRPC statuses (both directions).
+
+The server sends a ``google.rpc.Status`` whose details carry a ``google.rpc.ErrorInfo``
+(``reason``, ``domain="gpusnap.dev"``, ``metadata``); the client rebuilds the matching
+:class:`~gpusnap.daemon.api.errors.GpusnapError` subclass from it.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from gpusnap.daemon.api.errors import Code, GpusnapError, error_for_code
+
+DOMAIN = "gpusnap.dev"
+
+
+def to_status_proto(err: GpusnapError) -> status_pb2.Status:
+    """``err`` as a ``google.rpc.Status`` (used for RPC errors and for failed operations)."""
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    return status_pb2.Status(code=int(err.code), message=err.message, details=[detail])
+
+
+def abort(context: grpc.ServicerContext, err: GpusnapError) -> None:
+    """End the RPC with ``err``'s status (raises, as ``context.abort_with_status`` does)."""
+    context.abort_with_status(rpc_status.to_status(to_status_proto(err)))
+
+
+def from_status_proto(status: status_pb2.Status) -> GpusnapError:
+    """Rebuild the domain error from a ``google.rpc.Status``."""
+    reason, metadata = None, {}
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            reason, metadata = info.reason, dict(info.metadata)
+    return error_for_code(Code(status.code), status.message, reason=reason, metadata=metadata)
+
+
+def from_rpc_error(exc: grpc.RpcError) -> GpusnapError:
+    """Rebuild the domain error from a failed call (client side)."""
+    status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    if status is not None:
+        return from_status_proto(status)
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+    details = exc.details() if hasattr(exc, "details") else str(exc)  # type: ignore[attr-defined]
+    reason = "DAEMON_UNAVAILABLE" if code == grpc.StatusCode.UNAVAILABLE else None
+    return error_for_code(Code(code.value[0]), details or str(code), reason=reason)
+
+
+__all__ = ["DOMAIN", "abort", "from_rpc_error", "from_status_proto", "to_status_proto", "code_pb2"]

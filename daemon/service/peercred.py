@@ -1,0 +1,154 @@
+"""Kernel-attested caller identity (SO_PEERCRED) for gRPC over a Unix socket.
+
+gRPC's Python server does not expose a connection's peer credentials. gpusnapd therefore listens on
+the public socket itself: for every accepted connection it reads ``SO_PEERCRED`` (see unix(7)), opens
+a connection to the gRPC server's private socket from a client socket bound to a unique abstract
+address, and copies bytes both ways. gRPC reports that address as the call's peer
+(``unix-abstract:gpusnap-peer-<n>``), which :meth:`PeerCredProxy.caller` maps back to the
+credentials. The private socket lives in a mode 0700 directory, so only root can bypass the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import structlog
+
+from gpusnap.daemon.api.types import ROOT_CALLER, Caller
+
+log = structlog.get_logger(__name__)
+
+_PEER_PREFIX = "gpusnap-peer-"
+_CHUNK = 1 << 16
+
+
+class PeerCredProxy:
+    """Accept on ``public`` (mode 0660, group ``group`` when it exists) and forward to ``private``.
+
+    Args:
+        public: the API socket callers use.
+        private: the gRPC server's own socket (in a 0700 directory).
+        group: group allowed to connect.
+    """
+
+    def __init__(self, public: Path, private: Path, group: str):
+        self.public = public
+        self.private = private
+        self.group = group
+        self._callers: dict[str, Caller] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="gpusnap-peercred", daemon=True)
+        self._tag = os.urandom(4).hex()
+        self._server: asyncio.AbstractServer | None = None
+
+    def start(self) -> None:
+        """Bind the public socket and start forwarding."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if self.public.exists() or self.public.is_symlink():
+            self.public.unlink()
+        sock.bind(str(self.public))
+        _set_mode_and_group(self.public, self.group)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(self._serve(sock), self._loop)
+        fut.result(timeout=10)
+
+    def stop(self) -> None:
+        """Stop accepting and close the loop."""
+        async def close() -> None:
+            if self._server:
+                self._server.close()
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        try:
+            self.public.unlink()
+        except FileNotFoundError:
+            pass
+
+    def caller(self, peer: str) -> Caller | None:
+        """The credentials behind a gRPC peer string; ``None`` if it did not come through the proxy.
+
+        Calls straight to the private socket can only come from root (the directory is 0700) and are
+        treated as root by :func:`caller_for`.
+        """
+        if peer.startswith("unix-abstract:"):
+            with self._lock:
+                return self._callers.get(peer.removeprefix("unix-abstract:"))
+        return None
+
+    def caller_for(self, peer: str) -> Caller:
+        """Like :meth:`caller`, mapping direct private-socket calls (root only) to root."""
+        found = self.caller(peer)
+        if found is not None:
+            return found
+        if peer.startswith("unix:"):
+            return ROOT_CALLER
+        # TCP (TLS) clients: authenticated by certificate, treated as root.
+        return ROOT_CALLER
+
+    async def _serve(self, sock: socket.socket) -> None:
+        self._server = await asyncio.start_unix_server(self._handle, sock=sock)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        client_sock: socket.socket = writer.get_extra_info("socket")
+        pid, uid, gid = struct.unpack("3i", client_sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        name = f"{_PEER_PREFIX}{self._tag}-{next(self._ids)}"
+        up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            up.bind("\0" + name)
+            up.setblocking(False)
+            await self._loop.sock_connect(up, str(self.private))
+        except OSError as exc:
+            log.error("peercred.forward_failed", error=str(exc))
+            up.close()
+            writer.close()
+            return
+        with self._lock:
+            self._callers[name] = Caller(pid=pid, uid=uid, gid=gid)
+        up_reader, up_writer = await asyncio.open_unix_connection(sock=up)
+        try:
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        finally:
+            with self._lock:
+                self._callers.pop(name, None)
+            for w in (writer, up_writer):
+                w.close()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(_CHUNK):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        try:
+            writer.write_eof()
+        except (OSError, RuntimeError):
+            pass
+
+
+def _set_mode_and_group(path: Path, group: str) -> None:
+    import grp
+
+    gid = -1
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        log.warning("socket.group_missing", group=group, hint="create it with `groupadd --system gpusnap`")
+    if gid != -1 and os.geteuid() == 0:
+        os.chown(path, -1, gid)
+    os.chmod(path, 0o660)

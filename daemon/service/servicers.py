@@ -1,0 +1,114 @@
+"""gRPC servicers: decode the request, call one Daemon method, encode the answer. Nothing else."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
+from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
+from gpusnap.daemon.api.errors import GpusnapError, InternalError
+from gpusnap.daemon.api.types import Caller
+from gpusnap.daemon.core import Daemon
+from gpusnap.daemon.service import convert
+from gpusnap.daemon.service.errors import abort
+from gpusnap.daemon.service.peercred import PeerCredProxy
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+WATCH_POLL_S = 1.0
+
+
+def _rpc(method: F) -> F:
+    """Turn domain errors into gRPC statuses; unexpected exceptions become INTERNAL."""
+
+    @functools.wraps(method)
+    def wrapper(self: _Base, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except GpusnapError as err:
+            abort(context, err)
+        except Exception as exc:  # a bug; keep serving
+            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortedError":
+                raise
+            abort(context, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+        return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class _Base:
+    def __init__(self, daemon: Daemon, proxy: PeerCredProxy):
+        self.daemon = daemon
+        self.proxy = proxy
+
+    def caller(self, context: grpc.ServicerContext) -> Caller:
+        return self.proxy.caller_for(context.peer())
+
+
+class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
+    @_rpc
+    def Checkpoint(self, request: operations_pb2.CheckpointRequest, context: grpc.ServicerContext) -> operations_pb2.CheckpointResponse:
+        record = self.daemon.checkpoint(convert.checkpoint_options(request), self.caller(context))
+        return operations_pb2.CheckpointResponse(operation=convert.operation(record))
+
+    @_rpc
+    def Restore(self, request: operations_pb2.RestoreRequest, context: grpc.ServicerContext) -> operations_pb2.RestoreResponse:
+        record = self.daemon.restore(convert.restore_options(request), self.caller(context))
+        return operations_pb2.RestoreResponse(operation=convert.operation(record))
+
+    @_rpc
+    def GetOperation(self, request: operations_pb2.GetOperationRequest, context: grpc.ServicerContext) -> operations_pb2.GetOperationResponse:
+        record = self.daemon.operation(request.id, self.caller(context))
+        return operations_pb2.GetOperationResponse(operation=convert.operation(record))
+
+    @_rpc
+    def WaitOperation(self, request: operations_pb2.WaitOperationRequest, context: grpc.ServicerContext) -> operations_pb2.WaitOperationResponse:
+        record = self.daemon.operation(request.id, self.caller(context))
+        while context.is_active() and not record.wait(timeout=WATCH_POLL_S):
+            pass
+        return operations_pb2.WaitOperationResponse(operation=convert.operation(record))
+
+    @_rpc
+    def WatchOperation(self, request: operations_pb2.WatchOperationRequest, context: grpc.ServicerContext) -> Iterator[operations_pb2.WatchOperationResponse]:
+        record = self.daemon.operation(request.id, self.caller(context))
+        return self._watch(record, context)
+
+    def _watch(self, record: Any, context: grpc.ServicerContext) -> Iterator[operations_pb2.WatchOperationResponse]:
+        last = -1
+        while context.is_active():
+            for event in record.events_after(last, timeout=WATCH_POLL_S):
+                last = event.sequence
+                yield operations_pb2.WatchOperationResponse(event=convert.event(record, event))
+                if event.type.value == "operation_finished":
+                    return
+
+    @_rpc
+    def ListOperations(self, request: operations_pb2.ListOperationsRequest, context: grpc.ServicerContext) -> operations_pb2.ListOperationsResponse:
+        records = self.daemon.operations(self.caller(context))
+        return operations_pb2.ListOperationsResponse(operations=[convert.operation(r) for r in records])
+
+
+class SnapshotServicer(_Base, snapshots_pb2_grpc.SnapshotServiceServicer):
+    @_rpc
+    def ListSnapshots(self, request: snapshots_pb2.ListSnapshotsRequest, context: grpc.ServicerContext) -> snapshots_pb2.ListSnapshotsResponse:
+        snaps = self.daemon.snapshots(self.caller(context), dict(request.label_selector))
+        return snapshots_pb2.ListSnapshotsResponse(snapshots=[convert.snapshot(s) for s in snaps])
+
+    @_rpc
+    def GetSnapshot(self, request: snapshots_pb2.GetSnapshotRequest, context: grpc.ServicerContext) -> snapshots_pb2.GetSnapshotResponse:
+        snap = self.daemon.snapshot(request.snapshot, self.caller(context))
+        return snapshots_pb2.GetSnapshotResponse(snapshot=convert.snapshot(snap))
+
+    @_rpc
+    def DeleteSnapshot(self, request: snapshots_pb2.DeleteSnapshotRequest, context: grpc.ServicerContext) -> snapshots_pb2.DeleteSnapshotResponse:
+        return snapshots_pb2.DeleteSnapshotResponse(id=self.daemon.delete_snapshot(request.snapshot, self.caller(context)))
+
+
+class NodeServicer(_Base, node_pb2_grpc.NodeServiceServicer):
+    @_rpc
+    def GetNodeInfo(self, request: node_pb2.GetNodeInfoRequest, context: grpc.ServicerContext) -> node_pb2.GetNodeInfoResponse:
+        return node_pb2.GetNodeInfoResponse(node=convert.node_info(self.daemon.node_info()))

@@ -1,0 +1,125 @@
+"""A snapshot's manifest: versioned JSON written beside its images.
+
+Schema (``manifest_version`` 1)::
+
+    {"manifest_version": 1, "id": "snap-…", "name": "", "created": "2026-11-29T19:40:00+00:00",
+     "labels": {}, "owner_uid": 0,
+     "source": {pid, comm, cmdline, uid, gid, tree_pids, rss_bytes, cwd},
+     "host": {hostname, kernel, machine, criu_version, gpusnap_version, cpu_model, cpu_flags,
+              nvidia_driver_version, cuda_driver_version},
+     "files": [{"path": "pages-1.img", "size_bytes": 4096, "sha256": "…"}],
+     "phases": [{"phase": "dump", "duration_seconds": 1.2, "bytes": 0}],
+     "gpu_processes": [{"pid": 1234, "gpu_uuids": ["GPU-…"], "gpu_memory_bytes": 0}]}
+
+Readers refuse versions they do not know instead of guessing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from gpusnap.daemon.api.errors import DataLossError
+from gpusnap.daemon.api.types import GpuProcess, HostFacts, ImageFile, PhaseTiming, ProcessFacts, Snapshot
+
+MANIFEST_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+def to_json(snapshot: Snapshot) -> dict[str, Any]:
+    """The manifest document for ``snapshot``."""
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "id": snapshot.id,
+        "name": snapshot.name,
+        "created": snapshot.created.isoformat(),
+        "labels": dict(snapshot.labels),
+        "owner_uid": snapshot.owner_uid,
+        "source": _fields(snapshot.source),
+        "host": _fields(snapshot.host),
+        "files": [_fields(f) for f in snapshot.files],
+        "phases": [_fields(p) for p in snapshot.phases],
+        "gpu_processes": [_fields(g) for g in snapshot.gpu_processes],
+    }
+
+
+def from_json(doc: dict[str, Any]) -> Snapshot:
+    """Parse a manifest document.
+
+    Raises:
+        DataLossError: unknown version or malformed document (reason ``MANIFEST_CORRUPT``).
+    """
+    version = doc.get("manifest_version")
+    if version != MANIFEST_VERSION:
+        raise DataLossError(
+            f"manifest version {version!r} is not supported by this gpusnap (knows {MANIFEST_VERSION}); "
+            "upgrade gpusnap or delete the snapshot",
+            reason="MANIFEST_VERSION",
+        )
+    try:
+        source = doc["source"]
+        host = doc["host"]
+        return Snapshot(
+            id=str(doc["id"]),
+            name=str(doc["name"]),
+            created=datetime.fromisoformat(doc["created"]),
+            labels={str(k): str(v) for k, v in doc["labels"].items()},
+            owner_uid=int(doc["owner_uid"]),
+            source=ProcessFacts(
+                pid=int(source["pid"]),
+                comm=str(source["comm"]),
+                cmdline=tuple(source["cmdline"]),
+                uid=int(source["uid"]),
+                gid=int(source["gid"]),
+                tree_pids=tuple(int(p) for p in source["tree_pids"]),
+                rss_bytes=int(source["rss_bytes"]),
+                cwd=str(source["cwd"]),
+            ),
+            host=HostFacts(**{**host, "cpu_flags": tuple(host["cpu_flags"])}),
+            files=tuple(ImageFile(**f) for f in doc["files"]),
+            phases=tuple(PhaseTiming(**p) for p in doc["phases"]),
+            gpu_processes=tuple(
+                GpuProcess(pid=int(g["pid"]), gpu_uuids=tuple(g["gpu_uuids"]), gpu_memory_bytes=int(g["gpu_memory_bytes"]))
+                for g in doc.get("gpu_processes", [])
+            ),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise DataLossError(f"manifest is malformed ({type(exc).__name__}: {exc})", reason="MANIFEST_CORRUPT") from exc
+
+
+def write(directory: Path, snapshot: Snapshot) -> None:
+    """Write and fsync ``directory/manifest.json``."""
+    path = directory / MANIFEST_NAME
+    data = json.dumps(to_json(snapshot), indent=2, sort_keys=True).encode()
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read(directory: Path) -> Snapshot:
+    """Read ``directory/manifest.json``.
+
+    Raises:
+        DataLossError: missing, unreadable or malformed manifest (reason ``MANIFEST_CORRUPT``).
+    """
+    path = directory / MANIFEST_NAME
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise DataLossError(
+            f"manifest {path} cannot be read ({exc}); the snapshot is damaged: delete it with `gpusnap rm`",
+            reason="MANIFEST_CORRUPT",
+        ) from exc
+    if not isinstance(doc, dict):
+        raise DataLossError(f"manifest {path} is not a JSON object", reason="MANIFEST_CORRUPT")
+    return from_json(doc)
+
+
+def _fields(obj: object) -> dict[str, Any]:
+    out = dataclasses.asdict(obj)  # type: ignore[call-overload]
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}

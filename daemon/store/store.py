@@ -1,0 +1,242 @@
+"""SnapshotStore: where snapshots are staged, published atomically, listed and deleted.
+
+Layout under the store root (mode 0700: images hold process memory)::
+
+    snapshots/<id>/manifest.json     published snapshots; a directory here is complete by construction
+    snapshots/<id>/images/…          CRIU images (and, later, GPU data)
+    snapshots/<id>/criu-*.log        CRIU logs of the dump and of restores
+    staging/<id>/…                   work in progress; removed at start and on failure
+    .lock                            flock: one daemon per store
+
+A snapshot becomes visible by one ``rename(2)`` of its staging directory into ``snapshots/``
+after every file, the manifest included, has been fsynced: a crash at any point leaves either
+nothing or a complete snapshot (the pattern of Dynamo Snapshot's "final directory exists").
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import fcntl
+import os
+import shutil
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import structlog
+
+from gpusnap.daemon.api import validate
+from gpusnap.daemon.api.errors import AlreadyExistsError, DataLossError, FailedPreconditionError, NotFoundError
+from gpusnap.daemon.api.types import Snapshot
+from gpusnap.daemon.store import checksum, manifest
+
+log = structlog.get_logger(__name__)
+
+IMAGES = "images"
+
+
+def new_snapshot_id() -> str:
+    """A fresh id: ``snap-`` + 26 lowercase base32 characters (128 random bits)."""
+    return "snap-" + base64.b32encode(os.urandom(16)).decode().lower().rstrip("=")
+
+
+@dataclasses.dataclass(frozen=True)
+class StagingDir:
+    """A snapshot being written; ``images`` is where CRIU dumps."""
+
+    snapshot_id: str
+    path: Path
+
+    @property
+    def images(self) -> Path:
+        return self.path / IMAGES
+
+
+class SnapshotStore:
+    """Snapshots on local disk.
+
+    Args:
+        root: store directory; created (mode 0700) if missing.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.snapshots_dir = root / "snapshots"
+        self.staging_dir = root / "staging"
+        self._lock = threading.Lock()
+        self._reserved_names: dict[str, str] = {}
+        self._lock_fd: int | None = None
+
+    def open(self) -> None:
+        """Create the layout, take the store lock and remove staging leftovers.
+
+        Raises:
+            FailedPreconditionError: another daemon holds the store (reason ``STORE_LOCKED``).
+        """
+        for d in (self.root, self.snapshots_dir, self.staging_dir):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FailedPreconditionError(
+                f"snapshot store {self.root} is in use by another gpusnapd; stop it or use another --store",
+                reason="STORE_LOCKED",
+            ) from None
+        self._lock_fd = fd
+        for leftover in self.staging_dir.iterdir():
+            log.warning("store.staging_removed", path=str(leftover))
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def close(self) -> None:
+        """Release the store lock."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    @contextmanager
+    def stage(self, name: str = "") -> Iterator[StagingDir]:
+        """Create a staging directory (and reserve ``name``) for a new snapshot.
+
+        The directory is removed when the block exits without :meth:`publish` having moved it.
+
+        Raises:
+            AlreadyExistsError: ``name`` is taken or being written (reason ``NAME_TAKEN``).
+        """
+        snapshot_id = new_snapshot_id()
+        with self._lock:
+            if name:
+                self._check_name_free_locked(name)
+                self._reserved_names[name] = snapshot_id
+        staging = StagingDir(snapshot_id, self.staging_dir / snapshot_id)
+        staging.images.mkdir(parents=True, mode=0o700)
+        try:
+            yield staging
+        finally:
+            with self._lock:
+                if name and self._reserved_names.get(name) == snapshot_id:
+                    del self._reserved_names[name]
+            if staging.path.exists():
+                shutil.rmtree(staging.path, ignore_errors=True)
+
+    def publish(self, staging: StagingDir, snapshot: Snapshot) -> Snapshot:
+        """Write the manifest, fsync everything and rename the staging directory into place.
+
+        ``snapshot.files`` must already describe ``staging.images`` (see :func:`checksum.image_files`).
+        """
+        manifest.write(staging.path, snapshot)
+        _fsync_tree(staging.path)
+        final = self.snapshots_dir / snapshot.id
+        os.rename(staging.path, final)
+        _fsync_dir(self.snapshots_dir)
+        log.info("store.published", snapshot_id=snapshot.id, name=snapshot.name, bytes=snapshot.size_bytes)
+        return snapshot
+
+    def list(self, label_selector: Mapping[str, str] | None = None) -> list[Snapshot]:
+        """Complete snapshots, oldest first; damaged ones are logged and left out."""
+        out = []
+        for path in self.snapshots_dir.iterdir():
+            try:
+                snap = manifest.read(path)
+            except DataLossError as exc:
+                log.warning("store.snapshot_damaged", path=str(path), error=str(exc))
+                continue
+            if all(snap.labels.get(k) == v for k, v in (label_selector or {}).items()):
+                out.append(snap)
+        return sorted(out, key=lambda s: (s.created, s.id))
+
+    def get(self, ref: str) -> Snapshot:
+        """The snapshot with id or name ``ref``.
+
+        Raises:
+            InvalidArgumentError: malformed ref.
+            NotFoundError: no such snapshot (reason ``SNAPSHOT_NOT_FOUND``).
+            DataLossError: its manifest is damaged.
+        """
+        return manifest.read(self.path_of(ref))
+
+    def path_of(self, ref: str) -> Path:
+        """Directory of the snapshot with id or name ``ref`` (raises as :meth:`get`)."""
+        validate.snapshot_ref(ref)
+        if validate.SNAPSHOT_ID_RE.fullmatch(ref):
+            path = self.snapshots_dir / ref
+            if path.is_dir():
+                return path
+        else:
+            for snap in self.list():
+                if snap.name == ref:
+                    return self.snapshots_dir / snap.id
+        raise NotFoundError(
+            f"no snapshot {ref!r} in {self.root}; list snapshots with `gpusnap ls`",
+            reason="SNAPSHOT_NOT_FOUND",
+            metadata={"snapshot": ref},
+        )
+
+    def verify(self, snapshot: Snapshot) -> None:
+        """Check every image file against the manifest's sizes and sha256.
+
+        Raises:
+            DataLossError: reason ``IMAGE_CHECKSUM``, naming the damaged files.
+        """
+        bad = checksum.mismatches(self.snapshots_dir / snapshot.id / IMAGES, snapshot.files)
+        if bad:
+            shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise DataLossError(
+                f"snapshot {snapshot.id} is damaged ({shown}); it cannot be restored: delete it and checkpoint again",
+                reason="IMAGE_CHECKSUM",
+                metadata={"snapshot": snapshot.id},
+            )
+
+    def delete(self, ref: str) -> str:
+        """Delete a snapshot (damaged ones too); returns its id. Raises as :meth:`get`."""
+        path = self.path_of(ref)
+        # Rename first so a half-deleted snapshot is never listed.
+        doomed = self.staging_dir / f"{path.name}.deleting"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        log.info("store.deleted", snapshot_id=path.name)
+        return path.name
+
+    def images_dir(self, snapshot_id: str) -> Path:
+        """The images directory of a published snapshot."""
+        return self.snapshots_dir / snapshot_id / IMAGES
+
+    def used_bytes(self) -> int:
+        """Bytes used by published snapshots."""
+        return sum(p.stat().st_size for p in self.snapshots_dir.rglob("*") if p.is_file())
+
+    def check_name_free(self, name: str) -> None:
+        """Raise AlreadyExistsError (reason ``NAME_TAKEN``) if ``name`` is used or being written."""
+        with self._lock:
+            self._check_name_free_locked(name)
+
+    def _check_name_free_locked(self, name: str) -> None:
+        if name in self._reserved_names or any(s.name == name for s in self.list()):
+            raise AlreadyExistsError(
+                f"a snapshot named {name!r} already exists; choose another name or delete it with `gpusnap rm {name}`",
+                reason="NAME_TAKEN",
+                metadata={"name": name},
+            )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
