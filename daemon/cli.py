@@ -328,3 +328,7 @@ def list_operations(obj: Ctx) -> None:
     out_console.print(table)
 
 
+
+
+if __name__ == "__main__":
+    main()

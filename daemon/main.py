@@ -62,3 +62,7 @@ def main(config_file: Path | None, **flags: object) -> None:
     log.info("daemon.stopping")
     running.stop()
     log.info("daemon.stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# install-criu.sh -- install CRIU >= 4.1 and pycriu into a private prefix.
+# install-criu.sh -- install CRIU >= 4.2 and pycriu into a private prefix.
 #
 # Usage: scripts/install-criu.sh [PREFIX]
 #
@@ -9,14 +9,19 @@
 #   PREFIX/bin/criu      wrapper; run it instead of a system criu
 #   PREFIX/python/       put on PYTHONPATH for `import pycriu`; pycriu's generated
 #                        code needs google.protobuf >= 3.20 (tested up to 7.36)
-#   PREFIX/VERSION       the criu version, e.g. 4.1.1
+#   PREFIX/VERSION       the criu version, e.g. 4.2.1
 #
 # Strategy:
-#   * If the distribution itself offers criu >= 4.1 (Debian 13, ...), install
+# Why 4.2: CRIU <= 4.1 cannot run on Linux >= 6.13 (vDSO, criu#2532) and CRIU 4.1.x
+# cannot dump any process holding an inet socket on Linux >= 6.16 ("sockets: Can't get
+# 1:16 opt: Operation not supported", criu#2718, fixed in 4.2). Inference workers always
+# hold TCP sockets, so 4.2 is the floor.
+#
+#   * If the distribution itself offers criu >= 4.2 (Debian 14, ...), install
 #     `criu` and `python3-pycriu` with apt and make PREFIX a thin wrapper
 #     around /usr/sbin/criu and the system pycriu.
 #   * Otherwise (Debian 12, Ubuntu 24.04, ...), use a separate, private apt
-#     configuration for Debian 13 "trixie" (the system's sources are not
+#     configuration for Debian "forky" (testing; the system's sources are not
 #     touched and nothing is installed into the system) to download criu,
 #     python3-pycriu and criu's whole shared-library closure down to libc6,
 #     then unpack them with `dpkg -x`.  bin/criu runs criu through the
@@ -27,19 +32,19 @@
 # Downloaded .debs are cached (and reused) in
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/gpusnap/debs
 # together with a sha256 manifest; set GPUSNAP_CRIU_REFRESH=1 to ignore the
-# manifest and resolve the newest trixie versions again.
+# manifest and resolve the newest versions of the suite again.
 #
 # Other knobs (environment):
 #   GPUSNAP_CRIU_FORCE=1        reinstall even if PREFIX looks complete
 #   GPUSNAP_DEBIAN_MIRROR=URL   Debian mirror (default http://deb.debian.org/debian)
-#   GPUSNAP_DEBIAN_SUITE=NAME   Debian suite to take criu from (default trixie)
+#   GPUSNAP_DEBIAN_SUITE=NAME   Debian suite to take criu from (default forky)
 #
 # Re-running with a complete prefix is a quick no-op.
 
 set -euo pipefail
 
-MIN_VERSION=4.1
-SUITE=${GPUSNAP_DEBIAN_SUITE:-trixie}
+MIN_VERSION=4.2
+SUITE=${GPUSNAP_DEBIAN_SUITE:-forky}
 MIRROR=${GPUSNAP_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
 
@@ -76,7 +81,7 @@ prefix_complete() {
     local want have
     want=$(cat "$prefix/VERSION")
     have=$(criu_version "$prefix/bin/criu")
-    [[ -n $have && $have == "$want" ]]
+    [[ -n $have && $have == "$want" ]] && version_ge "$have" "$MIN_VERSION"
 }
 
 # version_ge A B: true if Debian version A >= B.
@@ -146,7 +151,7 @@ EOF
 }
 
 # ---------------------------------------------------------------------------
-# Path 2: private Debian trixie packages unpacked into the prefix
+# Path 2: private Debian packages (suite $SUITE) unpacked into the prefix
 # ---------------------------------------------------------------------------
 
 # Options that give apt-get/apt-cache a configuration of their own: own

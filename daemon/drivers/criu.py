@@ -6,7 +6,9 @@ PID namespace. CRIU's log is written to the work directory (kept with the snapsh
 raised error carries its relevant lines.
 
 CRIU >= 4.1 is required: on Linux >= 6.13 older releases stop with "vdso: Unexpected rt vDSO area
-bounds" (checkpoint-restore/criu#2532, fixed by PR #2539 in 4.1).
+bounds" (checkpoint-restore/criu#2532, fixed by PR #2539 in 4.1). On Linux >= 6.16, CRIU >= 4.2 is
+required: 4.1.x cannot dump any inet socket there ("sockets: Can't get 1:16 opt: Operation not
+supported", checkpoint-restore/criu#2718, fixed in 4.2), and inference workers always hold some.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from gpusnap.daemon.api.types import TcpMode
 log = structlog.get_logger(__name__)
 
 MIN_VERSION = (4, 1)
+MIN_VERSION_SO_PASSCRED = (4, 2)
+"""Needed on kernels >= 6.16 (criu#2718)."""
 LOG_LINES = 12
 
 
@@ -97,10 +101,18 @@ class CriuDriver:
         """
         version = self.version()
         parts = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+        kernel = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
         if parts < MIN_VERSION:
             raise FailedPreconditionError(
                 f"CRIU {version} is too old: gpusnap needs CRIU >= 4.1 (older releases fail on Linux >= 6.13 "
                 "with 'Unexpected rt vDSO area bounds'); install it with `make criu`",
+                reason="CRIU_TOO_OLD",
+                metadata={"criu_version": version},
+            )
+        if kernel >= (6, 16) and parts < MIN_VERSION_SO_PASSCRED:
+            raise FailedPreconditionError(
+                f"CRIU {version} is too old for Linux {os.uname().release}: on kernels >= 6.16 it cannot dump "
+                "processes with TCP sockets (criu#2718); gpusnap needs CRIU >= 4.2 here: install it with `make criu`",
                 reason="CRIU_TOO_OLD",
                 metadata={"criu_version": version},
             )

@@ -1,0 +1,198 @@
+"""Shared fixtures: a real gpusnapd on a temporary socket and store, real CRIU, real workloads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gpusnap.daemon.client import DaemonClient
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOADS = Path(__file__).resolve().parent / "daemon" / "workloads"
+
+
+def criu_prefix() -> Path:
+    return Path(os.environ.get("GPUSNAP_CRIU_PREFIX", REPO / ".criu"))
+
+
+@dataclass
+class DaemonProc:
+    """A gpusnapd subprocess; ``run_cli`` drives it through the real CLI."""
+
+    socket: Path
+    store: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+    clients: list[DaemonClient] = field(default_factory=list)
+
+    def client(self) -> DaemonClient:
+        c = DaemonClient(self.socket)
+        self.clients.append(c)
+        return c
+
+    def cli(self, *args: str, user: int | None = None, check: bool = False, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "gpusnap.daemon.cli", "--socket", str(self.socket), *args]
+        if user is not None:
+            cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_cli_env())
+        if check and res.returncode != 0:
+            raise AssertionError(f"{args} exited {res.returncode}: {res.stderr}")
+        return res
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def _cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+def start_daemon(tmp: Path, extra_env: dict[str, str] | None = None, criu_binary: str | None = None) -> DaemonProc:
+    """Start gpusnapd with a socket in a world-traversable temp dir and a store under ``tmp``."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="gpusnap-sock-"))
+    os.chmod(sock_dir, 0o755)
+    socket_path = sock_dir / "gpusnapd.sock"
+    store = tmp / "store"
+    log = tmp / "gpusnapd.log"
+    prefix = criu_prefix()
+    env = {**_cli_env(), "GPUSNAP_LOG_FORMAT": "json", **(extra_env or {})}
+    cmd = [
+        sys.executable, "-m", "gpusnap.daemon.main",
+        "--socket", str(socket_path), "--store", str(store),
+        "--criu", criu_binary or str(prefix / "bin" / "criu"), "--pycriu-path", str(prefix / "python"),
+    ]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+    d = DaemonProc(socket=socket_path, store=store, proc=proc, log=log)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return d
+        if socket_path.exists() and _healthy(socket_path):
+            return d
+        time.sleep(0.1)
+    raise AssertionError(f"gpusnapd did not become healthy: {log.read_text()}")
+
+
+def _healthy(socket_path: Path) -> bool:
+    try:
+        with grpc.insecure_channel(f"unix:{socket_path}") as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
+def stop_daemon(d: DaemonProc) -> None:
+    for c in d.clients:
+        c.close()
+    if d.alive():
+        d.proc.send_signal(signal.SIGTERM)
+        try:
+            d.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            d.proc.wait()
+    shutil.rmtree(d.socket.parent, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path)
+    assert d.alive(), d.log.read_text()
+    yield d
+    stop_daemon(d)
+    if "Traceback" in d.log.read_text():
+        pytest.fail(f"gpusnapd logged a traceback:\n{d.log.read_text()[-4000:]}")
+
+
+@dataclass
+class Workload:
+    """A running workloads/tree.py process tree."""
+
+    workdir: Path
+    proc: subprocess.Popen[bytes] | None
+    pid: int
+
+    def read(self, name: str) -> str:
+        return (self.workdir / name).read_text()
+
+    def last(self, name: str) -> int:
+        lines = self.read(name).split()
+        return int(lines[-1]) if lines else 0
+
+
+class Workloads:
+    """Starts tree.py workloads and kills whatever is left at the end of the test."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.started: list[Workload] = []
+        self.extra_pids: list[int] = []
+
+    def start(self, *args: str, user: int | None = None, name: str = "w") -> Workload:
+        workdir = self.tmp / f"{name}{len(self.started)}"
+        workdir.mkdir()
+        cmd = [sys.executable, str(WORKLOADS / "tree.py"), str(workdir), *args]
+        if user is not None:
+            os.chmod(workdir, 0o777)
+            cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(lambda: (workdir / "ready").exists(), 60, f"workload {workdir} did not start")
+        pid = proc.pid
+        if user is not None:  # setpriv execs in place
+            pid = proc.pid
+        w = Workload(workdir, proc, pid)
+        self.started.append(w)
+        return w
+
+    def adopt(self, pid: int) -> None:
+        """Also kill ``pid`` (e.g. a restored tree) at the end."""
+        self.extra_pids.append(pid)
+
+    def cleanup(self) -> None:
+        import psutil
+
+        for pid in self.extra_pids + [w.pid for w in self.started]:
+            try:
+                p = psutil.Process(pid)
+                for c in p.children(recursive=True):
+                    c.kill()
+                p.kill()
+            except psutil.Error:
+                pass
+        for w in self.started:
+            if w.proc:
+                try:
+                    w.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+
+
+@pytest.fixture
+def workloads(tmp_path: Path) -> Iterator[Workloads]:
+    ws = Workloads(tmp_path)
+    yield ws
+    ws.cleanup()
+
+
+def wait_for(cond: object, timeout: float, message: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(message)
