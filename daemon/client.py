@@ -131,7 +131,7 @@ class DaemonClient:
 
     def wait(self, op_id: str, timeout_s: float | None = None) -> operations_pb2.Operation:
         """Wait for the operation to end; raise its error if it failed."""
-        op = self._call(self._ops.WaitOperation, operations_pb2.WaitOperationRequest(id=op_id), timeout=timeout_s)
+        op = self._call(self._ops.WaitOperation, operations_pb2.WaitOperationRequest(id=op_id), timeout=timeout_s).operation
         raise_if_failed(op)
         return op
 

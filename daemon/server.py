@@ -44,8 +44,8 @@ class Running:
     def stop(self, grace: float = 5.0) -> None:
         for name in ("", *SERVICE_NAMES):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.proxy.stop()
         self.server.stop(grace).wait()
+        self.proxy.stop()
         self.daemon.registry.shutdown(wait=False)
         self.daemon.deps.store.close()
 

@@ -63,10 +63,16 @@ class PeerCredProxy:
         fut.result(timeout=10)
 
     def stop(self) -> None:
-        """Stop accepting and close the loop."""
+        """Stop accepting, cut the forwarded connections and stop the loop."""
+
         async def close() -> None:
             if self._server:
                 self._server.close()
+            current = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not current]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=5)
@@ -120,6 +126,8 @@ class PeerCredProxy:
         up_reader, up_writer = await asyncio.open_unix_connection(sock=up)
         try:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        except asyncio.CancelledError:
+            pass
         finally:
             with self._lock:
                 self._callers.pop(name, None)

@@ -1,0 +1,142 @@
+"""Bad input gets a specific error and exit code; the daemon keeps serving; nothing is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon.api.errors import DataLossError, InvalidArgumentError, NotFoundError
+from tests.conftest import DaemonProc, Workloads
+
+
+def _still_serving(daemon: DaemonProc) -> None:
+    assert daemon.alive()
+    assert json.loads(daemon.cli("-o", "json", "node", check=True).stdout)["host"]["criuVersion"].startswith("4.")
+
+
+def _snapshot(daemon: DaemonProc, workloads: Workloads, name: str) -> dict[str, object]:
+    w = workloads.start("--mem-mb", "4", "--no-listener", "--no-child")
+    return json.loads(daemon.cli("-o", "json", "dump", str(w.pid), "--name", name, check=True).stdout)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "words"),
+    [
+        (["dump", "4000000"], 3, "no process with PID 4000000"),
+        (["dump", "1"], 2, "PID 1 is the init process"),
+        (["dump", "0"], 2, "not a valid PID"),
+        (["dump", "--", "-5"], 2, "not a valid PID"),
+        (["restore", "snap-aaaaaaaaaaaaaaaaaaaaaaaaaa"], 3, "no snapshot"),
+        (["inspect", "no-such-name"], 3, "no snapshot"),
+        (["rm", "no-such-name"], 3, "no snapshot"),
+        (["restore", "../../etc/passwd"], 2, "neither a snapshot id"),
+        (["inspect", "UPPER"], 2, "neither a snapshot id"),
+        (["wait", "op-zzz"], 2, "invalid operation id"),
+    ],
+)
+def test_bad_references(daemon: DaemonProc, args: list[str], code: int, words: str) -> None:
+    res = daemon.cli(*args)
+    assert res.returncode == code, res.stderr
+    assert words in res.stderr
+    assert res.stderr.count("\n") == 1, "errors are one line"
+    _still_serving(daemon)
+
+
+def test_daemon_refuses_to_dump_itself(daemon: DaemonProc) -> None:
+    res = daemon.cli("dump", str(daemon.proc.pid))
+    assert res.returncode == 2 and "gpusnapd itself" in res.stderr
+    res = daemon.cli("dump", str(os.getpid()))  # pytest is the daemon's ancestor
+    assert res.returncode == 2
+    _still_serving(daemon)
+
+
+@pytest.mark.parametrize("name", ["Bad Name", "-dash", "x" * 64, "snap-aaaaaaaaaaaaaaaaaaaaaaaaaa", "a/b", ""])
+def test_invalid_names(daemon: DaemonProc, workloads: Workloads, name: str) -> None:
+    w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
+    res = daemon.cli("dump", str(w.pid), "--name", name)
+    if name == "":
+        assert res.returncode == 0, "an empty name means unnamed"
+        return
+    assert res.returncode == 2 and "invalid snapshot name" in res.stderr
+    assert w.proc is not None and w.proc.poll() is None, "the source is untouched"
+
+
+def test_invalid_label(daemon: DaemonProc, workloads: Workloads) -> None:
+    w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
+    res = daemon.cli("dump", str(w.pid), "--label", "bad key=v")
+    assert res.returncode == 2 and "invalid label key" in res.stderr
+    assert daemon.cli("dump", str(w.pid), "--label", "novalue").returncode == 2
+
+
+def test_duplicate_name_is_refused(daemon: DaemonProc, workloads: Workloads) -> None:
+    _snapshot(daemon, workloads, "dup")
+    w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
+    res = daemon.cli("dump", str(w.pid), "--name", "dup")
+    assert res.returncode == 5 and "already exists" in res.stderr
+    assert w.proc is not None and w.proc.poll() is None
+
+
+def test_corrupted_manifest(daemon: DaemonProc, workloads: Workloads) -> None:
+    snap = _snapshot(daemon, workloads, "corrupt")
+    manifest = daemon.store / "snapshots" / str(snap["id"]) / "manifest.json"
+    manifest.write_text("{not json")
+    res = daemon.cli("inspect", str(snap["id"]))
+    assert res.returncode == 4 and "damaged" in res.stderr
+    assert daemon.cli("restore", str(snap["id"])).returncode == 4
+    assert json.loads(daemon.cli("-o", "json", "ls", check=True).stdout) == [], "a damaged snapshot is not listed"
+    with pytest.raises(DataLossError) as err:
+        daemon.client().get_snapshot(str(snap["id"]))
+    assert err.value.reason == "MANIFEST_CORRUPT"
+    assert daemon.cli("rm", str(snap["id"])).returncode == 0, "root can delete a damaged snapshot"
+    _still_serving(daemon)
+
+
+def _largest_image(daemon: DaemonProc, snap_id: str) -> Path:
+    images = daemon.store / "snapshots" / snap_id / "images"
+    return max(images.iterdir(), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "flip"])
+def test_damaged_image_is_refused_before_restore(daemon: DaemonProc, workloads: Workloads, damage: str) -> None:
+    snap = _snapshot(daemon, workloads, f"damaged-{damage}")
+    image = _largest_image(daemon, str(snap["id"]))
+    if damage == "truncate":
+        os.truncate(image, image.stat().st_size // 2)
+    elif damage == "delete":
+        image.unlink()
+    else:
+        with open(image, "r+b") as fh:
+            fh.seek(image.stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    res = daemon.cli("restore", str(snap["id"]))
+    assert res.returncode == 4, res.stderr
+    assert "damaged" in res.stderr and image.name in res.stderr
+    ops = json.loads(daemon.cli("-o", "json", "ops", check=True).stdout)
+    failed = [o for o in ops if o["kind"] == "OPERATION_KIND_RESTORE"][-1]
+    assert failed["state"] == "OPERATION_STATE_FAILED" and failed["phase"] == "verify"
+    _still_serving(daemon)
+
+
+def test_python_client_raises_domain_errors(daemon: DaemonProc) -> None:
+    client = daemon.client()
+    with pytest.raises(NotFoundError) as nf:
+        client.checkpoint(4000000)
+    assert nf.value.reason == "PROCESS_NOT_FOUND" and nf.value.metadata["pid"] == "4000000"
+    with pytest.raises(InvalidArgumentError):
+        client.restore("Not Valid")
+
+
+def test_unreachable_daemon_exit_code(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "gpusnap.daemon.cli", "--socket", str(tmp_path / "none.sock"), "ls"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert res.returncode == 7 and "cannot reach gpusnapd" in res.stderr

@@ -1,0 +1,141 @@
+"""Faults and concurrency: CRIU killed mid-dump, parallel checkpoints, one operation per tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from gpusnap.daemon.api.errors import AbortedError
+from tests.conftest import DaemonProc, Workloads, wait_for
+
+
+def _criu_processes(daemon_pid: int) -> list[psutil.Process]:
+    try:
+        return [p for p in psutil.Process(daemon_pid).children(recursive=True) if "swrk" in " ".join(p.cmdline())]
+    except psutil.Error:
+        return []
+
+
+def test_criu_killed_in_the_middle_of_a_dump(daemon: DaemonProc, workloads: Workloads) -> None:
+    w = workloads.start("--mem-mb", "1500", "--no-child", "--no-listener")
+    killed: list[int] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed:
+            for p in _criu_processes(daemon.proc.pid):
+                time.sleep(0.15)  # let CRIU seize the tree and start writing pages
+                p.kill()
+                killed.append(p.pid)
+                return
+            time.sleep(0.005)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    res = daemon.cli("dump", str(w.pid), "--name", "killed")
+    t.join()
+    assert killed, "CRIU was never seen running"
+    assert res.returncode in (4, 5), res.stderr
+    assert "CRIU" in res.stderr
+    assert json.loads(daemon.cli("-o", "json", "ls", check=True).stdout) == [], "no snapshot listed"
+    assert list((daemon.store / "staging").iterdir()) == [], "staging removed"
+    assert not list((daemon.store / "snapshots").iterdir())
+    assert w.proc is not None and w.proc.poll() is None, "the source is still alive"
+    assert psutil.Process(w.pid).status() not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    before = w.last("parent.log")
+    wait_for(lambda: w.last("parent.log") > before + 3, 10, "the source does not run after the failed dump")
+    # The daemon still works, and the same tree can be captured now.
+    daemon.cli("dump", str(w.pid), "--name", "after-kill", check=True)
+
+
+def test_two_checkpoints_of_different_trees(daemon: DaemonProc, workloads: Workloads) -> None:
+    a = workloads.start("--mem-mb", "50", "--no-listener")
+    b = workloads.start("--mem-mb", "50", "--no-listener")
+    client = daemon.client()
+    op_a = client.checkpoint(a.pid, name="tree-a")
+    op_b = client.checkpoint(b.pid, name="tree-b")
+    done_a, done_b = client.wait(op_a.id), client.wait(op_b.id)
+    assert {done_a.snapshot.name, done_b.snapshot.name} == {"tree-a", "tree-b"}
+    assert sorted(s.name for s in client.list_snapshots()) == ["tree-a", "tree-b"]
+
+
+def test_second_checkpoint_of_the_same_tree_is_rejected(daemon: DaemonProc, workloads: Workloads) -> None:
+    w = workloads.start("--mem-mb", "400", "--no-listener")
+    child = psutil.Process(w.pid).children()[0].pid
+    client = daemon.client()
+    first = client.checkpoint(w.pid, name="first")
+    with pytest.raises(AbortedError) as err:
+        client.checkpoint(child)  # a process of the same tree
+    assert err.value.reason == "TREE_BUSY" and first.id in err.value.message
+    res = daemon.cli("dump", str(w.pid))
+    assert res.returncode == 5 and "already part of running operation" in res.stderr
+    assert client.wait(first.id).snapshot.name == "first"
+
+
+def test_watch_streams_phases(daemon: DaemonProc, workloads: Workloads) -> None:
+    w = workloads.start("--mem-mb", "8", "--no-listener")
+    client = daemon.client()
+    op = client.checkpoint(w.pid)
+    events = list(client.watch(op.id))
+    finished = [e.phase for e in events if e.type == e.TYPE_PHASE_FINISHED]
+    assert finished == ["preflight", "dump", "checksum", "publish", "finish"]
+    assert events[-1].type == events[-1].TYPE_OPERATION_FINISHED
+    assert [e.sequence for e in events] == list(range(len(events)))
+    checksum = next(e for e in events if e.type == e.TYPE_PHASE_FINISHED and e.phase == "checksum")
+    assert checksum.bytes == events[-1].operation.snapshot.size_bytes > 8 * 2**20
+
+
+def test_staging_leftovers_removed_at_start(daemon: DaemonProc, tmp_path: object) -> None:
+    from tests.conftest import start_daemon, stop_daemon
+
+    stop_daemon(daemon)
+    leftover = daemon.store / "staging" / "snap-leftoverleftoverleftoverle"
+    (leftover / "images").mkdir(parents=True)
+    (leftover / "images" / "pages-1.img").write_bytes(b"x" * 100)
+    d2 = start_daemon(daemon.store.parent)
+    try:
+        assert d2.alive(), d2.log.read_text()
+        assert not leftover.exists()
+        assert json.loads(d2.cli("-o", "json", "ls", check=True).stdout) == []
+    finally:
+        stop_daemon(d2)
+
+
+def test_store_in_use_by_another_daemon(daemon: DaemonProc) -> None:
+    from tests.conftest import start_daemon, stop_daemon
+
+    d2 = start_daemon(daemon.store.parent)
+    try:
+        assert d2.proc.wait(timeout=30) == 3
+        assert "in use by another gpusnapd" in d2.log.read_text()
+    finally:
+        stop_daemon(d2)
+
+
+def test_old_criu_is_refused_at_start(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from tests.conftest import start_daemon, stop_daemon
+
+    tmp = Path(str(tmp_path))
+    fake = tmp / "criu"
+    fake.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")
+    fake.chmod(0o755)
+    d = start_daemon(tmp, criu_binary=str(fake))
+    try:
+        assert d.proc.wait(timeout=30) == 3
+        assert "CRIU 3.17.1 is too old" in d.log.read_text()
+    finally:
+        stop_daemon(d)
+
+
+def test_sigterm_stops_the_daemon_cleanly(daemon: DaemonProc) -> None:
+    os.kill(daemon.proc.pid, signal.SIGTERM)
+    assert daemon.proc.wait(timeout=20) == 0
+    assert not daemon.socket.exists()
