@@ -1,0 +1,606 @@
+"""Preflight checks for GPU capture and restore: pure functions over facts gathered beforehand.
+
+Every ``check_*`` function takes plain values (strings, mappings, :class:`GpuDevice` lists) and raises a
+:class:`~gpusnap.daemon.api.errors.GpusnapError` naming the fact and the remedy; none calls NVML, CUDA or reads
+files, so the same facts can be logged, stored in a manifest and unit-tested. All checks run **before any PID
+is locked** (a failed capture must not harm a healthy source, snap#308). :func:`check_capture` and
+:func:`check_restore` run them all and report every failure at once.
+
+Error classes: environment facts (driver, arch, MIG, MPS, device files, NCCL env) raise
+``FailedPreconditionError``; shortages of GPU memory or host RAM raise ``ResourceExhaustedError`` (the error tree
+reserves it for "not enough disk, host RAM or GPU memory"); the combined checks raise ``FailedPreconditionError``
+(reason ``PREFLIGHT_FAILED``) when more than one check fails.
+
+The *fact readers* at the end (:func:`pid_alive`, :func:`open_paths`, :func:`read_environ`,
+:func:`mps_pipe_dir_exists`, :func:`mps_daemon_running`) read ``/proc`` under a ``proc_root`` parameter so tests
+can point them at a fake tree (``gpusnap.daemon.drivers.proc``/``.host`` read the real one through psutil;
+use ``host.mem_available_bytes()`` for ``MemAvailable``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError, ResourceExhaustedError
+from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid
+from gpusnap.daemon.drivers.nvml import GpuDevice
+
+#: Minimum NVIDIA driver major for CUDA checkpoint via the driver API with CRIU (prior-art §(a), FC-16).
+MIN_DRIVER_MAJOR = 570
+#: Minimum driver major for restoring onto other GPUs (``gpuPairs``; prior-art §(a)).
+MIN_DRIVER_MAJOR_REMAP = 580
+#: Machines CUDA checkpoint supports (cuda-checkpoint README: x86-64 only; FC-15).
+SUPPORTED_MACHINES = frozenset({"x86_64", "amd64"})
+#: Default MPS pipe directory when ``CUDA_MPS_PIPE_DIRECTORY`` is unset.
+DEFAULT_MPS_PIPE_DIR = "/tmp/nvidia-mps"
+#: Environment a multi-process (multi-rank NCCL) tree must carry (FC-05; FC-06 is covered by SHM off).
+REQUIRED_NCCL_ENV: Mapping[str, str] = {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_SHM_DISABLE": "1"}
+#: Extra environment for vLLM multi-rank trees (FC-05); ``--disable-custom-all-reduce`` is checked on argv.
+REQUIRED_VLLM_ENV: Mapping[str, str] = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+#: Device files CRIU cannot dump, with the fix for each (FC-20; vLLM snapshot refuses /dev/infiniband).
+FORBIDDEN_DEVICES: Mapping[str, str] = {
+    "/dev/gdrdrv": (
+        "gdrcopy is in use: disable it in the workload (e.g. NCCL_GDRCOPY_ENABLE=0, UCX_TLS without gdr_copy, the "
+        "engine's gdrcopy option); CRIU's --external dev[...] is not enough (FC-20)"
+    ),
+    "/dev/infiniband/": "RDMA devices are open: set NCCL_IB_DISABLE=1 (and UCX_TLS=tcp,self) in the worker",
+}
+#: Host RAM kept free on top of what checkpoint stages, in bytes.
+DEFAULT_HOST_HEADROOM_BYTES = 1 << 30
+
+_GIB = float(1 << 30)
+
+
+def _gib(n: int) -> str:
+    return f"{n / _GIB:.1f} GiB"
+
+
+def driver_major(driver_version: str) -> int:
+    """Major number of an NVIDIA driver version string.
+
+    Args:
+        driver_version: e.g. ``"580.159.04"``.
+
+    Returns:
+        e.g. ``580``.
+
+    Raises:
+        FailedPreconditionError: unparsable (reason ``NVIDIA_DRIVER_UNKNOWN``).
+    """
+    head = driver_version.strip().split(".", 1)[0]
+    if not head.isdigit():
+        raise FailedPreconditionError(
+            f"cannot read the NVIDIA driver version {driver_version!r}; is the NVIDIA driver installed (nvidia-smi)?",
+            reason="NVIDIA_DRIVER_UNKNOWN",
+            metadata={"driver_version": driver_version},
+        )
+    return int(head)
+
+
+def check_driver_version(driver_version: str, *, remapping: bool = False) -> None:
+    """Driver major ≥ 570, or ≥ 580 when restoring onto other GPUs.
+
+    Args:
+        driver_version: NVIDIA driver version, e.g. ``"580.159.04"`` (NVML).
+        remapping: the restore uses non-identity ``gpuPairs``.
+
+    Raises:
+        FailedPreconditionError: reason ``NVIDIA_DRIVER_TOO_OLD``.
+    """
+    major = driver_major(driver_version)
+    need = MIN_DRIVER_MAJOR_REMAP if remapping else MIN_DRIVER_MAJOR
+    if major < need:
+        why = (
+            "restoring onto other GPUs (gpuPairs) needs driver >= 580"
+            if remapping
+            else "CUDA checkpoint with CRIU needs driver >= 570 (older drivers leave /dev/nvidia* open, FC-16)"
+        )
+        raise FailedPreconditionError(
+            f"NVIDIA driver {driver_version} is too old: {why}; upgrade the driver"
+            + ("" if not remapping else " or restore onto the original GPUs"),
+            reason="NVIDIA_DRIVER_TOO_OLD",
+            metadata={"driver_version": driver_version, "required_major": str(need)},
+        )
+
+
+def check_machine(machine: str) -> None:
+    """Only x86-64 hosts (``uname -m``) can checkpoint (FC-15: aarch64 returns NOT_SUPPORTED).
+
+    Raises:
+        FailedPreconditionError: reason ``ARCH_UNSUPPORTED``.
+    """
+    if machine.strip().lower() not in SUPPORTED_MACHINES:
+        raise FailedPreconditionError(
+            f"machine architecture {machine!r} is not supported: CUDA checkpoint works on x86_64 only (aarch64 "
+            "returns CUDA_ERROR_NOT_SUPPORTED, FC-15); run the worker on an x86_64 host",
+            reason="ARCH_UNSUPPORTED",
+            metadata={"machine": machine},
+        )
+
+
+def _by_uuid(gpus: Sequence[GpuDevice]) -> dict[str, GpuDevice]:
+    return {normalize_gpu_uuid(g.uuid): g for g in gpus}
+
+
+def check_no_mig(gpus: Sequence[GpuDevice], involved_uuids: Iterable[str]) -> None:
+    """No involved GPU has MIG enabled (FC-14: checkpoint fails with out of memory on MIG slices).
+
+    Args:
+        gpus: the node's GPUs (NVML).
+        involved_uuids: GPUs the worker uses (capture) or restores onto (restore); unknown UUIDs are ignored
+            here (the GPU map check reports them).
+
+    Raises:
+        FailedPreconditionError: reason ``MIG_ENABLED``, naming the GPUs.
+    """
+    table = _by_uuid(gpus)
+    bad = [
+        table[u]
+        for u in dict.fromkeys(normalize_gpu_uuid(u) for u in involved_uuids)
+        if u in table and table[u].mig_mode
+    ]
+    if bad:
+        names = ", ".join(f"{g.uuid} (index {g.index})" for g in bad)
+        raise FailedPreconditionError(
+            f"MIG mode is enabled on {names}; CUDA checkpoint does not support MIG (FC-14): disable it with "
+            "`nvidia-smi -i <index> -mig 0` (needs a GPU reset) or use another GPU",
+            reason="MIG_ENABLED",
+            metadata={"gpus": ",".join(g.uuid for g in bad)},
+        )
+
+
+def check_mps_inactive(
+    target_env: Mapping[str, str], *, pipe_dir_exists: bool, mps_daemon_running: bool = False, pid: int | None = None
+) -> None:
+    """MPS must not be in use (CRIU CUDA plugin README: no MPS).
+
+    Heuristic (MPS leaves no per-process trace gpusnap can read cheaply), MPS counts as active when any of:
+
+    * the target's environment sets ``CUDA_MPS_PIPE_DIRECTORY`` (it was configured as an MPS client);
+    * the target's pipe directory (that variable, else ``/tmp/nvidia-mps``), seen from the target's mount
+      namespace (``/proc/<pid>/root/…``), holds an MPS ``control`` socket — ``pipe_dir_exists``;
+    * an ``nvidia-cuda-mps-control`` or ``nvidia-cuda-mps-server`` process runs on the node —
+      ``mps_daemon_running``.
+
+    Args:
+        target_env: the target's environment (``/proc/<pid>/environ``).
+        pipe_dir_exists: see above (:func:`mps_pipe_dir_exists`).
+        mps_daemon_running: see above (:func:`mps_daemon_running`).
+        pid: the target, for the message.
+
+    Raises:
+        FailedPreconditionError: reason ``MPS_ACTIVE``, naming which sign was found.
+    """
+    signs = []
+    if target_env.get("CUDA_MPS_PIPE_DIRECTORY"):
+        signs.append(f"its environment sets CUDA_MPS_PIPE_DIRECTORY={target_env['CUDA_MPS_PIPE_DIRECTORY']}")
+    if pipe_dir_exists:
+        pipe = target_env.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_MPS_PIPE_DIR
+        signs.append(f"an MPS control pipe exists in {pipe}")
+    if mps_daemon_running:
+        signs.append("an nvidia-cuda-mps-control/server process runs on this node")
+    if signs:
+        who = f"process {pid}" if pid is not None else "the worker"
+        raise FailedPreconditionError(
+            f"CUDA MPS looks active for {who} ({'; '.join(signs)}); CUDA checkpoint does not support MPS: stop the "
+            "MPS daemon (`echo quit | nvidia-cuda-mps-control`) and start the worker without CUDA_MPS_* settings",
+            reason="MPS_ACTIVE",
+            metadata={"pid": str(pid) if pid is not None else ""},
+        )
+
+
+def check_gpu_memory(need_by_target: Mapping[str, int], gpus: Sequence[GpuDevice], *, headroom_bytes: int = 0) -> None:
+    """Each target GPU has the free memory its restored processes need.
+
+    Args:
+        need_by_target: bytes needed per target GPU UUID (sum over the processes restoring onto it).
+        gpus: the node's GPUs (NVML), with current free memory.
+        headroom_bytes: extra bytes to keep free per GPU.
+
+    Raises:
+        FailedPreconditionError: a target GPU does not exist (reason ``GPU_NOT_FOUND``).
+        ResourceExhaustedError: not enough free memory (reason ``GPU_MEMORY_INSUFFICIENT``), naming the GPU,
+            free and needed GiB.
+    """
+    table = _by_uuid(gpus)
+    short = []
+    for raw_uuid, need in need_by_target.items():
+        uuid = normalize_gpu_uuid(raw_uuid)
+        gpu = table.get(uuid)
+        if gpu is None:
+            raise FailedPreconditionError(
+                f"GPU {uuid} is not on this node; pick a GPU listed by `nvidia-smi -L`",
+                reason="GPU_NOT_FOUND",
+                metadata={"gpu": uuid},
+            )
+        if gpu.memory_free_bytes < need + headroom_bytes:
+            short.append((gpu, need + headroom_bytes))
+    if short:
+        detail = "; ".join(
+            f"{g.uuid} (index {g.index}) has {_gib(g.memory_free_bytes)} free, needs {_gib(n)}" for g, n in short
+        )
+        raise ResourceExhaustedError(
+            f"not enough free GPU memory: {detail}; stop other processes on those GPUs or restore onto other GPUs of "
+            "the same model",
+            reason="GPU_MEMORY_INSUFFICIENT",
+            metadata={"gpus": ",".join(g.uuid for g, _ in short)},
+        )
+
+
+def check_host_memory(
+    mem_available_bytes: int,
+    gpu_bytes: int,
+    *,
+    image_bytes_in_ram: int = 0,
+    headroom_bytes: int = DEFAULT_HOST_HEADROOM_BYTES,
+) -> None:
+    """Host RAM can take the GPU contents checkpoint stages there (plus images kept in RAM).
+
+    ``cuCheckpointProcessCheckpoint`` copies every byte of device memory into driver-owned host memory of the
+    target; with images on tmpfs the dump needs the same again (prior-art §(f)).
+
+    Args:
+        mem_available_bytes: ``MemAvailable`` of ``/proc/meminfo``, in bytes.
+        gpu_bytes: device memory the CUDA processes hold (NVML), in bytes.
+        image_bytes_in_ram: bytes of images that will live in RAM (tmpfs image dir: RSS + GPU), else 0.
+        headroom_bytes: RAM to keep free for everything else.
+
+    Raises:
+        ResourceExhaustedError: reason ``HOST_MEMORY_INSUFFICIENT``.
+    """
+    need = gpu_bytes + image_bytes_in_ram + headroom_bytes
+    if mem_available_bytes < need:
+        raise ResourceExhaustedError(
+            f"not enough host RAM: checkpoint stages {_gib(gpu_bytes)} of GPU memory in RAM"
+            + (f" plus {_gib(image_bytes_in_ram)} of in-memory images" if image_bytes_in_ram else "")
+            + f" and keeps {_gib(headroom_bytes)} free, but MemAvailable is {_gib(mem_available_bytes)}; free RAM, "
+            "shrink the worker's GPU footprint (e.g. release the KV cache before capture) or put images on disk",
+            reason="HOST_MEMORY_INSUFFICIENT",
+            metadata={"mem_available_bytes": str(mem_available_bytes), "needed_bytes": str(need)},
+        )
+
+
+def check_no_forbidden_devices(pid: int, paths: Iterable[str]) -> None:
+    """The process holds no device CRIU cannot dump: ``/dev/gdrdrv`` (FC-20), ``/dev/infiniband/*``.
+
+    Args:
+        pid: the process.
+        paths: its open fd targets and mapped file paths (:func:`open_paths`).
+
+    Raises:
+        FailedPreconditionError: reason ``FORBIDDEN_DEVICE_OPEN``, naming the device and the fix.
+    """
+    found: dict[str, str] = {}
+    for path in paths:
+        for device, fix in FORBIDDEN_DEVICES.items():
+            # "/dev/gdrdrv" matches exactly; "/dev/infiniband/" matches the directory's entries.
+            if path == device.rstrip("/") or (device.endswith("/") and path.startswith(device)):
+                found.setdefault(path, fix)
+    if found:
+        devices = ", ".join(sorted(found))
+        fixes = "; ".join(dict.fromkeys(found.values()))
+        raise FailedPreconditionError(
+            f"process {pid} has {devices} open; CRIU cannot dump it: {fixes}",
+            reason="FORBIDDEN_DEVICE_OPEN",
+            metadata={"pid": str(pid), "devices": ",".join(sorted(found))},
+        )
+
+
+def check_nccl_env(pid: int, env: Mapping[str, str], *, engine: str | None = None, cmdline: Sequence[str] = ()) -> None:
+    """A rank of a multi-process tree carries the NCCL settings that keep checkpoint from hanging (FC-05/FC-06).
+
+    Call it for every CUDA process when the tree has more than one. Required: ``NCCL_P2P_DISABLE=1``,
+    ``NCCL_NVLS_ENABLE=0``, ``NCCL_SHM_DISABLE=1`` (the last also covers FC-06's SHM/cuMem-host hang); for
+    ``engine == "vllm"`` also ``VLLM_ALLREDUCE_USE_SYMM_MEM=0`` and, when ``cmdline`` is given and looks like a
+    vLLM server, ``--disable-custom-all-reduce``.
+
+    Args:
+        pid: the rank's PID.
+        env: its environment (``/proc/<pid>/environ``).
+        engine: ``"vllm"``, ``"sglang"``, ``"trtllm"`` or ``None``.
+        cmdline: its argv (only used for vLLM).
+
+    Raises:
+        FailedPreconditionError: reason ``NCCL_ENV_UNSAFE``, listing every missing ``NAME=value``.
+    """
+    required = dict(REQUIRED_NCCL_ENV)
+    if engine == "vllm":
+        required.update(REQUIRED_VLLM_ENV)
+    missing = [f"{k}={v}" for k, v in required.items() if env.get(k, "").strip() != v]
+    if engine == "vllm" and cmdline and any("vllm" in a for a in cmdline):
+        if "--disable-custom-all-reduce" not in cmdline:
+            missing.append("--disable-custom-all-reduce")
+    if missing:
+        raise FailedPreconditionError(
+            f"process {pid} is one rank of a multi-process CUDA tree but lacks {', '.join(missing)}; NCCL P2P, NVLS "
+            "and SHM transports make checkpoint hang (FC-05, FC-06): restart the worker with these settings",
+            reason="NCCL_ENV_UNSAFE",
+            metadata={"pid": str(pid), "missing": ",".join(missing)},
+        )
+
+
+def check_launch_job(pid: int, env: Mapping[str, str]) -> None:
+    """A rank of a multi-process CUDA tree was started under ``cuda-checkpoint --launch-job`` (FC-07).
+
+    Processes that share CUDA IPC memory can only be checkpointed as one job: the launch wrapper exports
+    ``CUDA_CHECKPOINT_JOB_FILE`` to every descendant.
+
+    Raises:
+        FailedPreconditionError: reason ``LAUNCH_JOB_MISSING``.
+    """
+    if not env.get("CUDA_CHECKPOINT_JOB_FILE"):
+        raise FailedPreconditionError(
+            f"process {pid} is one of several CUDA processes but was not started under `cuda-checkpoint "
+            "--launch-job` (no CUDA_CHECKPOINT_JOB_FILE); processes sharing CUDA IPC memory fail to restore (FC-07): "
+            "launch the worker tree with it (driver >= 590; CUDA IPC checkpoint needs >= 610)",
+            reason="LAUNCH_JOB_MISSING",
+            metadata={"pid": str(pid)},
+        )
+
+
+# --------------------------------------------------------------------------------------- combined checks
+
+
+@dataclass(frozen=True)
+class CaptureFacts:
+    """Everything :func:`check_capture` looks at, gathered before any PID is locked.
+
+    Attributes:
+        machine: ``uname -m``.
+        driver_version: NVIDIA driver version (NVML), e.g. ``"580.159.04"``.
+        gpus: the node's GPUs (NVML).
+        gpu_uuids: GPUs the tree's CUDA processes use.
+        cuda_pids: the tree's CUDA PIDs.
+        env_by_pid: environment of each CUDA PID.
+        open_paths_by_pid: open fd targets + mapped paths of every PID CRIU will dump.
+        mem_available_bytes: host ``MemAvailable`` in bytes (``gpusnap.daemon.drivers.host.mem_available_bytes``).
+        gpu_bytes: device memory the CUDA PIDs hold, in bytes.
+        image_bytes_in_ram: bytes of images that will sit in RAM (tmpfs), else 0.
+        mps_pipe_dir_exists: see :func:`check_mps_inactive` (per node; any CUDA PID).
+        mps_daemon_running: see :func:`check_mps_inactive`.
+        engine: adapter name (``"vllm"`` …) or ``None``.
+        cmdline_by_pid: argv of each CUDA PID (vLLM flag check).
+        require_launch_job: refuse multi-process trees without ``--launch-job`` (FC-07).
+    """
+
+    machine: str
+    driver_version: str
+    gpus: Sequence[GpuDevice]
+    gpu_uuids: Sequence[str]
+    cuda_pids: Sequence[int]
+    env_by_pid: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
+    open_paths_by_pid: Mapping[int, Sequence[str]] = field(default_factory=dict)
+    mem_available_bytes: int = 0
+    gpu_bytes: int = 0
+    image_bytes_in_ram: int = 0
+    mps_pipe_dir_exists: bool = False
+    mps_daemon_running: bool = False
+    engine: str | None = None
+    cmdline_by_pid: Mapping[int, Sequence[str]] = field(default_factory=dict)
+    require_launch_job: bool = True
+
+
+@dataclass(frozen=True)
+class RestoreFacts:
+    """Everything :func:`check_restore` looks at, gathered before CRIU restore.
+
+    Attributes:
+        machine: ``uname -m``.
+        driver_version: NVIDIA driver version (NVML).
+        gpus: the node's GPUs (NVML), with current free memory.
+        gpu_map: resolved ``old_uuid -> new_uuid`` (:func:`~gpusnap.daemon.gpu.gpumap.resolve_gpu_map`).
+        required_free_bytes: bytes needed per *source* GPU UUID (the snapshot's ``GpuProcess`` records).
+        mem_available_bytes: host ``MemAvailable`` in bytes.
+        image_bytes: bytes CRIU will read back into RAM (RSS + staged GPU memory), 0 to skip.
+        mps_daemon_running: see :func:`check_mps_inactive`.
+    """
+
+    machine: str
+    driver_version: str
+    gpus: Sequence[GpuDevice]
+    gpu_map: Mapping[str, str]
+    required_free_bytes: Mapping[str, int] = field(default_factory=dict)
+    mem_available_bytes: int = 0
+    image_bytes: int = 0
+    mps_daemon_running: bool = False
+
+
+def _run_all(checks: Sequence[tuple[str, Callable[[], None]]]) -> None:
+    errors: list[GpusnapError] = []
+    for _name, thunk in checks:
+        try:
+            thunk()
+        except GpusnapError as exc:
+            errors.append(exc)
+    if not errors:
+        return
+    if len(errors) == 1:
+        raise errors[0]
+    raise FailedPreconditionError(
+        f"{len(errors)} preflight checks failed: " + " | ".join(e.message for e in errors),
+        reason="PREFLIGHT_FAILED",
+        metadata={"reasons": ",".join(e.reason for e in errors)},
+    )
+
+
+def check_capture(facts: CaptureFacts) -> None:
+    """Run every capture check and report all failures together.
+
+    Order: machine, driver (≥ 570), MIG on the used GPUs, MPS, forbidden devices per PID, NCCL env and
+    launch-job per rank (only when more than one CUDA PID), host RAM.
+
+    Raises:
+        FailedPreconditionError / ResourceExhaustedError: the single failing check's error, or
+            ``FailedPreconditionError`` reason ``PREFLIGHT_FAILED`` (metadata ``reasons``) when several fail.
+    """
+    checks: list[tuple[str, Callable[[], None]]] = [
+        ("machine", lambda: check_machine(facts.machine)),
+        ("driver", lambda: check_driver_version(facts.driver_version)),
+        ("mig", lambda: check_no_mig(facts.gpus, facts.gpu_uuids)),
+    ]
+    # MPS: judge by the first CUDA PID whose environment names an MPS pipe directory, else the first CUDA PID.
+    mps_pid = next(
+        (p for p in facts.cuda_pids if facts.env_by_pid.get(p, {}).get("CUDA_MPS_PIPE_DIRECTORY")),
+        facts.cuda_pids[0] if facts.cuda_pids else None,
+    )
+    mps_env = facts.env_by_pid.get(mps_pid, {}) if mps_pid is not None else {}
+    checks.append(
+        (
+            "mps",
+            partial(
+                check_mps_inactive,
+                mps_env,
+                pipe_dir_exists=facts.mps_pipe_dir_exists,
+                mps_daemon_running=facts.mps_daemon_running,
+                pid=mps_pid,
+            ),
+        )
+    )
+    for pid, paths in facts.open_paths_by_pid.items():
+        checks.append((f"devices:{pid}", partial(check_no_forbidden_devices, pid, paths)))
+    if len(facts.cuda_pids) > 1:
+        for pid in facts.cuda_pids:
+            env = facts.env_by_pid.get(pid, {})
+            argv = facts.cmdline_by_pid.get(pid, ())
+            checks.append((f"nccl:{pid}", partial(check_nccl_env, pid, env, engine=facts.engine, cmdline=argv)))
+            if facts.require_launch_job:
+                checks.append((f"launch_job:{pid}", partial(check_launch_job, pid, env)))
+    checks.append(
+        (
+            "host_memory",
+            lambda: check_host_memory(
+                facts.mem_available_bytes, facts.gpu_bytes, image_bytes_in_ram=facts.image_bytes_in_ram
+            ),
+        )
+    )
+    _run_all(checks)
+
+
+def check_restore(facts: RestoreFacts) -> None:
+    """Run every restore check and report all failures together.
+
+    Order: machine, driver (≥ 580 if any pair is not identity, else ≥ 570), MIG on targets, MPS daemon, free
+    memory on each target GPU, host RAM for the images (when ``image_bytes`` > 0).
+
+    Raises:
+        As :func:`check_capture`.
+    """
+    pairs = {normalize_gpu_uuid(k): normalize_gpu_uuid(v) for k, v in facts.gpu_map.items()}
+    remapping = any(k != v for k, v in pairs.items())
+    need: dict[str, int] = {}
+    for raw_src, nbytes in facts.required_free_bytes.items():
+        src = normalize_gpu_uuid(raw_src)
+        target = pairs.get(src, src)
+        need[target] = need.get(target, 0) + nbytes
+    checks: list[tuple[str, Callable[[], None]]] = [
+        ("machine", lambda: check_machine(facts.machine)),
+        ("driver", lambda: check_driver_version(facts.driver_version, remapping=remapping)),
+        ("mig", lambda: check_no_mig(facts.gpus, pairs.values())),
+        ("mps", lambda: check_mps_inactive({}, pipe_dir_exists=False, mps_daemon_running=facts.mps_daemon_running)),
+        ("gpu_memory", lambda: check_gpu_memory(need, facts.gpus)),
+    ]
+    if facts.image_bytes:
+        checks.append(("host_memory", lambda: check_host_memory(facts.mem_available_bytes, facts.image_bytes)))
+    _run_all(checks)
+
+
+# --------------------------------------------------------------------------------------- fact readers
+
+
+def pid_alive(pid: int, proc_root: Path = Path("/proc")) -> bool:
+    """Whether ``pid`` exists and is not a zombie (``<proc_root>/<pid>/stat`` state not Z/X)."""
+    base = proc_root / str(pid)
+    if not base.is_dir():
+        return False
+    try:
+        text = (base / "stat").read_text()
+    except OSError:  # vanished meanwhile, or a fake tree without stat: trust the directory
+        return base.is_dir()
+    state = text.rpartition(")")[2].split()
+    return not (state and state[0] in ("Z", "X"))
+
+
+def open_paths(pid: int, proc_root: Path = Path("/proc")) -> list[str]:
+    """Targets of ``<proc_root>/<pid>/fd/*`` and file paths of ``<proc_root>/<pid>/maps``.
+
+    Args:
+        pid: the process.
+        proc_root: ``/proc`` or a fake tree (fd entries as symlinks, ``maps`` as text).
+
+    Returns:
+        Paths such as ``"/dev/nvidia0"``, ``"socket:[123]"``; `` (deleted)`` suffixes stripped; fds closed while
+        reading are skipped; empty when the process vanished.
+    """
+    base = proc_root / str(pid)
+    paths: list[str] = []
+    try:
+        fds = os.listdir(base / "fd")
+    except OSError:
+        fds = []
+    for fd in fds:
+        try:
+            paths.append(os.readlink(base / "fd" / fd))
+        except OSError:
+            continue
+    try:
+        maps = (base / "maps").read_text()
+    except OSError:
+        maps = ""
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            paths.append(parts[5].removesuffix(" (deleted)"))
+    return [p.removesuffix(" (deleted)") for p in dict.fromkeys(paths)]
+
+
+def read_environ(pid: int, proc_root: Path = Path("/proc")) -> dict[str, str]:
+    """``<proc_root>/<pid>/environ`` as a dict (the environment at exec time).
+
+    Raises:
+        OSError: unreadable (process gone, no permission).
+    """
+    raw = (proc_root / str(pid) / "environ").read_bytes()
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        if b"=" in item:
+            key, _, value = item.partition(b"=")
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def mps_pipe_dir_exists(pid: int, env: Mapping[str, str], proc_root: Path = Path("/proc")) -> bool:
+    """Whether the target's MPS pipe directory holds a ``control`` socket, seen from its mount namespace.
+
+    Args:
+        pid: the target.
+        env: its environment (``CUDA_MPS_PIPE_DIRECTORY`` or default ``/tmp/nvidia-mps``).
+        proc_root: ``/proc`` or a fake tree; the directory is looked up under ``<proc_root>/<pid>/root``.
+    """
+    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_MPS_PIPE_DIR
+    return (proc_root / str(pid) / "root" / pipe.lstrip("/") / "control").exists()
+
+
+def mps_daemon_running(proc_root: Path = Path("/proc")) -> bool:
+    """Whether an MPS daemon runs: some ``<proc_root>/<pid>/comm`` starts with ``nvidia-cuda-mps``.
+
+    ``comm`` is truncated to 15 characters, so ``nvidia-cuda-mps-control`` and ``nvidia-cuda-mps-server`` both
+    read ``nvidia-cuda-mps``.
+    """
+    try:
+        entries = os.listdir(proc_root)
+    except OSError:
+        return False
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            comm = (proc_root / entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        if comm.startswith("nvidia-cuda-mps"):
+            return True
+    return False
