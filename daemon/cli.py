@@ -183,16 +183,35 @@ def dump(obj: Ctx, pid: int, name: str, labels: tuple[str, ...], leave_running: 
         err_console.print(f"snapshot {snap.id} ({_size(snap.size_bytes)}): {_phase_summary(done)}", highlight=False)
 
 
+def _gpu_map(value: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, value.split(",")):
+        old, sep, new = item.partition("=")
+        if not sep or not old or not new:
+            raise click.BadParameter(f"{item!r} is not OLD=NEW (GPU UUIDs or indexes)", param_hint="--gpu-map")
+        out[old.strip()] = new.strip()
+    return out
+
+
+GPU_MAP_HELP = "move GPU state: OLD=NEW[,OLD=NEW…] (UUIDs or indexes); every checkpointed GPU must be named"
+
+
 @main.command()
 @click.argument("snapshot")
 @click.option("--host-pidns", is_flag=True, help="restore with the original PIDs in gpusnapd's PID namespace")
+@click.option("--gpu-map", default="", metavar="OLD=NEW,…", help=GPU_MAP_HELP)
 @click.option("--timeout", type=float, help="seconds for the whole restore [daemon default]")
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
-def restore(obj: Ctx, snapshot: str, host_pidns: bool, timeout: float | None, detach: bool) -> None:
-    """Restore SNAPSHOT (id or name) as a new process tree; prints the restored root's PID."""
+def restore(obj: Ctx, snapshot: str, host_pidns: bool, gpu_map: str, timeout: float | None, detach: bool) -> None:
+    """Restore SNAPSHOT (id or name) as a new process tree; prints the restored root's PID.
+
+    Without --gpu-map, GPU state returns to the original GPUs, or to free GPUs of the same model when
+    those are busy or absent.
+    """
+    mapping = _gpu_map(gpu_map)
     with obj.client() as client:
-        op = _run(lambda: client.restore(snapshot, host_pid_namespace=host_pidns, timeout_s=timeout))
+        op = _run(lambda: client.restore(snapshot, host_pid_namespace=host_pidns, gpu_map=mapping, timeout_s=timeout))
         if detach:
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
@@ -205,6 +224,40 @@ def restore(obj: Ctx, snapshot: str, host_pidns: bool, timeout: float | None, de
     else:
         click.echo(res.pid)
         err_console.print(f"restored {res.snapshot_id} as PID {res.pid}: {_phase_summary(done)}", highlight=False)
+
+
+@main.command()
+@click.argument("pid", type=int)
+@click.option("--gpu-lock-timeout", type=float, help="seconds to wait for CUDA work to drain [daemon default]")
+@click.pass_obj
+def suspend(obj: Ctx, pid: int, gpu_lock_timeout: float | None) -> None:
+    """Checkpoint the GPU state of the tree rooted at PID in place: GPU memory is freed, the processes live on."""
+    with obj.client() as client:
+        op = _run(lambda: client.suspend(pid, gpu_lock_timeout_s=gpu_lock_timeout))
+        done = _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
+    if obj.output == "json":
+        click.echo(_json(done))
+    else:
+        freed = sum(g.gpu_memory_bytes for g in done.suspend.gpu_processes)
+        click.echo(f"suspended {len(done.suspend.gpu_processes)} CUDA process(es), {_size(freed)} of GPU memory freed: "
+                   f"{_phase_summary(done)}")
+
+
+@main.command()
+@click.argument("pid", type=int)
+@click.option("--gpu-map", default="", metavar="OLD=NEW,…", help=GPU_MAP_HELP)
+@click.pass_obj
+def resume(obj: Ctx, pid: int, gpu_map: str) -> None:
+    """Bring back the GPU state of a suspended tree, optionally onto other GPUs."""
+    mapping = _gpu_map(gpu_map)
+    with obj.client() as client:
+        op = _run(lambda: client.resume(pid, gpu_map=mapping))
+        done = _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
+    if obj.output == "json":
+        click.echo(_json(done))
+    else:
+        moved = ", ".join(f"{k} -> {v}" for k, v in done.resume.gpu_map.items() if k != v) or "same GPUs"
+        click.echo(f"resumed PID {pid} ({moved}): {_phase_summary(done)}")
 
 
 @main.command("ls")

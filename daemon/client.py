@@ -115,6 +115,15 @@ class DaemonClient:
         )
         return self._call(self._ops.Restore, req).operation
 
+    def suspend(self, pid: int, *, gpu_lock_timeout_s: float | None = None) -> operations_pb2.Operation:
+        """Start suspending the GPU state of the tree rooted at ``pid`` in place."""
+        req = operations_pb2.SuspendRequest(pid=pid, gpu_lock_timeout=_duration(gpu_lock_timeout_s))
+        return self._call(self._ops.Suspend, req).operation
+
+    def resume(self, pid: int, *, gpu_map: Mapping[str, str] | None = None) -> operations_pb2.Operation:
+        """Start resuming a suspended tree, optionally onto other GPUs (``old -> new``, UUIDs or indexes)."""
+        return self._call(self._ops.Resume, operations_pb2.ResumeRequest(pid=pid, gpu_map=dict(gpu_map or {}))).operation
+
     def get_operation(self, op_id: str) -> operations_pb2.Operation:
         return self._call(self._ops.GetOperation, operations_pb2.GetOperationRequest(id=op_id)).operation
 

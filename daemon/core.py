@@ -17,7 +17,9 @@ from gpusnap.daemon.operations.base import OperationKind, OperationRecord
 from gpusnap.daemon.operations.checkpoint import host_facts, run_checkpoint
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.operations.restore import check_may_restore, run_restore
+from gpusnap.daemon.operations.suspend import run_resume, run_suspend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,9 @@ class NodeInfo:
     store_used_bytes: int
     snapshot_count: int
     criu_path: str
+    gpus: tuple[GpuDevice, ...] = ()
+    cuda_checkpoint_supported: bool = False
+    cuda_unavailable_reason: str = ""
 
 
 class Daemon:
@@ -72,6 +77,28 @@ class Daemon:
         record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid)
         return self.registry.start(record, (), lambda run: run_restore(run, self.deps, opts, caller))
 
+    def suspend(self, pid: int, caller: Caller, lock_timeout_s: float | None = None) -> OperationRecord:
+        """Validate and start a suspend (GPU state checkpointed in place).
+
+        Raises:
+            InvalidArgumentError, NotFoundError, PermissionDeniedError, AbortedError (tree busy).
+        """
+        validate.pid(pid)
+        proc.check_may_checkpoint(pid, caller)
+        record = OperationRecord(OperationKind.SUSPEND, target_pid=pid, owner_uid=caller.uid)
+        return self.registry.start(record, proc.tree_pids(pid), lambda run: run_suspend(run, self.deps, pid, lock_timeout_s))
+
+    def resume(self, pid: int, gpu_map: Mapping[str, str], caller: Caller) -> OperationRecord:
+        """Validate and start a resume of a suspended tree, optionally onto other GPUs.
+
+        Raises:
+            InvalidArgumentError, NotFoundError, PermissionDeniedError, AbortedError (tree busy).
+        """
+        validate.pid(pid)
+        proc.check_may_checkpoint(pid, caller)
+        record = OperationRecord(OperationKind.RESUME, target_pid=pid, owner_uid=caller.uid)
+        return self.registry.start(record, proc.tree_pids(pid), lambda run: run_resume(run, self.deps, pid, gpu_map))
+
     def operation(self, op_id: str, caller: Caller) -> OperationRecord:
         """An operation the caller may see (its own, or any for root)."""
         record = self.registry.get(op_id)
@@ -104,5 +131,8 @@ class Daemon:
             store_used_bytes=self.deps.store.used_bytes(),
             snapshot_count=len(snapshots),
             criu_path=self.deps.criu.binary,
+            gpus=tuple(self.deps.gpu.gpus()),
+            cuda_checkpoint_supported=self.deps.gpu.available,
+            cuda_unavailable_reason=self.deps.gpu.reason,
         )
 

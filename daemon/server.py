@@ -17,6 +17,7 @@ from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers.criu import CriuDriver
+from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.service.peercred import PeerCredProxy
@@ -62,7 +63,8 @@ def build_daemon(config: DaemonConfig) -> Running:
     criu_version = criu.require_supported()
     store = SnapshotStore(config.store)
     store.open()
-    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version)
+    gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout)
+    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu)
     daemon = Daemon(deps, OperationRegistry(max_workers=config.max_operations))
 
     private_dir = config.socket.parent / ".gpusnapd-private"
@@ -94,6 +96,8 @@ def build_daemon(config: DaemonConfig) -> Running:
         criu=config.criu_binary,
         criu_version=criu_version,
         listen=config.listen or None,
+        gpu=gpu.available,
+        gpu_reason=gpu.reason or None,
     )
     return Running(server=server, proxy=proxy, daemon=daemon, health=health_servicer)
 

@@ -1,7 +1,13 @@
 """Checkpoint: capture a live process tree into a new snapshot.
 
-Phases: ``preflight`` → ``dump`` (CRIU freezes the tree and writes images) → ``checksum`` →
-``publish`` → ``finish`` (CRIU kills the source, or resumes it with ``leave_running``).
+Phases: ``preflight`` → [``gpu-lock`` → ``gpu-checkpoint``] → ``dump`` (CRIU freezes the tree and
+writes images) → ``checksum`` → ``publish`` → ``finish`` (CRIU kills the source, or resumes it with
+``leave_running``) → [``gpu-resume`` with ``leave_running``].
+
+The GPU phases follow the CUDA driver's order (lock all → checkpoint all → CRIU dump; NVIDIA
+cuda-checkpoint README, and Dynamo Snapshot's agent): once checkpointed, a CUDA process holds no
+``/dev/nvidia*`` file and its device memory sits in host memory, so CRIU captures it as a CPU process.
+Any failure after the first lock restores and unlocks every CUDA process, so the source keeps running.
 
 ``checksum`` and ``publish`` run inside CRIU's ``post-dump`` notification, while the tree is still
 frozen: the source is killed only once its snapshot is durable, and if publishing fails CRIU resumes
@@ -20,10 +26,17 @@ from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.checksum import image_files
 
 
+TCP_LABEL = "gpusnap.dev/tcp"
+"""Label recording the checkpoint's TCP mode; restore uses the same mode."""
+
+
 def host_facts(deps: Deps) -> HostFacts:
     """Facts about this host for a manifest."""
     model, flags = host.cpu_model_and_flags()
+    driver, cuda = deps.gpu.driver_versions()
     return HostFacts(
+        nvidia_driver_version=driver,
+        cuda_driver_version=cuda,
         hostname=host.hostname(),
         kernel=host.kernel(),
         machine=host.machine(),
@@ -51,8 +64,22 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
         facts_host = host_facts(deps)
         ns_pid = proc.namespace_pid(opts.pid)
         enter_ns_of = opts.pid if ns_pid != opts.pid else 0
+        gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))
+        if gpu_tree:
+            deps.gpu.check_capture(gpu_tree, facts.tree_pids)
 
     run.on_failure("resume-source", lambda: _resume_source(list(facts.tree_pids)))
+    ctl = None
+    if gpu_tree:
+        ctl = deps.gpu.controller(gpu_tree.gpu_bytes)
+        lock_timeout_s = opts.gpu_lock_timeout_s or deps.config.gpu_lock_timeout
+        with run.phase("gpu-lock"):
+            ctl.lock_all(gpu_tree.cuda_pids, int(lock_timeout_s * 1000))
+        run.on_failure("gpu-rollback", lambda: ctl.rollback_to_running(gpu_tree.cuda_pids).raise_for_problems())
+        with run.phase("gpu-checkpoint") as progress:
+            ctl.checkpoint_all(gpu_tree.cuda_pids)
+            ctl.assert_ready_for_dump(gpu_tree.cuda_pids, facts.tree_pids)
+            progress.bytes = gpu_tree.gpu_bytes
     with deps.store.stage(opts.name) as staging:
         published: list[Snapshot] = []
 
@@ -66,12 +93,13 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                     id=staging.snapshot_id,
                     name=opts.name,
                     created=datetime.now(UTC),
-                    labels=dict(opts.labels),
+                    labels=_labels(opts),
                     source=facts,
                     host=facts_host,
                     files=files,
                     phases=tuple(run.record.phases),
                     owner_uid=owner_uid,
+                    gpu_processes=gpu_tree.processes if gpu_tree else (),
                 )
                 deps.store.publish(staging, snapshot)
             published.append(snapshot)
@@ -91,8 +119,18 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             on_post_dump=publish,
         )
         run.close_phase()
+    if ctl and gpu_tree and opts.leave_running:
+        with run.phase("gpu-resume"):
+            ctl.rollback_to_running(gpu_tree.cuda_pids).raise_for_problems()
+    run.drop_undo("gpu-rollback")
     run.drop_undo("unpublish")
     return published[0]
+
+
+def _labels(opts: CheckpointOptions) -> dict[str, str]:
+    """The caller's labels, plus the TCP mode when it is not the default (restore must use the same)."""
+    extra = {} if opts.tcp is TcpMode.REFUSE else {TCP_LABEL: opts.tcp.value}
+    return {**opts.labels, **extra}
 
 
 def _resume_source(pids: list[int]) -> None:

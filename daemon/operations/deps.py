@@ -6,6 +6,7 @@ import dataclasses
 
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.drivers.criu import CriuDriver
+from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.store import SnapshotStore
 
 
@@ -15,3 +16,4 @@ class Deps:
     store: SnapshotStore
     criu: CriuDriver
     criu_version: str
+    gpu: GpuSupport

@@ -1,9 +1,11 @@
 """Restore: bring a snapshot back as a new process tree.
 
-Phases: ``preflight`` (snapshot readable, caller allowed, host compatible) → ``verify`` (image sizes
-and sha256) → ``restore`` (CRIU, by default into a fresh PID namespace) → ``validate`` (every restored
-process exists and runs: CRIU's success alone is not trusted, see checkpoint-restore/criu#2525).
-A failure kills whatever was restored and keeps the snapshot.
+Phases: ``preflight`` (snapshot readable, caller allowed, host compatible, GPU map resolved and GPU
+preconditions met) → ``verify`` (image sizes and sha256) → ``restore`` (CRIU, by default into a fresh PID
+namespace) → [``gpu-restore`` (``cuCheckpointProcessRestore``, with ``gpuPairs`` when remapping) →
+``gpu-unlock``] → ``validate`` (every restored process exists and runs, every CUDA process is RUNNING:
+CRIU's success alone is not trusted, see checkpoint-restore/criu#2525 and #2993). A failure releases the
+GPUs of whatever was restored, kills it (in that order: cuda-checkpoint#53) and keeps the snapshot.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import os
 import signal
 
-from gpusnap.daemon.api.errors import FailedPreconditionError, PermissionDeniedError
-from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snapshot
+from gpusnap.daemon.api.errors import FailedPreconditionError, InvalidArgumentError, PermissionDeniedError
+from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import host, proc
+from gpusnap.daemon.gpu import gpumap, preflight
+from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.operations.base import PhaseRunner
+from gpusnap.daemon.operations.checkpoint import TCP_LABEL
 from gpusnap.daemon.operations.deps import Deps
 
 
@@ -54,6 +59,7 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         run.record.target_snapshot = snapshot.id
         check_may_restore(snapshot, caller)
         check_host_compatible(snapshot)
+        gpu_map = _resolve_gpu_map(deps, snapshot, opts)
     with run.phase("verify") as progress:
         deps.store.verify(snapshot)
         progress.bytes = snapshot.size_bytes
@@ -69,7 +75,27 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         progress.bytes = snapshot.size_bytes
         root = _host_root_pid(tree.init_pid, tree.ns_pid)
         run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, root))
+    ctl: GpuTreeController | None = None
+    cuda_pids: list[int] = []
+    if gpu_map is not None:
+        host_pid_of = {proc.namespace_pid(p): p for p in proc.tree_pids(root)}
+        cuda_pids = [host_pid_of[g.pid] for g in snapshot.gpu_processes if g.pid in host_pid_of]
+        if len(cuda_pids) != len(snapshot.gpu_processes):
+            raise FailedPreconditionError(
+                f"restore of {snapshot.id} lacks CUDA processes {[g.pid for g in snapshot.gpu_processes]}",
+                reason="RESTORE_INCOMPLETE",
+            )
+        ctl = deps.gpu.controller(sum(g.gpu_memory_bytes for g in snapshot.gpu_processes))
+        lock_ms = int(deps.config.gpu_lock_timeout * 1000)
+        run.on_failure("release-gpus", lambda: ctl.release_gpus_for_kill(cuda_pids, lock_timeout_ms=lock_ms))
+        with run.phase("gpu-restore") as progress:
+            ctl.restore_all(cuda_pids, gpumap.gpu_pairs_for_restore(gpu_map))
+            progress.bytes = sum(g.gpu_memory_bytes for g in snapshot.gpu_processes)
+        with run.phase("gpu-unlock"):
+            ctl.unlock_all(cuda_pids)
     with run.phase("validate"):
+        if ctl is not None:
+            ctl.verify_running(cuda_pids)
         pids = proc.tree_pids(root)
         expected = len(snapshot.source.tree_pids)
         if len(pids) != expected:
@@ -81,11 +107,46 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
     return RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid)
 
 
-def _tcp_mode_of(snapshot: Snapshot):  # type: ignore[no-untyped-def]
-    from gpusnap.daemon.api.types import TcpMode
+def _tcp_mode_of(snapshot: Snapshot) -> TcpMode:
+    return TcpMode(snapshot.labels.get(TCP_LABEL, TcpMode.REFUSE.value))
 
-    mode = snapshot.labels.get("gpusnap.dev/tcp", TcpMode.REFUSE.value)
-    return TcpMode(mode)
+
+def _resolve_gpu_map(deps: Deps, snapshot: Snapshot, opts: RestoreOptions) -> dict[str, str] | None:
+    """Where each checkpointed GPU goes (``None`` for a CPU-only snapshot), after the GPU preflight.
+
+    Raises:
+        InvalidArgumentError: a GPU map for a snapshot without GPU state, or a malformed/incomplete map.
+        FailedPreconditionError, ResourceExhaustedError: see :func:`gpumap.resolve_gpu_map` and
+            :func:`preflight.check_restore`.
+    """
+    if not snapshot.gpu_processes:
+        if opts.gpu_map:
+            raise InvalidArgumentError(
+                f"snapshot {snapshot.id} holds no GPU state; drop --gpu-map", reason="GPU_MAP_UNEXPECTED"
+            )
+        return None
+    deps.gpu.require(f"restoring snapshot {snapshot.id} (it holds GPU state)")
+    gpus = deps.gpu.gpus()
+    need: dict[str, int] = {}
+    for g in snapshot.gpu_processes:
+        for uuid in g.gpu_uuids:
+            need[uuid] = need.get(uuid, 0) + g.gpu_memory_bytes // max(1, len(g.gpu_uuids))
+    uuids = list(dict.fromkeys(u for g in snapshot.gpu_processes for u in g.gpu_uuids))
+    resolved = gpumap.resolve_gpu_map(opts.gpu_map, uuids, gpus, required_free_bytes=need)
+    driver, _ = deps.gpu.driver_versions()
+    preflight.check_restore(
+        preflight.RestoreFacts(
+            machine=host.machine(),
+            driver_version=driver,
+            gpus=gpus,
+            gpu_map=resolved,
+            required_free_bytes=need,
+            mem_available_bytes=host.mem_available_bytes(),
+            image_bytes=snapshot.size_bytes,
+            mps_daemon_running=preflight.mps_daemon_running(),
+        )
+    )
+    return resolved
 
 
 def _host_root_pid(init_pid: int, ns_pid: int) -> int:

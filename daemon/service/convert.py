@@ -9,6 +9,7 @@ from google.protobuf import timestamp_pb2
 from gpusnap.daemon._proto import node_pb2, operations_pb2, types_pb2
 from gpusnap.daemon.api.types import (
     CheckpointOptions,
+    GpuProcess,
     HostFacts,
     PhaseTiming,
     RestoreOptions,
@@ -114,10 +115,7 @@ def snapshot(s: Snapshot) -> types_pb2.Snapshot:
         phases=[phase(p) for p in s.phases],
         owner_uid=s.owner_uid,
         manifest_version=1,
-        gpu_processes=[
-            types_pb2.GpuProcess(pid=g.pid, gpu_uuids=list(g.gpu_uuids), gpu_memory_bytes=g.gpu_memory_bytes)
-            for g in s.gpu_processes
-        ],
+        gpu_processes=[gpu_process(g) for g in s.gpu_processes],
     )
 
 
@@ -138,6 +136,10 @@ def operation(r: OperationRecord) -> operations_pb2.Operation:
         msg.error.CopyFrom(to_status_proto(r.error))
     if isinstance(r.result, Snapshot):
         msg.snapshot.CopyFrom(snapshot(r.result))
+    elif r.kind is OperationKind.SUSPEND and isinstance(r.result, tuple):
+        msg.suspend.CopyFrom(operations_pb2.SuspendResult(gpu_processes=[gpu_process(g) for g in r.result]))
+    elif r.kind is OperationKind.RESUME and isinstance(r.result, dict):
+        msg.resume.CopyFrom(operations_pb2.ResumeResult(gpu_map=r.result))
     elif isinstance(r.result, RestoreResult):
         msg.restore.CopyFrom(
             operations_pb2.RestoreResult(
@@ -171,4 +173,24 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
         store_used_bytes=n.store_used_bytes,
         snapshot_count=n.snapshot_count,
         criu_path=n.criu_path,
+        gpus=[
+            types_pb2.GpuInfo(
+                index=g.index,
+                uuid=g.uuid,
+                name=g.name,
+                memory_total_bytes=g.memory_total_bytes,
+                memory_free_bytes=g.memory_free_bytes,
+                persistence_mode=g.persistence_mode,
+                mig_mode=g.mig_mode,
+                pci_bus_id=g.pci_bus_id,
+                processes=[types_pb2.GpuComputeProcess(pid=p, used_memory_bytes=b) for p, b in g.processes],
+            )
+            for g in n.gpus
+        ],
+        cuda_checkpoint_supported=n.cuda_checkpoint_supported,
+        cuda_unavailable_reason=n.cuda_unavailable_reason,
     )
+
+
+def gpu_process(g: GpuProcess) -> types_pb2.GpuProcess:
+    return types_pb2.GpuProcess(pid=g.pid, gpu_uuids=list(g.gpu_uuids), gpu_memory_bytes=g.gpu_memory_bytes)

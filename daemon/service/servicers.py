@@ -61,6 +61,17 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
         return operations_pb2.RestoreResponse(operation=convert.operation(record))
 
     @_rpc
+    def Suspend(self, request: operations_pb2.SuspendRequest, context: grpc.ServicerContext) -> operations_pb2.SuspendResponse:
+        timeout = request.gpu_lock_timeout.ToTimedelta().total_seconds() if request.HasField("gpu_lock_timeout") else None
+        record = self.daemon.suspend(request.pid, self.caller(context), timeout)
+        return operations_pb2.SuspendResponse(operation=convert.operation(record))
+
+    @_rpc
+    def Resume(self, request: operations_pb2.ResumeRequest, context: grpc.ServicerContext) -> operations_pb2.ResumeResponse:
+        record = self.daemon.resume(request.pid, dict(request.gpu_map), self.caller(context))
+        return operations_pb2.ResumeResponse(operation=convert.operation(record))
+
+    @_rpc
     def GetOperation(self, request: operations_pb2.GetOperationRequest, context: grpc.ServicerContext) -> operations_pb2.GetOperationResponse:
         record = self.daemon.operation(request.id, self.caller(context))
         return operations_pb2.GetOperationResponse(operation=convert.operation(record))

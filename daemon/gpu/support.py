@@ -1,0 +1,159 @@
+"""GpuSupport: this node's GPU capability as operations see it, and the GPU phases they share.
+
+Built once at daemon start (``cuInit`` there, which restore needs unless persistence mode is on). On a
+host without an NVIDIA driver it records why, and every GPU-touching request fails with that reason,
+while CPU-only process trees are checkpointed as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterable, Sequence
+
+import structlog
+
+from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError
+from gpusnap.daemon.api.types import GpuProcess
+from gpusnap.daemon.drivers import host
+from gpusnap.daemon.drivers.cuda import CudaCheckpointApi, CudaDriver
+from gpusnap.daemon.drivers.nvml import GpuDevice, NvmlDriver
+from gpusnap.daemon.gpu import preflight
+from gpusnap.daemon.gpu.controller import GpuTreeController, suggest_transfer_timeout_s
+
+log = structlog.get_logger(__name__)
+
+NVIDIA_DEVICE_PREFIX = "/dev/nvidia"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTree:
+    """The CUDA side of one process tree: its CUDA PIDs and what each holds on which GPU."""
+
+    cuda_pids: tuple[int, ...]
+    processes: tuple[GpuProcess, ...]
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(p.gpu_memory_bytes for p in self.processes)
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(u for p in self.processes for u in p.gpu_uuids))
+
+
+class GpuSupport:
+    """CUDA checkpoint driver + NVML, or the reason this node has neither.
+
+    Args:
+        cuda: the checkpoint API (``CudaDriver``; a fake in tests), ``None`` when unavailable.
+        nvml: NVML facts, ``None`` when unavailable.
+        reason: why GPU support is missing (empty when present).
+        call_timeout_s: deadline for quick driver calls, seconds.
+    """
+
+    def __init__(self, cuda: CudaCheckpointApi | None, nvml: NvmlDriver | None, reason: str, *, call_timeout_s: float):
+        self.cuda = cuda
+        self.nvml = nvml
+        self.reason = reason
+        self.call_timeout_s = call_timeout_s
+        self.suspended: dict[int, GpuTree] = {}
+        """Trees suspended in place, by root PID (for ``Resume``)."""
+        self._lock = threading.Lock()
+
+    @classmethod
+    def probe(cls, call_timeout_s: float) -> GpuSupport:
+        """Initialise the CUDA driver and NVML; never raises (a CPU-only node gets a reason instead)."""
+        nvml = NvmlDriver()
+        if not nvml.available():
+            reason = nvml.unavailable_reason or "NVML unavailable"
+            log.info("gpu.unavailable", reason=reason)
+            return cls(None, None, reason, call_timeout_s=call_timeout_s)
+        cuda = CudaDriver()
+        try:
+            cuda.init()
+        except GpusnapError as exc:
+            log.warning("gpu.cuda_unavailable", reason=str(exc))
+            return cls(None, nvml, str(exc), call_timeout_s=call_timeout_s)
+        log.info("gpu.ready", driver=nvml.driver_version(), cuda=cuda.driver_version_string, gpus=len(nvml.gpus()))
+        return cls(cuda, nvml, "", call_timeout_s=call_timeout_s)
+
+    @property
+    def available(self) -> bool:
+        return self.cuda is not None and self.nvml is not None
+
+    def require(self, what: str) -> tuple[CudaCheckpointApi, NvmlDriver]:
+        """The driver pair, or FailedPreconditionError (reason ``GPU_UNAVAILABLE``) naming ``what`` needed it."""
+        if self.cuda is None or self.nvml is None:
+            raise FailedPreconditionError(
+                f"{what} needs the NVIDIA driver (>= 570) and NVML, which gpusnapd could not use: {self.reason}",
+                reason="GPU_UNAVAILABLE",
+            )
+        return self.cuda, self.nvml
+
+    def gpus(self) -> list[GpuDevice]:
+        return self.nvml.gpus() if self.nvml is not None and self.nvml.available() else []
+
+    def driver_versions(self) -> tuple[str, str]:
+        """(NVIDIA driver version, CUDA driver version) or empty strings."""
+        if self.nvml is None or not self.nvml.available():
+            return "", ""
+        return self.nvml.driver_version(), self.nvml.cuda_driver_version()
+
+    def controller(self, gpu_bytes: int = 0) -> GpuTreeController:
+        cuda, _ = self.require("this operation")
+        return GpuTreeController(
+            cuda, call_timeout_s=self.call_timeout_s, transfer_timeout_s=suggest_transfer_timeout_s(gpu_bytes)
+        )
+
+    def find_tree(self, tree_pids: Sequence[int]) -> GpuTree | None:
+        """The CUDA side of ``tree_pids``; ``None`` for a CPU-only tree.
+
+        Raises:
+            FailedPreconditionError: the tree holds ``/dev/nvidia*`` but GPU support is missing (reason
+                ``GPU_UNAVAILABLE``), or a GPU user is not checkpointable.
+        """
+        if not self.available:
+            users = [p for p in tree_pids if _uses_nvidia_devices(p)]
+            if users:
+                self.require(f"process(es) {', '.join(map(str, users))} hold NVIDIA devices; checkpointing them")
+            return None
+        cuda, nvml = self.require("GPU capture")
+        usage = nvml.processes_by_pid()
+        ctl = self.controller()
+        cuda_pids = ctl.find_cuda_pids(tree_pids, nvml_pids=[p for p in tree_pids if p in usage])
+        if not cuda_pids:
+            return None
+        processes = tuple(
+            GpuProcess(
+                pid=p,
+                gpu_uuids=tuple(u for u, _ in usage.get(p, [])),
+                gpu_memory_bytes=sum(b for _, b in usage.get(p, [])),
+            )
+            for p in cuda_pids
+        )
+        return GpuTree(cuda_pids=tuple(cuda_pids), processes=processes)
+
+    def check_capture(self, tree: GpuTree, tree_pids: Iterable[int]) -> None:
+        """Every capture precondition (driver, MIG, MPS, devices, NCCL, host RAM) before anything is locked."""
+        driver, _ = self.driver_versions()
+        facts = preflight.CaptureFacts(
+            machine=host.machine(),
+            driver_version=driver,
+            gpus=self.gpus(),
+            gpu_uuids=tree.uuids,
+            cuda_pids=tree.cuda_pids,
+            env_by_pid={p: preflight.read_environ(p) for p in tree.cuda_pids},
+            open_paths_by_pid={p: preflight.open_paths(p) for p in tree_pids},
+            mem_available_bytes=host.mem_available_bytes(),
+            gpu_bytes=tree.gpu_bytes,
+            mps_daemon_running=preflight.mps_daemon_running(),
+        )
+        preflight.check_capture(facts)
+
+
+def _uses_nvidia_devices(pid: int) -> bool:
+    try:
+        return any(p.startswith(NVIDIA_DEVICE_PREFIX) for p in preflight.open_paths(pid))
+    except OSError:
+        return False

@@ -1,0 +1,91 @@
+"""Suspend and resume: checkpoint a process tree's GPU state in place, and bring it back.
+
+Suspend: ``preflight`` → ``gpu-lock`` → ``gpu-checkpoint``. Device memory is copied to host memory and
+released; the processes stay alive on the CPU (their CUDA calls block until resumed). Resume:
+``preflight`` (GPU map) → ``gpu-restore`` (``gpuPairs`` when moving to other GPUs) → ``gpu-unlock`` →
+``validate`` (every CUDA process RUNNING). A failed suspend leaves every process RUNNING.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gpusnap.daemon.api.errors import FailedPreconditionError
+from gpusnap.daemon.api.types import GpuProcess
+from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.drivers.cuda import ProcessState
+from gpusnap.daemon.gpu import gpumap
+from gpusnap.daemon.gpu.support import GpuTree
+from gpusnap.daemon.operations.base import PhaseRunner
+from gpusnap.daemon.operations.deps import Deps
+
+
+def run_suspend(run: PhaseRunner, deps: Deps, pid: int, lock_timeout_s: float | None) -> tuple[GpuProcess, ...]:
+    """The body of a suspend operation; returns what was checkpointed.
+
+    Raises:
+        FailedPreconditionError: no GPU support, no CUDA process in the tree (reason ``NO_CUDA_PROCESS``),
+            or a capture precondition.
+    """
+    with run.phase("preflight"):
+        deps.gpu.require("suspend")
+        tree_pids = proc.tree_pids(pid)
+        tree = deps.gpu.find_tree(tree_pids)
+        if tree is None:
+            raise FailedPreconditionError(
+                f"the tree of PID {pid} has no CUDA process to suspend", reason="NO_CUDA_PROCESS", metadata={"pid": str(pid)}
+            )
+        deps.gpu.check_capture(tree, tree_pids)
+    ctl = deps.gpu.controller(tree.gpu_bytes)
+    timeout_ms = int((lock_timeout_s or deps.config.gpu_lock_timeout) * 1000)
+    with run.phase("gpu-lock"):
+        ctl.lock_all(tree.cuda_pids, timeout_ms)
+    run.on_failure("gpu-rollback", lambda: ctl.rollback_to_running(tree.cuda_pids).raise_for_problems())
+    with run.phase("gpu-checkpoint") as progress:
+        ctl.checkpoint_all(tree.cuda_pids)
+        progress.bytes = tree.gpu_bytes
+    deps.gpu.suspended[pid] = tree
+    return tree.processes
+
+
+def run_resume(run: PhaseRunner, deps: Deps, pid: int, requested_map: Mapping[str, str]) -> dict[str, str]:
+    """The body of a resume operation; returns the GPU map used (old UUID → new UUID).
+
+    Raises:
+        FailedPreconditionError: no GPU support, or no suspended CUDA process in the tree (reason ``NOT_SUSPENDED``).
+        InvalidArgumentError, ResourceExhaustedError: the GPU map (see :func:`gpumap.resolve_gpu_map`).
+    """
+    with run.phase("preflight"):
+        cuda, _ = deps.gpu.require("resume")
+        tree_pids = proc.tree_pids(pid)
+        known = deps.gpu.suspended.get(pid)
+        suspended = [p for p in tree_pids if _state(cuda, p) is ProcessState.CHECKPOINTED]
+        if not suspended:
+            raise FailedPreconditionError(
+                f"no process of the tree of PID {pid} is suspended (CHECKPOINTED); suspend it first with `gpusnap suspend {pid}`",
+                reason="NOT_SUSPENDED",
+                metadata={"pid": str(pid)},
+            )
+        tree = known or GpuTree(cuda_pids=tuple(suspended), processes=())
+        need: dict[str, int] = {}
+        for g in tree.processes:
+            for uuid in g.gpu_uuids:
+                need[uuid] = need.get(uuid, 0) + g.gpu_memory_bytes // max(1, len(g.gpu_uuids))
+        gpu_map = gpumap.resolve_gpu_map(requested_map, tree.uuids, deps.gpu.gpus(), required_free_bytes=need) if tree.uuids else {}
+    ctl = deps.gpu.controller(tree.gpu_bytes)
+    with run.phase("gpu-restore") as progress:
+        ctl.restore_all(suspended, gpumap.gpu_pairs_for_restore(gpu_map))
+        progress.bytes = tree.gpu_bytes
+    with run.phase("gpu-unlock"):
+        ctl.unlock_all(suspended)
+    with run.phase("validate"):
+        ctl.verify_running(suspended)
+    deps.gpu.suspended.pop(pid, None)
+    return gpu_map
+
+
+def _state(cuda: object, pid: int) -> ProcessState | None:
+    try:
+        return cuda.get_state(pid)  # type: ignore[attr-defined, no-any-return]
+    except Exception:  # not a CUDA process
+        return None
