@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-gpu typecheck proto criu venv install-service bench-gpu bench-gpu-engine clean help
+.PHONY: run test test-gpu typecheck proto criu venv install-service bench-gpu clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -32,8 +32,19 @@ run: venv criu ## run gpusnapd in the foreground (socket build/run/gpusnapd.sock
 test: venv criu ## run the test suite (real CRIU; no GPU needed)
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) -m pytest -q
 
-test-gpu: ## run the GPU tests (needs an NVIDIA GPU, driver >= 580)
-	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider $(PYTEST_ARGS)
+# GPU machines run the tests with their own python3 (it has torch); gpusnap is put on PYTHONPATH
+# through a link tree when it is not installed there.
+PKG_LINKS := build/pkg/gpusnap
+GPU_ENV = GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) PYTHONPATH=$(CURDIR)/build/pkg:$(CRIU_PREFIX)/python:$$PYTHONPATH
+
+$(PKG_LINKS):
+	mkdir -p $@ && ln -sfn ../../../daemon $@/daemon && ln -sfn ../../../adapters $@/adapters
+
+test-gpu: $(PKG_LINKS) ## run the GPU tests (needs an NVIDIA GPU, driver >= 580, CRIU in .criu)
+	$(GPU_ENV) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
+
+bench-gpu: $(PKG_LINKS) ## GPU checkpoint/restore phase timings for 2, 16, 64 GiB -> bench/results/*.json
+	$(GPU_ENV) $(PYTHON) bench/gpu_bench.py --sizes $(or $(SIZES),2,16,64) $(BENCH_ARGS)
 
 typecheck: venv ## mypy --strict over the gpusnap package
 	rm -rf .mypy_src && mkdir -p .mypy_src/gpusnap
