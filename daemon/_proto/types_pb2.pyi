@@ -134,7 +134,7 @@ class ImageFile(_message.Message):
     """relative to the snapshot's images directory"""
     size_bytes: _builtins.int
     sha256: _builtins.str
-    """lowercase hex"""
+    """lowercase hex SHA-256 hash-list digest: sha256("16777216:" + sha256 of each 16 MiB chunk)"""
     def __init__(
         self,
         *,

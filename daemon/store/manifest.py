@@ -7,11 +7,13 @@ Schema (``manifest_version`` 1)::
      "source": {pid, comm, cmdline, uid, gid, tree_pids, rss_bytes, cwd},
      "host": {hostname, kernel, machine, criu_version, gpusnap_version, cpu_model, cpu_flags,
               nvidia_driver_version, cuda_driver_version},
+     "digest_algorithm": "sha256-list-16MiB",
      "files": [{"path": "pages-1.img", "size_bytes": 4096, "sha256": "…"}],
      "phases": [{"phase": "dump", "duration_seconds": 1.2, "bytes": 0}],
      "gpu_processes": [{"pid": 1234, "gpu_uuids": ["GPU-…"], "gpu_memory_bytes": 0}]}
 
-Readers refuse versions they do not know instead of guessing.
+``files[].sha256`` is computed with ``digest_algorithm`` (see ``gpusnap.daemon.store.checksum``).
+Readers refuse versions and digest algorithms they do not know instead of guessing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.api.errors import DataLossError
+from gpusnap.daemon.store.checksum import DIGEST_ALGORITHM
 from gpusnap.daemon.api.types import GpuProcess, HostFacts, ImageFile, PhaseTiming, ProcessFacts, Snapshot
 
 MANIFEST_VERSION = 1
@@ -41,6 +44,7 @@ def to_json(snapshot: Snapshot) -> dict[str, Any]:
         "owner_uid": snapshot.owner_uid,
         "source": _fields(snapshot.source),
         "host": _fields(snapshot.host),
+        "digest_algorithm": DIGEST_ALGORITHM,
         "files": [_fields(f) for f in snapshot.files],
         "phases": [_fields(p) for p in snapshot.phases],
         "gpu_processes": [_fields(g) for g in snapshot.gpu_processes],
@@ -57,6 +61,12 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
     if version != MANIFEST_VERSION:
         raise DataLossError(
             f"manifest version {version!r} is not supported by this gpusnap (knows {MANIFEST_VERSION}); "
+            "upgrade gpusnap or delete the snapshot",
+            reason="MANIFEST_VERSION",
+        )
+    if doc.get("digest_algorithm") != DIGEST_ALGORITHM:
+        raise DataLossError(
+            f"manifest digest algorithm {doc.get('digest_algorithm')!r} is not supported (knows {DIGEST_ALGORITHM}); "
             "upgrade gpusnap or delete the snapshot",
             reason="MANIFEST_VERSION",
         )

@@ -1,0 +1,89 @@
+"""SnapshotStore: staging, atomic publish, names, listing and damage handling."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon.api.errors import AlreadyExistsError, DataLossError, FailedPreconditionError, NotFoundError
+from gpusnap.daemon.api.types import HostFacts, ProcessFacts, Snapshot
+from gpusnap.daemon.store import SnapshotStore, checksum, manifest
+
+
+def _snapshot(snapshot_id: str, name: str, images: Path) -> Snapshot:
+    return Snapshot(
+        id=snapshot_id, name=name, created=datetime.now(UTC), labels={"k": "v"},
+        source=ProcessFacts(pid=42, comm="x", cmdline=("x",), uid=0, gid=0, tree_pids=(42,), rss_bytes=1, cwd="/"),
+        host=HostFacts(hostname="h", kernel="k", machine="x86_64", criu_version="4.2.1", gpusnap_version="0",
+                       cpu_model="cpu", cpu_flags=("sse",)),
+        files=checksum.image_files(images), phases=(), owner_uid=0,
+    )
+
+
+def _publish(store: SnapshotStore, name: str = "", content: bytes = b"pages") -> Snapshot:
+    with store.stage(name) as staging:
+        (staging.images / "pages-1.img").write_bytes(content)
+        return store.publish(staging, _snapshot(staging.snapshot_id, name, staging.images))
+
+
+def test_publish_list_get_delete(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "s")
+    store.open()
+    snap = _publish(store, "alpha")
+    assert [s.id for s in store.list()] == [snap.id]
+    assert store.get("alpha") == store.get(snap.id) == snap
+    assert store.list({"k": "v"}) and not store.list({"k": "other"})
+    assert (tmp_path / "s").stat().st_mode & 0o777 == 0o700
+    store.verify(snap)
+    assert store.delete("alpha") == snap.id
+    with pytest.raises(NotFoundError):
+        store.get(snap.id)
+
+
+def test_failed_staging_leaves_nothing(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "s")
+    store.open()
+    with pytest.raises(RuntimeError):
+        with store.stage("beta") as staging:
+            (staging.images / "pages-1.img").write_bytes(b"half")
+            raise RuntimeError("dump failed")
+    assert store.list() == [] and list(store.staging_dir.iterdir()) == []
+    _publish(store, "beta")  # the name was released
+
+
+def test_names_are_reserved_while_staging(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "s")
+    store.open()
+    with store.stage("gamma"):
+        with pytest.raises(AlreadyExistsError):
+            store.check_name_free("gamma")
+        with pytest.raises(AlreadyExistsError):
+            with store.stage("gamma"):
+                pass
+
+
+def test_store_lock_and_leftovers(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "s")
+    store.open()
+    other = SnapshotStore(tmp_path / "s")
+    with pytest.raises(FailedPreconditionError):
+        other.open()
+    store.close()
+    (store.staging_dir / "snap-x").mkdir()
+    other.open()
+    assert list(other.staging_dir.iterdir()) == []
+
+
+def test_manifest_round_trip_and_refusals(tmp_path: Path) -> None:
+    (tmp_path / "img").mkdir()
+    snap = _snapshot("snap-" + "a" * 26, "n", tmp_path / "img")
+    assert manifest.from_json(manifest.to_json(snap)) == snap
+    doc = manifest.to_json(snap)
+    with pytest.raises(DataLossError):
+        manifest.from_json({**doc, "manifest_version": 99})
+    with pytest.raises(DataLossError):
+        manifest.from_json({**doc, "digest_algorithm": "md5"})
+    with pytest.raises(DataLossError):
+        manifest.from_json({k: v for k, v in doc.items() if k != "source"})
