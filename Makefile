@@ -29,7 +29,7 @@ run: venv criu ## run gpusnapd in the foreground (socket build/run/gpusnapd.sock
 	$(VENV)/bin/gpusnapd --socket $(SOCKET) --store $(STORE) --criu $(CRIU_PREFIX)/bin/criu \
 		--pycriu-path $(CRIU_PREFIX)/python --log-format console
 
-test: venv criu ## run the test suite (real CRIU; no GPU needed)
+test: venv criu typecheck ## type-check, then run the test suite (real CRIU; no GPU needed)
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) -m pytest -q
 
 # GPU machines run the tests with their own python3 (it has torch); gpusnap is put on PYTHONPATH

@@ -171,7 +171,7 @@ def dump(obj: Ctx, pid: int, name: str, labels: tuple[str, ...], leave_running: 
         op = _run(lambda: client.checkpoint(pid, name=name, labels=_labels(labels), leave_running=leave_running,
                                             tcp=tcp, timeout_s=timeout, gpu_lock_timeout_s=gpu_lock_timeout))
         if detach:
-            click.echo(_json({"operation": op.id}) if obj.output == "json" else op.id)  # type: ignore[arg-type]
+            click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
         done = _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
     snap = done.snapshot

@@ -7,9 +7,9 @@ by :meth:`DaemonClient.wait`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2
@@ -19,6 +19,8 @@ from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc, types_pb2
 from gpusnap.daemon.api.errors import Code, GpusnapError, UnavailableError
 from gpusnap.daemon.config import DEFAULT_SOCKET
 from gpusnap.daemon.service.errors import from_rpc_error, from_status_proto
+
+R = TypeVar("R")
 
 TCP_MODES = {
     "refuse": operations_pb2.TCP_MODE_UNSPECIFIED,
@@ -62,7 +64,7 @@ class DaemonClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Any, request: Any, timeout: float | None = 60.0) -> Any:
+    def _call(self, method: Callable[..., R], request: Any, timeout: float | None = 60.0) -> R:
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as exc:

@@ -170,7 +170,7 @@ class CriuDriver:
             opts["tcp_established"] = True
         elif tcp is TcpMode.CLOSE:
             opts["tcp_close"] = True
-        req = {"action": "dump", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts}
+        req: dict[str, Any] = {"action": "dump", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts}
         if enter_ns_of:
             req["enter_ns_of"] = enter_ns_of
         self._run(req, work_dir / "dump.log", timeout_s, on_start=on_start, on_notify=_notify_handler(on_post_dump))

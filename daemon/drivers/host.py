@@ -13,7 +13,7 @@ from gpusnap.daemon import __version__
 @functools.cache
 def cpu_model_and_flags() -> tuple[str, tuple[str, ...]]:
     """The first CPU's ``model name`` and sorted ``flags`` from /proc/cpuinfo."""
-    model, flags = "", ()
+    model, flags = "", tuple[str, ...]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")

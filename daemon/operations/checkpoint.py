@@ -103,7 +103,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                 )
                 deps.store.publish(staging, snapshot)
             published.append(snapshot)
-            run.on_failure("unpublish", lambda: deps.store.delete(snapshot.id))
+            run.on_failure("unpublish", lambda: _unpublish(deps, snapshot.id))
             run.open_phase("finish")
 
         run.open_phase("dump")
@@ -125,6 +125,10 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
     run.drop_undo("gpu-rollback")
     run.drop_undo("unpublish")
     return published[0]
+
+
+def _unpublish(deps: Deps, snapshot_id: str) -> None:
+    deps.store.delete(snapshot_id)
 
 
 def _labels(opts: CheckpointOptions) -> dict[str, str]:

@@ -87,7 +87,8 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
             )
         ctl = deps.gpu.controller(sum(g.gpu_memory_bytes for g in snapshot.gpu_processes))
         lock_ms = int(deps.config.gpu_lock_timeout * 1000)
-        run.on_failure("release-gpus", lambda: ctl.release_gpus_for_kill(cuda_pids, lock_timeout_ms=lock_ms))
+        release = ctl.release_gpus_for_kill
+        run.on_failure("release-gpus", lambda: release(cuda_pids, lock_timeout_ms=lock_ms).raise_for_problems())
         with run.phase("gpu-restore") as progress:
             ctl.restore_all(cuda_pids, gpumap.gpu_pairs_for_restore(gpu_map))
             progress.bytes = sum(g.gpu_memory_bytes for g in snapshot.gpu_processes)

@@ -7,6 +7,8 @@ The server sends a ``google.rpc.Status`` whose details carry a ``google.rpc.Erro
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
@@ -42,11 +44,12 @@ def from_status_proto(status: status_pb2.Status) -> GpusnapError:
 
 def from_rpc_error(exc: grpc.RpcError) -> GpusnapError:
     """Rebuild the domain error from a failed call (client side)."""
-    status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    call: Any = exc  # a failed call is both an RpcError and a grpc.Call
+    status = rpc_status.from_call(call)
     if status is not None:
         return from_status_proto(status)
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
-    details = exc.details() if hasattr(exc, "details") else str(exc)  # type: ignore[attr-defined]
+    code = call.code() if hasattr(call, "code") else grpc.StatusCode.UNKNOWN
+    details = call.details() if hasattr(call, "details") else str(exc)
     reason = "DAEMON_UNAVAILABLE" if code == grpc.StatusCode.UNAVAILABLE else None
     return error_for_code(Code(code.value[0]), details or str(code), reason=reason)
 
