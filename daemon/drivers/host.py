@@ -49,6 +49,17 @@ def gpusnap_version() -> str:
     return __version__
 
 
+CAP_SYS_RESOURCE = 24
+
+
+def has_capability(cap: int) -> bool:
+    """Whether this process's effective capability set holds ``cap`` (capabilities(7) number)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> cap & 1)
+    return False
+
+
 def mem_available_bytes() -> int:
     """``MemAvailable`` from /proc/meminfo, bytes."""
     for line in Path("/proc/meminfo").read_text().splitlines():

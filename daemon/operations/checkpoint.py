@@ -16,6 +16,7 @@ the source instead. A failure anywhere leaves the source running and nothing lis
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 
 from gpusnap.daemon.api.errors import FailedPreconditionError
@@ -61,6 +62,12 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                     "addresses at restore)",
                     reason="TCP_ESTABLISHED",
                 )
+        if facts.uid != os.geteuid() and not host.has_capability(host.CAP_SYS_RESOURCE):
+            raise FailedPreconditionError(
+                f"PID {opts.pid} belongs to uid {facts.uid}, and gpusnapd lacks CAP_SYS_RESOURCE, without which CRIU "
+                "cannot read another user's resource limits; run gpusnapd as root with its full capability set",
+                reason="CAPABILITY_MISSING",
+            )
         facts_host = host_facts(deps)
         ns_pid = proc.namespace_pid(opts.pid)
         enter_ns_of = opts.pid if ns_pid != opts.pid else 0

@@ -1,0 +1,75 @@
+"""Access control: socket permissions and SO_PEERCRED-based ownership checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpusnap.daemon.drivers import host
+from tests.conftest import DaemonProc, Workloads, start_daemon, stop_daemon, wait_for
+
+NOBODY = 65534  # nobody:nogroup
+
+
+@pytest.fixture
+def open_daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A daemon whose socket group is nogroup, so the unprivileged test user may connect."""
+    os.chmod(tmp_path, 0o755)
+    d = start_daemon(tmp_path, extra_env={"GPUSNAP_SOCKET_GROUP": "nogroup"})
+    assert d.alive(), d.log.read_text()
+    yield d
+    stop_daemon(d)
+
+
+def test_socket_mode_and_private_directory(daemon: DaemonProc) -> None:
+    assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
+    private = daemon.socket.parent / ".gpusnapd-private"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert stat.S_IMODE((daemon.store).stat().st_mode) == 0o700
+
+
+def test_user_outside_the_group_cannot_connect(daemon: DaemonProc) -> None:
+    res = daemon.cli("ls", user=NOBODY)
+    assert res.returncode == 7 and "cannot reach gpusnapd" in res.stderr, res.stderr
+
+
+def test_unprivileged_caller_may_only_touch_its_own(open_daemon: DaemonProc, workloads: Workloads) -> None:
+    root_tree = workloads.start("--mem-mb", "2", "--no-listener", "--no-child", name="root")
+    res = open_daemon.cli("dump", str(root_tree.pid), user=NOBODY)
+    assert res.returncode == 6 and "does not belong to uid 65534" in res.stderr
+    assert root_tree.proc is not None and root_tree.proc.poll() is None
+
+    root_snap = json.loads(open_daemon.cli("-o", "json", "dump", str(root_tree.pid), "--name", "roots", check=True).stdout)
+    res = open_daemon.cli("restore", "roots", user=NOBODY)
+    assert res.returncode == 6 and "only its owner or root" in res.stderr
+    assert open_daemon.cli("rm", "roots", user=NOBODY).returncode == 6
+    assert open_daemon.cli("inspect", root_snap["id"], user=NOBODY).returncode == 6
+
+
+def test_unprivileged_caller_round_trips_its_own_process(open_daemon: DaemonProc, workloads: Workloads) -> None:
+    own = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "sleep", "600"],
+                           cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    workloads.adopt(own.pid)
+    wait_for(lambda: psutil.Process(own.pid).uids().real == NOBODY and psutil.Process(own.pid).name() == "sleep", 10,
+             "unprivileged sleep did not start")
+    if not host.has_capability(host.CAP_SYS_RESOURCE):
+        res = open_daemon.cli("dump", str(own.pid), user=NOBODY)
+        assert res.returncode == 4 and "lacks CAP_SYS_RESOURCE" in res.stderr, res.stderr
+        pytest.skip("this machine withholds CAP_SYS_RESOURCE from root, so CRIU cannot dump another user's process")
+    mine = json.loads(open_daemon.cli("-o", "json", "dump", str(own.pid), "--name", "mine", user=NOBODY, check=True).stdout)
+    own.wait(timeout=10)
+    root_tree = workloads.start("--mem-mb", "2", "--no-listener", "--no-child", name="root")
+    open_daemon.cli("dump", str(root_tree.pid), "--name", "roots", check=True)
+    listed = json.loads(open_daemon.cli("-o", "json", "ls", user=NOBODY, check=True).stdout)
+    assert [s["id"] for s in listed] == [mine["id"]], "a user sees only its own snapshots"
+    assert len(json.loads(open_daemon.cli("-o", "json", "ls", check=True).stdout)) == 2, "root sees all"
+    restored = json.loads(open_daemon.cli("-o", "json", "restore", "mine", user=NOBODY, check=True).stdout)
+    workloads.adopt(restored["pid"])
+    assert psutil.Process(restored["pid"]).uids().real == NOBODY
