@@ -116,3 +116,19 @@ def test_dump_inspect_table_output(daemon: DaemonProc, workloads: Workloads) -> 
     assert snap_id in daemon.cli("ls", check=True).stdout
     assert daemon.cli("rm", "tbl", check=True).stdout.strip() == snap_id
     assert json.loads(daemon.cli("-o", "json", "ls", check=True).stdout) == []
+
+
+def test_a_restored_tree_can_be_checkpointed_again(daemon: DaemonProc, workloads: Workloads) -> None:
+    """The restored tree lives in its own PID namespace; CRIU is run inside it to capture it again."""
+    w = workloads.start("--mem-mb", "8", "--no-listener")
+    first = json.loads(daemon.cli("-o", "json", "dump", str(w.pid), check=True).stdout)["id"]
+    restored = json.loads(daemon.cli("-o", "json", "restore", first, check=True).stdout)
+    workloads.adopt(restored["pid"])
+    wait_for(lambda: w.last("parent.log") > 3, 10, "restored tree does not run")
+    second = json.loads(daemon.cli("-o", "json", "dump", str(restored["pid"]), check=True).stdout)
+    frozen = w.last("parent.log")
+    again = json.loads(daemon.cli("-o", "json", "restore", second["id"], check=True).stdout)
+    workloads.adopt(again["pid"])
+    assert again["namespace_pid"] == w.pid
+    wait_for(lambda: w.last("parent.log") > frozen + 3, 10, "twice-restored tree does not run")
+    assert len(psutil.Process(again["pid"]).children()) == 1
