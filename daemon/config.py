@@ -43,6 +43,9 @@ class DaemonConfig:
     """Bound on ``cuCheckpointProcessLock`` per process."""
     gpu_call_timeout: float = 600.0
     """Bound on any other CUDA checkpoint driver call."""
+    host_memory_bytes: int = 0
+    """Host RAM the GPU preflight may count on, bytes; 0 = MemAvailable. Set it on VMs whose memory
+    grows on use (MemAvailable then understates what a checkpoint can stage)."""
     max_operations: int = 8
     log_format: str = "auto"
     """``auto`` (JSON unless stderr is a terminal), ``json`` or ``console``."""

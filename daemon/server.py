@@ -63,7 +63,7 @@ def build_daemon(config: DaemonConfig) -> Running:
     criu_version = criu.require_supported()
     store = SnapshotStore(config.store)
     store.open()
-    gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout)
+    gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
     deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu)
     daemon = Daemon(deps, OperationRegistry(max_workers=config.max_operations))
 

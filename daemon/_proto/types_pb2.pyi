@@ -188,6 +188,7 @@ class GpuProcess(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     GPU_UUIDS_FIELD_NUMBER: _builtins.int
     GPU_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    VISIBLE_GPU_UUIDS_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     """host PID at capture"""
     gpu_memory_bytes: _builtins.int
@@ -196,16 +197,21 @@ class GpuProcess(_message.Message):
     def gpu_uuids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """GPU UUIDs the process had contexts on ("GPU-…")"""
 
+    @_builtins.property
+    def visible_gpu_uuids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """every GPU it could see (CUDA_VISIBLE_DEVICES or all)"""
+
     def __init__(
         self,
         *,
         pid: _builtins.int = ...,
         gpu_uuids: _abc.Iterable[_builtins.str] | None = ...,
         gpu_memory_bytes: _builtins.int = ...,
+        visible_gpu_uuids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_memory_bytes", b"gpu_memory_bytes", "gpu_uuids", b"gpu_uuids", "pid", b"pid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_memory_bytes", b"gpu_memory_bytes", "gpu_uuids", b"gpu_uuids", "pid", b"pid", "visible_gpu_uuids", b"visible_gpu_uuids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -69,6 +69,9 @@ class GpuProcess:
     pid: int
     gpu_uuids: tuple[str, ...]
     gpu_memory_bytes: int
+    visible_gpu_uuids: tuple[str, ...] = ()
+    """Every GPU the process could see (``CUDA_VISIBLE_DEVICES``, else all of the node's): a remap must
+    be a one-to-one map over all of them."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -265,6 +265,53 @@ def _choose(
     return result
 
 
+def complete_bijection(
+    gpu_map: Mapping[str, str], visible_uuids: Sequence[str], gpus: Sequence[GpuDevice]
+) -> dict[str, str]:
+    """Extend ``gpu_map`` to a one-to-one map over every GPU the process could see.
+
+    The driver takes a remap only as a permutation of the visible devices: restoring GPU A onto B while B
+    is also visible to the process fails with ``CUDA_ERROR_INVALID_VALUE`` unless B is mapped too
+    (gpusnap measurement on 2×H200, driver 580.159.04; CRIU PR #2836's example maps every GPU, e.g.
+    ``GPU0=GPU1,GPU1=GPU0``). Unmapped GPUs keep their place when it is free, otherwise they take the
+    places vacated, in order (so ``{A: B}`` over ``{A, B}`` becomes the swap ``{A: B, B: A}``).
+
+    Args:
+        gpu_map: resolved ``old → new`` for the GPUs that hold state (:func:`resolve_gpu_map`).
+        visible_uuids: every GPU the process could see at capture.
+        gpus: this node's GPUs.
+
+    Returns:
+        ``old → new`` over ``visible_uuids`` ∪ ``gpu_map``; unchanged when it needs no completion.
+
+    Raises:
+        FailedPreconditionError: not enough GPUs here to give each visible GPU its own place (reason
+            ``NO_SUITABLE_GPU``).
+    """
+    out = {normalize_gpu_uuid(k): normalize_gpu_uuid(v) for k, v in gpu_map.items()}
+    if all(k == v for k, v in out.items()):
+        return out  # identity: the driver needs no pairs at all
+    sources = list(dict.fromkeys([*out, *(normalize_gpu_uuid(u) for u in visible_uuids)]))
+    here = [normalize_gpu_uuid(g.uuid) for g in gpus]
+    taken = set(out.values())
+    for src in sources:
+        if src not in out and src in here and src not in taken:
+            out[src] = src
+            taken.add(src)
+    vacated = [u for u in here if u not in taken]
+    for src in sources:
+        if src not in out:
+            if not vacated:
+                raise FailedPreconditionError(
+                    f"cannot give each of the {len(sources)} GPUs the process could see its own GPU here; "
+                    "restore on a node with as many GPUs or pass a complete --gpu-map",
+                    reason="NO_SUITABLE_GPU",
+                )
+            out[src] = vacated.pop(0)
+            taken.add(out[src])
+    return out
+
+
 def gpu_pairs_for_restore(gpu_map: Mapping[str, str]) -> list[tuple[str, str]]:
     """The ``gpuPairs`` argument for :meth:`CudaCheckpointApi.restore` from a resolved map.
 

@@ -52,31 +52,40 @@ class GpuSupport:
         call_timeout_s: deadline for quick driver calls, seconds.
     """
 
-    def __init__(self, cuda: CudaCheckpointApi | None, nvml: NvmlDriver | None, reason: str, *, call_timeout_s: float):
+    def __init__(
+        self,
+        cuda: CudaCheckpointApi | None,
+        nvml: NvmlDriver | None,
+        reason: str,
+        *,
+        call_timeout_s: float,
+        host_memory_bytes: int = 0,
+    ):
         self.cuda = cuda
         self.nvml = nvml
         self.reason = reason
         self.call_timeout_s = call_timeout_s
+        self.host_memory_bytes = host_memory_bytes
         self.suspended: dict[int, GpuTree] = {}
         """Trees suspended in place, by root PID (for ``Resume``)."""
         self._lock = threading.Lock()
 
     @classmethod
-    def probe(cls, call_timeout_s: float) -> GpuSupport:
+    def probe(cls, call_timeout_s: float, host_memory_bytes: int = 0) -> GpuSupport:
         """Initialise the CUDA driver and NVML; never raises (a CPU-only node gets a reason instead)."""
         nvml = NvmlDriver()
         if not nvml.available():
             reason = nvml.unavailable_reason or "NVML unavailable"
             log.info("gpu.unavailable", reason=reason)
-            return cls(None, None, reason, call_timeout_s=call_timeout_s)
+            return cls(None, None, reason, call_timeout_s=call_timeout_s, host_memory_bytes=host_memory_bytes)
         cuda = CudaDriver()
         try:
             cuda.init()
         except GpusnapError as exc:
             log.warning("gpu.cuda_unavailable", reason=str(exc))
-            return cls(None, nvml, str(exc), call_timeout_s=call_timeout_s)
+            return cls(None, nvml, str(exc), call_timeout_s=call_timeout_s, host_memory_bytes=host_memory_bytes)
         log.info("gpu.ready", driver=nvml.driver_version(), cuda=cuda.driver_version_string, gpus=len(nvml.gpus()))
-        return cls(cuda, nvml, "", call_timeout_s=call_timeout_s)
+        return cls(cuda, nvml, "", call_timeout_s=call_timeout_s, host_memory_bytes=host_memory_bytes)
 
     @property
     def available(self) -> bool:
@@ -90,6 +99,10 @@ class GpuSupport:
                 reason="GPU_UNAVAILABLE",
             )
         return self.cuda, self.nvml
+
+    def host_memory(self) -> int:
+        """RAM the preflight counts on: the configured figure, else MemAvailable (bytes)."""
+        return self.host_memory_bytes or host.mem_available_bytes()
 
     def gpus(self) -> list[GpuDevice]:
         return self.nvml.gpus() if self.nvml is not None and self.nvml.available() else []
@@ -124,11 +137,13 @@ class GpuSupport:
         cuda_pids = ctl.find_cuda_pids(tree_pids, nvml_pids=[p for p in tree_pids if p in usage])
         if not cuda_pids:
             return None
+        gpus = self.gpus()
         processes = tuple(
             GpuProcess(
                 pid=p,
                 gpu_uuids=tuple(u for u, _ in usage.get(p, [])),
                 gpu_memory_bytes=sum(b for _, b in usage.get(p, [])),
+                visible_gpu_uuids=visible_gpus(preflight.read_environ(p).get("CUDA_VISIBLE_DEVICES"), gpus),
             )
             for p in cuda_pids
         )
@@ -145,11 +160,25 @@ class GpuSupport:
             cuda_pids=tree.cuda_pids,
             env_by_pid={p: preflight.read_environ(p) for p in tree.cuda_pids},
             open_paths_by_pid={p: preflight.open_paths(p) for p in tree_pids},
-            mem_available_bytes=host.mem_available_bytes(),
+            mem_available_bytes=self.host_memory(),
             gpu_bytes=tree.gpu_bytes,
             mps_daemon_running=preflight.mps_daemon_running(),
         )
         preflight.check_capture(facts)
+
+
+def visible_gpus(cuda_visible_devices: str | None, gpus: Sequence[GpuDevice]) -> tuple[str, ...]:
+    """UUIDs of the GPUs a process sees, from its ``CUDA_VISIBLE_DEVICES`` (indexes, UUIDs or UUID prefixes,
+    as CUDA accepts them; parsing stops at the first invalid entry, as CUDA's does); all GPUs when unset."""
+    if cuda_visible_devices is None:
+        return tuple(g.uuid for g in gpus)
+    out: list[str] = []
+    for item in (x.strip() for x in cuda_visible_devices.split(",")):
+        match = [g for g in gpus if (item.isdigit() and g.index == int(item)) or (item.startswith("GPU-") and g.uuid.startswith(item))]
+        if len(match) != 1:
+            break
+        out.append(match[0].uuid)
+    return tuple(out)
 
 
 def _uses_nvidia_devices(pid: int) -> bool:

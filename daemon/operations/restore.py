@@ -134,6 +134,8 @@ def _resolve_gpu_map(deps: Deps, snapshot: Snapshot, opts: RestoreOptions) -> di
             need[uuid] = need.get(uuid, 0) + g.gpu_memory_bytes // max(1, len(g.gpu_uuids))
     uuids = list(dict.fromkeys(u for g in snapshot.gpu_processes for u in g.gpu_uuids))
     resolved = gpumap.resolve_gpu_map(opts.gpu_map, uuids, gpus, required_free_bytes=need)
+    visible = [u for g in snapshot.gpu_processes for u in g.visible_gpu_uuids]
+    resolved = gpumap.complete_bijection(resolved, visible, gpus)
     driver, _ = deps.gpu.driver_versions()
     preflight.check_restore(
         preflight.RestoreFacts(
@@ -142,7 +144,7 @@ def _resolve_gpu_map(deps: Deps, snapshot: Snapshot, opts: RestoreOptions) -> di
             gpus=gpus,
             gpu_map=resolved,
             required_free_bytes=need,
-            mem_available_bytes=host.mem_available_bytes(),
+            mem_available_bytes=deps.gpu.host_memory(),
             image_bytes=snapshot.size_bytes,
             mps_daemon_running=preflight.mps_daemon_running(),
         )

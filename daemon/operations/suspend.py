@@ -71,7 +71,10 @@ def run_resume(run: PhaseRunner, deps: Deps, pid: int, requested_map: Mapping[st
         for g in tree.processes:
             for uuid in g.gpu_uuids:
                 need[uuid] = need.get(uuid, 0) + g.gpu_memory_bytes // max(1, len(g.gpu_uuids))
-        gpu_map = gpumap.resolve_gpu_map(requested_map, tree.uuids, deps.gpu.gpus(), required_free_bytes=need) if tree.uuids else {}
+        gpus = deps.gpu.gpus()
+        gpu_map = gpumap.resolve_gpu_map(requested_map, tree.uuids, gpus, required_free_bytes=need) if tree.uuids else {}
+        visible = [u for g in tree.processes for u in g.visible_gpu_uuids]
+        gpu_map = gpumap.complete_bijection(gpu_map, visible, gpus)
     ctl = deps.gpu.controller(tree.gpu_bytes)
     with run.phase("gpu-restore") as progress:
         ctl.restore_all(suspended, gpumap.gpu_pairs_for_restore(gpu_map))

@@ -193,4 +193,9 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
 
 
 def gpu_process(g: GpuProcess) -> types_pb2.GpuProcess:
-    return types_pb2.GpuProcess(pid=g.pid, gpu_uuids=list(g.gpu_uuids), gpu_memory_bytes=g.gpu_memory_bytes)
+    return types_pb2.GpuProcess(
+        pid=g.pid,
+        gpu_uuids=list(g.gpu_uuids),
+        gpu_memory_bytes=g.gpu_memory_bytes,
+        visible_gpu_uuids=list(g.visible_gpu_uuids),
+    )

@@ -93,7 +93,12 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
             files=tuple(ImageFile(**f) for f in doc["files"]),
             phases=tuple(PhaseTiming(**p) for p in doc["phases"]),
             gpu_processes=tuple(
-                GpuProcess(pid=int(g["pid"]), gpu_uuids=tuple(g["gpu_uuids"]), gpu_memory_bytes=int(g["gpu_memory_bytes"]))
+                GpuProcess(
+                    pid=int(g["pid"]),
+                    gpu_uuids=tuple(g["gpu_uuids"]),
+                    gpu_memory_bytes=int(g["gpu_memory_bytes"]),
+                    visible_gpu_uuids=tuple(g.get("visible_gpu_uuids", ())),
+                )
                 for g in doc.get("gpu_processes", [])
             ),
         )
