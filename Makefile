@@ -26,8 +26,8 @@ criu: ## install CRIU >= 4.1 + pycriu into .criu (Debian 13 packages on older sy
 
 run: venv criu ## run gpusnapd in the foreground (socket build/run/gpusnapd.sock, store build/store)
 	mkdir -p $(dir $(SOCKET)) $(STORE)
-	$(VENV)/bin/gpusnapd --socket $(SOCKET) --store $(STORE) --criu $(CRIU_PREFIX)/bin/criu \
-		--pycriu-path $(CRIU_PREFIX)/python --log-format console
+	GPUSNAP_AGENT_SOCKET=$(dir $(SOCKET))agent.sock $(VENV)/bin/gpusnapd --socket $(SOCKET) --store $(STORE) \
+		--criu $(CRIU_PREFIX)/bin/criu --pycriu-path $(CRIU_PREFIX)/python --log-format console
 
 test: venv criu typecheck ## type-check, then run the test suite (real CRIU; no GPU needed)
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) -m pytest -q

@@ -1,4 +1,10 @@
 """gpusnap adapters: code that runs inside engine worker processes (worker agent, engine adapters).
 
-Keep dependencies light: this package is imported by inference workers.
+Keep dependencies light: this package is imported by inference workers. It needs only protobuf; each
+engine module imports its engine lazily.
 """
+
+from gpusnap.adapters.agent import WorkerAgent, start_agent
+from gpusnap.adapters.base import EngineAdapter, RestoreContext
+
+__all__ = ["EngineAdapter", "RestoreContext", "WorkerAgent", "start_agent"]

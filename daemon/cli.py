@@ -88,14 +88,18 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def _labels(values: tuple[str, ...]) -> dict[str, str]:
+def _pairs(values: tuple[str, ...], option: str) -> dict[str, str]:
     out = {}
     for item in values:
         key, sep, val = item.partition("=")
         if not sep:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--label")
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=option)
         out[key] = val
     return out
+
+
+def _labels(values: tuple[str, ...]) -> dict[str, str]:
+    return _pairs(values, "--label")
 
 
 @click.group(
@@ -162,14 +166,21 @@ def _phase_summary(op: operations_pb2.Operation) -> str:
               help="established TCP connections: refuse the dump, capture them, or restore them closed")
 @click.option("--timeout", type=float, help="seconds for the whole checkpoint [daemon default]")
 @click.option("--gpu-lock-timeout", type=float, help="seconds to wait for CUDA work to drain [daemon default]")
+@click.option("--control-dir", default="", metavar="DIR",
+              help="worker follows Dynamo Snapshot's control-directory contract: wait for DIR/ready-for-snapshot")
+@click.option("--no-quiesce", is_flag=True, help="capture as is, without the worker agent's warm-up and quiesce")
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
 def dump(obj: Ctx, pid: int, name: str, labels: tuple[str, ...], leave_running: bool, tcp: str,
-         timeout: float | None, gpu_lock_timeout: float | None, detach: bool) -> None:
-    """Checkpoint the process tree rooted at PID into a new snapshot; prints its id."""
+         timeout: float | None, gpu_lock_timeout: float | None, control_dir: str, no_quiesce: bool, detach: bool) -> None:
+    """Checkpoint the process tree rooted at PID into a new snapshot; prints its id.
+
+    With a gpusnap worker agent attached, the worker is warmed up and quiesced first.
+    """
     with obj.client() as client:
         op = _run(lambda: client.checkpoint(pid, name=name, labels=_labels(labels), leave_running=leave_running,
-                                            tcp=tcp, timeout_s=timeout, gpu_lock_timeout_s=gpu_lock_timeout))
+                                            tcp=tcp, timeout_s=timeout, gpu_lock_timeout_s=gpu_lock_timeout,
+                                            control_dir=control_dir, quiesce=not no_quiesce))
         if detach:
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
@@ -201,9 +212,13 @@ GPU_MAP_HELP = "move GPU state: OLD=NEW[,OLD=NEW…] (UUIDs or indexes); every c
 @click.option("--host-pidns", is_flag=True, help="restore with the original PIDs in gpusnapd's PID namespace")
 @click.option("--gpu-map", default="", metavar="OLD=NEW,…", help=GPU_MAP_HELP)
 @click.option("--timeout", type=float, help="seconds for the whole restore [daemon default]")
+@click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="restore context: set in the worker (repeatable)")
+@click.option("--unset-env", multiple=True, metavar="NAME", help="restore context: remove from the worker (repeatable)")
+@click.option("--set", "values", multiple=True, metavar="KEY=VALUE", help="restore context: identity value for the worker's adapter")
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
-def restore(obj: Ctx, snapshot: str, host_pidns: bool, gpu_map: str, timeout: float | None, detach: bool) -> None:
+def restore(obj: Ctx, snapshot: str, host_pidns: bool, gpu_map: str, timeout: float | None, env: tuple[str, ...],
+            unset_env: tuple[str, ...], values: tuple[str, ...], detach: bool) -> None:
     """Restore SNAPSHOT (id or name) as a new process tree; prints the restored root's PID.
 
     Without --gpu-map, GPU state returns to the original GPUs, or to free GPUs of the same model when
@@ -211,7 +226,8 @@ def restore(obj: Ctx, snapshot: str, host_pidns: bool, gpu_map: str, timeout: fl
     """
     mapping = _gpu_map(gpu_map)
     with obj.client() as client:
-        op = _run(lambda: client.restore(snapshot, host_pid_namespace=host_pidns, gpu_map=mapping, timeout_s=timeout))
+        op = _run(lambda: client.restore(snapshot, host_pid_namespace=host_pidns, gpu_map=mapping, timeout_s=timeout,
+                                         env=_pairs(env, "--env"), unset_env=unset_env, values=_pairs(values, "--set")))
         if detach:
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return

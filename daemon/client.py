@@ -7,7 +7,7 @@ by :meth:`DaemonClient.wait`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -90,6 +90,8 @@ class DaemonClient:
         tcp: str = "refuse",
         timeout_s: float | None = None,
         gpu_lock_timeout_s: float | None = None,
+        control_dir: str = "",
+        quiesce: bool = True,
     ) -> operations_pb2.Operation:
         """Start a checkpoint of the tree rooted at ``pid``; returns the running operation."""
         req = operations_pb2.CheckpointRequest(
@@ -100,6 +102,8 @@ class DaemonClient:
             tcp=TCP_MODES[tcp],
             timeout=_duration(timeout_s),
             gpu_lock_timeout=_duration(gpu_lock_timeout_s),
+            control_dir=control_dir,
+            no_quiesce=not quiesce,
         )
         return self._call(self._ops.Checkpoint, req).operation
 
@@ -110,10 +114,21 @@ class DaemonClient:
         host_pid_namespace: bool = False,
         gpu_map: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        unset_env: Sequence[str] = (),
+        values: Mapping[str, str] | None = None,
     ) -> operations_pb2.Operation:
-        """Start a restore of ``snapshot`` (id or name); returns the running operation."""
+        """Start a restore of ``snapshot`` (id or name); returns the running operation.
+
+        ``env``, ``unset_env`` and ``values`` form the restore context handed to the restored worker.
+        """
+        context = operations_pb2.WorkerContext(env=dict(env or {}), unset_env=list(unset_env), values=dict(values or {}))
         req = operations_pb2.RestoreRequest(
-            snapshot=snapshot, host_pid_namespace=host_pid_namespace, gpu_map=dict(gpu_map or {}), timeout=_duration(timeout_s)
+            snapshot=snapshot,
+            host_pid_namespace=host_pid_namespace,
+            gpu_map=dict(gpu_map or {}),
+            timeout=_duration(timeout_s),
+            context=context,
         )
         return self._call(self._ops.Restore, req).operation
 

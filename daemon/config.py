@@ -46,6 +46,14 @@ class DaemonConfig:
     host_memory_bytes: int = 0
     """Host RAM the GPU preflight may count on, bytes; 0 = MemAvailable. Set it on VMs whose memory
     grows on use (MemAvailable then understates what a checkpoint can stage)."""
+    agent_socket: Path = Path("/run/gpusnap/agent.sock")
+    """Where worker agents connect (mode 0666); workers find it through GPUSNAP_AGENT_SOCKET."""
+    warmup_timeout: float = 600.0
+    quiesce_timeout: float = 300.0
+    resume_timeout: float = 600.0
+    """Bound on a restored worker reconnecting, resuming and answering its canary."""
+    ready_timeout: float = 600.0
+    """Bound on a control-directory worker writing ready-for-snapshot."""
     max_operations: int = 8
     log_format: str = "auto"
     """``auto`` (JSON unless stderr is a terminal), ``json`` or ``console``."""

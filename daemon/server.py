@@ -23,6 +23,7 @@ from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.service.peercred import PeerCredProxy
 from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, SnapshotServicer
 from gpusnap.daemon.store import SnapshotStore
+from gpusnap.daemon.workers.agents import AgentRegistry
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +49,7 @@ class Running:
         self.server.stop(grace).wait()
         self.proxy.stop()
         self.daemon.registry.shutdown(wait=False)
+        self.daemon.deps.agents.stop()
         self.daemon.deps.store.close()
 
 
@@ -64,7 +66,9 @@ def build_daemon(config: DaemonConfig) -> Running:
     store = SnapshotStore(config.store)
     store.open()
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
-    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu)
+    agents = AgentRegistry(config.agent_socket)
+    agents.start()
+    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents)
     daemon = Daemon(deps, OperationRegistry(max_workers=config.max_operations))
 
     private_dir = config.socket.parent / ".gpusnapd-private"
@@ -92,6 +96,7 @@ def build_daemon(config: DaemonConfig) -> Running:
     log.info(
         "daemon.started",
         socket=str(config.socket),
+        agent_socket=str(config.agent_socket),
         store=str(config.store),
         criu=config.criu_binary,
         criu_version=criu_version,

@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 OUT_DIR = ROOT / "daemon" / "_proto"
 PACKAGE = "gpusnap.daemon._proto"
+# The agent channel is used inside worker processes: its module lives in the light adapters package.
+AGENT_OUT_DIR = ROOT / "adapters" / "_proto"
+AGENT_PACKAGE = "gpusnap.adapters._proto"
+AGENT_MODULES = ("agent_pb2.py", "agent_pb2.pyi")
 
 
 def _include_dirs() -> list[str]:
@@ -43,15 +47,20 @@ def main() -> int:
         args += [f"--python_out={tmp}", f"--grpc_python_out={tmp}", f"--mypy_out={tmp}", f"--mypy_grpc_out={tmp}"]
         if protoc.main([*args, *protos]) != 0:
             return 1
-        if OUT_DIR.exists():
-            shutil.rmtree(OUT_DIR)
-        OUT_DIR.mkdir(parents=True)
+        for out in (OUT_DIR, AGENT_OUT_DIR):
+            if out.exists():
+                shutil.rmtree(out)
+            out.mkdir(parents=True)
         for src in sorted((Path(tmp) / "gpusnap" / "v1").iterdir()):
+            if src.name.startswith("agent_pb2_grpc"):
+                continue  # the agent channel is not gRPC
             text = re.sub(r"\bfrom gpusnap\.v1 import\b", f"from {PACKAGE} import", src.read_text())
             text = re.sub(r"\bimport gpusnap\.v1\.(\w+)", rf"import {PACKAGE}.\1", text)
             text = re.sub(r"\bgpusnap\.v1\.(\w+_pb2)\b", rf"{PACKAGE}.\1", text)
-            (OUT_DIR / src.name).write_text(text)
+            dest = AGENT_OUT_DIR if src.name in AGENT_MODULES else OUT_DIR
+            (dest / src.name).write_text(text)
     (OUT_DIR / "__init__.py").write_text('"""Generated gRPC code for gpusnap.v1 (scripts/gen_protos.py). Do not edit."""\n')
+    (AGENT_OUT_DIR / "__init__.py").write_text('"""Generated agent-channel messages (scripts/gen_protos.py). Do not edit."""\n')
     print(f"generated {len(protos)} protos into {OUT_DIR.relative_to(ROOT)}")
     return 0
 

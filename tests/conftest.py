@@ -54,6 +54,10 @@ class DaemonProc:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def agent_socket(self) -> Path:
+        return self.socket.parent / "agent.sock"
+
 
 def _cli_env() -> dict[str, str]:
     env = dict(os.environ)
@@ -69,7 +73,8 @@ def start_daemon(tmp: Path, extra_env: dict[str, str] | None = None, criu_binary
     store = tmp / "store"
     log = tmp / "gpusnapd.log"
     prefix = criu_prefix()
-    env = {**_cli_env(), "GPUSNAP_LOG_FORMAT": "json", **(extra_env or {})}
+    env = {**_cli_env(), "GPUSNAP_LOG_FORMAT": "json", "GPUSNAP_AGENT_SOCKET": str(sock_dir / "agent.sock"),
+           **(extra_env or {})}
     cmd = [
         sys.executable, "-m", "gpusnap.daemon.main",
         "--socket", str(socket_path), "--store", str(store),

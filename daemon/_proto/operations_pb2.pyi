@@ -371,6 +371,8 @@ class CheckpointRequest(_message.Message):
     TCP_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
     GPU_LOCK_TIMEOUT_FIELD_NUMBER: _builtins.int
+    CONTROL_DIR_FIELD_NUMBER: _builtins.int
+    NO_QUIESCE_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     """root of the process tree to capture (host PID)"""
     name: _builtins.str
@@ -378,6 +380,10 @@ class CheckpointRequest(_message.Message):
     leave_running: _builtins.bool
     """keep the source running after the dump (default: it is killed)"""
     tcp: Global___TcpMode.ValueType
+    control_dir: _builtins.str
+    """Worker following Dynamo Snapshot's control-directory contract: wait for <control_dir>/ready-for-snapshot."""
+    no_quiesce: _builtins.bool
+    """Capture without warm-up and quiesce even when a worker agent is attached."""
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
@@ -398,10 +404,12 @@ class CheckpointRequest(_message.Message):
         tcp: Global___TcpMode.ValueType = ...,
         timeout: _duration_pb2.Duration | None = ...,
         gpu_lock_timeout: _duration_pb2.Duration | None = ...,
+        control_dir: _builtins.str = ...,
+        no_quiesce: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpu_lock_timeout", b"gpu_lock_timeout", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_lock_timeout", b"gpu_lock_timeout", "labels", b"labels", "leave_running", b"leave_running", "name", b"name", "pid", b"pid", "tcp", b"tcp", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_dir", b"control_dir", "gpu_lock_timeout", b"gpu_lock_timeout", "labels", b"labels", "leave_running", b"leave_running", "name", b"name", "no_quiesce", b"no_quiesce", "pid", b"pid", "tcp", b"tcp", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -455,6 +463,7 @@ class RestoreRequest(_message.Message):
     HOST_PID_NAMESPACE_FIELD_NUMBER: _builtins.int
     GPU_MAP_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    CONTEXT_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.str
     """snapshot id or name"""
     host_pid_namespace: _builtins.bool
@@ -467,6 +476,10 @@ class RestoreRequest(_message.Message):
 
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration: ...
+    @_builtins.property
+    def context(self) -> Global___WorkerContext:
+        """what the restored worker changes before it resumes"""
+
     def __init__(
         self,
         *,
@@ -474,14 +487,91 @@ class RestoreRequest(_message.Message):
         host_pid_namespace: _builtins.bool = ...,
         gpu_map: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        context: Global___WorkerContext | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "snapshot", b"snapshot", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "snapshot", b"snapshot", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RestoreRequest: _TypeAlias = RestoreRequest  # noqa: Y015
+
+@_typing.final
+class WorkerContext(_message.Message):
+    """Restore context handed to the restored worker (agent Resume, or restore-context.json)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ENV_FIELD_NUMBER: _builtins.int
+    UNSET_ENV_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """environment to set"""
+
+    @_builtins.property
+    def unset_env(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """environment to remove"""
+
+    @_builtins.property
+    def values(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """identity for the worker's hooks (new port, node name, …)"""
+
+    def __init__(
+        self,
+        *,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        unset_env: _abc.Iterable[_builtins.str] | None = ...,
+        values: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "unset_env", b"unset_env", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerContext: _TypeAlias = WorkerContext  # noqa: Y015
 
 @_typing.final
 class RestoreResponse(_message.Message):

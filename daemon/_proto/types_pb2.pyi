@@ -286,6 +286,43 @@ class GpuComputeProcess(_message.Message):
 Global___GpuComputeProcess: _TypeAlias = GpuComputeProcess  # noqa: Y015
 
 @_typing.final
+class WorkerInfo(_message.Message):
+    """How a snapshot's worker cooperates with capture and restore."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    WAKE_DIR_FIELD_NUMBER: _builtins.int
+    CANARY_TOKENS_FIELD_NUMBER: _builtins.int
+    CONTROL_DIR_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """adapter's engine ("vllm", "torch", …); empty for control-dir workers"""
+    instance_id: _builtins.str
+    """agent instance id"""
+    wake_dir: _builtins.str
+    canary_tokens: _builtins.str
+    """warm-up canary token ids at capture, comma separated"""
+    control_dir: _builtins.str
+    """SNAPSHOT_CONTROL_DIR of a control-directory worker"""
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        wake_dir: _builtins.str = ...,
+        canary_tokens: _builtins.str = ...,
+        control_dir: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_tokens", b"canary_tokens", "control_dir", b"control_dir", "engine", b"engine", "instance_id", b"instance_id", "wake_dir", b"wake_dir"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerInfo: _TypeAlias = WorkerInfo  # noqa: Y015
+
+@_typing.final
 class Snapshot(_message.Message):
     """A complete, published snapshot. Half-written snapshots never appear in the API."""
 
@@ -323,6 +360,7 @@ class Snapshot(_message.Message):
     OWNER_UID_FIELD_NUMBER: _builtins.int
     MANIFEST_VERSION_FIELD_NUMBER: _builtins.int
     GPU_PROCESSES_FIELD_NUMBER: _builtins.int
+    WORKER_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"snap-" + 26 lowercase base32 characters"""
     name: _builtins.str
@@ -346,6 +384,10 @@ class Snapshot(_message.Message):
     def phases(self) -> _containers.RepeatedCompositeFieldContainer[Global___PhaseTiming]: ...
     @_builtins.property
     def gpu_processes(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuProcess]: ...
+    @_builtins.property
+    def worker(self) -> Global___WorkerInfo:
+        """unset for a plain process tree"""
+
     def __init__(
         self,
         *,
@@ -361,10 +403,11 @@ class Snapshot(_message.Message):
         owner_uid: _builtins.int = ...,
         manifest_version: _builtins.int = ...,
         gpu_processes: _abc.Iterable[Global___GpuProcess] | None = ...,
+        worker: Global___WorkerInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "host", b"host", "source", b"source"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "host", b"host", "source", b"source", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "files", b"files", "gpu_processes", b"gpu_processes", "host", b"host", "id", b"id", "labels", b"labels", "manifest_version", b"manifest_version", "name", b"name", "owner_uid", b"owner_uid", "phases", b"phases", "size_bytes", b"size_bytes", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "files", b"files", "gpu_processes", b"gpu_processes", "host", b"host", "id", b"id", "labels", b"labels", "manifest_version", b"manifest_version", "name", b"name", "owner_uid", b"owner_uid", "phases", b"phases", "size_bytes", b"size_bytes", "source", b"source", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -75,6 +75,20 @@ class GpuProcess:
 
 
 @dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """How a snapshot's worker cooperates: a gpusnap agent, or the control-directory contract."""
+
+    engine: str = ""
+    instance_id: str = ""
+    """The agent's instance id (empty for control-directory workers)."""
+    wake_dir: str = ""
+    canary_tokens: str = ""
+    """Token ids of the warm-up canary at capture, comma separated; a restore must reproduce them."""
+    control_dir: str = ""
+    """``SNAPSHOT_CONTROL_DIR`` of a worker following Dynamo Snapshot's contract."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Snapshot:
     """A complete, published snapshot."""
 
@@ -88,6 +102,7 @@ class Snapshot:
     phases: tuple[PhaseTiming, ...]
     owner_uid: int
     gpu_processes: tuple[GpuProcess, ...] = ()
+    worker: WorkerInfo | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -114,6 +129,10 @@ class CheckpointOptions:
     tcp: TcpMode = TcpMode.REFUSE
     timeout_s: float | None = None
     gpu_lock_timeout_s: float | None = None
+    control_dir: str = ""
+    """Follow the control-directory contract: wait for ``ready-for-snapshot`` there before capturing."""
+    quiesce: bool = True
+    """Warm up and quiesce the worker through its agent when one is attached."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +143,11 @@ class RestoreOptions:
     host_pid_namespace: bool = False
     gpu_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
     timeout_s: float | None = None
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Restore context: environment the restored worker sets before resuming."""
+    unset_env: tuple[str, ...] = ()
+    values: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Restore context: identity values for the worker's adapter (new port, node name…)."""
 
 
 @dataclasses.dataclass(frozen=True)

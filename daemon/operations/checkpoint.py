@@ -1,6 +1,7 @@
 """Checkpoint: capture a live process tree into a new snapshot.
 
-Phases: ``preflight`` → [``gpu-lock`` → ``gpu-checkpoint``] → ``dump`` (CRIU freezes the tree and
+Phases: ``preflight`` → [``warm-up`` → ``quiesce`` with a worker agent, or ``wait-ready`` with a
+control directory] → [``gpu-lock`` → ``gpu-checkpoint``] → ``dump`` (CRIU freezes the tree and
 writes images) → ``checksum`` → ``publish`` → ``finish`` (CRIU kills the source, or resumes it with
 ``leave_running``) → [``gpu-resume`` with ``leave_running``].
 
@@ -25,6 +26,7 @@ from gpusnap.daemon.drivers import host, proc
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.checksum import image_files
+from gpusnap.daemon.workers import orchestrate
 
 
 TCP_LABEL = "gpusnap.dev/tcp"
@@ -76,6 +78,9 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             deps.gpu.check_capture(gpu_tree, facts.tree_pids)
 
     run.on_failure("resume-source", lambda: _resume_source(list(facts.tree_pids)))
+    worker = orchestrate.prepare_capture(run, deps, opts, facts.tree_pids)
+    if worker and gpu_tree:
+        gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))  # the quiesced worker released memory
     ctl = None
     if gpu_tree:
         ctl = deps.gpu.controller(gpu_tree.gpu_bytes)
@@ -107,6 +112,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                     phases=tuple(run.record.phases),
                     owner_uid=owner_uid,
                     gpu_processes=gpu_tree.processes if gpu_tree else (),
+                    worker=worker,
                 )
                 deps.store.publish(staging, snapshot)
             published.append(snapshot)
@@ -130,7 +136,9 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
         with run.phase("gpu-resume"):
             ctl.rollback_to_running(gpu_tree.cuda_pids).raise_for_problems()
     run.drop_undo("gpu-rollback")
+    orchestrate.finish_capture(opts, worker)
     run.drop_undo("unpublish")
+    run.drop_undo("resume-worker")
     return published[0]
 
 

@@ -7,6 +7,7 @@ import dataclasses
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
+from gpusnap.daemon.workers.agents import AgentRegistry
 from gpusnap.daemon.store import SnapshotStore
 
 
@@ -17,3 +18,4 @@ class Deps:
     criu: CriuDriver
     criu_version: str
     gpu: GpuSupport
+    agents: AgentRegistry

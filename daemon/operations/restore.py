@@ -4,7 +4,9 @@ Phases: ``preflight`` (snapshot readable, caller allowed, host compatible, GPU m
 preconditions met) → ``verify`` (image sizes and sha256) → ``restore`` (CRIU, by default into a fresh PID
 namespace) → [``gpu-restore`` (``cuCheckpointProcessRestore``, with ``gpuPairs`` when remapping) →
 ``gpu-unlock``] → ``validate`` (every restored process exists and runs, every CUDA process is RUNNING:
-CRIU's success alone is not trusted, see checkpoint-restore/criu#2525 and #2993). A failure releases the
+CRIU's success alone is not trusted, see checkpoint-restore/criu#2525 and #2993) → [``resume-worker``:
+the worker's agent resumes it with the restore context and its canary must give the capture-time
+tokens; or ``restore-complete`` in its control directory]. A failure releases the
 GPUs of whatever was restored, kills it (in that order: cuda-checkpoint#53) and keeps the snapshot.
 """
 
@@ -20,6 +22,7 @@ from gpusnap.daemon.gpu import gpumap, preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.checkpoint import TCP_LABEL
+from gpusnap.daemon.workers import orchestrate
 from gpusnap.daemon.operations.deps import Deps
 
 
@@ -64,6 +67,7 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         deps.store.verify(snapshot)
         progress.bytes = snapshot.size_bytes
     with run.phase("restore") as progress:
+        orchestrate.before_restore(snapshot)
         tree = deps.criu.restore(
             images_dir=deps.store.images_dir(snapshot.id),
             work_dir=deps.store.images_dir(snapshot.id).parent,
@@ -105,6 +109,7 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                 f"see restore-{run.record.id}.log in the snapshot directory",
                 reason="RESTORE_INCOMPLETE",
             )
+    orchestrate.resume_restored(run, deps, snapshot, opts, pids)
     return RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid)
 
 

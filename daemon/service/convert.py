@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
@@ -62,6 +63,8 @@ def checkpoint_options(req: operations_pb2.CheckpointRequest) -> CheckpointOptio
         tcp=_TCP.get(req.tcp, TcpMode.REFUSE),
         timeout_s=req.timeout.ToTimedelta().total_seconds() if req.HasField("timeout") else None,
         gpu_lock_timeout_s=req.gpu_lock_timeout.ToTimedelta().total_seconds() if req.HasField("gpu_lock_timeout") else None,
+        control_dir=req.control_dir,
+        quiesce=not req.no_quiesce,
     )
 
 
@@ -71,6 +74,9 @@ def restore_options(req: operations_pb2.RestoreRequest) -> RestoreOptions:
         host_pid_namespace=req.host_pid_namespace,
         gpu_map=dict(req.gpu_map),
         timeout_s=req.timeout.ToTimedelta().total_seconds() if req.HasField("timeout") else None,
+        env=dict(req.context.env),
+        unset_env=tuple(req.context.unset_env),
+        values=dict(req.context.values),
     )
 
 
@@ -116,6 +122,7 @@ def snapshot(s: Snapshot) -> types_pb2.Snapshot:
         owner_uid=s.owner_uid,
         manifest_version=1,
         gpu_processes=[gpu_process(g) for g in s.gpu_processes],
+        worker=types_pb2.WorkerInfo(**dataclasses.asdict(s.worker)) if s.worker else None,
     )
 
 

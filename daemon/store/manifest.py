@@ -27,7 +27,15 @@ from typing import Any
 
 from gpusnap.daemon.api.errors import DataLossError
 from gpusnap.daemon.store.checksum import DIGEST_ALGORITHM
-from gpusnap.daemon.api.types import GpuProcess, HostFacts, ImageFile, PhaseTiming, ProcessFacts, Snapshot
+from gpusnap.daemon.api.types import (
+    GpuProcess,
+    HostFacts,
+    ImageFile,
+    PhaseTiming,
+    ProcessFacts,
+    Snapshot,
+    WorkerInfo,
+)
 
 MANIFEST_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -48,6 +56,7 @@ def to_json(snapshot: Snapshot) -> dict[str, Any]:
         "files": [_fields(f) for f in snapshot.files],
         "phases": [_fields(p) for p in snapshot.phases],
         "gpu_processes": [_fields(g) for g in snapshot.gpu_processes],
+        "worker": _fields(snapshot.worker) if snapshot.worker else None,
     }
 
 
@@ -101,6 +110,7 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
                 )
                 for g in doc.get("gpu_processes", [])
             ),
+            worker=WorkerInfo(**doc["worker"]) if doc.get("worker") else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DataLossError(f"manifest is malformed ({type(exc).__name__}: {exc})", reason="MANIFEST_CORRUPT") from exc

@@ -13,7 +13,9 @@ vLLM's default multiprocess layout: this process (front end) -> ``VLLM::EngineCo
 
 Stdio goes to ``WORKDIR/worker.log`` (stdin from /dev/null), inherited by the engine processes, so the
 tree holds no pipe to whoever started it. The environment defaults below can be overridden by the
-caller's environment. ``tokens-N.json``: ``{"n", "tokens", "finish_reason", "seconds", "pid"}``.
+caller's environment. Knobs: ``GPUSNAP_VLLM_DTYPE`` (default float32), ``GPUSNAP_VLLM_TP`` (tensor
+parallel size, default 1), ``GPUSNAP_VLLM_KV_BYTES`` (KV cache bytes instead of
+``VLLM_CPU_KVCACHE_SPACE=1`` GiB; a smaller cache shrinks the image). ``tokens-N.json``: ``{"n", "tokens", "finish_reason", "seconds", "pid"}``.
 """
 
 from __future__ import annotations
@@ -88,8 +90,11 @@ async def _main(workdir: str, model: str) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    kv_bytes = os.environ.get("GPUSNAP_VLLM_KV_BYTES")
     args = AsyncEngineArgs(
         model=model,
+        tensor_parallel_size=int(os.environ.get("GPUSNAP_VLLM_TP", "1")),
+        kv_cache_memory_bytes=int(kv_bytes) if kv_bytes else None,
         load_format="dummy",
         skip_tokenizer_init=True,
         enforce_eager=True,
@@ -146,6 +151,8 @@ if __name__ == "__main__":
     os.makedirs(workdir, exist_ok=True)
     _redirect_stdio(workdir)
     for key, value in ENV_DEFAULTS.items():
+        if key == "VLLM_CPU_KVCACHE_SPACE" and os.environ.get("GPUSNAP_VLLM_KV_BYTES"):
+            continue  # the env var would override kv_cache_memory_bytes
         os.environ.setdefault(key, value)
     model = ns.model
     if model is None:

@@ -145,12 +145,19 @@ class GpuNode:
         *,
         cuda: Sequence[str] = ("root",),
         gpus: Sequence[int] = (0,),
+        visible: Sequence[int] | None = None,
         memory_bytes: int = GPU_BYTES,
         env: Mapping[str, str] | None = None,
         mem_mb: int = 4,
         child: bool = True,
     ) -> Tree:
-        """Start a tree.py tree (no listener) and make its ``cuda`` members (``"root"``/``"child"``) CUDA processes."""
+        """Start a tree.py tree (no listener) and make its ``cuda`` members (``"root"``/``"child"``) CUDA processes
+        holding ``memory_bytes`` on each GPU of ``gpus`` (indexes) and seeing ``visible`` (``CUDA_VISIBLE_DEVICES``;
+        ``None`` = unset, every GPU of the node)."""
+        if visible is None:
+            self.monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            self.monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, visible)))
         for key, value in (env or {}).items():
             self.monkeypatch.setenv(key, value)
         args = ["--mem-mb", str(mem_mb), "--no-listener"] + ([] if child else ["--no-child"])
@@ -160,9 +167,12 @@ class GpuNode:
             wait_for(lambda: bool(psutil.Process(w.pid).children()), 10, "tree.py did not fork its child")
             kid = psutil.Process(w.pid).children()[0].pid
         tree = Tree(w, kid)
+        seen = [g.index for g in self.nvml.devices] if visible is None else list(visible)
         for member in cuda:
             pid = tree.root if member == "root" else tree.child
-            self.cuda.add(pid, gpus=[fake_uuid(i) for i in gpus], memory_bytes=memory_bytes)
+            self.cuda.add(
+                pid, gpus=[fake_uuid(i) for i in gpus], visible=[fake_uuid(i) for i in seen], memory_bytes=memory_bytes
+            )
         return tree
 
     # -- operations --------------------------------------------------------------------------------------
@@ -276,7 +286,7 @@ def node(tmp_path: Path, workloads: Workloads, criu_version: str, monkeypatch: p
         gpu_lock_timeout=4.0,
         gpu_call_timeout=5.0,
     )
-    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu)
+    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, **_optional_deps(tmp_path))
     n = GpuNode(tmp_path, cuda, nvml, gpu, criu, store, config, deps, workloads, monkeypatch)
     try:
         yield n
@@ -288,6 +298,17 @@ def node(tmp_path: Path, workloads: Workloads, criu_version: str, monkeypatch: p
         for p in processes_with(str(tmp_path)):  # anything else running from this test's directories
             _kill(p.pid)
         store.close()
+
+
+def _optional_deps(tmp_path: Path) -> dict[str, Any]:
+    """Deps fields beyond the core ones: a worker-agent registry that never started (no agent attaches)."""
+    names = {f.name for f in dataclasses.fields(Deps)}
+    extra: dict[str, Any] = {}
+    if "agents" in names:
+        from gpusnap.daemon.workers.agents import AgentRegistry
+
+        extra["agents"] = AgentRegistry(tmp_path / "agents.sock")
+    return extra
 
 
 def _kill(pid: int) -> None:

@@ -3,10 +3,12 @@
 On top of the state machine, fault injection and call log of ``FakeCudaApi`` it models what the real driver does
 around CRIU:
 
-* :meth:`ProcessCuda.add` registers a live PID as a CUDA process on given GPUs holding given memory.
+* :meth:`ProcessCuda.add` registers a live PID as a CUDA process that sees some GPUs (``CUDA_VISIBLE_DEVICES``;
+  ``FakeCudaApi.gpus_of``, which a restore's GPU pairs must permute) and holds memory on some of them.
 * A process the driver has checkpointed comes back CHECKPOINTED when CRIU restores its image: any PID the fake is
   asked about that it does not know, whose innermost-namespace PID (``/proc/<pid>/status`` ``NSpid``) is a
   checkpointed PID, is adopted in that state with the same GPUs and memory (:attr:`ProcessCuda.adopted`).
+* A restore with GPU pairs moves the process's memory along with its visible GPUs.
 * :meth:`ProcessCuda.usage` is what NVML reports: RUNNING/LOCKED processes that are alive, on their GPUs
   (checkpointed processes hold no device memory).
 * :meth:`ProcessCuda.note` adds non-driver events (CRIU dump/restore) to the same ordered call log, and every
@@ -41,6 +43,8 @@ class ProcessCuda(FakeCudaApi):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.memory: dict[int, int] = {}
+        self.used: dict[int, list[str]] = {}
+        """PID -> GPUs it holds memory on (``memory`` bytes on each); ``gpus_of`` are the GPUs it sees."""
         self.comes_back: dict[int, ProcessState] = {}
         """Source PID -> state a CRIU-restored copy of it is in (CHECKPOINTED once the driver checkpointed it)."""
         self.adopted: dict[int, int] = {}
@@ -55,13 +59,16 @@ class ProcessCuda(FakeCudaApi):
         pid: int,
         *,
         gpus: Sequence[str] = (),
+        visible: Sequence[str] = (),
         memory_bytes: int = 0,
         state: ProcessState = ProcessState.RUNNING,
     ) -> None:
-        """Make live ``pid`` a CUDA process in ``state`` using ``gpus`` (``memory_bytes`` on each)."""
+        """Make live ``pid`` a CUDA process in ``state`` that sees ``visible`` GPUs and holds ``memory_bytes`` on
+        each of ``gpus``."""
         with self._lock:
             self.states[pid] = state
-            self.gpus_of[pid] = [normalize_gpu_uuid(u) for u in gpus]
+            self.gpus_of[pid] = [normalize_gpu_uuid(u) for u in visible]
+            self.used[pid] = [normalize_gpu_uuid(u) for u in gpus]
             self.memory[pid] = memory_bytes
 
     def note(self, event: str, pid: int, *args: object) -> None:
@@ -74,7 +81,7 @@ class ProcessCuda(FakeCudaApi):
     def usage(self) -> dict[int, list[tuple[str, int]]]:
         """What NVML sees: ``{pid: [(uuid, bytes), …]}`` of live RUNNING/LOCKED CUDA processes."""
         with self._lock:
-            items = [(p, s, list(self.gpus_of.get(p, [])), self.memory.get(p, 0)) for p, s in self.states.items()]
+            items = [(p, s, list(self.used.get(p, [])), self.memory.get(p, 0)) for p, s in self.states.items()]
         return {
             pid: [(u, nbytes) for u in gpus]
             for pid, state, gpus, nbytes in items
@@ -101,6 +108,15 @@ class ProcessCuda(FakeCudaApi):
             self.liveness.append((method, pid, alive))
         return super()._enter(method, pid, args)
 
+    def restore(self, pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
+        self._adopt(pid)
+        with self._lock:
+            before = list(self.gpus_of.get(pid, []))
+        super().restore(pid, gpu_pairs)
+        with self._lock:
+            moved = dict(zip(before, self.gpus_of.get(pid, [])))
+            self.used[pid] = [moved.get(u, u) for u in self.used.get(pid, [])]
+
     def _transition(self, method: str, pid: int) -> None:
         super()._transition(method, pid)
         if method == "checkpoint":
@@ -117,5 +133,6 @@ class ProcessCuda(FakeCudaApi):
                 return
             self.states[pid] = self.comes_back[source]
             self.gpus_of[pid] = list(self.gpus_of.get(source, []))
+            self.used[pid] = list(self.used.get(source, []))
             self.memory[pid] = self.memory.get(source, 0)
             self.adopted[pid] = source

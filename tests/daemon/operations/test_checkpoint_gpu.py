@@ -96,7 +96,14 @@ def test_checkpoint_locks_then_checkpoints_then_dumps_then_kills_the_source(node
     assert node.staging() == []
     stored = node.store.get("gpu-happy")
     assert stored.id == snap.id
-    assert stored.gpu_processes == (GpuProcess(pid=root, gpu_uuids=(fake_uuid(0),), gpu_memory_bytes=GPU_BYTES),)
+    assert stored.gpu_processes == (
+        GpuProcess(
+            pid=root,
+            gpu_uuids=(fake_uuid(0),),
+            gpu_memory_bytes=GPU_BYTES,
+            visible_gpu_uuids=tuple(fake_uuid(i) for i in range(4)),  # CUDA_VISIBLE_DEVICES unset: all of them
+        ),
+    )
     assert stored.host.nvidia_driver_version == DRIVER
     assert stored.host.cuda_driver_version == CUDA
     assert stored.host.criu_version == node.deps.criu_version

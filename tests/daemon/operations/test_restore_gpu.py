@@ -50,7 +50,7 @@ def host_pid_of(result: RestoreResult, source_pid: int) -> int:
 
 def test_restore_restores_unlocks_and_verifies_every_cuda_process(node: GpuNode) -> None:
     tree = node.start(cuda=("root", "child"), env=NCCL_ENV)
-    node.cuda.gpus_of[tree.child] = [U1]  # root on GPU 0, child on GPU 1
+    node.cuda.used[tree.child] = [U1]  # root on GPU 0, child on GPU 1 (both see all four)
     snap = checkpointed(node, tree)
     mark = len(node.cuda.calls)
     record = node.restore(snap.id)
@@ -82,10 +82,24 @@ def test_restore_restores_unlocks_and_verifies_every_cuda_process(node: GpuNode)
     assert node.listed() == [snap.id]
 
 
-@pytest.mark.parametrize("how", ["explicit-map", "original-gpu-full"])
-def test_restore_onto_another_gpu_of_the_same_model_passes_gpu_pairs(node: GpuNode, how: str) -> None:
-    tree = node.start()
+@pytest.mark.parametrize(
+    ("how", "visible", "pairs"),
+    [
+        # The pairs permute every GPU the process sees (a lone (U0, U1) pair is refused by the driver).
+        ("explicit-map", None, ((U0, U1), (U1, U0), (U2, U2), (U3, U3))),
+        ("original-gpu-full", None, ((U0, U1), (U1, U0), (U2, U2), (U3, U3))),
+        ("explicit-map", (0, 1), ((U0, U1), (U1, U0))),
+        ("explicit-map", (0, 2), ((U0, U1), (U2, U2))),
+    ],
+    ids=["explicit-all-visible", "original-gpu-full", "explicit-sees-0-1", "explicit-sees-0-2"],
+)
+def test_restore_onto_another_gpu_of_the_same_model_passes_gpu_pairs(
+    node: GpuNode, how: str, visible: tuple[int, ...] | None, pairs: tuple[tuple[str, str], ...]
+) -> None:
+    tree = node.start(visible=visible)
     snap = checkpointed(node, tree)
+    seen = (U0, U1, U2, U3) if visible is None else tuple(fake_uuid(i) for i in visible)
+    assert snap.gpu_processes[0].visible_gpu_uuids == seen
     gpu_map: dict[str, str] = {}
     if how == "explicit-map":
         gpu_map = {U0: U1}
@@ -101,7 +115,7 @@ def test_restore_onto_another_gpu_of_the_same_model_passes_gpu_pairs(node: GpuNo
         ("unlock", r),
         ("get_state", r),
     ]
-    assert node.cuda.args_of("restore", r) == [(((U0, U1),),)]
+    assert node.cuda.args_of("restore", r) == [(pairs,)]
     assert node.cuda.state(r) is ProcessState.RUNNING
     assert node.nvml.processes_by_pid()[r] == [(U1, GPU_BYTES)], "NVML sees it on the new GPU"
     assert phase_names(record) == RESTORE_PHASES

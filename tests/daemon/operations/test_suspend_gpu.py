@@ -11,18 +11,28 @@ from gpusnap.daemon.operations.base import OperationState
 from tests.daemon.operations.conftest import GPU_BYTES, GpuNode, failed_phase, phase_names, rollback_steps
 from tests.daemon.operations.fakes_nvml import fake_uuid
 
-U0, U2 = fake_uuid(0), fake_uuid(2)
+U0, U1, U2, U3 = (fake_uuid(i) for i in range(4))
 
 
-@pytest.mark.parametrize(("gpu_map", "target"), [({}, U0), ({U0: U2}, U2)], ids=["same-gpu", "other-gpu"])
-def test_suspend_then_resume(node: GpuNode, gpu_map: dict[str, str], target: str) -> None:
+@pytest.mark.parametrize(
+    ("gpu_map", "target", "used_map"),
+    [
+        ({}, U0, {U0: U0}),
+        # Moving GPU 0's state to GPU 2 permutes every visible GPU: GPU 2 takes GPU 0's place.
+        ({U0: U2}, U2, {U0: U2, U1: U1, U2: U0, U3: U3}),
+    ],
+    ids=["same-gpu", "other-gpu"],
+)
+def test_suspend_then_resume(node: GpuNode, gpu_map: dict[str, str], target: str, used_map: dict[str, str]) -> None:
     tree = node.start()
     root, child = tree.root, tree.child
 
     suspended = node.suspend(root)
     assert suspended.error is None, suspended.error
     assert phase_names(suspended) == ["preflight", "gpu-lock", "gpu-checkpoint"]
-    assert suspended.result == (GpuProcess(pid=root, gpu_uuids=(U0,), gpu_memory_bytes=GPU_BYTES),)
+    assert suspended.result == (
+        GpuProcess(pid=root, gpu_uuids=(U0,), gpu_memory_bytes=GPU_BYTES, visible_gpu_uuids=(U0, U1, U2, U3)),
+    )
     assert node.cuda.sequence() == [
         ("get_restore_thread_id", root),
         ("get_restore_thread_id", child),
@@ -40,7 +50,7 @@ def test_suspend_then_resume(node: GpuNode, gpu_map: dict[str, str], target: str
     resumed = node.resume(root, gpu_map)
     assert resumed.error is None, resumed.error
     assert phase_names(resumed) == ["preflight", "gpu-restore", "gpu-unlock", "validate"]
-    assert resumed.result == {U0: target}
+    assert resumed.result == used_map
     assert node.cuda.calls_since(mark) == [
         ("get_state", root),  # preflight: which processes are suspended
         ("get_state", child),
@@ -48,7 +58,7 @@ def test_suspend_then_resume(node: GpuNode, gpu_map: dict[str, str], target: str
         ("unlock", root),
         ("get_state", root),  # validate
     ]
-    pairs = () if target == U0 else ((U0, target),)
+    pairs = () if target == U0 else tuple(sorted(used_map.items()))
     assert node.cuda.args_of("restore", root) == [(pairs,)]
     assert node.cuda.state(root) is ProcessState.RUNNING
     assert node.nvml.processes_by_pid() == {root: [(target, GPU_BYTES)]}

@@ -1,0 +1,1 @@
+"""Generated agent-channel messages (scripts/gen_protos.py). Do not edit."""

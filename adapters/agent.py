@@ -1,0 +1,190 @@
+"""WorkerAgent: runs inside an engine worker and carries out the daemon's warm-up, quiesce and resume.
+
+Start it once the engine is built::
+
+    from gpusnap.adapters import start_agent
+    from gpusnap.adapters.vllm import VllmAdapter
+    agent = start_agent(VllmAdapter(engine), loop=asyncio.get_running_loop())
+
+The agent dials gpusnapd's agent socket (``GPUSNAP_AGENT_SOCKET``, default ``/run/gpusnap/agent.sock``)
+from a background thread and keeps retrying while the daemon is away. After answering ``Quiesce`` it
+closes the connection, so the captured image holds no socket to the daemon, and waits for its wake file
+(``<wake dir>/<instance id>``); the daemon creates it once the worker may run on (in a restored copy, or
+in the source after a failed capture). Then it reconnects and waits for ``Resume``. The worker survives
+being frozen at any instant: between commands the agent only sleeps or blocks in ``recv``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gpusnap.adapters import wire
+from gpusnap.adapters._proto import agent_pb2
+from gpusnap.adapters.base import EngineAdapter, RestoreContext
+
+log = logging.getLogger("gpusnap.agent")
+
+T = TypeVar("T")
+
+DEFAULT_SOCKET = "/run/gpusnap/agent.sock"
+DEFAULT_WAKE_DIR = "/run/gpusnap/wake"
+RECONNECT_S = 0.5
+WAKE_POLL_S = 0.02
+
+
+class WorkerAgent:
+    """The daemon's hands inside one worker process.
+
+    Args:
+        adapter: the engine adapter whose coroutines the agent calls.
+        socket_path: the daemon's agent socket (default: ``GPUSNAP_AGENT_SOCKET`` or ``/run/gpusnap/agent.sock``).
+        wake_dir: where the wake file appears (default: ``GPUSNAP_WAKE_DIR`` or ``/run/gpusnap/wake``).
+        loop: the engine's event loop; adapter coroutines run there. ``None``: the agent runs its own loop.
+    """
+
+    def __init__(
+        self,
+        adapter: EngineAdapter,
+        *,
+        socket_path: str | None = None,
+        wake_dir: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
+        self.adapter = adapter
+        self.socket_path = socket_path or os.environ.get("GPUSNAP_AGENT_SOCKET", DEFAULT_SOCKET)
+        self.wake_dir = Path(wake_dir or os.environ.get("GPUSNAP_WAKE_DIR", DEFAULT_WAKE_DIR))
+        self.instance_id = secrets.token_hex(16)
+        self.loop = loop
+        self.quiesced = False
+        self.resumed_count = 0
+        """How many times this process (or the image it came from) was resumed after a quiesce."""
+        self._stop = threading.Event()
+        self._own_loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="gpusnap-agent", daemon=True)
+        self._attached = threading.Event()
+
+    def start(self) -> WorkerAgent:
+        """Start the agent's thread; returns ``self``."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop reconnecting (the thread ends at its next wake-up)."""
+        self._stop.set()
+
+    def wait_attached(self, timeout: float) -> bool:
+        """Block until the agent has said hello to the daemon; True if it did within ``timeout`` s."""
+        return self._attached.wait(timeout)
+
+    # -- the agent's thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self.loop is None:
+            self._own_loop = asyncio.new_event_loop()
+        while not self._stop.is_set():
+            if self.quiesced:
+                self._wait_for_wake()
+            sock = self._connect()
+            if sock is None:
+                continue
+            try:
+                self._serve(sock)
+            except (wire.ChannelClosed, OSError) as exc:
+                log.info("gpusnap agent: channel closed (%s); reconnecting", exc)
+            finally:
+                sock.close()
+
+    def _connect(self) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.socket_path)
+            hello = agent_pb2.AgentHello(
+                protocol_version=wire.PROTOCOL_VERSION,
+                engine=self.adapter.engine,
+                instance_id=self.instance_id,
+                resumed=self.quiesced,
+                wake_dir=str(self.wake_dir),
+                info=self.adapter.info(),
+            )
+            wire.send(sock, agent_pb2.AgentMessage(hello=hello))
+        except OSError:
+            sock.close()
+            self._stop.wait(RECONNECT_S)
+            return None
+        self._attached.set()
+        return sock
+
+    def _wait_for_wake(self) -> None:
+        wake = self.wake_dir / self.instance_id
+        while not self._stop.is_set() and not wake.exists():
+            time.sleep(WAKE_POLL_S)
+
+    def _serve(self, sock: socket.socket) -> None:
+        while not self._stop.is_set():
+            msg = wire.recv(sock, agent_pb2.DaemonMessage())
+            kind = msg.WhichOneof("command")
+            start = time.monotonic()
+            result = agent_pb2.CommandResult(command_id=msg.command_id, ok=True)
+            try:
+                if kind == "warm_up":
+                    result.details["tokens"] = _tokens(self._call(self.adapter.warm_up()))
+                elif kind == "health":
+                    result.details["tokens"] = _tokens(self._call(self.adapter.health()))
+                elif kind == "quiesce":
+                    self._quiesce()
+                elif kind == "resume":
+                    result.details["tokens"] = _tokens(self._resume(msg.resume))
+                else:
+                    raise ValueError(f"unknown command {kind!r}")
+            except Exception as exc:  # reported to the daemon, never fatal to the worker
+                result.ok = False
+                result.error = f"{type(exc).__name__}: {exc}"
+            result.duration_seconds = time.monotonic() - start
+            wire.send(sock, agent_pb2.AgentMessage(result=result))
+            if kind == "quiesce" and result.ok:
+                self.quiesced = True
+                return  # close the channel before the dump
+
+    def _quiesce(self) -> None:
+        try:
+            self._call(self.adapter.quiesce())
+        except Exception:
+            self._call(self.adapter.resume(None))  # a failed quiesce leaves the worker serving
+            raise
+
+    def _resume(self, msg: agent_pb2.Resume) -> list[int]:
+        context = None
+        if msg.restored:
+            context = RestoreContext(env=dict(msg.context.env), unset_env=list(msg.context.unset_env),
+                                     values=dict(msg.context.values))
+            context.apply_env()
+        self._call(self.adapter.resume(context))
+        self.quiesced = False
+        self.resumed_count += 1
+        return self._call(self.adapter.health())
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self.loop is not None:
+            fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            return fut.result()
+        assert self._own_loop is not None
+        return self._own_loop.run_until_complete(coro)
+
+
+def _tokens(tokens: list[int]) -> str:
+    return ",".join(str(t) for t in tokens)
+
+
+def start_agent(adapter: EngineAdapter, *, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any) -> WorkerAgent:
+    """Create and start a :class:`WorkerAgent` for ``adapter`` (see the module docstring)."""
+    return WorkerAgent(adapter, loop=loop, **kwargs).start()

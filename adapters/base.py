@@ -1,0 +1,68 @@
+"""EngineAdapter: what gpusnap needs from an inference engine to capture and restore it.
+
+An adapter is a small object with four coroutines, called by the worker agent on the engine's own
+event loop, one at a time:
+
+- ``warm_up()``: run deterministic request(s) that exercise prefill, decode, the sampler and the host
+  path (``engine-apis.md`` §5), then reset prefix caches; returns the canary's token ids.
+- ``quiesce()``: stop taking work, finish or abort in-flight requests, and free what should not be
+  captured (the KV cache by default). If it raises, the agent calls ``resume(None)`` and reports the
+  error, so a failed capture leaves the worker serving.
+- ``resume(context)``: undo ``quiesce`` (``context`` is ``None`` when a failed capture rolls back, a
+  :class:`RestoreContext` in a restored copy).
+- ``health()``: the canary generation again; its token ids must equal ``warm_up``'s.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreContext:
+    """What a restored worker receives: environment changes and identity values (new port, node name…)."""
+
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    unset_env: Sequence[str] = ()
+    values: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def apply_env(self) -> None:
+        """Apply ``env`` and ``unset_env`` to ``os.environ`` (CRIU brings back the capture-time environment)."""
+        for name in self.unset_env:
+            os.environ.pop(name, None)
+        os.environ.update(self.env)
+
+
+WARMUP_PROMPT_TOKEN_IDS = (1, 5, 6, 7)
+"""Token-only warm-up prompt: needs no tokenizer or chat template (engine-apis.md §5)."""
+WARMUP_MAX_TOKENS = 2
+"""Two tokens: one prefill and at least one decode step (a CUDA-graph replay on GPU engines)."""
+
+
+class EngineAdapter(abc.ABC):
+    """Base of the per-engine adapters; ``engine`` names the engine in the agent's hello."""
+
+    engine: str = "unknown"
+
+    def info(self) -> dict[str, str]:
+        """Engine facts for the daemon (model, parallel sizes…)."""
+        return {}
+
+    @abc.abstractmethod
+    async def warm_up(self) -> list[int]:
+        """Run the warm-up request(s); return the canary's token ids."""
+
+    @abc.abstractmethod
+    async def quiesce(self) -> None:
+        """Stop work and free memory that need not be captured."""
+
+    @abc.abstractmethod
+    async def resume(self, context: RestoreContext | None) -> None:
+        """Undo :meth:`quiesce`; ``context`` is set in a restored copy."""
+
+    async def health(self) -> list[int]:
+        """The canary generation; by default the warm-up request again."""
+        return await self.warm_up()

