@@ -135,6 +135,7 @@ class CriuDriver:
         leave_running: bool,
         tcp: TcpMode,
         freeze_timeout_s: int,
+        leave_stopped: bool = False,
         timeout_s: float,
         enter_ns_of: int = 0,
         on_start: Callable[[int], None] | None = None,
@@ -145,6 +146,9 @@ class CriuDriver:
         Args:
             pid: root PID as seen from the namespace CRIU runs in (see ``enter_ns_of``).
             enter_ns_of: host PID whose PID and mount namespaces CRIU runs in (0: gpusnapd's own).
+            leave_stopped: leave the dumped tree stopped instead of killing it (CRIU ``--leave-stopped``);
+                the caller kills it. Needed when CRIU runs inside the tree's PID namespace, which dies
+                with the tree, CRIU and the helper included, before CRIU could answer.
             on_start: called with the helper's PID once it runs (used by fault-injection tests).
             on_post_dump: called once the images are complete while the tree is still frozen (CRIU's
                 ``post-dump`` notification). If it raises, CRIU fails the dump and resumes the tree,
@@ -162,6 +166,7 @@ class CriuDriver:
             "file_locks": True,
             "link_remap": True,
             "leave_running": leave_running,
+            "leave_stopped": leave_stopped,
             "log_level": 4,
             "log_file": "dump.log",
             "timeout": freeze_timeout_s,

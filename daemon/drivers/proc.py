@@ -163,6 +163,15 @@ def _not_found(pid: int) -> NotFoundError:
     )
 
 
+def kill_tree(pids: list[int]) -> None:
+    """SIGKILL every PID of ``pids`` (gone ones are skipped)."""
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+
+
 def ensure_no_frozen(pids: list[int]) -> list[int]:
     """Send SIGCONT to any process of ``pids`` left stopped (after a killed CRIU); returns those resumed."""
     resumed = []

@@ -120,7 +120,9 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             run.open_phase("finish")
 
         run.open_phase("dump")
+        nested_kill = bool(enter_ns_of) and not opts.leave_running
         deps.criu.dump(
+            leave_stopped=nested_kill,
             pid=ns_pid,
             images_dir=staging.images,
             work_dir=staging.path,
@@ -131,6 +133,8 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             enter_ns_of=enter_ns_of,
             on_post_dump=publish,
         )
+        if nested_kill:
+            proc.kill_tree(list(facts.tree_pids))
         run.close_phase()
     if ctl and gpu_tree and opts.leave_running:
         with run.phase("gpu-resume"):
