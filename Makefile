@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-gpu typecheck proto criu venv install-service bench-gpu clean help
+.PHONY: run test test-gpu typecheck proto criu venv install-service bench-gpu bench-gpu-engine clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -42,6 +42,9 @@ $(PKG_LINKS):
 
 test-gpu: $(PKG_LINKS) ## run the GPU tests (needs an NVIDIA GPU, driver >= 580, CRIU in .criu)
 	$(GPU_ENV) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
+
+bench-gpu-engine: $(PKG_LINKS) ## LLM worker cold start vs restore to first token [SIZE=1b|8b] -> bench/results/*.json
+	$(GPU_ENV) $(PYTHON) bench/gpu_engine_bench.py --size $(or $(SIZE),1b) $(BENCH_ARGS)
 
 bench-gpu: $(PKG_LINKS) ## GPU checkpoint/restore phase timings for 2, 16, 64 GiB -> bench/results/*.json
 	$(GPU_ENV) $(PYTHON) bench/gpu_bench.py --sizes $(or $(SIZES),2,16,64) $(BENCH_ARGS)

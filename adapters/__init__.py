@@ -6,5 +6,6 @@ engine module imports its engine lazily.
 
 from gpusnap.adapters.agent import WorkerAgent, start_agent
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
+from gpusnap.adapters.env import configure_capture_env
 
-__all__ = ["EngineAdapter", "RestoreContext", "WorkerAgent", "start_agent"]
+__all__ = ["EngineAdapter", "RestoreContext", "WorkerAgent", "configure_capture_env", "start_agent"]

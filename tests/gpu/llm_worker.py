@@ -1,0 +1,93 @@
+"""A Llama-style LLM worker (transformers, random bf16 weights) with the gpusnap agent (PyTorch adapter).
+
+    python llm_worker.py WORKDIR [--size 1b|8b] [--no-agent]
+
+Builds the model on the GPU from a fixed seed (no weights are downloaded), then serves greedy
+generations: each WORKDIR/go-N makes it generate 16 tokens for a fixed prompt and write WORKDIR/tokens-N
+(JSON: {"tokens": [...], "t_done": <time.time()>}). WORKDIR/ready holds {"t_start", "t_first_token"}:
+process start to first generated token is the cold start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+
+T_START = time.time()
+
+from gpusnap.adapters import configure_capture_env  # noqa: E402  (NCCL etc., before torch starts)
+
+configure_capture_env()
+
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from gpusnap.adapters import start_agent  # noqa: E402
+from gpusnap.adapters.pytorch import TorchAdapter  # noqa: E402
+
+SIZES = {
+    # ~1.1B parameters (TinyLlama-shaped)
+    "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+               intermediate_size=5632, vocab_size=32000),
+    # ~8.0B parameters (Llama-3-8B-shaped)
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256),
+}
+PROMPT = [1, 415, 5565, 302, 4843, 349, 5465, 28723]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workdir")
+    ap.add_argument("--size", default="1b", choices=sorted(SIZES))
+    ap.add_argument("--no-agent", action="store_true")
+    args = ap.parse_args()
+    wd = args.workdir
+    torch.manual_seed(0)
+    config = LlamaConfig(max_position_embeddings=4096, torch_dtype="bfloat16", **SIZES[args.size])
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).eval()
+    params = sum(p.numel() for p in model.parameters())
+    lock = threading.Lock()
+
+    def generate(prompt: list[int], n: int) -> list[int]:
+        with lock, torch.inference_mode():
+            ids = torch.tensor([prompt], device="cuda")
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            return [int(t) for t in out[0, len(prompt):].tolist()]
+
+    first = generate(PROMPT, 1)
+    t_first = time.time()
+    def quiesce() -> None:  # hold the serving lock until resume: no generation while captured
+        lock.acquire()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    if not args.no_agent:
+        adapter = TorchAdapter(lambda: generate([1, 5, 6, 7], 2), quiesce=quiesce, resume=lambda ctx: lock.release())
+        start_agent(adapter).wait_attached(60)
+    with open(os.path.join(wd, "ready.tmp"), "w") as fh:
+        json.dump({"t_start": T_START, "t_first_token": t_first, "params": params, "first": first}, fh)
+    os.rename(os.path.join(wd, "ready.tmp"), os.path.join(wd, "ready"))
+    n = 1
+    while True:
+        go = os.path.join(wd, f"go-{n}")
+        if os.path.exists(go):
+            tokens = generate(PROMPT, 16)
+            with open(os.path.join(wd, f"tokens-{n}.tmp"), "w") as fh:
+                json.dump({"tokens": tokens, "t_done": time.time()}, fh)
+            os.rename(os.path.join(wd, f"tokens-{n}.tmp"), os.path.join(wd, f"tokens-{n}"))
+            n += 1
+        time.sleep(0.005)
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    sys.exit(main())

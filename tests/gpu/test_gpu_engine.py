@@ -1,0 +1,63 @@
+"""A transformers Llama-style model (random bf16 weights, ~1.1B parameters) served by a small generation
+loop through the PyTorch adapter: the same greedy tokens after dump and restore."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import DaemonProc, wait_for
+
+pytestmark = pytest.mark.gpu
+
+WORKER = Path(__file__).resolve().parent / "llm_worker.py"
+
+
+def start_llm(daemon: DaemonProc, wd: Path, size: str = "1b") -> subprocess.Popen[bytes]:
+    wd.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket), "GPUSNAP_WAKE_DIR": str(wd.parent / "wake"),
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(wd), "--size", size], env=env, stdin=subprocess.DEVNULL,
+                            stdout=open(wd / "out", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    wait_for(lambda: (wd / "ready").exists() or proc.poll() is not None, 600, "LLM worker did not start")
+    assert proc.poll() is None, (wd / "out").read_text()[-3000:]
+    return proc
+
+
+def request(wd: Path, n: int, timeout: float = 120) -> dict:  # type: ignore[type-arg]
+    (wd / f"go-{n}").write_text("")
+    wait_for((wd / f"tokens-{n}").exists, timeout, f"no answer to request {n}")
+    return json.loads((wd / f"tokens-{n}").read_text())  # type: ignore[no-any-return]
+
+
+def test_llm_worker_same_tokens_after_restore(daemon: DaemonProc, tmp_path: Path) -> None:
+    wd = tmp_path / "llm"
+    proc = start_llm(daemon, wd)
+    restored_pid = 0
+    try:
+        ready = json.loads((wd / "ready").read_text())
+        assert ready["params"] > 1.0e9
+        before = request(wd, 1)["tokens"]
+        assert len(before) == 16
+        dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), check=True, timeout=900).stdout)
+        assert {"warm-up", "quiesce", "gpu-checkpoint", "dump"} <= set(dumped["phases"])
+        assert proc.wait(timeout=60) == -9
+        restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=900).stdout)
+        restored_pid = restored["pid"]
+        assert "resume-worker" in restored["phases"]
+        after = request(wd, 2)["tokens"]
+        assert after == before, "identical greedy tokens after restore"
+        assert request(wd, 3)["tokens"] == before, "and it keeps serving"
+        print(f"\nMEASURED llm 1b: dump {dumped['phases']} restore {restored['phases']}")
+    finally:
+        for pid in (proc.pid, restored_pid):
+            try:
+                psutil.Process(pid).kill()
+            except (psutil.Error, ValueError):
+                pass
