@@ -339,13 +339,24 @@ def _notify_handler(on_post_dump: Callable[[], None] | None) -> _NotifyHandler |
     return _NotifyHandler(on_post_dump) if on_post_dump else None
 
 
+BENIGN_LOG_LINES = (
+    "Can't setup RLIMIT_NOFILE for self",  # CRIU raising its own fd limit without CAP_SYS_RESOURCE
+    "restore late stage hook for external plugin failed",  # no plugins loaded
+)
+"""CRIU log lines marked as errors that never explain a failure."""
+
+
 def log_lines(path: Path, limit: int = LOG_LINES) -> list[str]:
     """The lines of a CRIU log worth showing: its errors (or its last lines), at most ``limit``."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return []
-    errors = [ln.strip() for ln in lines if "Error" in ln or "error" in ln.split(":", 1)[0]]
+    errors = [
+        ln.strip()
+        for ln in lines
+        if ("Error" in ln or "error" in ln.split(":", 1)[0]) and not any(b in ln for b in BENIGN_LOG_LINES)
+    ]
     return (errors or [ln.strip() for ln in lines])[-limit:]
 
 

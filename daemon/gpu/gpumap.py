@@ -312,6 +312,14 @@ def complete_bijection(
     return out
 
 
+def pairs_for_process(gpu_map: Mapping[str, str], visible_uuids: Sequence[str]) -> dict[str, str]:
+    """The part of a node-wide map that concerns one process: the GPUs it could see (all when unknown)."""
+    if not visible_uuids:
+        return dict(gpu_map)
+    visible = {normalize_gpu_uuid(u) for u in visible_uuids}
+    return {k: v for k, v in gpu_map.items() if normalize_gpu_uuid(k) in visible}
+
+
 def gpu_pairs_for_restore(gpu_map: Mapping[str, str]) -> list[tuple[str, str]]:
     """The ``gpuPairs`` argument for :meth:`CudaCheckpointApi.restore` from a resolved map.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import errno
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from gpusnap.daemon.api.errors import GpusnapError, InternalError
+from gpusnap.daemon.api.errors import GpusnapError, InternalError, ResourceExhaustedError
 from gpusnap.daemon.api.types import PhaseTiming
 
 
@@ -223,6 +224,14 @@ class PhaseRunner:
                 exc.message += "; rollback also failed: " + "; ".join(failures)
             self.record.finish(error=exc)
             return
+        except OSError as exc:  # the host said no: name the resource, not a bug
+            self._fail_open_phase(exc)
+            failures = self.rollback()
+            err = _os_error(exc, self.record.phase)
+            if failures:
+                err.message += "; rollback also failed: " + "; ".join(failures)
+            self.record.finish(error=err)
+            return
         except Exception as exc:  # a bug: report it as INTERNAL, never leave the operation hanging
             self.log.exception("operation.crashed")
             self._fail_open_phase(exc)
@@ -238,6 +247,17 @@ class PhaseRunner:
             total_s=round(sum(p.duration_seconds for p in self.record.phases), 4),
             phases={p.phase: round(p.duration_seconds, 4) for p in self.record.phases},
         )
+
+
+def _os_error(exc: OSError, phase: str) -> GpusnapError:
+    """A host-level failure as a domain error: out of space or quota is RESOURCE_EXHAUSTED."""
+    where = f" during {phase}" if phase else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhaustedError(
+            f"no space left{where} ({exc}); free space in the snapshot store or delete snapshots with `gpusnap rm`",
+            reason="STORE_FULL",
+        )
+    return InternalError(f"{exc.strerror or exc}{where} ({exc.filename or 'no file'})", reason="HOST_IO_ERROR")
 
 
 @dataclasses.dataclass

@@ -77,8 +77,9 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
             timeout_s=timeout,
         )
         progress.bytes = snapshot.size_bytes
+        # Without a namespace init, ns_pid is the host PID; register before anything else can fail.
+        run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, tree.ns_pid))
         root = _host_root_pid(tree.init_pid, tree.ns_pid)
-        run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, root))
     ctl: GpuTreeController | None = None
     cuda_pids: list[int] = []
     if gpu_map is not None:
@@ -94,7 +95,8 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         release = ctl.release_gpus_for_kill
         run.on_failure("release-gpus", lambda: release(cuda_pids, lock_timeout_ms=lock_ms).raise_for_problems())
         with run.phase("gpu-restore") as progress:
-            ctl.restore_all(cuda_pids, gpumap.gpu_pairs_for_restore(gpu_map))
+            for g, pid in zip(snapshot.gpu_processes, cuda_pids, strict=True):
+                ctl.restore_all([pid], gpumap.gpu_pairs_for_restore(gpumap.pairs_for_process(gpu_map, g.visible_gpu_uuids)))
             progress.bytes = sum(g.gpu_memory_bytes for g in snapshot.gpu_processes)
         with run.phase("gpu-unlock"):
             ctl.unlock_all(cuda_pids)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpusnap.daemon.api.errors import FailedPreconditionError
+from gpusnap.daemon.api.errors import FailedPreconditionError, InvalidArgumentError
 from gpusnap.daemon.api.types import GpuProcess
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.drivers.cuda import ProcessState
@@ -58,7 +58,14 @@ def run_resume(run: PhaseRunner, deps: Deps, pid: int, requested_map: Mapping[st
     with run.phase("preflight"):
         cuda, _ = deps.gpu.require("resume")
         tree_pids = proc.tree_pids(pid)
-        known = deps.gpu.suspended.get(pid)
+        known_root = next((p for p in tree_pids if p in deps.gpu.suspended), None)
+        known = deps.gpu.suspended.get(known_root) if known_root is not None else None
+        if known is None and requested_map:
+            raise InvalidArgumentError(
+                f"gpusnapd does not know which GPUs the tree of PID {pid} used (it was suspended before a daemon "
+                "restart, or by another PID); resume it without --gpu-map, onto its original GPUs",
+                reason="SUSPENDED_TREE_UNKNOWN",
+            )
         suspended = [p for p in tree_pids if _state(cuda, p) is ProcessState.CHECKPOINTED]
         if not suspended:
             raise FailedPreconditionError(
@@ -77,13 +84,17 @@ def run_resume(run: PhaseRunner, deps: Deps, pid: int, requested_map: Mapping[st
         gpu_map = gpumap.complete_bijection(gpu_map, visible, gpus)
     ctl = deps.gpu.controller(tree.gpu_bytes)
     with run.phase("gpu-restore") as progress:
-        ctl.restore_all(suspended, gpumap.gpu_pairs_for_restore(gpu_map))
+        visible_of = {g.pid: g.visible_gpu_uuids for g in tree.processes}
+        for p in suspended:
+            pairs = gpumap.pairs_for_process(gpu_map, visible_of.get(p, ()))
+            ctl.restore_all([p], gpumap.gpu_pairs_for_restore(pairs))
         progress.bytes = tree.gpu_bytes
     with run.phase("gpu-unlock"):
         ctl.unlock_all(suspended)
     with run.phase("validate"):
         ctl.verify_running(suspended)
-    deps.gpu.suspended.pop(pid, None)
+    if known_root is not None:
+        deps.gpu.suspended.pop(known_root, None)
     return gpu_map
 
 

@@ -185,7 +185,9 @@ class GpuNode:
 
     def checkpoint(self, pid: int, **opts: Any) -> OperationRecord:
         options = CheckpointOptions(pid=pid, **opts)
-        return self.run(OperationKind.CHECKPOINT, lambda run: run_checkpoint(run, self.deps, options, 0), target_pid=pid)
+        return self.run(
+            OperationKind.CHECKPOINT, lambda run: run_checkpoint(run, self.deps, options, 0), target_pid=pid
+        )
 
     def checkpoint_ok(self, pid: int, **opts: Any) -> Snapshot:
         record = self.checkpoint(pid, **opts)
@@ -206,7 +208,9 @@ class GpuNode:
         )
 
     def resume(self, pid: int, gpu_map: Mapping[str, str] | None = None) -> OperationRecord:
-        return self.run(OperationKind.RESUME, lambda run: run_resume(run, self.deps, pid, gpu_map or {}), target_pid=pid)
+        return self.run(
+            OperationKind.RESUME, lambda run: run_resume(run, self.deps, pid, gpu_map or {}), target_pid=pid
+        )
 
     # -- store -------------------------------------------------------------------------------------------
 
@@ -271,7 +275,9 @@ def criu_version() -> str:
 @pytest.fixture
 def node(tmp_path: Path, workloads: Workloads, criu_version: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[GpuNode]:
     cuda = ProcessCuda()
-    nvml = FakeNvml([FakeGpu(0), FakeGpu(1), FakeGpu(2), FakeGpu(3, name="NVIDIA A100-SXM4-80GB", memory_total_bytes=80 * GIB)], usage=cuda.usage)
+    # Three H200s and one A100 (another model: never a valid restore target for H200 state).
+    a100 = FakeGpu(3, name="NVIDIA A100-SXM4-80GB", memory_total_bytes=80 * GIB)
+    nvml = FakeNvml([FakeGpu(0), FakeGpu(1), FakeGpu(2), a100], usage=cuda.usage)
     gpu = GpuSupport(cuda, nvml, "", call_timeout_s=5)  # type: ignore[arg-type]
     prefix = criu_prefix()
     criu = RecordingCriu(str(prefix / "bin" / "criu"), str(prefix / "python"), cuda)

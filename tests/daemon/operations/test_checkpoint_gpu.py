@@ -298,7 +298,9 @@ def test_criu_that_cannot_run_restores_the_gpu_side(node: GpuNode, tmp_path: Pat
     assert_source_unharmed(node, tree)
 
 
-def test_publish_failure_resumes_the_source_and_rolls_back_the_gpu(node: GpuNode, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_publish_failure_resumes_the_source_and_rolls_back_the_gpu(
+    node: GpuNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Publishing fails inside CRIU's post-dump (tree frozen, images complete): CRIU resumes, GPU rolled back."""
     tree = node.start()
     root = tree.root

@@ -209,13 +209,9 @@ def test_restore_of_the_same_snapshot_works_again_after_a_failed_one(node: GpuNo
     assert node.cuda.state(record.result.pid) is ProcessState.RUNNING
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: run_restore registers the kill-restored undo only after _host_root_pid succeeded; when the "
-    "restored root is not found under the namespace init (it exited right after CRIU restored it) the operation "
-    "fails RESTORE_INCOMPLETE and leaves the namespace init and the rest of the restored tree running",
-)
-def test_restore_that_cannot_find_its_root_kills_what_was_restored(node: GpuNode, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_restore_that_cannot_find_its_root_kills_what_was_restored(
+    node: GpuNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tree = node.start(cuda=())
     snap = checkpointed(node, tree)
     # As if the restored root had exited at once: the namespace init has no child with the root's PID.

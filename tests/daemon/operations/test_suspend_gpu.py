@@ -105,12 +105,6 @@ def test_suspend_of_a_cpu_only_tree(node: GpuNode) -> None:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: run_resume drops a requested GPU map when gpusnapd does not remember the suspended tree "
-    "(daemon restarted, or resumed by another PID of the tree): the process is restored onto its old GPU and "
-    "the operation reports success with an empty map",
-)
 def test_resume_with_a_gpu_map_of_a_tree_the_daemon_forgot(node: GpuNode) -> None:
     tree = node.start()
     root = tree.root
@@ -119,7 +113,6 @@ def test_resume_with_a_gpu_map_of_a_tree_the_daemon_forgot(node: GpuNode) -> Non
     record = node.resume(root, {U0: U2})
     pairs = node.cuda.args_of("restore", root)
     # Either the map is honoured, or the request is refused; silently restoring onto GPU 0 is wrong.
-    assert pairs == [(((U0, U2),),)] or (record.error is not None and node.cuda.state(root) is ProcessState.CHECKPOINTED), (
-        record.result,
-        pairs,
-    )
+    honoured = pairs == [(((U0, U2), (U1, U1), (U2, U0), (U3, U3)),)]  # one-to-one over all visible GPUs
+    refused = record.error is not None and node.cuda.state(root) is ProcessState.CHECKPOINTED
+    assert honoured or refused, (record.result, pairs)
