@@ -286,3 +286,9 @@ def test_agent_failed_quiesce_leaves_the_worker_serving(engine_loop: EngineLoop)
     assert ex.health is not None and ex.health.ok and tokens(ex.health) == tokens(ex.warm_up)
     assert engine.calls.mock_calls == [*WARMUP, PAUSE, RELEASE, CONTINUE, *WARMUP]
     assert not engine.tokenizer_manager.dead
+
+
+def test_dp_size_mismatch_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="gpusnap.adapters.sglang"):
+        SglangAdapter(FakeSglangEngine(dp_size=4))
+    assert "server_args.dp_size is 4" in caplog.text
