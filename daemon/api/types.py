@@ -174,3 +174,5 @@ class Caller:
 
 
 ROOT_CALLER = Caller(pid=0, uid=0, gid=0)
+ANONYMOUS_CALLER = Caller(pid=0, uid=65534, gid=65534)
+"""A TCP caller without a verified client certificate: owns nothing, so it may act on nothing."""

@@ -95,14 +95,9 @@ class PeerCredProxy:
         return None
 
     def caller_for(self, peer: str) -> Caller:
-        """Like :meth:`caller`, mapping direct private-socket calls (root only) to root."""
+        """Like :meth:`caller`, mapping direct private-socket calls (root only: the directory is 0700) to root."""
         found = self.caller(peer)
-        if found is not None:
-            return found
-        if peer.startswith("unix:"):
-            return ROOT_CALLER
-        # TCP (TLS) clients: authenticated by certificate, treated as root.
-        return ROOT_CALLER
+        return found if found is not None else ROOT_CALLER
 
     async def _serve(self, sock: socket.socket) -> None:
         self._server = await asyncio.start_unix_server(self._handle, sock=sock)

@@ -11,7 +11,7 @@ import grpc
 from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
 from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
 from gpusnap.daemon.api.errors import GpusnapError, InternalError
-from gpusnap.daemon.api.types import Caller
+from gpusnap.daemon.api.types import ANONYMOUS_CALLER, ROOT_CALLER, Caller
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.service import convert
 from gpusnap.daemon.service.errors import abort
@@ -46,7 +46,12 @@ class _Base:
         self.proxy = proxy
 
     def caller(self, context: grpc.ServicerContext) -> Caller:
-        return self.proxy.caller_for(context.peer())
+        peer = context.peer()
+        if peer.startswith(("ipv4:", "ipv6:")):
+            # TCP listener: a client certificate verified against tls_client_ca (mutual TLS) grants full
+            # access; TLS without a client certificate only encrypts, so such callers are anonymous.
+            return ROOT_CALLER if context.auth_context().get("x509_common_name") else ANONYMOUS_CALLER
+        return self.proxy.caller_for(peer)
 
 
 class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
