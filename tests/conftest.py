@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -192,6 +194,55 @@ def workloads(tmp_path: Path) -> Iterator[Workloads]:
     ws = Workloads(tmp_path)
     yield ws
     ws.cleanup()
+
+
+@contextlib.contextmanager
+def criu_killed(daemon_pid: int, delay_s: float = 0.0, timeout_s: float = 600) -> Iterator[list[int]]:
+    """Kill the first ``criu swrk`` under the daemon ``delay_s`` after it appears; yields the PIDs killed."""
+    import psutil
+
+    killed: list[int] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not killed:
+            try:
+                procs = psutil.Process(daemon_pid).children(recursive=True)
+            except psutil.Error:
+                return
+            for p in procs:
+                try:
+                    if "swrk" in " ".join(p.cmdline()):
+                        time.sleep(delay_s)
+                        p.kill()
+                        killed.append(p.pid)
+                        return
+                except psutil.Error:
+                    continue
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    try:
+        yield killed
+    finally:
+        thread.join()
+
+
+def kill_tree(*pids: int) -> None:
+    """SIGKILL each PID and its descendants, ignoring the ones already gone."""
+    import psutil
+
+    for pid in pids:
+        if not pid:
+            continue
+        try:
+            p = psutil.Process(pid)
+            for c in p.children(recursive=True):
+                c.kill()
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def wait_for(cond: object, timeout: float, message: str) -> None:

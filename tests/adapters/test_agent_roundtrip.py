@@ -8,9 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
-
-from tests.conftest import DaemonProc, wait_for
+from tests.conftest import DaemonProc, criu_killed, kill_tree, wait_for
 
 WORKER = Path(__file__).resolve().parent / "toy_worker.py"
 
@@ -44,16 +42,6 @@ def _start(daemon: DaemonProc, tmp_path: Path, *args: str) -> Toy:
     return Toy(wd, proc)
 
 
-def _kill(pid: int) -> None:
-    try:
-        p = psutil.Process(pid)
-        for c in p.children(recursive=True):
-            c.kill()
-        p.kill()
-    except psutil.Error:
-        pass
-
-
 def test_agent_warm_up_quiesce_dump_restore_resume(daemon: DaemonProc, tmp_path: Path) -> None:
     toy = _start(daemon, tmp_path)
     try:
@@ -76,9 +64,9 @@ def test_agent_warm_up_quiesce_dump_restore_resume(daemon: DaemonProc, tmp_path:
             assert toy.generate() == before, "same tokens after restore: the engine's memory came back"
             assert toy.generate() == before, "and it keeps serving"
         finally:
-            _kill(restored["pid"])
+            kill_tree(restored["pid"])
     finally:
-        _kill(toy.proc.pid)
+        kill_tree(toy.proc.pid)
 
 
 def test_failed_capture_resumes_the_source(daemon: DaemonProc, tmp_path: Path) -> None:
@@ -86,34 +74,14 @@ def test_failed_capture_resumes_the_source(daemon: DaemonProc, tmp_path: Path) -
     toy = _start(daemon, tmp_path)
     try:
         before = toy.generate()
-        import threading
-        import time
-
-        killed: list[int] = []
-
-        def killer() -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not killed:
-                for p in psutil.Process(daemon.proc.pid).children(recursive=True):
-                    try:
-                        if "swrk" in " ".join(p.cmdline()):
-                            p.kill()
-                            killed.append(p.pid)
-                            return
-                    except psutil.Error:
-                        continue
-                time.sleep(0.002)
-
-        t = threading.Thread(target=killer)
-        t.start()
-        res = daemon.cli("dump", str(toy.proc.pid))
-        t.join()
+        with criu_killed(daemon.proc.pid) as killed:
+            res = daemon.cli("dump", str(toy.proc.pid))
         assert killed and res.returncode != 0, res.stderr
         assert toy.proc.poll() is None
         assert toy.events() == ["warm_up", "quiesce", "resume restored=False", "warm_up"]
         assert toy.generate() == before, "the source serves again after the failed capture"
     finally:
-        _kill(toy.proc.pid)
+        kill_tree(toy.proc.pid)
 
 
 def test_failed_quiesce_leaves_the_worker_serving(daemon: DaemonProc, tmp_path: Path) -> None:
@@ -127,7 +95,7 @@ def test_failed_quiesce_leaves_the_worker_serving(daemon: DaemonProc, tmp_path: 
         assert toy.generate() == before
         assert json.loads(daemon.cli("-o", "json", "ls", check=True).stdout) == []
     finally:
-        _kill(toy.proc.pid)
+        kill_tree(toy.proc.pid)
 
 
 def test_no_quiesce_is_refused_while_an_agent_is_attached(daemon: DaemonProc, tmp_path: Path) -> None:
@@ -137,4 +105,4 @@ def test_no_quiesce_is_refused_while_an_agent_is_attached(daemon: DaemonProc, tm
         assert res.returncode == 4 and "agent attached" in res.stderr
         assert not (toy.workdir / "events").exists() and toy.proc.poll() is None
     finally:
-        _kill(toy.proc.pid)
+        kill_tree(toy.proc.pid)

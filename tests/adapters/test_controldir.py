@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import json
-import psutil
 
-from tests.conftest import DaemonProc, wait_for
+from tests.conftest import DaemonProc, kill_tree, wait_for
 
 WORKER = Path(__file__).resolve().parent / "controldir_worker.py"
 
@@ -41,11 +40,7 @@ def test_control_dir_worker_round_trip(daemon: DaemonProc, tmp_path: Path) -> No
         assert (wd / "env").read_text() == "restored", "restore-context.json reached the worker"
         assert json.loads((ctl / "restore-context.json").read_text()) == {"version": 1, "env": {"MODE": "restored"}}
     finally:
-        for pid in (proc.pid, restored_pid):
-            try:
-                psutil.Process(pid).kill()
-            except (psutil.Error, ValueError):
-                pass
+        kill_tree(proc.pid, restored_pid)
 
 
 def test_control_dir_worker_that_never_gets_ready(daemon: DaemonProc, tmp_path: Path) -> None:

@@ -5,41 +5,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
-import time
 
 import psutil
 import pytest
 
 from gpusnap.daemon.api.errors import AbortedError
-from tests.conftest import DaemonProc, Workloads, wait_for
-
-
-def _criu_processes(daemon_pid: int) -> list[psutil.Process]:
-    try:
-        return [p for p in psutil.Process(daemon_pid).children(recursive=True) if "swrk" in " ".join(p.cmdline())]
-    except psutil.Error:
-        return []
+from tests.conftest import DaemonProc, Workloads, criu_killed, wait_for
 
 
 def test_criu_killed_in_the_middle_of_a_dump(daemon: DaemonProc, workloads: Workloads) -> None:
     w = workloads.start("--mem-mb", "1500", "--no-child", "--no-listener")
-    killed: list[int] = []
-
-    def killer() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not killed:
-            for p in _criu_processes(daemon.proc.pid):
-                time.sleep(0.15)  # let CRIU seize the tree and start writing pages
-                p.kill()
-                killed.append(p.pid)
-                return
-            time.sleep(0.005)
-
-    t = threading.Thread(target=killer)
-    t.start()
-    res = daemon.cli("dump", str(w.pid), "--name", "killed")
-    t.join()
+    with criu_killed(daemon.proc.pid, delay_s=0.15) as killed:  # let CRIU seize the tree and write pages
+        res = daemon.cli("dump", str(w.pid), "--name", "killed")
     assert killed, "CRIU was never seen running"
     assert res.returncode in (4, 5), res.stderr
     assert "CRIU" in res.stderr

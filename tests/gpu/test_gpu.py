@@ -12,8 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import DaemonProc, wait_for
+from tests.conftest import DaemonProc, criu_killed, wait_for
 
 pytestmark = pytest.mark.gpu
 
@@ -159,26 +157,8 @@ def test_failed_dump_rolls_the_gpu_back(daemon: DaemonProc, torch_worker) -> Non
     """CRIU killed after the GPU was checkpointed: the worker is restored, unlocked and keeps computing."""
     w = torch_worker()
     expected = w.expected()
-    killed: list[int] = []
-
-    def killer() -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not killed:
-            for p in psutil.Process(daemon.proc.pid).children(recursive=True):
-                try:
-                    if "swrk" in " ".join(p.cmdline()):
-                        time.sleep(0.3)
-                        p.kill()
-                        killed.append(p.pid)
-                        return
-                except psutil.Error:
-                    continue
-            time.sleep(0.01)
-
-    t = threading.Thread(target=killer)
-    t.start()
-    res = daemon.cli("dump", str(w.pid), timeout=1800)
-    t.join()
+    with criu_killed(daemon.proc.pid, delay_s=0.3) as killed:
+        res = daemon.cli("dump", str(w.pid), timeout=1800)
     assert killed and res.returncode != 0, res.stderr
     assert w.proc.poll() is None
     assert w.probe(w.pid)[:2] == expected

@@ -9,10 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.conftest import DaemonProc, wait_for
+from tests.conftest import DaemonProc, kill_tree, wait_for
 
 pytestmark = pytest.mark.gpu
 
@@ -56,8 +55,4 @@ def test_llm_worker_same_tokens_after_restore(daemon: DaemonProc, tmp_path: Path
         assert request(wd, 3)["tokens"] == before, "and it keeps serving"
         print(f"\nMEASURED llm 1b: dump {dumped['phases']} restore {restored['phases']}")
     finally:
-        for pid in (proc.pid, restored_pid):
-            try:
-                psutil.Process(pid).kill()
-            except (psutil.Error, ValueError):
-                pass
+        kill_tree(proc.pid, restored_pid)

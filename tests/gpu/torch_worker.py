@@ -60,7 +60,6 @@ def main() -> None:
     graph.replay()
     torch.cuda.synchronize()
     graph_sum = float(static_y.double().sum().item())
-    uuid = str(torch.cuda.get_device_properties(dev).uuid)
     wd = args.workdir
     with open(os.path.join(wd, "expected"), "w") as fh:
         fh.write(f"{checksum(chunks)} {graph_sum:.6f}")
