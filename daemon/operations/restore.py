@@ -21,7 +21,7 @@ from gpusnap.daemon.drivers import host, proc
 from gpusnap.daemon.gpu import gpumap, preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.operations.base import PhaseRunner
-from gpusnap.daemon.operations.checkpoint import TCP_LABEL
+from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
 from gpusnap.daemon.workers import orchestrate
 from gpusnap.daemon.operations.deps import Deps
 
@@ -62,12 +62,18 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         run.record.target_snapshot = snapshot.id
         check_may_restore(snapshot, caller)
         check_host_compatible(snapshot)
+        if opts.private_network and opts.host_pid_namespace:
+            raise InvalidArgumentError(
+                "--private-net needs the fresh namespaces of a default restore; drop --host-pidns",
+                reason="INVALID_ARGUMENT",
+            )
         gpu_map = _resolve_gpu_map(deps, snapshot, opts)
     with run.phase("verify") as progress:
         deps.store.verify(snapshot)
         progress.bytes = snapshot.size_bytes
     with run.phase("restore") as progress:
         orchestrate.before_restore(snapshot)
+        shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
         tree = deps.criu.restore(
             images_dir=deps.store.images_dir(snapshot.id),
             work_dir=deps.store.images_dir(snapshot.id).parent,
@@ -75,6 +81,8 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
             new_pidns=not opts.host_pid_namespace,
             tcp=_tcp_mode_of(snapshot),
             timeout_s=timeout,
+            new_netns=opts.private_network,
+            shm_dir=shm_dir if shm_dir.is_dir() and not opts.host_pid_namespace else None,
         )
         progress.bytes = snapshot.size_bytes
         # Without a namespace init, ns_pid is the host PID; register before anything else can fail.

@@ -77,6 +77,7 @@ def restore_options(req: operations_pb2.RestoreRequest) -> RestoreOptions:
         env=dict(req.context.env),
         unset_env=tuple(req.context.unset_env),
         values=dict(req.context.values),
+        private_network=req.private_network,
     )
 
 

