@@ -7,13 +7,13 @@ bad request fails its RPC at once; the work itself runs as a background operatio
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gpusnap.daemon.api import validate
 from gpusnap.daemon.api.errors import NotFoundError
 from gpusnap.daemon.api.types import Caller, CheckpointOptions, HostFacts, RestoreOptions, Snapshot
 from gpusnap.daemon.drivers import proc
-from gpusnap.daemon.operations.base import OperationKind, OperationRecord
+from gpusnap.daemon.operations.base import OperationKind, OperationRecord, PhaseRunner
 from gpusnap.daemon.operations.checkpoint import host_facts, run_checkpoint
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
@@ -55,15 +55,12 @@ class Daemon:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, AlreadyExistsError,
             AbortedError (tree busy).
         """
-        validate.pid(opts.pid)
         if opts.name:
             validate.snapshot_name(opts.name)
             self.deps.store.check_name_free(opts.name)
         validate.labels(opts.labels)
-        proc.check_may_checkpoint(opts.pid, caller)
-        record = OperationRecord(OperationKind.CHECKPOINT, target_pid=opts.pid, owner_uid=caller.uid)
-        return self.registry.start(
-            record, proc.tree_pids(opts.pid), lambda run: run_checkpoint(run, self.deps, opts, caller.uid)
+        return self._start_on_tree(
+            OperationKind.CHECKPOINT, opts.pid, caller, lambda run: run_checkpoint(run, self.deps, opts, caller.uid)
         )
 
     def restore(self, opts: RestoreOptions, caller: Caller) -> OperationRecord:
@@ -83,10 +80,9 @@ class Daemon:
         Raises:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, AbortedError (tree busy).
         """
-        validate.pid(pid)
-        proc.check_may_checkpoint(pid, caller)
-        record = OperationRecord(OperationKind.SUSPEND, target_pid=pid, owner_uid=caller.uid)
-        return self.registry.start(record, proc.tree_pids(pid), lambda run: run_suspend(run, self.deps, pid, lock_timeout_s))
+        return self._start_on_tree(
+            OperationKind.SUSPEND, pid, caller, lambda run: run_suspend(run, self.deps, pid, lock_timeout_s)
+        )
 
     def resume(self, pid: int, gpu_map: Mapping[str, str], caller: Caller) -> OperationRecord:
         """Validate and start a resume of a suspended tree, optionally onto other GPUs.
@@ -94,10 +90,18 @@ class Daemon:
         Raises:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, AbortedError (tree busy).
         """
+        return self._start_on_tree(
+            OperationKind.RESUME, pid, caller, lambda run: run_resume(run, self.deps, pid, gpu_map)
+        )
+
+    def _start_on_tree(
+        self, kind: OperationKind, pid: int, caller: Caller, body: Callable[[PhaseRunner], object]
+    ) -> OperationRecord:
+        """Validate ``pid`` and the caller's right to it, then start ``body`` holding the whole tree."""
         validate.pid(pid)
-        proc.check_may_checkpoint(pid, caller)
-        record = OperationRecord(OperationKind.RESUME, target_pid=pid, owner_uid=caller.uid)
-        return self.registry.start(record, proc.tree_pids(pid), lambda run: run_resume(run, self.deps, pid, gpu_map))
+        tree = proc.check_may_checkpoint(pid, caller)
+        record = OperationRecord(kind, target_pid=pid, owner_uid=caller.uid)
+        return self.registry.start(record, tree, body)
 
     def operation(self, op_id: str, caller: Caller) -> OperationRecord:
         """An operation the caller may see (its own, or any for root)."""

@@ -57,8 +57,11 @@ def facts(pid: int) -> ProcessFacts:
     )
 
 
-def check_may_checkpoint(pid: int, caller: Caller) -> None:
+def check_may_checkpoint(pid: int, caller: Caller) -> list[int]:
     """Refuse targets no caller may checkpoint, and other users' processes for non-root callers.
+
+    Returns:
+        The tree's PIDs, root first (as :func:`tree_pids`).
 
     Raises:
         InvalidArgumentError: the daemon itself or one of its ancestors.
@@ -78,7 +81,8 @@ def check_may_checkpoint(pid: int, caller: Caller) -> None:
             metadata={"pid": str(pid)},
         )
     owners = set()
-    for p in tree_pids(pid):
+    tree = tree_pids(pid)
+    for p in tree:
         if p == own:
             raise InvalidArgumentError(
                 f"the tree of PID {pid} contains gpusnapd itself", reason="INVALID_PID", metadata={"pid": str(pid)}
@@ -94,6 +98,7 @@ def check_may_checkpoint(pid: int, caller: Caller) -> None:
             reason="NOT_OWNER",
             metadata={"pid": str(pid)},
         )
+    return tree
 
 
 def established_tcp(pids: list[int]) -> list[str]:

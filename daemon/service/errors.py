@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from gpusnap.daemon.api.errors import Code, GpusnapError, error_for_code
@@ -53,5 +53,3 @@ def from_rpc_error(exc: grpc.RpcError) -> GpusnapError:
     reason = "DAEMON_UNAVAILABLE" if code == grpc.StatusCode.UNAVAILABLE else None
     return error_for_code(Code(code.value[0]), details or str(code), reason=reason)
 
-
-__all__ = ["DOMAIN", "abort", "from_rpc_error", "from_status_proto", "to_status_proto", "code_pb2"]
