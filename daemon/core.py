@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from gpusnap.daemon.api import validate
-from gpusnap.daemon.api.errors import NotFoundError
+from gpusnap.daemon.api.errors import NotFoundError, PermissionDeniedError
 from gpusnap.daemon.api.types import Caller, CheckpointOptions, HostFacts, RestoreOptions, Snapshot
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, PhaseRunner
@@ -69,6 +69,7 @@ class Daemon:
         Raises:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, DataLossError (manifest).
         """
+        _require_identified(caller)
         snapshot = self.deps.store.get(opts.snapshot)
         check_may_restore(snapshot, caller)
         record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid)
@@ -98,6 +99,7 @@ class Daemon:
         self, kind: OperationKind, pid: int, caller: Caller, body: Callable[[PhaseRunner], object]
     ) -> OperationRecord:
         """Validate ``pid`` and the caller's right to it, then start ``body`` holding the whole tree."""
+        _require_identified(caller)
         validate.pid(pid)
         tree = proc.check_may_checkpoint(pid, caller)
         record = OperationRecord(kind, target_pid=pid, owner_uid=caller.uid)
@@ -123,6 +125,7 @@ class Daemon:
 
     def delete_snapshot(self, ref: str, caller: Caller) -> str:
         """Delete a snapshot; root may delete damaged ones whose owner cannot be read."""
+        _require_identified(caller)
         if not caller.is_root:
             self.snapshot(ref, caller)
         return self.deps.store.delete(ref)
@@ -140,3 +143,17 @@ class Daemon:
             cuda_unavailable_reason=self.deps.gpu.reason,
         )
 
+
+
+def _require_identified(caller: Caller) -> None:
+    """Refuse changes from anonymous callers (TCP without a client certificate).
+
+    Raises:
+        PermissionDeniedError: reason ``ANONYMOUS``.
+    """
+    if caller.anonymous:
+        raise PermissionDeniedError(
+            "callers without a verified client certificate may not change anything; configure tls_client_ca "
+            "and connect with a client certificate, or use the Unix socket",
+            reason="ANONYMOUS",
+        )

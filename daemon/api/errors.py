@@ -119,6 +119,13 @@ class UnavailableError(GpusnapError):
     default_reason = "UNAVAILABLE"
 
 
+class UnauthenticatedError(GpusnapError):
+    """The caller could not be identified."""
+
+    code = Code.UNAUTHENTICATED
+    default_reason = "UNAUTHENTICATED"
+
+
 class InternalError(GpusnapError):
     """A bug or an unexpected failure of an underlying tool; the message carries its words."""
 
@@ -147,6 +154,7 @@ _BY_CODE: dict[Code, type[GpusnapError]] = {
         UnavailableError,
         InternalError,
         DataLossError,
+        UnauthenticatedError,
     )
 }
 

@@ -170,12 +170,14 @@ class Caller:
     pid: int
     uid: int
     gid: int
+    anonymous: bool = False
+    """A TCP caller without a verified client certificate: it may only read what is public (nothing)."""
 
     @property
     def is_root(self) -> bool:
-        return self.uid == 0
+        return self.uid == 0 and not self.anonymous
 
 
 ROOT_CALLER = Caller(pid=0, uid=0, gid=0)
-ANONYMOUS_CALLER = Caller(pid=0, uid=65534, gid=65534)
-"""A TCP caller without a verified client certificate: owns nothing, so it may act on nothing."""
+ANONYMOUS_CALLER = Caller(pid=0, uid=2**32 - 2, gid=2**32 - 2, anonymous=True)
+"""A TCP caller without a verified client certificate: matches no user, owns nothing, may change nothing."""

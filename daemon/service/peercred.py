@@ -2,16 +2,17 @@
 
 gRPC's Python server does not expose a connection's peer credentials. gpusnapd therefore listens on
 the public socket itself: for every accepted connection it reads ``SO_PEERCRED`` (see unix(7)), opens
-a connection to the gRPC server's private socket from a client socket bound to a unique abstract
-address, and copies bytes both ways. gRPC reports that address as the call's peer
-(``unix-abstract:gpusnap-peer-<n>``), which :meth:`PeerCredProxy.caller` maps back to the
-credentials. The private socket lives in a mode 0700 directory, so only root can bypass the proxy.
+a connection to the gRPC server's private socket from a client socket autobound by the kernel to a
+unique abstract address (unix(7) "autobind": nobody can claim it first), and copies bytes both ways.
+gRPC reports that address as the call's peer (``unix-abstract:<5 hex digits>``), which
+:meth:`PeerCredProxy.caller_for` maps back to the credentials. A call whose connection is no longer
+known (it closed before gRPC ran the handler) is refused, never trusted. The private socket lives in a
+mode 0700 directory, so only root can bypass the proxy.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import socket
 import struct
@@ -20,11 +21,11 @@ from pathlib import Path
 
 import structlog
 
+from gpusnap.daemon.api.errors import UnauthenticatedError
 from gpusnap.daemon.api.types import ROOT_CALLER, Caller
 
 log = structlog.get_logger(__name__)
 
-_PEER_PREFIX = "gpusnap-peer-"
 _CHUNK = 1 << 16
 
 
@@ -43,10 +44,8 @@ class PeerCredProxy:
         self.group = group
         self._callers: dict[str, Caller] = {}
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="gpusnap-peercred", daemon=True)
-        self._tag = os.urandom(4).hex()
         self._server: asyncio.AbstractServer | None = None
 
     def start(self) -> None:
@@ -95,9 +94,23 @@ class PeerCredProxy:
         return None
 
     def caller_for(self, peer: str) -> Caller:
-        """Like :meth:`caller`, mapping direct private-socket calls (root only: the directory is 0700) to root."""
-        found = self.caller(peer)
-        return found if found is not None else ROOT_CALLER
+        """The caller behind ``peer``: proxied connections by their SO_PEERCRED, direct connections to the
+        private socket (root only: its directory is 0700) as root.
+
+        Raises:
+            UnauthenticatedError: a proxied connection that is no longer known (reason ``PEER_UNKNOWN``).
+        """
+        if peer.startswith("unix-abstract:"):
+            found = self.caller(peer)
+            if found is None:
+                raise UnauthenticatedError(
+                    "the connection closed before its call could be attributed to a caller; retry",
+                    reason="PEER_UNKNOWN",
+                )
+            return found
+        if peer == "unix:" or peer.startswith("unix:"):
+            return ROOT_CALLER
+        raise UnauthenticatedError(f"unexpected peer {peer!r}", reason="PEER_UNKNOWN")
 
     async def _serve(self, sock: socket.socket) -> None:
         self._server = await asyncio.start_unix_server(self._handle, sock=sock)
@@ -105,10 +118,10 @@ class PeerCredProxy:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client_sock: socket.socket = writer.get_extra_info("socket")
         pid, uid, gid = struct.unpack("3i", client_sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        name = f"{_PEER_PREFIX}{self._tag}-{next(self._ids)}"
         up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            up.bind("\0" + name)
+            up.bind("")  # autobind: the kernel picks a unique abstract name
+            name = up.getsockname()[1:].decode()  # b"\0xxxxx"
             up.setblocking(False)
             await self._loop.sock_connect(up, str(self.private))
         except OSError as exc:

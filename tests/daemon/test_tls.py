@@ -64,13 +64,15 @@ def test_tls_without_client_certificates_is_anonymous(tmp_path: Path) -> None:
     env = {"GPUSNAP_LISTEN": f"127.0.0.1:{port}", "GPUSNAP_TLS_CERT": str(tmp_path / "server.pem"),
            "GPUSNAP_TLS_KEY": str(tmp_path / "server.key")}
     d = start_daemon(tmp_path, extra_env=env)
-    sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    sleeper = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "600"],
+                               start_new_session=True)  # owned by nobody: anonymous must not be nobody
     try:
         creds = grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes())
         with DaemonClient(f"localhost:{port}", credentials=creds) as client:
             assert client.list_snapshots() == []
-            with pytest.raises(PermissionDeniedError):
+            with pytest.raises(PermissionDeniedError) as err:
                 client.checkpoint(sleeper.pid)
+            assert err.value.reason == "ANONYMOUS"
     finally:
         sleeper.kill()
         sleeper.wait()
