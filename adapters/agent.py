@@ -38,6 +38,7 @@ T = TypeVar("T")
 
 DEFAULT_SOCKET = "/run/gpusnap/agent.sock"
 DEFAULT_WAKE_DIR = "/run/gpusnap/wake"
+"""gpusnapd creates it (mode 1777); a worker's own wake directory must belong to the worker's user."""
 RECONNECT_S = 0.5
 WAKE_POLL_S = 0.02
 
@@ -75,6 +76,10 @@ class WorkerAgent:
 
     def start(self) -> WorkerAgent:
         """Start the agent's thread; returns ``self``."""
+        try:
+            self.wake_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("gpusnap agent: cannot create wake directory %s: %s", self.wake_dir, exc)
         self._thread.start()
         return self
 
@@ -152,7 +157,6 @@ class WorkerAgent:
             result.duration_seconds = time.monotonic() - start
             wire.send(sock, agent_pb2.AgentMessage(result=result))
             if kind == "quiesce" and result.ok:
-                self.quiesced = True
                 return  # close the channel before the dump
 
     def _quiesce(self) -> None:
@@ -161,6 +165,9 @@ class WorkerAgent:
         except Exception:
             self._call(self.adapter.resume(None))  # a failed quiesce leaves the worker serving
             raise
+        # Quiesced from here on, even if the answer never reaches the daemon (it timed out): the worker
+        # then waits for its wake file, and the daemon's rollback resumes it.
+        self.quiesced = True
 
     def _resume(self, msg: agent_pb2.Resume) -> list[int]:
         context = None

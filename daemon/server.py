@@ -68,6 +68,9 @@ def build_daemon(config: DaemonConfig) -> Running:
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
     agents = AgentRegistry(config.agent_socket)
     agents.start()
+    wake = config.agent_socket.parent / "wake"  # the agents' default GPUSNAP_WAKE_DIR, like /tmp
+    wake.mkdir(parents=True, exist_ok=True)
+    os.chmod(wake, 0o1777)
     deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents)
     daemon = Daemon(deps, OperationRegistry(max_workers=config.max_operations))
 

@@ -296,6 +296,8 @@ class WorkerInfo(_message.Message):
     WAKE_DIR_FIELD_NUMBER: _builtins.int
     CANARY_TOKENS_FIELD_NUMBER: _builtins.int
     CONTROL_DIR_FIELD_NUMBER: _builtins.int
+    UID_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """adapter's engine ("vllm", "torch", …); empty for control-dir workers"""
     instance_id: _builtins.str
@@ -305,6 +307,10 @@ class WorkerInfo(_message.Message):
     """warm-up canary token ids at capture, comma separated"""
     control_dir: _builtins.str
     """SNAPSHOT_CONTROL_DIR of a control-directory worker"""
+    uid: _builtins.int
+    """the agent's user"""
+    pid: _builtins.int
+    """the agent's process at capture (host PID)"""
     def __init__(
         self,
         *,
@@ -313,10 +319,12 @@ class WorkerInfo(_message.Message):
         wake_dir: _builtins.str = ...,
         canary_tokens: _builtins.str = ...,
         control_dir: _builtins.str = ...,
+        uid: _builtins.int = ...,
+        pid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_tokens", b"canary_tokens", "control_dir", b"control_dir", "engine", b"engine", "instance_id", b"instance_id", "wake_dir", b"wake_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_tokens", b"canary_tokens", "control_dir", b"control_dir", "engine", b"engine", "instance_id", b"instance_id", "pid", b"pid", "uid", b"uid", "wake_dir", b"wake_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -86,6 +86,10 @@ class WorkerInfo:
     """Token ids of the warm-up canary at capture, comma separated; a restore must reproduce them."""
     control_dir: str = ""
     """``SNAPSHOT_CONTROL_DIR`` of a worker following Dynamo Snapshot's contract."""
+    uid: int = 0
+    """The agent's user (its wake file is created in a directory of that user's or root's)."""
+    pid: int = 0
+    """The agent's process at capture (host PID)."""
 
 
 @dataclasses.dataclass(frozen=True)

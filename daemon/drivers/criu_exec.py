@@ -227,6 +227,10 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any) -> int:
 
 def _dump_in_ns_of(req: dict[str, Any], out: Any) -> int:
     host_pid = int(req["enter_ns_of"])
+    # Load pycriu while still in gpusnapd's own mount namespace. CRIU itself is then run by path inside
+    # the target's, which is safe only because the daemon enters mount namespaces owned by the initial
+    # user namespace alone, i.e. made and changeable only by root (checkpoint preflight refuses others).
+    import pycriu  # noqa: F401
     _setns(f"/proc/{host_pid}/ns/pid", CLONE_NEWPID)
     child = os.fork()  # only children enter the PID namespace
     if child == 0:

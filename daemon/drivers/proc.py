@@ -143,6 +143,14 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def same_user_namespace(pid: int) -> bool:
+    """Whether ``pid`` shares gpusnapd's user namespace (``/proc/<pid>/ns/user``)."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/user") == os.readlink("/proc/self/ns/user")
+    except OSError:
+        return False
+
+
 def namespace_pid(pid: int) -> int:
     """``pid``'s PID inside its innermost PID namespace (last NSpid field)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

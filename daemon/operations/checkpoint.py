@@ -72,6 +72,12 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                 "cannot read another user's resource limits; run gpusnapd as root with its full capability set",
                 reason="CAPABILITY_MISSING",
             )
+        if not proc.same_user_namespace(opts.pid):
+            raise FailedPreconditionError(
+                f"PID {opts.pid} runs in a user namespace of its own (rootless container, `unshare -U`); gpusnap "
+                "captures only trees in the host's user namespace, whose namespaces only root can change",
+                reason="USER_NAMESPACE",
+            )
         facts_host = host_facts(deps)
         ns_pid = proc.namespace_pid(opts.pid)
         enter_ns_of = opts.pid if ns_pid != opts.pid else 0
@@ -80,7 +86,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             deps.gpu.check_capture(gpu_tree, facts.tree_pids)
 
     run.on_failure("resume-source", lambda: _resume_source(list(facts.tree_pids)))
-    worker = orchestrate.prepare_capture(run, deps, opts, facts.tree_pids)
+    worker = orchestrate.prepare_capture(run, deps, opts, facts.tree_pids, owner_uid)
     if worker and gpu_tree:
         gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))  # the quiesced worker released memory
     ctl = None
@@ -145,9 +151,9 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
         with run.phase("gpu-resume"):
             ctl.rollback_to_running(gpu_tree.cuda_pids).raise_for_problems()
     run.drop_undo("gpu-rollback")
-    orchestrate.finish_capture(opts, worker)
-    run.drop_undo("unpublish")
     run.drop_undo("resume-worker")
+    orchestrate.finish_capture(deps, opts, worker, owner_uid)
+    run.drop_undo("unpublish")
     return published[0]
 
 

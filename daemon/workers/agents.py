@@ -8,7 +8,9 @@ command is in flight per agent at a time.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
+import re
 import os
 import socket
 import struct
@@ -22,6 +24,7 @@ import structlog
 from gpusnap.adapters import wire
 from gpusnap.adapters._proto import agent_pb2
 from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
+from gpusnap.daemon.workers import safefs
 
 log = structlog.get_logger(__name__)
 
@@ -106,6 +109,9 @@ def _peer_open(sock: socket.socket) -> bool:
         return False
 
 
+INSTANCE_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
 class AgentRegistry:
     """Listen for agents on ``socket_path`` and hand their sessions to operations.
 
@@ -182,30 +188,33 @@ class AgentRegistry:
                 self._cond.wait(timeout=min(remaining, 0.5))
 
     @staticmethod
-    def wake(wake_dir: str, instance_id: str) -> None:
-        """Create the agent's wake file (the worker polls for it after Quiesce)."""
-        directory = Path(wake_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{instance_id}.tmp"
-        tmp.write_text("")
-        os.rename(tmp, directory / instance_id)
+    def wake(wake_dir: str, instance_id: str, uid: int) -> None:
+        """Create the agent's wake file (the worker polls for it after Quiesce), never through a symlink, in
+        a directory of the agent's user or root's."""
+        with safefs.open_dir(wake_dir, uid) as fd:
+            safefs.create(fd, instance_id)
 
     @staticmethod
-    def unwake(wake_dir: str, instance_id: str) -> None:
+    def unwake(wake_dir: str, instance_id: str, uid: int) -> None:
         """Remove a wake file (before a capture, so a stale one cannot wake the source early)."""
-        try:
-            (Path(wake_dir) / instance_id).unlink()
-        except FileNotFoundError:
-            pass
+        with safefs.open_dir(wake_dir, uid) as fd:
+            safefs.remove(fd, instance_id)
 
     def _accept(self) -> None:
         assert self._listener is not None
         while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._hello, args=(conn,), daemon=True).start()
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("agent.accept_failed", error=str(exc))
+                    time.sleep(0.5)
+                    continue
+                return  # the listener was closed
+            try:
+                threading.Thread(target=self._hello, args=(conn,), daemon=True).start()
+            except RuntimeError:  # cannot start a thread: drop this one, keep accepting
+                conn.close()
 
     def _hello(self, conn: socket.socket) -> None:
         pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
@@ -221,10 +230,16 @@ class AgentRegistry:
             conn.close()
             return
         h = msg.hello
+        if not INSTANCE_ID_RE.fullmatch(h.instance_id) or not os.path.isabs(h.wake_dir):
+            log.warning("agent.refused", pid=pid, reason="malformed instance id or wake directory")
+            conn.close()
+            return
         info = AgentInfo(pid=pid, uid=uid, engine=h.engine, instance_id=h.instance_id, wake_dir=h.wake_dir,
                          resumed=h.resumed, info=dict(h.info))
         conn.settimeout(None)
         with self._cond:
+            for stale in [p for p, s in self._sessions.items() if s.closed or not _peer_open(s.sock)]:
+                self._sessions.pop(stale).close()
             old = self._sessions.get(pid)
             if old is not None:
                 old.close()

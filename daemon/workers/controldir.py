@@ -10,12 +10,12 @@ existence is the signal.
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from gpusnap.daemon.api.errors import DeadlineExceededError, InvalidArgumentError
+from gpusnap.daemon.workers import safefs
 
 READY = "ready-for-snapshot"
 SNAPSHOT_COMPLETE = "snapshot-complete"
@@ -24,34 +24,35 @@ RESTORE_CONTEXT = "restore-context.json"
 POLL_S = 0.1
 
 
-def check_dir(control_dir: str) -> Path:
-    """The control directory, which must be an absolute path to an existing directory.
+def check_dir(control_dir: str, owner_uid: int) -> Path:
+    """The control directory: an absolute path to a directory (not a symlink) of ``owner_uid`` or root.
 
     Raises:
         InvalidArgumentError: reason ``BAD_CONTROL_DIR``.
+        PermissionDeniedError: someone else's directory (reason ``NOT_OWNER``).
     """
-    path = Path(control_dir)
-    if not path.is_absolute() or not path.is_dir():
+    try:
+        with safefs.open_dir(control_dir, owner_uid):
+            return Path(control_dir)
+    except InvalidArgumentError as exc:
         raise InvalidArgumentError(
-            f"control directory {control_dir!r} is not an existing absolute directory; pass the worker's "
-            "SNAPSHOT_CONTROL_DIR",
+            f"control directory {control_dir!r} is not usable ({exc}); pass the worker's SNAPSHOT_CONTROL_DIR",
             reason="BAD_CONTROL_DIR",
-        )
-    return path
+        ) from exc
 
 
-def wait_ready(control_dir: Path, timeout_s: float, alive: object) -> None:
+def wait_ready(control_dir: Path, timeout_s: float, alive: Callable[[], bool]) -> None:
     """Wait for ``ready-for-snapshot`` (the worker has quiesced).
 
     Args:
-        alive: ``() -> bool``; waiting stops early when the worker dies.
+        alive: waiting stops early when the worker dies.
 
     Raises:
         DeadlineExceededError: reason ``WORKER_NOT_READY``.
     """
     deadline = time.monotonic() + timeout_s
     while not (control_dir / READY).exists():
-        if time.monotonic() > deadline or not alive():  # type: ignore[operator]
+        if time.monotonic() > deadline or not alive():
             raise DeadlineExceededError(
                 f"the worker did not write {control_dir / READY} within {timeout_s:.0f} s; it must quiesce and "
                 "signal readiness (Dynamo Snapshot worker contract)",
@@ -60,23 +61,20 @@ def wait_ready(control_dir: Path, timeout_s: float, alive: object) -> None:
         time.sleep(POLL_S)
 
 
-def clear(control_dir: Path, *names: str) -> None:
+def clear(control_dir: Path, owner_uid: int, *names: str) -> None:
     """Remove stale signal files."""
-    for name in names:
-        try:
-            (control_dir / name).unlink()
-        except FileNotFoundError:
-            pass
+    with safefs.open_dir(control_dir, owner_uid) as fd:
+        for name in names:
+            safefs.remove(fd, name)
 
 
-def signal_file(control_dir: Path, name: str, content: str = "") -> None:
-    """Create ``name`` atomically (temp file + rename)."""
-    tmp = control_dir / f".{name}.tmp"
-    tmp.write_text(content)
-    os.rename(tmp, control_dir / name)
+def signal_file(control_dir: Path, owner_uid: int, name: str, content: str = "") -> None:
+    """Create ``name`` atomically, never through a symlink."""
+    with safefs.open_dir(control_dir, owner_uid) as fd:
+        safefs.create(fd, name, content)
 
 
-def write_context(control_dir: Path, env: Mapping[str, str], unset_env: Sequence[str]) -> None:
+def write_context(control_dir: Path, owner_uid: int, env: Mapping[str, str], unset_env: Sequence[str]) -> None:
     """Write ``restore-context.json``: env to set, and ``null`` for env to unset."""
     doc: dict[str, object] = {"version": 1, "env": {**dict(env), **{name: None for name in unset_env}}}
-    signal_file(control_dir, RESTORE_CONTEXT, json.dumps(doc))
+    signal_file(control_dir, owner_uid, RESTORE_CONTEXT, json.dumps(doc))

@@ -9,6 +9,7 @@ copy, hands it the restore context and checks that its canary gives the capture-
 from __future__ import annotations
 
 from collections.abc import Collection
+from pathlib import Path
 
 from gpusnap.adapters._proto import agent_pb2
 from gpusnap.daemon.api.errors import FailedPreconditionError
@@ -20,15 +21,17 @@ from gpusnap.daemon.workers import controldir
 from gpusnap.daemon.workers.agents import AgentRegistry, AgentSession
 
 
-def prepare_capture(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, tree_pids: Collection[int]) -> WorkerInfo | None:
+def prepare_capture(
+    run: PhaseRunner, deps: Deps, opts: CheckpointOptions, tree_pids: Collection[int], owner_uid: int
+) -> WorkerInfo | None:
     """Bring the worker to a capturable state; registers the undo that makes it serve again."""
     cfg = deps.config
     if opts.control_dir:
-        cdir = controldir.check_dir(opts.control_dir)
+        cdir = controldir.check_dir(opts.control_dir, owner_uid)
         with run.phase("wait-ready"):
-            controldir.clear(cdir, controldir.RESTORE_COMPLETE, controldir.SNAPSHOT_COMPLETE)
+            controldir.clear(cdir, owner_uid, controldir.RESTORE_COMPLETE, controldir.SNAPSHOT_COMPLETE)
             controldir.wait_ready(cdir, cfg.ready_timeout, lambda: proc.alive(opts.pid))
-        run.on_failure("resume-worker", lambda: controldir.signal_file(cdir, controldir.RESTORE_COMPLETE))
+        run.on_failure("resume-worker", lambda: controldir.signal_file(cdir, owner_uid, controldir.RESTORE_COMPLETE))
         return WorkerInfo(control_dir=str(cdir))
     session = deps.agents.find(tree_pids)
     if session is None:
@@ -40,27 +43,45 @@ def prepare_capture(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, tree_
             reason="AGENT_ATTACHED",
         )
     info = session.info
-    AgentRegistry.unwake(info.wake_dir, info.instance_id)
+    AgentRegistry.unwake(info.wake_dir, info.instance_id, info.uid)
     with run.phase("warm-up"):
         warm = session.call(agent_pb2.DaemonMessage(warm_up=agent_pb2.WarmUp()), cfg.warmup_timeout, "warm up")
+    # Registered before the call: a quiesce that times out still finishes in the worker, which then waits
+    # for its wake file, so the undo can always bring it back. A quiesce the agent answered with a failure
+    # was already undone by the agent itself (it resumed its engine), so there is nothing to resume.
+    refused: list[bool] = []
+
+    def undo() -> None:
+        if not refused:
+            resume_source(deps, info.pid, info.instance_id, info.wake_dir, info.uid)
+
+    run.on_failure("resume-worker", undo)
     with run.phase("quiesce"):
-        session.call(agent_pb2.DaemonMessage(quiesce=agent_pb2.Quiesce()), cfg.quiesce_timeout, "quiesce")
-    run.on_failure("resume-worker", lambda: _resume_source(deps, info.pid, info.instance_id, info.wake_dir))
+        try:
+            session.call(agent_pb2.DaemonMessage(quiesce=agent_pb2.Quiesce()), cfg.quiesce_timeout, "quiesce")
+        except FailedPreconditionError as exc:
+            if exc.reason == "AGENT_COMMAND_FAILED":
+                refused.append(True)
+            raise
     return WorkerInfo(engine=info.engine, instance_id=info.instance_id, wake_dir=info.wake_dir,
-                      canary_tokens=warm.details.get("tokens", ""))
+                      canary_tokens=warm.details.get("tokens", ""), uid=info.uid, pid=info.pid)
 
 
-def finish_capture(opts: CheckpointOptions, worker: WorkerInfo | None) -> None:
-    """After a successful dump: a control-directory source kept running is told the snapshot is done."""
-    if worker and worker.control_dir and opts.leave_running:
-        controldir.signal_file(controldir.check_dir(worker.control_dir), controldir.SNAPSHOT_COMPLETE)
+def finish_capture(deps: Deps, opts: CheckpointOptions, worker: WorkerInfo | None, owner_uid: int) -> None:
+    """After a successful dump: a source that keeps running (``--leave-running``) serves again."""
+    if not (worker and opts.leave_running):
+        return
+    if worker.control_dir:
+        controldir.signal_file(Path(worker.control_dir), owner_uid, controldir.SNAPSHOT_COMPLETE)
+    elif worker.instance_id:
+        resume_source(deps, worker.pid, worker.instance_id, worker.wake_dir, worker.uid)
 
 
 def before_restore(snapshot: Snapshot) -> None:
     """Remove a stale restore-complete, so a restored control-directory worker waits for the real one."""
     worker = snapshot.worker
     if worker and worker.control_dir:
-        controldir.clear(controldir.check_dir(worker.control_dir), controldir.RESTORE_COMPLETE)
+        controldir.clear(Path(worker.control_dir), snapshot.owner_uid, controldir.RESTORE_COMPLETE)
 
 
 def resume_restored(run: PhaseRunner, deps: Deps, snapshot: Snapshot, opts: RestoreOptions, pids: Collection[int]) -> str:
@@ -70,12 +91,12 @@ def resume_restored(run: PhaseRunner, deps: Deps, snapshot: Snapshot, opts: Rest
         return ""
     with run.phase("resume-worker"):
         if worker.control_dir:
-            cdir = controldir.check_dir(worker.control_dir)
+            cdir = Path(worker.control_dir)
             if opts.env or opts.unset_env:
-                controldir.write_context(cdir, opts.env, opts.unset_env)
-            controldir.signal_file(cdir, controldir.RESTORE_COMPLETE)
+                controldir.write_context(cdir, snapshot.owner_uid, opts.env, opts.unset_env)
+            controldir.signal_file(cdir, snapshot.owner_uid, controldir.RESTORE_COMPLETE)
             return ""
-        AgentRegistry.wake(worker.wake_dir, worker.instance_id)
+        AgentRegistry.wake(worker.wake_dir, worker.instance_id, worker.uid)
         session = deps.agents.wait_for(pids, worker.instance_id, deps.config.resume_timeout)
         context = agent_pb2.RestoreContext(env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values))
         result = _resume(session, deps, agent_pb2.Resume(restored=True, context=context))
@@ -93,13 +114,13 @@ def _resume(session: AgentSession, deps: Deps, resume: agent_pb2.Resume) -> agen
     return session.call(agent_pb2.DaemonMessage(resume=resume), deps.config.resume_timeout, "resume")
 
 
-def _resume_source(deps: Deps, pid: int, instance_id: str, wake_dir: str) -> None:
-    """Undo a quiesce: wake the source's agent and resume it (the capture failed)."""
+def resume_source(deps: Deps, pid: int, instance_id: str, wake_dir: str, uid: int) -> None:
+    """Wake the source's agent after a quiesce and resume it (a failed capture, or ``--leave-running``)."""
     if not proc.alive(pid):
         return
-    AgentRegistry.wake(wake_dir, instance_id)
+    AgentRegistry.wake(wake_dir, instance_id, uid)
     try:
         session = deps.agents.wait_for([pid], instance_id, deps.config.resume_timeout)
         _resume(session, deps, agent_pb2.Resume(restored=False))
     finally:
-        AgentRegistry.unwake(wake_dir, instance_id)
+        AgentRegistry.unwake(wake_dir, instance_id, uid)

@@ -106,3 +106,30 @@ def test_no_quiesce_is_refused_while_an_agent_is_attached(daemon: DaemonProc, tm
         assert not (toy.workdir / "events").exists() and toy.proc.poll() is None
     finally:
         kill_tree(toy.proc.pid)
+
+
+def test_leave_running_resumes_the_source(daemon: DaemonProc, tmp_path: Path) -> None:
+    toy = _start(daemon, tmp_path)
+    try:
+        before = toy.generate()
+        daemon.cli("dump", str(toy.proc.pid), "--leave-running", check=True)
+        assert toy.events() == ["warm_up", "quiesce", "resume restored=False", "warm_up"]
+        assert toy.generate() == before, "the source serves on after a --leave-running capture"
+    finally:
+        kill_tree(toy.proc.pid)
+
+
+def test_quiesce_timeout_still_resumes_the_worker(tmp_path: Path) -> None:
+    from tests.conftest import start_daemon, stop_daemon
+
+    d = start_daemon(tmp_path, extra_env={"GPUSNAP_QUIESCE_TIMEOUT": "1"})
+    toy = _start(d, tmp_path, "--slow-quiesce", "3")
+    try:
+        before = toy.generate()
+        res = d.cli("dump", str(toy.proc.pid))
+        assert res.returncode == 8 and "did not finish quiesce" in res.stderr, res.stderr
+        assert toy.events()[-2:] == ["resume restored=False", "warm_up"], toy.events()
+        assert toy.generate() == before
+    finally:
+        kill_tree(toy.proc.pid)
+        stop_daemon(d)

@@ -37,10 +37,11 @@ class ToyEngine:
 class ToyAdapter(EngineAdapter):
     engine = "toy"
 
-    def __init__(self, engine: ToyEngine, workdir: str, fail_quiesce: bool):
+    def __init__(self, engine: ToyEngine, workdir: str, fail_quiesce: bool, slow_quiesce: float = 0.0):
         self.e = engine
         self.workdir = workdir
         self.fail_quiesce = fail_quiesce
+        self.slow_quiesce = slow_quiesce
 
     def log(self, what: str) -> None:
         with open(os.path.join(self.workdir, "events"), "a") as fh:
@@ -53,6 +54,7 @@ class ToyAdapter(EngineAdapter):
     async def quiesce(self) -> None:
         self.log("quiesce")
         self.e.paused = True
+        await asyncio.sleep(self.slow_quiesce)
         if self.fail_quiesce:
             raise RuntimeError("KV cache release failed (injected)")
         self.e.kv = None
@@ -71,9 +73,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("workdir")
     ap.add_argument("--fail-quiesce", action="store_true")
+    ap.add_argument("--slow-quiesce", type=float, default=0.0, help="seconds quiesce takes")
     args = ap.parse_args()
     engine = ToyEngine()
-    agent = start_agent(ToyAdapter(engine, args.workdir, args.fail_quiesce))
+    agent = start_agent(ToyAdapter(engine, args.workdir, args.fail_quiesce, args.slow_quiesce))
     agent.wait_attached(30)
     with open(os.path.join(args.workdir, "ready"), "w") as fh:
         fh.write(str(os.getpid()))

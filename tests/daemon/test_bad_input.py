@@ -140,3 +140,24 @@ def test_unreachable_daemon_exit_code(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert res.returncode == 7 and "cannot reach gpusnapd" in res.stderr
+
+
+def test_tree_in_a_user_namespace_is_refused(daemon: DaemonProc) -> None:
+    import subprocess
+
+    proc = subprocess.Popen(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "sleep", "600"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        from tests.conftest import wait_for
+        import psutil
+
+        wait_for(lambda: any(c.name() == "sleep" for c in psutil.Process(proc.pid).children(recursive=True)), 10,
+                 "unshare did not start")
+        inner = next(c.pid for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "sleep")
+        res = daemon.cli("dump", str(inner))
+        assert res.returncode == 4 and "user namespace" in res.stderr, res.stderr
+        assert psutil.Process(inner).is_running()
+    finally:
+        proc.kill()
+        proc.wait()
