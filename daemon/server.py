@@ -48,7 +48,9 @@ class Running:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server.stop(grace).wait()
         self.proxy.stop()
-        self.daemon.registry.shutdown(wait=False)
+        # Running operations finish (and roll back if they fail) before the store and the agent channel
+        # close: a quiesced worker must still be able to reconnect and be resumed.
+        self.daemon.registry.shutdown(wait=True)
         self.daemon.deps.agents.stop()
         self.daemon.deps.store.close()
 

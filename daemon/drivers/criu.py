@@ -291,6 +291,10 @@ class CriuDriver:
                         ok = on_notify.handle(event["script"]) if on_notify else True
                         proc.stdin.write(json.dumps({"ok": ok}).encode() + b"\n")
                         proc.stdin.flush()
+                        if ok and event["script"] == "post-dump":
+                            # The snapshot is published and CRIU now ends the source: killing CRIU for
+                            # the deadline here would lose both, so wait for it to finish.
+                            deadline = float("inf")
         finally:
             sel.close()
             proc.stdin.close()
@@ -310,7 +314,7 @@ class CriuDriver:
             if on_notify and on_notify.error:
                 raise on_notify.error
             lines = log_lines(log_path)
-            died = "not running" in result["error"] or "Connection" in result["error"] or "Broken pipe" in result["error"]
+            died = any(w in result["error"] for w in ("not running", "Connection", "connection", "Broken pipe"))
             headline = result["error"]
             if lines and any(b in headline for b in BENIGN_LOG_LINES):  # CRIU's first error, not its cause
                 headline = lines[0]

@@ -113,7 +113,10 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
             sk.send(msg.SerializeToString())
             while True:
                 resp = rpc.criu_resp()
-                resp.ParseFromString(sk.recv(len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))))
+                size = len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
+                if size == 0:  # end of stream: criu is gone (killed or crashed) without answering
+                    raise ConnectionError("criu closed the connection without answering (killed?)")
+                resp.ParseFromString(sk.recv(size))
                 if resp.type != rpc.NOTIFY:
                     break
                 ok = True

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 
-from gpusnap.daemon.api.errors import FailedPreconditionError, InvalidArgumentError, PermissionDeniedError
+from gpusnap.daemon.api.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, PermissionDeniedError
 from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import host, proc
 from gpusnap.daemon.gpu import gpumap, preflight
@@ -180,9 +180,16 @@ def _host_root_pid(init_pid: int, ns_pid: int) -> int:
 
 
 def _kill_tree(init_pid: int, root: int) -> None:
-    """Kill a restored tree: its namespace init takes everything inside with it."""
-    target = init_pid or root
+    """Kill a restored tree: its namespace init takes everything inside with it; without one (a restore
+    into gpusnapd's PID namespace) every process of the tree is killed."""
+    if init_pid:
+        try:
+            os.kill(init_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
     try:
-        os.kill(target, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        pids = proc.tree_pids(root)
+    except NotFoundError:
+        return
+    proc.kill_tree(pids)

@@ -66,8 +66,10 @@ def run_resume(run: PhaseRunner, deps: Deps, pid: int, requested_map: Mapping[st
                 "restart, or by another PID); resume it without --gpu-map, onto its original GPUs",
                 reason="SUSPENDED_TREE_UNKNOWN",
             )
-        suspended = [p for p in tree_pids if _state(cuda, p) is ProcessState.CHECKPOINTED]
-        if not suspended:
+        states = {p: _state(cuda, p) for p in tree_pids}
+        suspended = [p for p, s in states.items() if s is ProcessState.CHECKPOINTED]
+        locked = [p for p, s in states.items() if s is ProcessState.LOCKED]  # left by an earlier failed resume
+        if not suspended and not locked:
             raise FailedPreconditionError(
                 f"no process of the tree of PID {pid} is suspended (CHECKPOINTED); suspend it first with `gpusnap suspend {pid}`",
                 reason="NOT_SUSPENDED",
@@ -90,9 +92,9 @@ def run_resume(run: PhaseRunner, deps: Deps, pid: int, requested_map: Mapping[st
             ctl.restore_all([p], gpumap.gpu_pairs_for_restore(pairs))
         progress.bytes = tree.gpu_bytes
     with run.phase("gpu-unlock"):
-        ctl.unlock_all(suspended)
+        ctl.unlock_all(suspended + locked)
     with run.phase("validate"):
-        ctl.verify_running(suspended)
+        ctl.verify_running(suspended + locked)
     if known_root is not None:
         deps.gpu.suspended.pop(known_root, None)
     return gpu_map

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import UTC, datetime
 
-from google.protobuf import timestamp_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 
 from gpusnap.daemon._proto import node_pb2, operations_pb2, types_pb2
 from gpusnap.daemon.api.types import (
@@ -18,6 +18,7 @@ from gpusnap.daemon.api.types import (
     Snapshot,
     TcpMode,
 )
+from gpusnap.daemon.api.errors import InvalidArgumentError
 from gpusnap.daemon.core import NodeInfo
 from gpusnap.daemon.operations.base import EventType, OperationEvent, OperationKind, OperationRecord, OperationState
 from gpusnap.daemon.service.errors import to_status_proto
@@ -54,6 +55,13 @@ def timestamp(value: datetime) -> timestamp_pb2.Timestamp:
     return ts
 
 
+def seconds(field: str, value: duration_pb2.Duration) -> float:
+    seconds = value.ToTimedelta().total_seconds()
+    if seconds <= 0:
+        raise InvalidArgumentError(f"{field} must be a positive duration, not {seconds:g} s", reason="INVALID_TIMEOUT")
+    return seconds
+
+
 def checkpoint_options(req: operations_pb2.CheckpointRequest) -> CheckpointOptions:
     return CheckpointOptions(
         pid=req.pid,
@@ -61,8 +69,8 @@ def checkpoint_options(req: operations_pb2.CheckpointRequest) -> CheckpointOptio
         labels=dict(req.labels),
         leave_running=req.leave_running,
         tcp=_TCP.get(req.tcp, TcpMode.REFUSE),
-        timeout_s=req.timeout.ToTimedelta().total_seconds() if req.HasField("timeout") else None,
-        gpu_lock_timeout_s=req.gpu_lock_timeout.ToTimedelta().total_seconds() if req.HasField("gpu_lock_timeout") else None,
+        timeout_s=seconds("timeout", req.timeout) if req.HasField("timeout") else None,
+        gpu_lock_timeout_s=seconds("gpu_lock_timeout", req.gpu_lock_timeout) if req.HasField("gpu_lock_timeout") else None,
         control_dir=req.control_dir,
         quiesce=not req.no_quiesce,
     )
@@ -73,7 +81,7 @@ def restore_options(req: operations_pb2.RestoreRequest) -> RestoreOptions:
         snapshot=req.snapshot,
         host_pid_namespace=req.host_pid_namespace,
         gpu_map=dict(req.gpu_map),
-        timeout_s=req.timeout.ToTimedelta().total_seconds() if req.HasField("timeout") else None,
+        timeout_s=seconds("timeout", req.timeout) if req.HasField("timeout") else None,
         env=dict(req.context.env),
         unset_env=tuple(req.context.unset_env),
         values=dict(req.context.values),

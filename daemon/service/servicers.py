@@ -67,7 +67,7 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
 
     @_rpc
     def Suspend(self, request: operations_pb2.SuspendRequest, context: grpc.ServicerContext) -> operations_pb2.SuspendResponse:
-        timeout = request.gpu_lock_timeout.ToTimedelta().total_seconds() if request.HasField("gpu_lock_timeout") else None
+        timeout = convert.seconds("gpu_lock_timeout", request.gpu_lock_timeout) if request.HasField("gpu_lock_timeout") else None
         record = self.daemon.suspend(request.pid, self.caller(context), timeout)
         return operations_pb2.SuspendResponse(operation=convert.operation(record))
 

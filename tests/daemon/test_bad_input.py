@@ -161,3 +161,11 @@ def test_tree_in_a_user_namespace_is_refused(daemon: DaemonProc) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_non_positive_timeouts_are_refused(daemon: DaemonProc, workloads: Workloads) -> None:
+    w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
+    for flag in ("--timeout", "--gpu-lock-timeout"):
+        res = daemon.cli("dump", str(w.pid), flag, "-1")
+        assert res.returncode == 2 and "positive duration" in res.stderr, res.stderr
+    assert w.proc is not None and w.proc.poll() is None
