@@ -26,6 +26,14 @@ def tree_pids(pid: int) -> list[int]:
         raise _not_found(pid) from exc
 
 
+def tree_pids_or_empty(pid: int) -> list[int]:
+    """:func:`tree_pids`, or ``[]`` when the root is gone."""
+    try:
+        return tree_pids(pid)
+    except NotFoundError:
+        return []
+
+
 def facts(pid: int) -> ProcessFacts:
     """Describe the tree rooted at ``pid``.
 

@@ -144,8 +144,8 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             enter_ns_of=enter_ns_of,
             on_post_dump=publish,
         )
-        if nested_kill:
-            proc.kill_tree(list(facts.tree_pids))
+        if nested_kill:  # the tree as it is now: children forked after preflight were dumped too
+            proc.kill_tree(sorted(set(facts.tree_pids) | set(proc.tree_pids_or_empty(opts.pid))))
         run.close_phase()
     if ctl and gpu_tree and opts.leave_running:
         with run.phase("gpu-resume"):
