@@ -12,6 +12,7 @@ SNAPSHOT_ID_RE = re.compile(r"^snap-[a-z2-7]{26}$")
 OPERATION_ID_RE = re.compile(r"^op-[a-z2-7]{26}$")
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
 MAX_LABEL_VALUE = 256
+RESERVED_LABEL_PREFIX = "gpusnap.dev/"
 MAX_LABELS = 64
 
 
@@ -66,6 +67,11 @@ def labels(value: Mapping[str, str]) -> dict[str, str]:
     if len(value) > MAX_LABELS:
         raise InvalidArgumentError(f"too many labels ({len(value)} > {MAX_LABELS})", reason="INVALID_LABEL")
     for key, val in value.items():
+        if key.startswith(RESERVED_LABEL_PREFIX):
+            raise InvalidArgumentError(
+                f"label key {key!r} uses the prefix {RESERVED_LABEL_PREFIX!r}, which gpusnap reserves for itself",
+                reason="INVALID_LABEL",
+            )
         if not LABEL_KEY_RE.fullmatch(key):
             raise InvalidArgumentError(
                 f"invalid label key {key!r}: 1-128 characters of letters, digits, '.', '_', '/', '-'",

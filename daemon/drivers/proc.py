@@ -76,6 +76,19 @@ def check_may_checkpoint(pid: int, caller: Caller) -> list[int]:
         PermissionDeniedError: a non-root caller names a process it does not own.
         NotFoundError: no such process.
     """
+    status = _status(pid)
+    if status.get("Tgid", str(pid)) != str(pid):
+        raise InvalidArgumentError(
+            f"{pid} is a thread of process {status['Tgid']}; checkpoint the process (or its tree's root) instead",
+            reason="INVALID_PID",
+            metadata={"pid": str(pid)},
+        )
+    if pid == 2 or status.get("PPid") == "2":
+        raise InvalidArgumentError(
+            f"PID {pid} is a kernel thread; only user processes can be checkpointed",
+            reason="INVALID_PID",
+            metadata={"pid": str(pid)},
+        )
     own = os.getpid()
     ancestors = {own}
     try:
@@ -90,6 +103,13 @@ def check_may_checkpoint(pid: int, caller: Caller) -> list[int]:
         )
     owners = set()
     tree = tree_pids(pid)
+    if caller.pid and caller.pid in tree:
+        raise InvalidArgumentError(
+            f"the tree of PID {pid} contains the calling process ({caller.pid}), whose connection to gpusnapd "
+            "cannot be captured; call gpusnap from outside the tree",
+            reason="INVALID_PID",
+            metadata={"pid": str(pid)},
+        )
     for p in tree:
         if p == own:
             raise InvalidArgumentError(
@@ -157,6 +177,19 @@ def same_user_namespace(pid: int) -> bool:
         return os.readlink(f"/proc/{pid}/ns/user") == os.readlink("/proc/self/ns/user")
     except OSError:
         return False
+
+
+def _status(pid: int) -> dict[str, str]:
+    """``/proc/<pid>/status`` as a dict (first word of each value); empty when unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        out[key] = value.split()[0] if value.split() else ""
+    return out
 
 
 def namespace_pid(pid: int) -> int:

@@ -17,12 +17,11 @@ the source instead. A failure anywhere leaves the source running and nothing lis
 
 from __future__ import annotations
 
-import os
 from datetime import UTC, datetime
 
-from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.api.types import CheckpointOptions, HostFacts, Snapshot, TcpMode
 from gpusnap.daemon.drivers import host, proc
+from gpusnap.daemon.operations import capture_checks
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.checksum import image_files
@@ -57,27 +56,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
     timeout = opts.timeout_s or deps.config.checkpoint_timeout
     with run.phase("preflight"):
         facts = proc.facts(opts.pid)
-        if opts.tcp is TcpMode.REFUSE:
-            conns = proc.established_tcp(list(facts.tree_pids))
-            if conns:
-                raise FailedPreconditionError(
-                    f"the tree has established TCP connections ({'; '.join(conns[:3])}); "
-                    "close them first, or pass --tcp close (restored closed) or --tcp established (needs the same "
-                    "addresses at restore)",
-                    reason="TCP_ESTABLISHED",
-                )
-        if facts.uid != os.geteuid() and not host.has_capability(host.CAP_SYS_RESOURCE):
-            raise FailedPreconditionError(
-                f"PID {opts.pid} belongs to uid {facts.uid}, and gpusnapd lacks CAP_SYS_RESOURCE, without which CRIU "
-                "cannot read another user's resource limits; run gpusnapd as root with its full capability set",
-                reason="CAPABILITY_MISSING",
-            )
-        if not proc.same_user_namespace(opts.pid):
-            raise FailedPreconditionError(
-                f"PID {opts.pid} runs in a user namespace of its own (rootless container, `unshare -U`); gpusnap "
-                "captures only trees in the host's user namespace, whose namespaces only root can change",
-                reason="USER_NAMESPACE",
-            )
+        capture_checks.check_tree(opts, facts)
         facts_host = host_facts(deps)
         ns_pid = proc.namespace_pid(opts.pid)
         enter_ns_of = opts.pid if ns_pid != opts.pid else 0

@@ -169,3 +169,64 @@ def test_non_positive_timeouts_are_refused(daemon: DaemonProc, workloads: Worklo
         res = daemon.cli("dump", str(w.pid), flag, "-1")
         assert res.returncode == 2 and "positive duration" in res.stderr, res.stderr
     assert w.proc is not None and w.proc.poll() is None
+
+
+def test_trees_that_could_never_be_restored_are_refused(daemon: DaemonProc, tmp_path: Path) -> None:
+    """A terminal, a pipe read outside the tree, a PID-namespace init, a thread, a kernel thread, a reserved label."""
+    import subprocess
+    import threading
+
+    import psutil
+
+    from tests.conftest import kill_tree, wait_for
+
+    procs = []
+    try:
+        reader = subprocess.Popen(["sh", "-c", "sleep 600 | cat > /dev/null"], start_new_session=True,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(reader.pid)
+        wait_for(lambda: len(psutil.Process(reader.pid).children()) == 2, 10, "pipeline did not start")
+        writer = next(c.pid for c in psutil.Process(reader.pid).children() if c.name() == "sleep")
+        res = daemon.cli("dump", str(writer))
+        assert res.returncode == 4 and "pipe whose other end" in res.stderr, res.stderr
+        assert psutil.Process(writer).is_running()
+
+        nsinit = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "setsid", "sleep", "600"],
+                                  start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        procs.append(nsinit.pid)
+        wait_for(lambda: bool(psutil.Process(nsinit.pid).children()), 10, "unshare did not start")
+        init = psutil.Process(nsinit.pid).children()[0].pid
+        res = daemon.cli("dump", str(init))
+        assert res.returncode == 4 and "init (PID 1) of its own PID namespace" in res.stderr, res.stderr
+
+        res = daemon.cli("dump", "2")
+        assert res.returncode == 2 and "kernel thread" in res.stderr
+
+        tid = threading.get_native_id()
+        if tid != os.getpid():
+            res = daemon.cli("dump", str(tid))
+            assert res.returncode == 2, res.stderr
+        other_thread = next((t.id for t in psutil.Process(daemon.proc.pid).threads() if t.id != daemon.proc.pid), None)
+        if other_thread:
+            res = daemon.cli("dump", str(other_thread))
+            assert res.returncode == 2 and "is a thread of process" in res.stderr, res.stderr
+
+        import pty
+
+        master, slave = pty.openpty()
+        on_tty = subprocess.Popen(["sleep", "600"], stdin=slave, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        procs.append(on_tty.pid)
+        os.close(slave)
+        res = daemon.cli("dump", str(on_tty.pid))
+        assert res.returncode == 4 and "has a terminal open" in res.stderr, res.stderr
+        assert psutil.Process(on_tty.pid).is_running()
+        os.close(master)
+
+        sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        procs.append(sleeper.pid)
+        res = daemon.cli("dump", str(sleeper.pid), "--label", "gpusnap.dev/tcp=bogus")
+        assert res.returncode == 2 and "reserves" in res.stderr
+    finally:
+        kill_tree(*procs)

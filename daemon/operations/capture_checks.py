@@ -1,0 +1,109 @@
+"""Capture preflight for a process tree: what CRIU would refuse, or what could never be restored, found
+before anything is touched, each with its cause and fix."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpusnap.daemon.api.errors import FailedPreconditionError
+from gpusnap.daemon.api.types import CheckpointOptions, ProcessFacts, TcpMode
+from gpusnap.daemon.drivers import host, proc
+
+_PIPE = re.compile(r"^pipe:\[(\d+)\]$")
+_TTY_PREFIXES = ("/dev/pts/", "/dev/tty", "/dev/console")
+
+
+def check_tree(opts: CheckpointOptions, facts: ProcessFacts) -> None:
+    """Every tree-level capture precondition.
+
+    Raises:
+        FailedPreconditionError: reasons ``TCP_ESTABLISHED``, ``CAPABILITY_MISSING``, ``USER_NAMESPACE``,
+            ``PID_NAMESPACE_INIT``, ``TERMINAL``, ``EXTERNAL_PIPE``.
+    """
+    pids = list(facts.tree_pids)
+    if opts.tcp is TcpMode.REFUSE:
+        conns = proc.established_tcp(pids)
+        if conns:
+            raise FailedPreconditionError(
+                f"the tree has established TCP connections ({'; '.join(conns[:3])}); "
+                "close them first, or pass --tcp close (restored closed) or --tcp established (needs the same "
+                "addresses at restore)",
+                reason="TCP_ESTABLISHED",
+            )
+    if facts.uid != os.geteuid() and not host.has_capability(host.CAP_SYS_RESOURCE):
+        raise FailedPreconditionError(
+            f"PID {opts.pid} belongs to uid {facts.uid}, and gpusnapd lacks CAP_SYS_RESOURCE, without which CRIU "
+            "cannot read another user's resource limits; run gpusnapd as root with its full capability set",
+            reason="CAPABILITY_MISSING",
+        )
+    if not proc.same_user_namespace(opts.pid):
+        raise FailedPreconditionError(
+            f"PID {opts.pid} runs in a user namespace of its own (rootless container, `unshare -U`); gpusnap "
+            "captures only trees in the host's user namespace, whose namespaces only root can change",
+            reason="USER_NAMESPACE",
+        )
+    if proc.namespace_pid(opts.pid) == 1 and opts.pid != 1:
+        raise FailedPreconditionError(
+            f"PID {opts.pid} is the init (PID 1) of its own PID namespace, which gpusnap restores into a namespace "
+            "it creates itself; checkpoint the process the init runs instead (its child)",
+            reason="PID_NAMESPACE_INIT",
+        )
+    ttys = _terminal_users(pids)
+    if ttys:
+        raise FailedPreconditionError(
+            f"process {ttys[0][0]} has a terminal open ({ttys[0][1]}); a restored tree cannot get its terminal back. "
+            "Start the worker with stdin/stdout/stderr on files or /dev/null, under setsid (as a service does)",
+            reason="TERMINAL",
+        )
+    outside = _external_pipes(pids)
+    if outside:
+        pid, fd, other = outside[0]
+        raise FailedPreconditionError(
+            f"fd {fd} of process {pid} is a pipe whose other end is held by process {other}, outside the tree; "
+            "after a restore that end would be gone. Send the worker's output to a file (e.g. `>> worker.log`) "
+            "instead of a pipe",
+            reason="EXTERNAL_PIPE",
+        )
+
+
+def _fds(pid: int) -> list[tuple[int, str]]:
+    base = Path(f"/proc/{pid}/fd")
+    out = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    for name in names:
+        try:
+            out.append((int(name), os.readlink(base / name)))
+        except OSError:
+            continue
+    return out
+
+
+def _terminal_users(pids: Sequence[int]) -> list[tuple[int, str]]:
+    return [(p, target) for p in pids for _, target in _fds(p) if target.startswith(_TTY_PREFIXES)]
+
+
+def _external_pipes(pids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(pid, fd, outside pid) for pipes of the tree that a process outside it also holds."""
+    inside: dict[str, tuple[int, int]] = {}
+    for p in pids:
+        for fd, target in _fds(p):
+            if _PIPE.match(target):
+                inside.setdefault(target, (p, fd))
+    if not inside:
+        return []
+    tree = set(pids)
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in tree:
+            continue
+        for _, target in _fds(int(entry)):
+            if target in inside:
+                pid, fd = inside.pop(target)
+                found.append((pid, fd, int(entry)))
+    return found
