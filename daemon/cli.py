@@ -47,6 +47,24 @@ EXIT_CODES: dict[Code, int] = {
 }
 
 T = TypeVar("T")
+PID = click.IntRange(-(2**31), 2**31 - 1)
+"""What fits the API's int32; the daemon says which PIDs are valid."""
+class _Seconds(click.ParamType[float]):
+    """Positive, finite seconds (at most 10^7)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not 0 < seconds <= 10**7:  # also false for nan
+            self.fail(f"{value!r} is not a positive number of seconds up to 10^7", param, ctx)
+        return seconds
+
+
+SECONDS = _Seconds()
 err_console = Console(stderr=True)
 out_console = Console()
 
@@ -58,6 +76,17 @@ class Ctx:
 
     def client(self) -> DaemonClient:
         return DaemonClient(self.socket)
+
+
+def output_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``-o/--output`` accepted after the subcommand too (``gpusnap ls -o json``)."""
+
+    def set_output(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+        if value:
+            ctx.find_object(Ctx).output = value  # type: ignore[union-attr]  # set by main()
+
+    return click.option("-o", "--output", "output_override", type=click.Choice(["table", "json"]), default=None,
+                        expose_value=False, callback=set_output, help="table or json (as before the command)")(fn)
 
 
 def _fail(err: GpusnapError) -> None:
@@ -158,14 +187,15 @@ def _phase_summary(op: operations_pb2.Operation) -> str:
 
 
 @main.command()
-@click.argument("pid", type=int)
+@output_option
+@click.argument("pid", type=PID)
 @click.option("--name", default="", help="snapshot name, unique in the store")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="label (repeatable)")
 @click.option("--leave-running", is_flag=True, help="keep the source running after the dump")
 @click.option("--tcp", type=click.Choice(["refuse", "established", "close"]), default="refuse", show_default=True,
               help="established TCP connections: refuse the dump, capture them, or restore them closed")
-@click.option("--timeout", type=float, help="seconds for the whole checkpoint [daemon default]")
-@click.option("--gpu-lock-timeout", type=float, help="seconds to wait for CUDA work to drain [daemon default]")
+@click.option("--timeout", type=SECONDS, help="seconds for the whole checkpoint [daemon default]")
+@click.option("--gpu-lock-timeout", type=SECONDS, help="seconds to wait for CUDA work to drain [daemon default]")
 @click.option("--control-dir", default="", metavar="DIR",
               help="worker follows Dynamo Snapshot's control-directory contract: wait for DIR/ready-for-snapshot")
 @click.option("--no-quiesce", is_flag=True, help="capture as is, without the worker agent's warm-up and quiesce")
@@ -208,11 +238,12 @@ GPU_MAP_HELP = "move GPU state: OLD=NEW[,OLD=NEW…] (UUIDs or indexes); every c
 
 
 @main.command()
+@output_option
 @click.argument("snapshot")
 @click.option("--host-pidns", is_flag=True, help="restore with the original PIDs in gpusnapd's PID namespace")
 @click.option("--private-net", is_flag=True, help="restore into a fresh network namespace (loopback only), so copies never clash on ports")
 @click.option("--gpu-map", default="", metavar="OLD=NEW,…", help=GPU_MAP_HELP)
-@click.option("--timeout", type=float, help="seconds for the whole restore [daemon default]")
+@click.option("--timeout", type=SECONDS, help="seconds for the whole restore [daemon default]")
 @click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="restore context: set in the worker (repeatable)")
 @click.option("--unset-env", multiple=True, metavar="NAME", help="restore context: remove from the worker (repeatable)")
 @click.option("--set", "values", multiple=True, metavar="KEY=VALUE", help="restore context: identity value for the worker's adapter")
@@ -245,8 +276,9 @@ def restore(obj: Ctx, snapshot: str, host_pidns: bool, private_net: bool, gpu_ma
 
 
 @main.command()
-@click.argument("pid", type=int)
-@click.option("--gpu-lock-timeout", type=float, help="seconds to wait for CUDA work to drain [daemon default]")
+@output_option
+@click.argument("pid", type=PID)
+@click.option("--gpu-lock-timeout", type=SECONDS, help="seconds to wait for CUDA work to drain [daemon default]")
 @click.pass_obj
 def suspend(obj: Ctx, pid: int, gpu_lock_timeout: float | None) -> None:
     """Checkpoint the GPU state of the tree rooted at PID in place: GPU memory is freed, the processes live on."""
@@ -262,7 +294,8 @@ def suspend(obj: Ctx, pid: int, gpu_lock_timeout: float | None) -> None:
 
 
 @main.command()
-@click.argument("pid", type=int)
+@output_option
+@click.argument("pid", type=PID)
 @click.option("--gpu-map", default="", metavar="OLD=NEW,…", help=GPU_MAP_HELP)
 @click.pass_obj
 def resume(obj: Ctx, pid: int, gpu_map: str) -> None:
@@ -279,6 +312,7 @@ def resume(obj: Ctx, pid: int, gpu_map: str) -> None:
 
 
 @main.command("ls")
+@output_option
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="only snapshots with this label")
 @click.pass_obj
 def list_snapshots(obj: Ctx, labels: tuple[str, ...]) -> None:
@@ -298,6 +332,7 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...]) -> None:
 
 
 @main.command()
+@output_option
 @click.argument("snapshot")
 @click.pass_obj
 def inspect(obj: Ctx, snapshot: str) -> None:
@@ -331,16 +366,27 @@ def inspect(obj: Ctx, snapshot: str) -> None:
 
 
 @main.command()
+@output_option
 @click.argument("snapshots", nargs=-1, required=True)
 @click.pass_obj
 def rm(obj: Ctx, snapshots: tuple[str, ...]) -> None:
     """Delete snapshots (ids or names)."""
+    deleted: list[str] = []
+    failed: list[GpusnapError] = []
     with obj.client() as client:
-        deleted = [_run(lambda ref=ref: client.delete_snapshot(ref)) for ref in snapshots]  # type: ignore[misc]
+        for ref in snapshots:
+            try:
+                deleted.append(client.delete_snapshot(ref))
+            except GpusnapError as err:
+                click.echo(f"gpusnap: error: {ref}: {err.message}", err=True)
+                failed.append(err)
     click.echo(json.dumps({"deleted": deleted}) if obj.output == "json" else "\n".join(deleted))
+    if failed:
+        sys.exit(EXIT_CODES.get(failed[0].code, 1))
 
 
 @main.command()
+@output_option
 @click.pass_obj
 def node(obj: Ctx) -> None:
     """Show facts about the node: versions, store, GPUs."""
@@ -371,6 +417,7 @@ def node(obj: Ctx) -> None:
 
 
 @main.command()
+@output_option
 @click.argument("operation")
 @click.pass_obj
 def wait(obj: Ctx, operation: str) -> None:
@@ -381,6 +428,7 @@ def wait(obj: Ctx, operation: str) -> None:
 
 
 @main.command("ops")
+@output_option
 @click.pass_obj
 def list_operations(obj: Ctx) -> None:
     """List this daemon's operations."""

@@ -7,6 +7,7 @@ by :meth:`DaemonClient.wait`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,7 +17,7 @@ from google.protobuf import duration_pb2
 
 from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
 from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc, types_pb2
-from gpusnap.daemon.api.errors import Code, GpusnapError, UnavailableError
+from gpusnap.daemon.api.errors import Code, GpusnapError, PermissionDeniedError, UnavailableError
 from gpusnap.daemon.config import DEFAULT_SOCKET
 from gpusnap.daemon.service.errors import from_rpc_error, from_status_proto
 
@@ -72,6 +73,13 @@ class DaemonClient:
 
     def _error(self, exc: grpc.RpcError) -> GpusnapError:
         err = from_rpc_error(exc)
+        path = self.target.removeprefix("unix:")
+        if err.code == Code.UNAVAILABLE and os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+            return PermissionDeniedError(
+                f"no permission to use {path}; ask an administrator to add you to its group "
+                "(`usermod -aG gpusnap $USER`, then log in again)",
+                reason="SOCKET_PERMISSION",
+            )
         if err.code == Code.UNAVAILABLE and err.reason in ("DAEMON_UNAVAILABLE", "UNAVAILABLE"):
             return UnavailableError(
                 f"cannot reach gpusnapd at {self.target.removeprefix('unix:')} ({err.message}); is it running? "

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from gpusnap.daemon.api import validate
-from gpusnap.daemon.api.errors import NotFoundError, PermissionDeniedError
+from gpusnap.daemon.api.errors import AbortedError, NotFoundError, PermissionDeniedError
 from gpusnap.daemon.api.types import Caller, CheckpointOptions, HostFacts, RestoreOptions, Snapshot
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, PhaseRunner
@@ -128,6 +128,13 @@ class Daemon:
         _require_identified(caller)
         if not caller.is_root:
             self.snapshot(ref, caller)
+        snapshot_id = self.deps.store.path_of(ref).name
+        busy = [r.id for r in self.registry.list() if not r.done and r.target_snapshot == snapshot_id]
+        if busy:
+            raise AbortedError(
+                f"snapshot {snapshot_id} is being restored by {busy[0]}; wait for it (`gpusnap wait {busy[0]}`)",
+                reason="SNAPSHOT_BUSY",
+            )
         return self.deps.store.delete(ref)
 
     def node_info(self) -> NodeInfo:

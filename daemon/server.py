@@ -63,7 +63,7 @@ def build_daemon(config: DaemonConfig) -> Running:
         InvalidArgumentError: inconsistent configuration.
     """
     config.validate()
-    criu = CriuDriver(config.criu_binary, config.pycriu_path)
+    criu = CriuDriver(config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs")
     criu_version = criu.require_supported()
     store = SnapshotStore(config.store)
     store.open()
@@ -80,9 +80,10 @@ def build_daemon(config: DaemonConfig) -> Running:
     private_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(private_dir, 0o700)
     private = private_dir / "grpc.sock"
+    proxy = PeerCredProxy(config.socket, private, config.socket_group)
+    proxy.check_free()
     if private.exists():
         private.unlink()
-    proxy = PeerCredProxy(config.socket, private, config.socket_group)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="gpusnap-rpc"))
     operations_pb2_grpc.add_OperationServiceServicer_to_server(OperationServicer(daemon, proxy), server)

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,11 +77,15 @@ class CriuDriver:
         binary: the ``criu`` executable (the wrapper of gpusnap's private prefix, or a system one).
         pycriu_path: directory that holds the ``pycriu`` package, added to the helper's ``PYTHONPATH``;
             empty when pycriu is importable already.
+        failed_logs_dir: directory that keeps CRIU's log of a failed request (its own directory may be
+            removed, as a failed dump's staging directory is).
     """
 
-    def __init__(self, binary: str, pycriu_path: str = ""):
+    def __init__(self, binary: str, pycriu_path: str = "", failed_logs_dir: Path | None = None):
         self.binary = binary
         self.pycriu_path = pycriu_path
+        self.failed_logs_dir = failed_logs_dir
+        """Where the logs of failed dumps are kept (their staging directory is removed)."""
 
     def version(self) -> str:
         """CRIU's version string, e.g. ``"4.1.1"``.
@@ -273,7 +278,7 @@ class CriuDriver:
                 if remaining <= 0:
                     self._kill(proc, events)
                     raise DeadlineExceededError(
-                        f"CRIU {action} did not finish within {timeout_s:.0f} s and was killed; "
+                        f"CRIU {action} did not finish within {timeout_s:g} s and was killed; "
                         f"see {log_path}; raise the operation timeout if the tree is large",
                         reason="CRIU_TIMEOUT",
                     )
@@ -314,10 +319,14 @@ class CriuDriver:
             if on_notify and on_notify.error:
                 raise on_notify.error
             lines = log_lines(log_path)
+            log_path = self._keep_log(log_path)
             died = any(w in result["error"] for w in ("not running", "Connection", "connection", "Broken pipe"))
             headline = result["error"]
             if lines and any(b in headline for b in BENIGN_LOG_LINES):  # CRIU's first error, not its cause
                 headline = lines[0]
+            hint = next((h for pattern, h in LOG_HINTS if any(pattern in ln for ln in lines)), "")
+            if hint:
+                headline = f"{headline} ({hint})"
             raise CriuError(
                 f"CRIU {action} failed: {headline}. {_joined(lines)} (full log: {log_path})",
                 code_cls=AbortedError if died else FailedPreconditionError,
@@ -325,6 +334,20 @@ class CriuDriver:
                 log_lines=lines,
             )
         return events
+
+    def _keep_log(self, log_path: Path) -> Path:
+        """Copy a failed request's log where it survives its staging directory; returns where it is."""
+        if self.failed_logs_dir is None or not log_path.exists():
+            return log_path
+        try:
+            self.failed_logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            kept = self.failed_logs_dir / f"{log_path.parent.name}-{log_path.name}"
+            shutil.copyfile(log_path, kept)
+            for old in sorted(self.failed_logs_dir.iterdir(), key=lambda p: p.stat().st_mtime)[:-KEPT_LOGS]:
+                old.unlink(missing_ok=True)
+            return kept
+        except OSError:
+            return log_path
 
     @staticmethod
     def _kill(proc: subprocess.Popen[bytes], events: list[dict[str, Any]]) -> None:
@@ -362,6 +385,21 @@ class _NotifyHandler:
 def _notify_handler(on_post_dump: Callable[[], None] | None) -> _NotifyHandler | None:
     return _NotifyHandler(on_post_dump) if on_post_dump else None
 
+
+KEPT_LOGS = 50
+"""Logs of failed requests kept in ``failed_logs_dir``; older ones are removed."""
+
+LOG_HINTS = (
+    (
+        "has bad size",
+        "a file the tree had open changed size after the capture: a log opened without O_APPEND, or a "
+        "--leave-running source that kept writing; open logs for appending (`>>`) or give the file back the "
+        "size CRIU expects",
+    ),
+    ("Address already in use", "a restored socket's address is taken: restore with --private-net, or stop its owner"),
+    ("Can't fork for", "a PID of the tree is in use: restore without --host-pidns"),
+)
+"""CRIU log phrases whose cause gpusnap can name, with the fix."""
 
 BENIGN_LOG_LINES = (
     "Can't setup RLIMIT_NOFILE for self",  # CRIU raising its own fd limit without CAP_SYS_RESOURCE

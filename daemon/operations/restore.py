@@ -67,6 +67,12 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                 "--private-net needs the fresh namespaces of a default restore; drop --host-pidns",
                 reason="INVALID_ARGUMENT",
             )
+        if (opts.env or opts.unset_env or opts.values) and snapshot.worker is None:
+            raise InvalidArgumentError(
+                f"snapshot {snapshot.id} has no worker agent or control directory to hand a restore context to; "
+                "drop --env/--unset-env/--set",
+                reason="CONTEXT_UNEXPECTED",
+            )
         gpu_map = _resolve_gpu_map(deps, snapshot, opts)
     with run.phase("verify") as progress:
         deps.store.verify(snapshot)

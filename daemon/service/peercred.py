@@ -21,7 +21,7 @@ from pathlib import Path
 
 import structlog
 
-from gpusnap.daemon.api.errors import UnauthenticatedError
+from gpusnap.daemon.api.errors import FailedPreconditionError, UnauthenticatedError
 from gpusnap.daemon.api.types import ROOT_CALLER, Caller
 
 log = structlog.get_logger(__name__)
@@ -48,9 +48,18 @@ class PeerCredProxy:
         self._thread = threading.Thread(target=self._loop.run_forever, name="gpusnap-peercred", daemon=True)
         self._server: asyncio.AbstractServer | None = None
 
+    def check_free(self) -> None:
+        """Raise FailedPreconditionError (``SOCKET_IN_USE``) if another daemon serves the public socket."""
+        if (self.public.exists() or self.public.is_symlink()) and _answers(self.public):
+            raise FailedPreconditionError(
+                f"another gpusnapd already serves {self.public}; stop it first or pass another --socket",
+                reason="SOCKET_IN_USE",
+            )
+
     def start(self) -> None:
         """Bind the public socket and start forwarding."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.check_free()
         if self.public.exists() or self.public.is_symlink():
             self.public.unlink()
         sock.bind(str(self.public))
@@ -155,6 +164,19 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             writer.write_eof()
         except (OSError, RuntimeError):
             pass
+
+
+def _answers(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1)
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def _set_mode_and_group(path: Path, group: str) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+import structlog
 
 from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
 from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
@@ -18,6 +19,7 @@ from gpusnap.daemon.service.errors import abort
 from gpusnap.daemon.service.peercred import PeerCredProxy
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = structlog.get_logger(__name__)
 
 WATCH_POLL_S = 1.0
 
@@ -34,6 +36,7 @@ def _rpc(method: F) -> F:
         except Exception as exc:  # a bug; keep serving
             if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortedError":
                 raise
+            log.exception("rpc.crashed", method=method.__name__)
             abort(context, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
         return None
 

@@ -6,6 +6,7 @@ Layout under the store root (mode 0700: images hold process memory)::
     snapshots/<id>/images/…          CRIU images (and, later, GPU data)
     snapshots/<id>/criu-*.log        CRIU logs of the dump and of restores
     staging/<id>/…                   work in progress; removed at start and on failure
+    logs/                            CRIU logs of failed dumps (the last 50)
     .lock                            flock: one daemon per store
 
 A snapshot becomes visible by one ``rename(2)`` of its staging directory into ``snapshots/``
@@ -75,10 +76,16 @@ class SnapshotStore:
         Raises:
             FailedPreconditionError: another daemon holds the store (reason ``STORE_LOCKED``).
         """
-        for d in (self.root, self.snapshots_dir, self.staging_dir):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            for d in (self.root, self.snapshots_dir, self.staging_dir):
+                d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)
+            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise FailedPreconditionError(
+                f"cannot use {self.root} as the snapshot store ({exc.strerror}); give gpusnapd a writable --store",
+                reason="STORE_UNUSABLE",
+            ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

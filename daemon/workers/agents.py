@@ -72,7 +72,7 @@ class AgentSession:
             except TimeoutError as exc:
                 self.close()
                 raise DeadlineExceededError(
-                    f"the {self.info.engine} worker (PID {self.info.pid}) did not finish {what} within {timeout_s:.0f} s; "
+                    f"the {self.info.engine} worker (PID {self.info.pid}) did not finish {what} within {timeout_s:g} s; "
                     "raise the timeout or check the worker's log",
                     reason="AGENT_TIMEOUT",
                 ) from exc
@@ -180,7 +180,7 @@ class AgentRegistry:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise DeadlineExceededError(
-                        f"the worker agent {instance_id[:8]}… did not reconnect within {timeout_s:.0f} s after being "
+                        f"the worker agent {instance_id[:8]}… did not reconnect within {timeout_s:g} s after being "
                         "woken; check that the worker can reach the agent socket "
                         f"{self.socket_path} and its wake directory",
                         reason="AGENT_TIMEOUT",

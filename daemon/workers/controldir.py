@@ -54,7 +54,7 @@ def wait_ready(control_dir: Path, timeout_s: float, alive: Callable[[], bool]) -
     while not (control_dir / READY).exists():
         if time.monotonic() > deadline or not alive():
             raise DeadlineExceededError(
-                f"the worker did not write {control_dir / READY} within {timeout_s:.0f} s; it must quiesce and "
+                f"the worker did not write {control_dir / READY} within {timeout_s:g} s; it must quiesce and "
                 "signal readiness (Dynamo Snapshot worker contract)",
                 reason="WORKER_NOT_READY",
             )

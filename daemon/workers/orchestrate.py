@@ -30,7 +30,7 @@ def prepare_capture(
         cdir = controldir.check_dir(opts.control_dir, owner_uid)
         with run.phase("wait-ready"):
             controldir.clear(cdir, owner_uid, controldir.RESTORE_COMPLETE, controldir.SNAPSHOT_COMPLETE)
-            controldir.wait_ready(cdir, cfg.ready_timeout, lambda: proc.alive(opts.pid))
+            controldir.wait_ready(cdir, min(cfg.ready_timeout, opts.timeout_s or cfg.ready_timeout), lambda: proc.alive(opts.pid))
         run.on_failure("resume-worker", lambda: controldir.signal_file(cdir, owner_uid, controldir.RESTORE_COMPLETE))
         return WorkerInfo(control_dir=str(cdir))
     session = deps.agents.find(tree_pids)

@@ -166,8 +166,11 @@ def test_tree_in_a_user_namespace_is_refused(daemon: DaemonProc) -> None:
 def test_non_positive_timeouts_are_refused(daemon: DaemonProc, workloads: Workloads) -> None:
     w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
     for flag in ("--timeout", "--gpu-lock-timeout"):
-        res = daemon.cli("dump", str(w.pid), flag, "-1")
-        assert res.returncode == 2 and "positive duration" in res.stderr, res.stderr
+        for value in ("-1", "0", "nan", "inf"):
+            res = daemon.cli("dump", str(w.pid), flag, value)
+            assert res.returncode == 2 and "positive number of seconds" in res.stderr, res.stderr
+    with pytest.raises(InvalidArgumentError, match="positive duration"):
+        daemon.client().checkpoint(w.pid, timeout_s=-1)  # the daemon checks too
     assert w.proc is not None and w.proc.poll() is None
 
 

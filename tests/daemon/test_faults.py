@@ -116,3 +116,12 @@ def test_sigterm_stops_the_daemon_cleanly(daemon: DaemonProc) -> None:
     os.kill(daemon.proc.pid, signal.SIGTERM)
     assert daemon.proc.wait(timeout=20) == 0
     assert not daemon.socket.exists()
+
+
+def test_failed_dump_keeps_its_log(daemon: DaemonProc, workloads: Workloads) -> None:
+    w = workloads.start("--mem-mb", "300", "--no-child", "--no-listener")
+    with criu_killed(daemon.proc.pid, delay_s=0.05):
+        res = daemon.cli("dump", str(w.pid))
+    assert res.returncode == 5
+    kept = res.stderr.rsplit("full log: ", 1)[-1].rstrip(")\n")
+    assert "/logs/" in kept and os.path.exists(kept), res.stderr
