@@ -281,13 +281,12 @@ def dev_shm_files(pids: list[int], root: Path = DEV_SHM) -> list[Path]:
     return sorted(found)
 
 
-def save_dev_shm(pids: list[int], dest: Path) -> int:
-    """Copy the tree's ``/dev/shm`` files (see :func:`dev_shm_files`) into ``dest``; returns bytes used.
+def save_dev_shm(files: list[Path], dest: Path) -> int:
+    """Copy a tree's ``/dev/shm`` files (from :func:`dev_shm_files`) into ``dest``; returns bytes used.
 
     ``cp -a --sparse=always`` keeps holes (vLLM's queues are mostly sparse) and the hard links between
     a name and CRIU's ``link_remap.N``, which a copy file by file would break.
     """
-    files = dev_shm_files(pids)
     if not files:
         return 0
     dest.mkdir(parents=True, exist_ok=True)

@@ -84,9 +84,10 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
 
         def publish() -> None:  # CRIU's post-dump: images complete, tree still frozen
             run.close_phase()
-            if proc.dev_shm_files(list(facts.tree_pids)):
+            shm_files = proc.dev_shm_files(list(facts.tree_pids))
+            if shm_files:
                 with run.phase("dev-shm") as progress:  # CRIU keeps only names and sizes of these
-                    progress.bytes = proc.save_dev_shm(list(facts.tree_pids), staging.images / DEV_SHM_DIR)
+                    progress.bytes = proc.save_dev_shm(shm_files, staging.images / DEV_SHM_DIR)
             with run.phase("checksum") as progress:
                 files = image_files(staging.images)
                 progress.bytes = sum(f.size_bytes for f in files)

@@ -119,8 +119,8 @@ def test_sigterm_stops_the_daemon_cleanly(daemon: DaemonProc) -> None:
 
 
 def test_failed_dump_keeps_its_log(daemon: DaemonProc, workloads: Workloads) -> None:
-    w = workloads.start("--mem-mb", "300", "--no-child", "--no-listener")
-    with criu_killed(daemon.proc.pid, delay_s=0.05):
+    w = workloads.start("--mem-mb", "1500", "--no-child", "--no-listener")
+    with criu_killed(daemon.proc.pid, delay_s=0.15):  # in the middle of writing pages
         res = daemon.cli("dump", str(w.pid))
     assert res.returncode == 5
     kept = res.stderr.rsplit("full log: ", 1)[-1].rstrip(")\n")
