@@ -182,6 +182,13 @@ def _follow(client: DaemonClient, op: operations_pb2.Operation, show_progress: b
     return client.wait(op.id)
 
 
+def _run_operation(obj: Ctx, start: Callable[[DaemonClient], operations_pb2.Operation]) -> operations_pb2.Operation:
+    """Start an operation and follow it to its end (live phases on a terminal); exits on failure."""
+    with obj.client() as client:
+        op = _run(lambda: start(client))
+        return _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
+
+
 def _phase_summary(op: operations_pb2.Operation) -> str:
     return ", ".join(f"{p.phase} {p.duration_seconds:.2f}s" for p in op.phases)
 
@@ -282,9 +289,7 @@ def restore(obj: Ctx, snapshot: str, host_pidns: bool, private_net: bool, gpu_ma
 @click.pass_obj
 def suspend(obj: Ctx, pid: int, gpu_lock_timeout: float | None) -> None:
     """Checkpoint the GPU state of the tree rooted at PID in place: GPU memory is freed, the processes live on."""
-    with obj.client() as client:
-        op = _run(lambda: client.suspend(pid, gpu_lock_timeout_s=gpu_lock_timeout))
-        done = _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
+    done = _run_operation(obj, lambda client: client.suspend(pid, gpu_lock_timeout_s=gpu_lock_timeout))
     if obj.output == "json":
         click.echo(_json(done))
     else:
@@ -301,9 +306,7 @@ def suspend(obj: Ctx, pid: int, gpu_lock_timeout: float | None) -> None:
 def resume(obj: Ctx, pid: int, gpu_map: str) -> None:
     """Bring back the GPU state of a suspended tree, optionally onto other GPUs."""
     mapping = _gpu_map(gpu_map)
-    with obj.client() as client:
-        op = _run(lambda: client.resume(pid, gpu_map=mapping))
-        done = _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
+    done = _run_operation(obj, lambda client: client.resume(pid, gpu_map=mapping))
     if obj.output == "json":
         click.echo(_json(done))
     else:

@@ -171,16 +171,7 @@ class Workloads:
         self.extra_pids.append(pid)
 
     def cleanup(self) -> None:
-        import psutil
-
-        for pid in self.extra_pids + [w.pid for w in self.started]:
-            try:
-                p = psutil.Process(pid)
-                for c in p.children(recursive=True):
-                    c.kill()
-                p.kill()
-            except psutil.Error:
-                pass
+        kill_tree(*self.extra_pids, *(w.pid for w in self.started))
         for w in self.started:
             if w.proc:
                 try:
