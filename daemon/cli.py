@@ -91,6 +91,12 @@ def output_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _fail(err: GpusnapError) -> None:
     click.echo(f"gpusnap: error: {err.message}", err=True)
+    ctx = click.get_current_context(silent=True)
+    obj = ctx.find_object(Ctx) if ctx else None
+    if obj is not None and obj.output == "json":  # scripts get the reason too
+        code = err.code.name if hasattr(err.code, "name") else str(err.code)
+        click.echo(json.dumps({"error": {"code": code, "reason": err.reason, "message": err.message,
+                                         "metadata": err.metadata}}, indent=2))
     sys.exit(EXIT_CODES.get(err.code, 1))
 
 
@@ -173,13 +179,18 @@ def _progress(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationEvent
 
 
 def _follow(client: DaemonClient, op: operations_pb2.Operation, show_progress: bool) -> operations_pb2.Operation:
-    with _progress(show_progress) as show:
-        for event in client.watch(op.id):
-            show(event)
-            if event.type == operations_pb2.OperationEvent.TYPE_OPERATION_FINISHED:
-                raise_if_failed(event.operation)
-                return event.operation
-    return client.wait(op.id)
+    try:
+        with _progress(show_progress) as show:
+            for event in client.watch(op.id):
+                show(event)
+                if event.type == operations_pb2.OperationEvent.TYPE_OPERATION_FINISHED:
+                    raise_if_failed(event.operation)
+                    return event.operation
+        return client.wait(op.id)
+    except KeyboardInterrupt:
+        click.echo(f"gpusnap: interrupted; operation {op.id} goes on in gpusnapd: follow it with `gpusnap wait {op.id}`",
+                   err=True)
+        sys.exit(130)
 
 
 def _run_operation(obj: Ctx, start: Callable[[DaemonClient], operations_pb2.Operation]) -> operations_pb2.Operation:
@@ -427,7 +438,12 @@ def wait(obj: Ctx, operation: str) -> None:
     """Wait for an operation (from --detach) to end; exits with its outcome."""
     with obj.client() as client:
         op = _run(lambda: _follow(client, client.get_operation(operation), obj.output == "table" and err_console.is_terminal))
-    click.echo(_json(op) if obj.output == "json" else f"{op.id} succeeded: {_phase_summary(op)}")
+    if obj.output == "json":
+        click.echo(_json(op))
+        return
+    outcome = {"snapshot": f"snapshot {op.snapshot.id}", "restore": f"restored as PID {op.restore.pid}"}
+    what = outcome.get(op.WhichOneof("result") or "", "")
+    click.echo(f"{op.id} succeeded{': ' + what if what else ''} ({_phase_summary(op)})")
 
 
 @main.command("ops")

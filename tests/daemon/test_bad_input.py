@@ -233,3 +233,9 @@ def test_trees_that_could_never_be_restored_are_refused(daemon: DaemonProc, tmp_
         assert res.returncode == 2 and "reserves" in res.stderr
     finally:
         kill_tree(*procs)
+
+
+def test_json_errors_reach_stdout(daemon: DaemonProc) -> None:
+    res = daemon.cli("-o", "json", "inspect", "no-such-snapshot")
+    assert res.returncode == 3
+    assert json.loads(res.stdout)["error"]["reason"] == "SNAPSHOT_NOT_FOUND"

@@ -114,8 +114,13 @@ def test_dump_inspect_table_output(daemon: DaemonProc, workloads: Workloads) -> 
     inspect = daemon.cli("inspect", "tbl", check=True).stdout
     assert snap_id in inspect and "CRIU 4." in inspect and "dump" in inspect
     assert snap_id in daemon.cli("ls", check=True).stdout
+    op_id = daemon.cli("restore", "tbl", "--detach", check=True).stdout.strip()
+    assert op_id.startswith("op-")
+    waited = daemon.cli("wait", op_id, check=True).stdout
+    assert f"{op_id} succeeded: restored as PID " in waited
+    workloads.adopt(int(waited.split("restored as PID ")[1].split()[0]))
     assert daemon.cli("rm", "tbl", check=True).stdout.strip() == snap_id
-    assert json.loads(daemon.cli("-o", "json", "ls", check=True).stdout) == []
+    assert json.loads(daemon.cli("ls", "-o", "json", check=True).stdout) == [], "-o after the command works too"
 
 
 def test_a_restored_tree_can_be_checkpointed_again(daemon: DaemonProc, workloads: Workloads) -> None:
