@@ -79,7 +79,7 @@ def main() -> int:
         "gib": args.gib,
         "data_ok": ok,
         **res,
-        **{k.replace("_s", "_gb_per_s"): gb / v for k, v in res.items() if k.endswith("_s") and k != "host_register_s"},
+        **{k.removesuffix("_s") + "_gb_per_s": gb / v for k, v in res.items() if k.endswith("_s") and k != "host_register_s"},
     }
     print(json.dumps(out, indent=2))
     Path(args.out).mkdir(parents=True, exist_ok=True)
