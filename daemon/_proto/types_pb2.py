@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gpusnap/v1/types.proto\x12\ngpusnap.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x87\x01\n\x0cProcessFacts\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0c\n\x04\x63omm\x18\x02 \x01(\t\x12\x0f\n\x07\x63mdline\x18\x03 \x03(\t\x12\x0b\n\x03uid\x18\x04 \x01(\r\x12\x0b\n\x03gid\x18\x05 \x01(\r\x12\x11\n\ttree_pids\x18\x06 \x03(\x05\x12\x11\n\trss_bytes\x18\x07 \x01(\x04\x12\x0b\n\x03\x63wd\x18\x08 \x01(\t\"\xcf\x01\n\tHostFacts\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x0e\n\x06kernel\x18\x02 \x01(\t\x12\x0f\n\x07machine\x18\x03 \x01(\t\x12\x14\n\x0c\x63riu_version\x18\x04 \x01(\t\x12\x17\n\x0fgpusnap_version\x18\x05 \x01(\t\x12\x11\n\tcpu_model\x18\x06 \x01(\t\x12\x11\n\tcpu_flags\x18\x07 \x03(\t\x12\x1d\n\x15nvidia_driver_version\x18\x08 \x01(\t\x12\x1b\n\x13\x63uda_driver_version\x18\t \x01(\t\"=\n\tImageFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"E\n\x0bPhaseTiming\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x18\n\x10\x64uration_seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"a\n\nGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x11\n\tgpu_uuids\x18\x02 \x03(\t\x12\x18\n\x10gpu_memory_bytes\x18\x03 \x01(\x04\x12\x19\n\x11visible_gpu_uuids\x18\x04 \x03(\t\"\xdd\x01\n\x07GpuInfo\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\x12\x19\n\x11memory_free_bytes\x18\x05 \x01(\x04\x12\x18\n\x10persistence_mode\x18\x06 \x01(\x08\x12\x10\n\x08mig_mode\x18\x07 \x01(\x08\x12\x30\n\tprocesses\x18\x08 \x03(\x0b\x32\x1d.gpusnap.v1.GpuComputeProcess\x12\x12\n\npci_bus_id\x18\t \x01(\t\";\n\x11GpuComputeProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x19\n\x11used_memory_bytes\x18\x02 \x01(\x04\"\x89\x01\n\nWorkerInfo\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x10\n\x08wake_dir\x18\x03 \x01(\t\x12\x15\n\rcanary_tokens\x18\x04 \x01(\t\x12\x13\n\x0b\x63ontrol_dir\x18\x05 \x01(\t\x12\x0b\n\x03uid\x18\x06 \x01(\r\x12\x0b\n\x03pid\x18\x07 \x01(\x05\"\xe8\x03\n\x08Snapshot\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12+\n\x07\x63reated\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x06labels\x18\x04 \x03(\x0b\x32 .gpusnap.v1.Snapshot.LabelsEntry\x12(\n\x06source\x18\x05 \x01(\x0b\x32\x18.gpusnap.v1.ProcessFacts\x12#\n\x04host\x18\x06 \x01(\x0b\x32\x15.gpusnap.v1.HostFacts\x12$\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x15.gpusnap.v1.ImageFile\x12\x12\n\nsize_bytes\x18\x08 \x01(\x04\x12\'\n\x06phases\x18\t \x03(\x0b\x32\x17.gpusnap.v1.PhaseTiming\x12\x11\n\towner_uid\x18\n \x01(\r\x12\x18\n\x10manifest_version\x18\x0b \x01(\x05\x12-\n\rgpu_processes\x18\x0c \x03(\x0b\x32\x16.gpusnap.v1.GpuProcess\x12&\n\x06worker\x18\r \x01(\x0b\x32\x16.gpusnap.v1.WorkerInfo\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gpusnap/v1/types.proto\x12\ngpusnap.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9a\x01\n\x0cProcessFacts\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0c\n\x04\x63omm\x18\x02 \x01(\t\x12\x0f\n\x07\x63mdline\x18\x03 \x03(\t\x12\x0b\n\x03uid\x18\x04 \x01(\r\x12\x0b\n\x03gid\x18\x05 \x01(\r\x12\x11\n\ttree_pids\x18\x06 \x03(\x05\x12\x11\n\trss_bytes\x18\x07 \x01(\x04\x12\x0b\n\x03\x63wd\x18\x08 \x01(\t\x12\x11\n\tlistening\x18\t \x03(\t\"\xcf\x01\n\tHostFacts\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x0e\n\x06kernel\x18\x02 \x01(\t\x12\x0f\n\x07machine\x18\x03 \x01(\t\x12\x14\n\x0c\x63riu_version\x18\x04 \x01(\t\x12\x17\n\x0fgpusnap_version\x18\x05 \x01(\t\x12\x11\n\tcpu_model\x18\x06 \x01(\t\x12\x11\n\tcpu_flags\x18\x07 \x03(\t\x12\x1d\n\x15nvidia_driver_version\x18\x08 \x01(\t\x12\x1b\n\x13\x63uda_driver_version\x18\t \x01(\t\"=\n\tImageFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"E\n\x0bPhaseTiming\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x18\n\x10\x64uration_seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"a\n\nGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x11\n\tgpu_uuids\x18\x02 \x03(\t\x12\x18\n\x10gpu_memory_bytes\x18\x03 \x01(\x04\x12\x19\n\x11visible_gpu_uuids\x18\x04 \x03(\t\"\xdd\x01\n\x07GpuInfo\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\x12\x19\n\x11memory_free_bytes\x18\x05 \x01(\x04\x12\x18\n\x10persistence_mode\x18\x06 \x01(\x08\x12\x10\n\x08mig_mode\x18\x07 \x01(\x08\x12\x30\n\tprocesses\x18\x08 \x03(\x0b\x32\x1d.gpusnap.v1.GpuComputeProcess\x12\x12\n\npci_bus_id\x18\t \x01(\t\";\n\x11GpuComputeProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x19\n\x11used_memory_bytes\x18\x02 \x01(\x04\"\x89\x01\n\nWorkerInfo\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x10\n\x08wake_dir\x18\x03 \x01(\t\x12\x15\n\rcanary_tokens\x18\x04 \x01(\t\x12\x13\n\x0b\x63ontrol_dir\x18\x05 \x01(\t\x12\x0b\n\x03uid\x18\x06 \x01(\r\x12\x0b\n\x03pid\x18\x07 \x01(\x05\"\xe8\x03\n\x08Snapshot\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12+\n\x07\x63reated\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x06labels\x18\x04 \x03(\x0b\x32 .gpusnap.v1.Snapshot.LabelsEntry\x12(\n\x06source\x18\x05 \x01(\x0b\x32\x18.gpusnap.v1.ProcessFacts\x12#\n\x04host\x18\x06 \x01(\x0b\x32\x15.gpusnap.v1.HostFacts\x12$\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x15.gpusnap.v1.ImageFile\x12\x12\n\nsize_bytes\x18\x08 \x01(\x04\x12\'\n\x06phases\x18\t \x03(\x0b\x32\x17.gpusnap.v1.PhaseTiming\x12\x11\n\towner_uid\x18\n \x01(\r\x12\x18\n\x10manifest_version\x18\x0b \x01(\x05\x12-\n\rgpu_processes\x18\x0c \x03(\x0b\x32\x16.gpusnap.v1.GpuProcess\x12&\n\x06worker\x18\r \x01(\x0b\x32\x16.gpusnap.v1.WorkerInfo\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SNAPSHOT_LABELSENTRY']._loaded_options = None
   _globals['_SNAPSHOT_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_PROCESSFACTS']._serialized_start=72
-  _globals['_PROCESSFACTS']._serialized_end=207
-  _globals['_HOSTFACTS']._serialized_start=210
-  _globals['_HOSTFACTS']._serialized_end=417
-  _globals['_IMAGEFILE']._serialized_start=419
-  _globals['_IMAGEFILE']._serialized_end=480
-  _globals['_PHASETIMING']._serialized_start=482
-  _globals['_PHASETIMING']._serialized_end=551
-  _globals['_GPUPROCESS']._serialized_start=553
-  _globals['_GPUPROCESS']._serialized_end=650
-  _globals['_GPUINFO']._serialized_start=653
-  _globals['_GPUINFO']._serialized_end=874
-  _globals['_GPUCOMPUTEPROCESS']._serialized_start=876
-  _globals['_GPUCOMPUTEPROCESS']._serialized_end=935
-  _globals['_WORKERINFO']._serialized_start=938
-  _globals['_WORKERINFO']._serialized_end=1075
-  _globals['_SNAPSHOT']._serialized_start=1078
-  _globals['_SNAPSHOT']._serialized_end=1566
-  _globals['_SNAPSHOT_LABELSENTRY']._serialized_start=1521
-  _globals['_SNAPSHOT_LABELSENTRY']._serialized_end=1566
+  _globals['_PROCESSFACTS']._serialized_end=226
+  _globals['_HOSTFACTS']._serialized_start=229
+  _globals['_HOSTFACTS']._serialized_end=436
+  _globals['_IMAGEFILE']._serialized_start=438
+  _globals['_IMAGEFILE']._serialized_end=499
+  _globals['_PHASETIMING']._serialized_start=501
+  _globals['_PHASETIMING']._serialized_end=570
+  _globals['_GPUPROCESS']._serialized_start=572
+  _globals['_GPUPROCESS']._serialized_end=669
+  _globals['_GPUINFO']._serialized_start=672
+  _globals['_GPUINFO']._serialized_end=893
+  _globals['_GPUCOMPUTEPROCESS']._serialized_start=895
+  _globals['_GPUCOMPUTEPROCESS']._serialized_end=954
+  _globals['_WORKERINFO']._serialized_start=957
+  _globals['_WORKERINFO']._serialized_end=1094
+  _globals['_SNAPSHOT']._serialized_start=1097
+  _globals['_SNAPSHOT']._serialized_end=1585
+  _globals['_SNAPSHOT_LABELSENTRY']._serialized_start=1540
+  _globals['_SNAPSHOT_LABELSENTRY']._serialized_end=1585
 # @@protoc_insertion_point(module_scope)

@@ -33,6 +33,7 @@ class ProcessFacts(_message.Message):
     TREE_PIDS_FIELD_NUMBER: _builtins.int
     RSS_BYTES_FIELD_NUMBER: _builtins.int
     CWD_FIELD_NUMBER: _builtins.int
+    LISTENING_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     """root of the tree, as seen by the daemon (host PID namespace)"""
     comm: _builtins.str
@@ -51,6 +52,10 @@ class ProcessFacts(_message.Message):
     def tree_pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """every PID of the tree, root first"""
 
+    @_builtins.property
+    def listening(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """TCP addresses ("ip:port") the tree listens on"""
+
     def __init__(
         self,
         *,
@@ -62,10 +67,11 @@ class ProcessFacts(_message.Message):
         tree_pids: _abc.Iterable[_builtins.int] | None = ...,
         rss_bytes: _builtins.int = ...,
         cwd: _builtins.str = ...,
+        listening: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cmdline", b"cmdline", "comm", b"comm", "cwd", b"cwd", "gid", b"gid", "pid", b"pid", "rss_bytes", b"rss_bytes", "tree_pids", b"tree_pids", "uid", b"uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cmdline", b"cmdline", "comm", b"comm", "cwd", b"cwd", "gid", b"gid", "listening", b"listening", "pid", b"pid", "rss_bytes", b"rss_bytes", "tree_pids", b"tree_pids", "uid", b"uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

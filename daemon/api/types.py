@@ -27,6 +27,8 @@ class ProcessFacts:
     rss_bytes: int
     """Resident memory of the whole tree, bytes."""
     cwd: str
+    listening: tuple[str, ...] = ()
+    """TCP addresses the tree listens on, ``"ip:port"``; a restore on the host network needs them free."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,7 +61,8 @@ def facts(pid: int) -> ProcessFacts:
         except psutil.NoSuchProcess:
             continue
     return ProcessFacts(
-        pid=pid, comm=comm, cmdline=cmdline, uid=uids.real, gid=gids.real, tree_pids=tuple(pids), rss_bytes=rss, cwd=cwd
+        pid=pid, comm=comm, cmdline=cmdline, uid=uids.real, gid=gids.real, tree_pids=tuple(pids), rss_bytes=rss, cwd=cwd,
+        listening=tuple(listening_addresses(pids)),
     )
 
 
@@ -141,6 +142,32 @@ def established_tcp(pids: list[int]) -> list[str]:
             if c.status == psutil.CONN_ESTABLISHED and c.raddr:
                 out.append(f"{p}: {c.laddr.ip}:{c.laddr.port} -> {c.raddr.ip}:{c.raddr.port}")
     return out
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """TCP addresses ``"ip:port"`` that ``pids`` listen on, sorted."""
+    out: set[str] = set()
+    for p in pids:
+        try:
+            conns = psutil.Process(p).net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        out.update(f"{c.laddr.ip}:{c.laddr.port}" for c in conns if c.status == psutil.CONN_LISTEN)
+    return sorted(out)
+
+
+def ports_in_use(addresses: list[str]) -> list[str]:
+    """Those of ``addresses`` (``"ip:port"``) on whose port something listens on this host now."""
+    wanted = {int(a.rsplit(":", 1)[1]): a for a in addresses}
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except psutil.AccessDenied:
+        return []
+    busy = set()
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in wanted:
+            busy.add(wanted[c.laddr.port])
+    return sorted(busy)
 
 
 def alive(pid: int) -> bool:

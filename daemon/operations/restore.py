@@ -73,6 +73,14 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                 "drop --env/--unset-env/--set",
                 reason="CONTEXT_UNEXPECTED",
             )
+        if not opts.private_network:
+            busy = proc.ports_in_use(list(snapshot.source.listening))
+            if busy:
+                raise FailedPreconditionError(
+                    f"the tree listened on {', '.join(busy)}, where something listens now (its source, or another "
+                    "restored copy); restore it with --private-net, or stop what holds the port",
+                    reason="ADDRESS_IN_USE",
+                )
         gpu_map = _resolve_gpu_map(deps, snapshot, opts)
     with run.phase("verify") as progress:
         deps.store.verify(snapshot)

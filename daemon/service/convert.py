@@ -123,6 +123,7 @@ def snapshot(s: Snapshot) -> types_pb2.Snapshot:
             tree_pids=list(src.tree_pids),
             rss_bytes=src.rss_bytes,
             cwd=src.cwd,
+            listening=list(src.listening),
         ),
         host=host(s.host),
         files=[types_pb2.ImageFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in s.files],

@@ -97,6 +97,7 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
                 tree_pids=tuple(int(p) for p in source["tree_pids"]),
                 rss_bytes=int(source["rss_bytes"]),
                 cwd=str(source["cwd"]),
+                listening=tuple(source.get("listening", ())),
             ),
             host=HostFacts(**{**host, "cpu_flags": tuple(host["cpu_flags"])}),
             files=tuple(ImageFile(**f) for f in doc["files"]),

@@ -58,3 +58,16 @@ def test_private_net_refused_with_host_pidns(daemon: DaemonProc, tmp_path: Path)
         assert res.returncode == 2 and "--private-net" in res.stderr
     finally:
         kill_tree(proc.pid)
+
+
+def test_restore_onto_a_taken_port_is_refused(daemon: DaemonProc, workloads: object) -> None:
+    from tests.conftest import Workloads
+
+    assert isinstance(workloads, Workloads)
+    w = workloads.start("--mem-mb", "2", "--no-child")
+    snap = json.loads(daemon.cli("-o", "json", "dump", str(w.pid), "--leave-running", check=True).stdout)["id"]
+    port = w.read("port")
+    res = daemon.cli("restore", snap)
+    assert res.returncode == 4 and f":{port}" in res.stderr and "--private-net" in res.stderr, res.stderr
+    restored = json.loads(daemon.cli("-o", "json", "restore", snap, "--private-net", check=True).stdout)
+    workloads.adopt(restored["pid"])
