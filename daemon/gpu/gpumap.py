@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from gpusnap.daemon.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from gpusnap.daemon.api.types import GpuProcess
 from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid
 from gpusnap.daemon.drivers.nvml import GpuDevice
 
@@ -310,6 +311,36 @@ def complete_bijection(
             out[src] = vacated.pop(0)
             taken.add(out[src])
     return out
+
+
+def memory_needed(processes: Sequence[GpuProcess]) -> dict[str, int]:
+    """Bytes of device memory the processes held per GPU UUID (a process's bytes split evenly over its GPUs)."""
+    need: dict[str, int] = {}
+    for g in processes:
+        for uuid in g.gpu_uuids:
+            need[uuid] = need.get(uuid, 0) + g.gpu_memory_bytes // max(1, len(g.gpu_uuids))
+    return need
+
+
+def resolve_for_processes(
+    requested: Mapping[str, str], processes: Sequence[GpuProcess], gpus: Sequence[GpuDevice]
+) -> tuple[dict[str, str], dict[str, int]]:
+    """Where the GPUs of checkpointed ``processes`` go on this node, and the memory each needs.
+
+    :func:`resolve_gpu_map` over the GPUs they held, completed by :func:`complete_bijection` over every GPU
+    they could see.
+
+    Returns:
+        ``(old → new map, bytes needed per old GPU UUID)``.
+
+    Raises:
+        As :func:`resolve_gpu_map` and :func:`complete_bijection`.
+    """
+    need = memory_needed(processes)
+    uuids = list(dict.fromkeys(u for g in processes for u in g.gpu_uuids))
+    resolved = resolve_gpu_map(requested, uuids, gpus, required_free_bytes=need) if uuids or requested else {}
+    visible = [u for g in processes for u in g.visible_gpu_uuids]
+    return complete_bijection(resolved, visible, gpus), need
 
 
 def pairs_for_process(gpu_map: Mapping[str, str], visible_uuids: Sequence[str]) -> dict[str, str]:

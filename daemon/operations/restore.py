@@ -157,14 +157,7 @@ def _resolve_gpu_map(deps: Deps, snapshot: Snapshot, opts: RestoreOptions) -> di
         return None
     deps.gpu.require(f"restoring snapshot {snapshot.id} (it holds GPU state)")
     gpus = deps.gpu.gpus()
-    need: dict[str, int] = {}
-    for g in snapshot.gpu_processes:
-        for uuid in g.gpu_uuids:
-            need[uuid] = need.get(uuid, 0) + g.gpu_memory_bytes // max(1, len(g.gpu_uuids))
-    uuids = list(dict.fromkeys(u for g in snapshot.gpu_processes for u in g.gpu_uuids))
-    resolved = gpumap.resolve_gpu_map(opts.gpu_map, uuids, gpus, required_free_bytes=need)
-    visible = [u for g in snapshot.gpu_processes for u in g.visible_gpu_uuids]
-    resolved = gpumap.complete_bijection(resolved, visible, gpus)
+    resolved, need = gpumap.resolve_for_processes(opts.gpu_map, snapshot.gpu_processes, gpus)
     driver, _ = deps.gpu.driver_versions()
     preflight.check_restore(
         preflight.RestoreFacts(

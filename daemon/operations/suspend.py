@@ -76,14 +76,7 @@ def run_resume(run: PhaseRunner, deps: Deps, pid: int, requested_map: Mapping[st
                 metadata={"pid": str(pid)},
             )
         tree = known or GpuTree(cuda_pids=tuple(suspended), processes=())
-        need: dict[str, int] = {}
-        for g in tree.processes:
-            for uuid in g.gpu_uuids:
-                need[uuid] = need.get(uuid, 0) + g.gpu_memory_bytes // max(1, len(g.gpu_uuids))
-        gpus = deps.gpu.gpus()
-        gpu_map = gpumap.resolve_gpu_map(requested_map, tree.uuids, gpus, required_free_bytes=need) if tree.uuids else {}
-        visible = [u for g in tree.processes for u in g.visible_gpu_uuids]
-        gpu_map = gpumap.complete_bijection(gpu_map, visible, gpus)
+        gpu_map, _ = gpumap.resolve_for_processes(requested_map, tree.processes, deps.gpu.gpus())
     ctl = deps.gpu.controller(tree.gpu_bytes)
     with run.phase("gpu-restore") as progress:
         visible_of = {g.pid: g.visible_gpu_uuids for g in tree.processes}
