@@ -10,7 +10,9 @@ The agent dials gpusnapd's agent socket (``GPUSNAP_AGENT_SOCKET``, default ``/ru
 from a background thread and keeps retrying while the daemon is away. After answering ``Quiesce`` it
 closes the connection, so the captured image holds no socket to the daemon, and waits for its wake file
 (``<wake dir>/<instance id>``); the daemon creates it once the worker may run on (in a restored copy, or
-in the source after a failed capture). Then it reconnects and waits for ``Resume``. The worker survives
+in the source after a failed capture). Then it reconnects and waits for ``Resume``. Buffers the adapter
+names (:meth:`EngineAdapter.buffers`) leave memory between quiesce and resume: see
+``gpusnap.adapters.buffers`` and ``agent.proto``. The worker survives
 being frozen at any instant: between commands the agent only sleeps or blocks in ``recv``.
 """
 
@@ -28,7 +30,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpusnap.adapters import wire
+from gpusnap.adapters import buffers, wire
 from gpusnap.adapters._proto import agent_pb2
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
 
@@ -73,6 +75,9 @@ class WorkerAgent:
         self._own_loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="gpusnap-agent", daemon=True)
         self._attached = threading.Event()
+        self._buffers: dict[str, buffers.Buffer] = {}
+        self._out: set[str] = set()
+        """Names of the buffers written out and freed, until reloaded."""
 
     def start(self) -> WorkerAgent:
         """Start the agent's thread; returns ``self``."""
@@ -136,7 +141,7 @@ class WorkerAgent:
 
     def _serve(self, sock: socket.socket) -> None:
         while not self._stop.is_set():
-            msg = wire.recv(sock, agent_pb2.DaemonMessage())
+            msg, fds = wire.recv_with_fds(sock, agent_pb2.DaemonMessage())
             kind = msg.WhichOneof("command")
             start = time.monotonic()
             result = agent_pb2.CommandResult(command_id=msg.command_id, ok=True)
@@ -146,7 +151,11 @@ class WorkerAgent:
                 elif kind == "health":
                     result.details["tokens"] = _tokens(self._call(self.adapter.health()))
                 elif kind == "quiesce":
-                    self._quiesce()
+                    result.buffers.extend(self._quiesce())
+                elif kind == "offload":
+                    self._offload(list(msg.offload.names), fds, last=msg.offload.last)
+                elif kind == "reload":
+                    self._reload(list(msg.reload.names), fds)
                 elif kind == "resume":
                     result.details["tokens"] = _tokens(self._resume(msg.resume))
                 else:
@@ -154,22 +163,57 @@ class WorkerAgent:
             except Exception as exc:  # reported to the daemon, never fatal to the worker
                 result.ok = False
                 result.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                for fd in fds:
+                    os.close(fd)
             result.duration_seconds = time.monotonic() - start
             wire.send(sock, agent_pb2.AgentMessage(result=result))
-            if kind == "quiesce" and result.ok:
+            if result.ok and ((kind == "quiesce" and not result.buffers) or (kind == "offload" and msg.offload.last)):
                 return  # close the channel before the dump
 
-    def _quiesce(self) -> None:
+    def _quiesce(self) -> list[agent_pb2.BufferInfo]:
         try:
             self._call(self.adapter.quiesce())
+            named = self.adapter.buffers()
+            self._buffers = {b.name: b for b in buffers.collect(named)} if named else {}
         except Exception:
             self._call(self.adapter.resume(None))  # a failed quiesce leaves the worker serving
             raise
         # Quiesced from here on, even if the answer never reaches the daemon (it timed out): the worker
         # then waits for its wake file, and the daemon's rollback resumes it.
         self.quiesced = True
+        return [agent_pb2.BufferInfo(name=b.name, size_bytes=b.nbytes) for b in self._buffers.values()]
+
+    def _check(self, names: list[str], fds: list[int]) -> None:
+        if len(names) != len(fds):
+            raise ValueError(f"{len(names)} buffer names but {len(fds)} descriptors")
+        unknown = [n for n in names if n not in self._buffers]
+        if unknown:
+            raise ValueError(f"unknown buffers {unknown[:3]}")
+
+    def _offload(self, names: list[str], fds: list[int], *, last: bool) -> None:
+        self._check(names, fds)
+        out = [n for n in names if n in self._out]
+        if out:
+            raise ValueError(f"buffers {out[:3]} are out already")
+        picked = [self._buffers[n] for n in names]
+        buffers.write(picked, fds)
+        buffers.free(picked)  # only once every buffer of the batch is written
+        self._out.update(names)
+        if last:
+            log.info("gpusnap agent: %d buffers (%d bytes) out of memory", len(self._out),
+                     sum(self._buffers[n].nbytes for n in self._out))
+
+    def _reload(self, names: list[str], fds: list[int]) -> None:
+        """Read back the named buffers that are out (a rollback may name some that never left)."""
+        self._check(names, fds)
+        wanted = [(self._buffers[n], fd) for n, fd in zip(names, fds, strict=True) if n in self._out]
+        buffers.read([b for b, _ in wanted], [fd for _, fd in wanted])
+        self._out.difference_update(names)
 
     def _resume(self, msg: agent_pb2.Resume) -> list[int]:
+        if self._out:
+            raise RuntimeError(f"{len(self._out)} buffers were not reloaded (e.g. {sorted(self._out)[0]!r})")
         context = None
         if msg.restored:
             context = RestoreContext(env=dict(msg.context.env), unset_env=list(msg.context.unset_env),

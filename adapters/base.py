@@ -11,6 +11,9 @@ event loop, one at a time:
 - ``resume(context)``: undo ``quiesce`` (``context`` is ``None`` when a failed capture rolls back, a
   :class:`RestoreContext` in a restored copy).
 - ``health()``: the canary generation again; its token ids must equal ``warm_up``'s.
+
+Optionally, ``buffers()`` names large tensors (weights) to keep out of the image: after ``quiesce`` the
+agent writes them to the daemon's buffer store and frees them, and reads them back before ``resume``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import abc
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +66,14 @@ class EngineAdapter(abc.ABC):
     @abc.abstractmethod
     async def resume(self, context: RestoreContext | None) -> None:
         """Undo :meth:`quiesce`; ``context`` is set in a restored copy."""
+
+    def buffers(self) -> Mapping[str, Any]:
+        """Tensors (name → ``torch.Tensor``) to keep out of the image while quiesced; default none.
+
+        Called after :meth:`quiesce`. Their storages are freed and later refilled in place (same tensor
+        objects, new device addresses): leave out anything a captured CUDA graph reads.
+        """
+        return {}
 
     async def health(self) -> list[int]:
         """The canary generation; by default the warm-up request again."""

@@ -3,13 +3,21 @@
 The worker names its warm-up (a deterministic request returning token ids), and optionally how to
 quiesce and resume. Defaults: quiesce = ``torch.cuda.synchronize()`` + ``torch.cuda.empty_cache()``
 (cached but unused blocks are not captured), resume = nothing to do.
+
+``buffers`` names the tensors to keep out of the image, typically the weights::
+
+    TorchAdapter(warm_up, buffers=lambda: dict(model.named_parameters()))
+
+They are written to gpusnapd's buffer store at capture and read back on resume through pinned memory,
+which restores an 8B model's weights far faster than CRIU and the CUDA checkpoint carry them
+(``docs/performance.md``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
@@ -39,6 +47,8 @@ class TorchAdapter(EngineAdapter):
         health: ``() -> list[int]``; default ``warm_up``.
         lock: an asyncio lock the worker's own loop holds while generating, so quiesce waits for the
             current step (optional).
+        buffers: ``() -> Mapping[str, torch.Tensor]``: tensors kept out of the image while quiesced
+            (see :meth:`EngineAdapter.buffers`); default none.
     """
 
     engine = "torch"
@@ -51,6 +61,7 @@ class TorchAdapter(EngineAdapter):
         resume: Hook | None = None,
         health: Callable[[], list[int] | Awaitable[list[int]]] | None = None,
         lock: asyncio.Lock | None = None,
+        buffers: Callable[[], Mapping[str, Any]] | None = None,
     ):
         self._warm_up = warm_up
         self._quiesce = quiesce or _default_quiesce
@@ -58,6 +69,7 @@ class TorchAdapter(EngineAdapter):
         self._health = health or warm_up
         self._lock = lock
         self._held = False
+        self._buffers = buffers
 
     async def warm_up(self) -> list[int]:
         return list(await _maybe_await(self._warm_up()))
@@ -74,6 +86,9 @@ class TorchAdapter(EngineAdapter):
         if self._held and self._lock is not None:
             self._lock.release()
             self._held = False
+
+    def buffers(self) -> Mapping[str, Any]:
+        return dict(self._buffers()) if self._buffers is not None else {}
 
     async def health(self) -> list[int]:
         return list(await _maybe_await(self._health()))

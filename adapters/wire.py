@@ -5,8 +5,10 @@ Shared by the agent (inside workers) and the daemon; see ``proto/gpusnap/v1/agen
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+from collections.abc import Sequence
 from typing import TypeVar
 
 from google.protobuf.message import Message
@@ -15,38 +17,71 @@ M = TypeVar("M", bound=Message)
 
 MAX_FRAME = 16 << 20
 PROTOCOL_VERSION = 1
+MAX_FDS = 200
+"""Descriptors per frame (the kernel's SCM_MAX_FD is 253)."""
 
 
 class ChannelClosed(ConnectionError):
     """The peer closed the channel (or sent a malformed frame)."""
 
 
-def send(sock: socket.socket, message: Message) -> None:
-    """Write one framed message."""
+def send(sock: socket.socket, message: Message, fds: Sequence[int] = ()) -> None:
+    """Write one framed message; ``fds`` (at most ``MAX_FDS``) travel with its first byte (SCM_RIGHTS)."""
+    if len(fds) > MAX_FDS:
+        raise ValueError(f"{len(fds)} descriptors in one frame; at most {MAX_FDS}")
     data = message.SerializeToString()
-    sock.sendall(struct.pack(">I", len(data)) + data)
+    frame = struct.pack(">I", len(data)) + data
+    if not fds:
+        sock.sendall(frame)
+        return
+    sent = socket.send_fds(sock, [frame], list(fds))
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
 
 
 def recv(sock: socket.socket, message: M) -> M:
-    """Read one framed message into ``message`` and return it.
+    """Read one framed message into ``message`` and return it; descriptors sent with it are closed.
 
     Raises:
         ChannelClosed: end of stream, an oversized frame or bytes that do not parse.
     """
-    (size,) = struct.unpack(">I", _read_exactly(sock, 4))
-    if size > MAX_FRAME:
-        raise ChannelClosed(f"frame of {size} bytes exceeds {MAX_FRAME}")
-    try:
-        message.ParseFromString(_read_exactly(sock, size))
-    except Exception as exc:  # protobuf's DecodeError and friends
-        raise ChannelClosed(f"malformed frame: {exc}") from exc
+    message, fds = recv_with_fds(sock, message)
+    for fd in fds:
+        os.close(fd)
     return message
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
+def recv_with_fds(sock: socket.socket, message: M) -> tuple[M, list[int]]:
+    """Read one framed message into ``message``; returns it and the descriptors that came with it (the
+    caller owns them, opened close-on-exec).
+
+    Raises:
+        ChannelClosed: end of stream, an oversized frame or bytes that do not parse.
+    """
+    fds: list[int] = []
+    try:
+        (size,) = struct.unpack(">I", _read_exactly(sock, 4, fds))
+        if size > MAX_FRAME:
+            raise ChannelClosed(f"frame of {size} bytes exceeds {MAX_FRAME}")
+        body = _read_exactly(sock, size, fds)
+        try:
+            message.ParseFromString(body)
+        except Exception as exc:  # protobuf's DecodeError and friends
+            raise ChannelClosed(f"malformed frame: {exc}") from exc
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return message, fds
+
+
+def _read_exactly(sock: socket.socket, n: int, fds: list[int]) -> bytes:
     buf = bytearray()
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+        chunk, received, flags, _ = socket.recv_fds(sock, n - len(buf), MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+        fds.extend(received)
+        if flags & socket.MSG_CTRUNC:
+            raise ChannelClosed(f"more than {MAX_FDS} descriptors in one frame")
         if not chunk:
             raise ChannelClosed("peer closed the channel")
         buf += chunk

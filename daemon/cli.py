@@ -217,18 +217,23 @@ def _phase_summary(op: operations_pb2.Operation) -> str:
 @click.option("--control-dir", default="", metavar="DIR",
               help="worker follows Dynamo Snapshot's control-directory contract: wait for DIR/ready-for-snapshot")
 @click.option("--no-quiesce", is_flag=True, help="capture as is, without the worker agent's warm-up and quiesce")
+@click.option("--no-offload", is_flag=True,
+              help="keep the buffers the worker's agent names (weights) in the images, not in the buffer store")
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
 def dump(obj: Ctx, pid: int, name: str, labels: tuple[str, ...], leave_running: bool, tcp: str,
-         timeout: float | None, gpu_lock_timeout: float | None, control_dir: str, no_quiesce: bool, detach: bool) -> None:
+         timeout: float | None, gpu_lock_timeout: float | None, control_dir: str, no_quiesce: bool, no_offload: bool,
+         detach: bool) -> None:
     """Checkpoint the process tree rooted at PID into a new snapshot; prints its id.
 
-    With a gpusnap worker agent attached, the worker is warmed up and quiesced first.
+    With a gpusnap worker agent attached, the worker is warmed up and quiesced first, and the buffers
+    its adapter names (weights) go to the buffer store, once per content, instead of the images.
     """
     with obj.client() as client:
         op = _run(lambda: client.checkpoint(pid, name=name, labels=_labels(labels), leave_running=leave_running,
                                             tcp=tcp, timeout_s=timeout, gpu_lock_timeout_s=gpu_lock_timeout,
-                                            control_dir=control_dir, quiesce=not no_quiesce))
+                                            control_dir=control_dir, quiesce=not no_quiesce,
+                                            offload=not no_offload))
         if detach:
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
@@ -236,10 +241,11 @@ def dump(obj: Ctx, pid: int, name: str, labels: tuple[str, ...], leave_running: 
     snap = done.snapshot
     if obj.output == "json":
         click.echo(json.dumps({"id": snap.id, "name": snap.name, "operation": done.id, "size_bytes": snap.size_bytes,
-                               "phases": {p.phase: p.duration_seconds for p in done.phases}}, indent=2))
+                               "buffer_bytes": snap.buffer_bytes, "phases": {p.phase: p.duration_seconds for p in done.phases}}, indent=2))
     else:
         click.echo(snap.id)
-        err_console.print(f"snapshot {snap.id} ({_size(snap.size_bytes)}): {_phase_summary(done)}", highlight=False)
+        held = f" + {_size(snap.buffer_bytes)} of buffers" if snap.buffer_bytes else ""
+        err_console.print(f"snapshot {snap.id} ({_size(snap.size_bytes)}{held}): {_phase_summary(done)}", highlight=False)
 
 
 def _gpu_map(value: str) -> dict[str, str]:
@@ -359,7 +365,8 @@ def inspect(obj: Ctx, snapshot: str) -> None:
     rows = [
         ("id", snap.id), ("name", snap.name or "-"),
         ("created", snap.created.ToDatetime(tzinfo=UTC).astimezone().isoformat(timespec="seconds")),
-        ("size", f"{_size(snap.size_bytes)} in {len(snap.files)} files"),
+        ("size", f"{_size(snap.size_bytes)} in {len(snap.files)} files"
+                 + (f" + {_size(snap.buffer_bytes)} in {len(snap.buffers)} buffers" if snap.buffers else "")),
         ("source", f"PID {snap.source.pid} ({snap.source.comm}), {len(snap.source.tree_pids)} processes, "
                    f"uid {snap.source.uid}, RSS {_size(snap.source.rss_bytes)}"),
         ("command", " ".join(snap.source.cmdline)),

@@ -100,6 +100,7 @@ class DaemonClient:
         gpu_lock_timeout_s: float | None = None,
         control_dir: str = "",
         quiesce: bool = True,
+        offload: bool = True,
     ) -> operations_pb2.Operation:
         """Start a checkpoint of the tree rooted at ``pid``; returns the running operation."""
         req = operations_pb2.CheckpointRequest(
@@ -112,6 +113,7 @@ class DaemonClient:
             gpu_lock_timeout=_duration(gpu_lock_timeout_s),
             control_dir=control_dir,
             no_quiesce=not quiesce,
+            no_offload=not offload,
         )
         return self._call(self._ops.Checkpoint, req).operation
 

@@ -23,6 +23,9 @@ class DaemonConfig:
     """Unix socket of the gRPC API (mode 0660, group ``socket_group``)."""
     store: Path = DEFAULT_STORE
     """Snapshot store directory."""
+    buffer_dir: str = ""
+    """Buffer store (workers' named buffers, e.g. weights, shared by snapshots); empty = ``<store>/buffers``.
+    A tmpfs here is a RAM tier: restores read weights from memory, but they do not survive a reboot."""
     socket_group: str = "gpusnap"
     """Group that may use the socket; ignored when it does not exist."""
     listen: str = ""

@@ -23,6 +23,7 @@ EXIT_PRECONDITION = 3
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--socket", type=click.Path(path_type=Path), help="API Unix socket [/run/gpusnap/gpusnapd.sock]")
 @click.option("--store", type=click.Path(path_type=Path), help="snapshot store directory [/var/lib/gpusnap]")
+@click.option("--buffer-dir", help="buffer store for workers' weights, e.g. on tmpfs [<store>/buffers]")
 @click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="TOML config file")
 @click.option("--listen", help="also serve on TCP host:port (TLS only; set tls_cert/tls_key)")
 @click.option("--criu", "criu_binary", help="criu executable [criu on PATH]")

@@ -65,7 +65,7 @@ def build_daemon(config: DaemonConfig) -> Running:
     config.validate()
     criu = CriuDriver(config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs")
     criu_version = criu.require_supported()
-    store = SnapshotStore(config.store)
+    store = SnapshotStore(config.store, Path(config.buffer_dir) if config.buffer_dir else None)
     store.open()
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
     agents = AgentRegistry(config.agent_socket)

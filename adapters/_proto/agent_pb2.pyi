@@ -121,6 +121,7 @@ class CommandResult(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     DETAILS_FIELD_NUMBER: _builtins.int
     DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    BUFFERS_FIELD_NUMBER: _builtins.int
     command_id: _builtins.int
     ok: _builtins.bool
     error: _builtins.str
@@ -130,6 +131,10 @@ class CommandResult(_message.Message):
     def details(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """e.g. {"tokens": "[1, 7]"} for a canary"""
 
+    @_builtins.property
+    def buffers(self) -> _containers.RepeatedCompositeFieldContainer[Global___BufferInfo]:
+        """Quiesce: buffers the worker can keep out of the image, largest first"""
+
     def __init__(
         self,
         *,
@@ -138,14 +143,38 @@ class CommandResult(_message.Message):
         error: _builtins.str = ...,
         details: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         duration_seconds: _builtins.float = ...,
+        buffers: _abc.Iterable[Global___BufferInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "details", b"details", "duration_seconds", b"duration_seconds", "error", b"error", "ok", b"ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffers", b"buffers", "command_id", b"command_id", "details", b"details", "duration_seconds", b"duration_seconds", "error", b"error", "ok", b"ok"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommandResult: _TypeAlias = CommandResult  # noqa: Y015
+
+@_typing.final
+class BufferInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """unique within the worker"""
+    size_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BufferInfo: _TypeAlias = BufferInfo  # noqa: Y015
 
 @_typing.final
 class AgentMessage(_message.Message):
@@ -327,6 +356,54 @@ class Health(_message.Message):
 Global___Health: _TypeAlias = Health  # noqa: Y015
 
 @_typing.final
+class Offload(_message.Message):
+    """Write the named buffers to the attached descriptors (read-write, one per name) and free them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMES_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    last: _builtins.bool
+    """close the connection after answering"""
+    @_builtins.property
+    def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        names: _abc.Iterable[_builtins.str] | None = ...,
+        last: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last", b"last", "names", b"names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Offload: _TypeAlias = Offload  # noqa: Y015
+
+@_typing.final
+class Reload(_message.Message):
+    """Allocate the named buffers again and fill them from the attached descriptors (read-only, one per name)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        names: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["names", b"names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Reload: _TypeAlias = Reload  # noqa: Y015
+
+@_typing.final
 class DaemonMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -335,6 +412,8 @@ class DaemonMessage(_message.Message):
     QUIESCE_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
+    OFFLOAD_FIELD_NUMBER: _builtins.int
+    RELOAD_FIELD_NUMBER: _builtins.int
     command_id: _builtins.int
     @_builtins.property
     def warm_up(self) -> Global___WarmUp: ...
@@ -344,6 +423,10 @@ class DaemonMessage(_message.Message):
     def resume(self) -> Global___Resume: ...
     @_builtins.property
     def health(self) -> Global___Health: ...
+    @_builtins.property
+    def offload(self) -> Global___Offload: ...
+    @_builtins.property
+    def reload(self) -> Global___Reload: ...
     def __init__(
         self,
         *,
@@ -352,12 +435,14 @@ class DaemonMessage(_message.Message):
         quiesce: Global___Quiesce | None = ...,
         resume: Global___Resume | None = ...,
         health: Global___Health | None = ...,
+        offload: Global___Offload | None = ...,
+        reload: Global___Reload | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "health", b"health", "quiesce", b"quiesce", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "health", b"health", "offload", b"offload", "quiesce", b"quiesce", "reload", b"reload", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "command_id", b"command_id", "health", b"health", "quiesce", b"quiesce", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "command_id", b"command_id", "health", b"health", "offload", b"offload", "quiesce", b"quiesce", "reload", b"reload", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["warm_up", "quiesce", "resume", "health"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["warm_up", "quiesce", "resume", "health", "offload", "reload"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 

@@ -373,6 +373,7 @@ class CheckpointRequest(_message.Message):
     GPU_LOCK_TIMEOUT_FIELD_NUMBER: _builtins.int
     CONTROL_DIR_FIELD_NUMBER: _builtins.int
     NO_QUIESCE_FIELD_NUMBER: _builtins.int
+    NO_OFFLOAD_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     """root of the process tree to capture (host PID)"""
     name: _builtins.str
@@ -384,6 +385,8 @@ class CheckpointRequest(_message.Message):
     """Worker following Dynamo Snapshot's control-directory contract: wait for <control_dir>/ready-for-snapshot."""
     no_quiesce: _builtins.bool
     """Capture without warm-up and quiesce even when a worker agent is attached."""
+    no_offload: _builtins.bool
+    """Keep the worker's named buffers (weights) inside the images instead of the buffer store."""
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
@@ -406,10 +409,11 @@ class CheckpointRequest(_message.Message):
         gpu_lock_timeout: _duration_pb2.Duration | None = ...,
         control_dir: _builtins.str = ...,
         no_quiesce: _builtins.bool = ...,
+        no_offload: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpu_lock_timeout", b"gpu_lock_timeout", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_dir", b"control_dir", "gpu_lock_timeout", b"gpu_lock_timeout", "labels", b"labels", "leave_running", b"leave_running", "name", b"name", "no_quiesce", b"no_quiesce", "pid", b"pid", "tcp", b"tcp", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_dir", b"control_dir", "gpu_lock_timeout", b"gpu_lock_timeout", "labels", b"labels", "leave_running", b"leave_running", "name", b"name", "no_offload", b"no_offload", "no_quiesce", b"no_quiesce", "pid", b"pid", "tcp", b"tcp", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

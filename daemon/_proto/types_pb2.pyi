@@ -375,6 +375,8 @@ class Snapshot(_message.Message):
     MANIFEST_VERSION_FIELD_NUMBER: _builtins.int
     GPU_PROCESSES_FIELD_NUMBER: _builtins.int
     WORKER_FIELD_NUMBER: _builtins.int
+    BUFFERS_FIELD_NUMBER: _builtins.int
+    BUFFER_BYTES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"snap-" + 26 lowercase base32 characters"""
     name: _builtins.str
@@ -384,6 +386,8 @@ class Snapshot(_message.Message):
     owner_uid: _builtins.int
     """uid of the caller that took it"""
     manifest_version: _builtins.int
+    buffer_bytes: _builtins.int
+    """sum of buffers[].size_bytes (blobs may be shared with other snapshots)"""
     @_builtins.property
     def created(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -402,6 +406,10 @@ class Snapshot(_message.Message):
     def worker(self) -> Global___WorkerInfo:
         """unset for a plain process tree"""
 
+    @_builtins.property
+    def buffers(self) -> _containers.RepeatedCompositeFieldContainer[Global___BufferRef]:
+        """the worker's named buffers, kept in the buffer store"""
+
     def __init__(
         self,
         *,
@@ -418,11 +426,41 @@ class Snapshot(_message.Message):
         manifest_version: _builtins.int = ...,
         gpu_processes: _abc.Iterable[Global___GpuProcess] | None = ...,
         worker: Global___WorkerInfo | None = ...,
+        buffers: _abc.Iterable[Global___BufferRef] | None = ...,
+        buffer_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "host", b"host", "source", b"source", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "files", b"files", "gpu_processes", b"gpu_processes", "host", b"host", "id", b"id", "labels", b"labels", "manifest_version", b"manifest_version", "name", b"name", "owner_uid", b"owner_uid", "phases", b"phases", "size_bytes", b"size_bytes", "source", b"source", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "created", b"created", "files", b"files", "gpu_processes", b"gpu_processes", "host", b"host", "id", b"id", "labels", b"labels", "manifest_version", b"manifest_version", "name", b"name", "owner_uid", b"owner_uid", "phases", b"phases", "size_bytes", b"size_bytes", "source", b"source", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Snapshot: _TypeAlias = Snapshot  # noqa: Y015
+
+@_typing.final
+class BufferRef(_message.Message):
+    """A worker's named buffer (e.g. weights) kept outside the images, as a content-addressed blob."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    size_bytes: _builtins.int
+    sha256: _builtins.str
+    """digest (same scheme as ImageFile.sha256) and the blob's name"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BufferRef: _TypeAlias = BufferRef  # noqa: Y015

@@ -77,6 +77,16 @@ class GpuProcess:
 
 
 @dataclasses.dataclass(frozen=True)
+class BufferRef:
+    """A worker's named buffer kept outside the images: a blob of the buffer store, by digest."""
+
+    name: str
+    size_bytes: int
+    sha256: str
+    """Digest of the blob (``checksum.DIGEST_ALGORITHM``), which is also its name in the buffer store."""
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkerInfo:
     """How a snapshot's worker cooperates: a gpusnap agent, or the control-directory contract."""
 
@@ -109,11 +119,18 @@ class Snapshot:
     owner_uid: int
     gpu_processes: tuple[GpuProcess, ...] = ()
     worker: WorkerInfo | None = None
+    buffers: tuple[BufferRef, ...] = ()
+    """The worker's named buffers (weights), in the buffer store; reloaded into the worker on restore."""
 
     @property
     def size_bytes(self) -> int:
-        """Sum of the image files' sizes, bytes."""
+        """Sum of the image files' sizes, bytes (the buffers are counted in :attr:`buffer_bytes`)."""
         return sum(f.size_bytes for f in self.files)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Sum of the buffers' sizes, bytes (blobs may be shared with other snapshots)."""
+        return sum(b.size_bytes for b in self.buffers)
 
 
 class TcpMode(enum.Enum):
@@ -139,6 +156,8 @@ class CheckpointOptions:
     """Follow the control-directory contract: wait for ``ready-for-snapshot`` there before capturing."""
     quiesce: bool = True
     """Warm up and quiesce the worker through its agent when one is attached."""
+    offload: bool = True
+    """Keep the buffers the worker's agent names (weights) out of the images, in the buffer store."""
 
 
 @dataclasses.dataclass(frozen=True)

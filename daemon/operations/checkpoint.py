@@ -1,9 +1,13 @@
 """Checkpoint: capture a live process tree into a new snapshot.
 
-Phases: ``preflight`` → [``warm-up`` → ``quiesce`` with a worker agent, or ``wait-ready`` with a
-control directory] → [``gpu-lock`` → ``gpu-checkpoint``] → ``dump`` (CRIU freezes the tree and
+Phases: ``preflight`` → [``warm-up`` → ``quiesce`` → ``offload`` with a worker agent, or ``wait-ready``
+with a control directory] → [``gpu-lock`` → ``gpu-checkpoint``] → ``dump`` (CRIU freezes the tree and
 writes images) → ``checksum`` → ``publish`` → ``finish`` (CRIU kills the source, or resumes it with
 ``leave_running``) → [``gpu-resume`` with ``leave_running``].
+
+``offload`` moves the buffers the worker's agent names (its weights) into the buffer store and frees
+them, so neither the CUDA checkpoint nor CRIU carries them; their digests are computed while the GPU
+checkpoint and the dump run, and ``publish`` commits them (content-addressed: stored once).
 
 The GPU phases follow the CUDA driver's order (lock all → checkpoint all → CRIU dump; NVIDIA
 cuda-checkpoint README, and Dynamo Snapshot's agent): once checkpointed, a CUDA process holds no
@@ -65,7 +69,8 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             deps.gpu.check_capture(gpu_tree, facts.tree_pids)
 
     run.on_failure("resume-source", lambda: _resume_source(list(facts.tree_pids)))
-    worker = orchestrate.prepare_capture(run, deps, opts, facts.tree_pids, owner_uid)
+    capture = orchestrate.prepare_capture(run, deps, opts, facts.tree_pids, owner_uid)
+    worker = capture.worker
     if worker and gpu_tree:
         gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))  # the quiesced worker released memory
     ctl = None
@@ -91,6 +96,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             with run.phase("checksum") as progress:
                 files = image_files(staging.images)
                 progress.bytes = sum(f.size_bytes for f in files)
+                buffers = tuple(capture.staged.commit()) if capture.staged else ()
             with run.phase("publish"):
                 snapshot = Snapshot(
                     id=staging.snapshot_id,
@@ -104,6 +110,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                     owner_uid=owner_uid,
                     gpu_processes=gpu_tree.processes if gpu_tree else (),
                     worker=worker,
+                    buffers=buffers,
                 )
                 deps.store.publish(staging, snapshot)
             published.append(snapshot)
@@ -132,7 +139,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             ctl.rollback_to_running(gpu_tree.cuda_pids).raise_for_problems()
     run.drop_undo("gpu-rollback")
     run.drop_undo("resume-worker")
-    orchestrate.finish_capture(deps, opts, worker, owner_uid)
+    orchestrate.finish_capture(deps, opts, capture, owner_uid)
     run.drop_undo("unpublish")
     return published[0]
 

@@ -1,12 +1,14 @@
 """Restore: bring a snapshot back as a new process tree.
 
-Phases: ``preflight`` (snapshot readable, caller allowed, host compatible, GPU map resolved and GPU
-preconditions met) → ``verify`` (image sizes and sha256) → ``restore`` (CRIU, by default into a fresh PID
+Phases: ``preflight`` (snapshot readable, caller allowed, host compatible, buffers present, GPU map
+resolved and GPU preconditions met) → ``verify`` (image sizes and digests; the buffers' digests are
+checked in the background, overlapped with the next phases) → ``restore`` (CRIU, by default into a fresh PID
 namespace) → [``gpu-restore`` (``cuCheckpointProcessRestore``, with ``gpuPairs`` when remapping) →
 ``gpu-unlock``] → ``validate`` (every restored process exists and runs, every CUDA process is RUNNING:
 CRIU's success alone is not trusted, see checkpoint-restore/criu#2525 and #2993) → [``resume-worker``:
 the worker's agent resumes it with the restore context and its canary must give the capture-time
-tokens; or ``restore-complete`` in its control directory]. A failure releases the
+tokens, after ``reload-buffers`` hands it its buffers once their digests are confirmed; or
+``restore-complete`` in its control directory]. A failure releases the
 GPUs of whatever was restored, kills it (in that order: cuda-checkpoint#53) and keeps the snapshot.
 """
 
@@ -81,10 +83,17 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                     "restored copy); restore it with --private-net, or stop what holds the port",
                     reason="ADDRESS_IN_USE",
                 )
+        deps.store.buffers.check_present(snapshot.id, snapshot.buffers)
         gpu_map = _resolve_gpu_map(deps, snapshot, opts)
     with run.phase("verify") as progress:
+        buffers_checked = deps.store.buffers.start_verify(snapshot.buffers) if snapshot.buffers else None
         deps.store.verify(snapshot)
         progress.bytes = snapshot.size_bytes
+
+    def buffers_verified() -> None:
+        if buffers_checked is not None:
+            deps.store.raise_damaged(snapshot, buffers_checked.result())
+
     with run.phase("restore") as progress:
         orchestrate.before_restore(snapshot)
         shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
@@ -133,7 +142,7 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                 f"see restore-{run.record.id}.log in the snapshot directory",
                 reason="RESTORE_INCOMPLETE",
             )
-    orchestrate.resume_restored(run, deps, snapshot, opts, pids)
+    orchestrate.resume_restored(run, deps, snapshot, opts, pids, buffers_verified)
     return RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid)
 
 

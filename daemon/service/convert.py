@@ -20,6 +20,7 @@ from gpusnap.daemon.api.types import (
 )
 from gpusnap.daemon.api.errors import InvalidArgumentError
 from gpusnap.daemon.core import NodeInfo
+from gpusnap.daemon.store import manifest
 from gpusnap.daemon.operations.base import EventType, OperationEvent, OperationKind, OperationRecord, OperationState
 from gpusnap.daemon.service.errors import to_status_proto
 
@@ -73,6 +74,7 @@ def checkpoint_options(req: operations_pb2.CheckpointRequest) -> CheckpointOptio
         gpu_lock_timeout_s=seconds("gpu_lock_timeout", req.gpu_lock_timeout) if req.HasField("gpu_lock_timeout") else None,
         control_dir=req.control_dir,
         quiesce=not req.no_quiesce,
+        offload=not req.no_offload,
     )
 
 
@@ -128,9 +130,11 @@ def snapshot(s: Snapshot) -> types_pb2.Snapshot:
         host=host(s.host),
         files=[types_pb2.ImageFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in s.files],
         size_bytes=s.size_bytes,
+        buffers=[types_pb2.BufferRef(name=b.name, size_bytes=b.size_bytes, sha256=b.sha256) for b in s.buffers],
+        buffer_bytes=s.buffer_bytes,
         phases=[phase(p) for p in s.phases],
         owner_uid=s.owner_uid,
-        manifest_version=1,
+        manifest_version=manifest.MANIFEST_VERSION,
         gpu_processes=[gpu_process(g) for g in s.gpu_processes],
         worker=types_pb2.WorkerInfo(**dataclasses.asdict(s.worker)) if s.worker else None,
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,55 +28,59 @@ def _workers() -> int:
     return max(2, os.cpu_count() or 2)
 
 
-def _chunk_digests(path: Path, pool: ThreadPoolExecutor) -> list[bytes]:
-    size = path.stat().st_size
-    if size == 0:
-        return []
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        view = memoryview(mm)
-        try:
-            futures = [pool.submit(lambda o: hashlib.sha256(view[o : o + CHUNK_BYTES]).digest(), off)
-                       for off in range(0, size, CHUNK_BYTES)]
-            return [f.result() for f in futures]
-        finally:
-            view.release()
+def _hash_chunk(path: Path, offset: int) -> bytes:
+    with open(path, "rb") as fh:
+        size = min(CHUNK_BYTES, os.fstat(fh.fileno()).st_size - offset)
+        if size <= 0:
+            return hashlib.sha256().digest()
+        with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ, offset=offset) as mm:
+            return hashlib.sha256(mm).digest()
 
 
 def _combine(chunks: list[bytes]) -> str:
     return hashlib.sha256(f"{CHUNK_BYTES}:".encode() + b"".join(chunks)).hexdigest()
 
 
+def file_digests(paths: Sequence[Path], pool: ThreadPoolExecutor | None = None) -> list[str]:
+    """The ``DIGEST_ALGORITHM`` digests of ``paths`` (lowercase hex), every chunk of every file in
+    parallel on ``pool`` (default: a pool with one thread per core)."""
+    if pool is None:
+        with ThreadPoolExecutor(max_workers=_workers()) as own:
+            return file_digests(paths, own)
+    jobs = [[pool.submit(_hash_chunk, p, off) for off in range(0, p.stat().st_size, CHUNK_BYTES)] for p in paths]
+    return [_combine([f.result() for f in chunks]) for chunks in jobs]
+
+
 def file_digest(path: Path, pool: ThreadPoolExecutor | None = None) -> str:
     """The ``DIGEST_ALGORITHM`` digest of ``path`` (lowercase hex)."""
-    if pool is not None:
-        return _combine(_chunk_digests(path, pool))
-    with ThreadPoolExecutor(max_workers=_workers()) as own:
-        return _combine(_chunk_digests(path, own))
+    return file_digests([path], pool)[0]
 
 
 def image_files(images_dir: Path) -> tuple[ImageFile, ...]:
     """Describe every regular file under ``images_dir`` (sorted by path) with size and digest."""
     paths = sorted(p for p in images_dir.rglob("*") if p.is_file() and not p.is_symlink())
-    with ThreadPoolExecutor(max_workers=_workers()) as pool:
-        return tuple(
-            ImageFile(path=str(p.relative_to(images_dir)), size_bytes=p.stat().st_size, sha256=file_digest(p, pool))
-            for p in paths
-        )
+    digests = file_digests(paths)
+    return tuple(
+        ImageFile(path=str(p.relative_to(images_dir)), size_bytes=p.stat().st_size, sha256=d)
+        for p, d in zip(paths, digests, strict=True)
+    )
 
 
 def mismatches(images_dir: Path, files: Iterable[ImageFile]) -> list[str]:
     """Return one line per file that is missing, of the wrong size or with the wrong digest."""
     out = []
-    with ThreadPoolExecutor(max_workers=_workers()) as pool:
-        for f in files:
-            path = images_dir / f.path
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                out.append(f"{f.path}: missing")
-                continue
-            if size != f.size_bytes:
-                out.append(f"{f.path}: {size} bytes, expected {f.size_bytes}")
-            elif file_digest(path, pool) != f.sha256:
-                out.append(f"{f.path}: checksum mismatch")
+    sized = []
+    for f in files:
+        path = images_dir / f.path
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            out.append(f"{f.path}: missing")
+            continue
+        if size != f.size_bytes:
+            out.append(f"{f.path}: {size} bytes, expected {f.size_bytes}")
+        else:
+            sized.append(f)
+    digests = file_digests([images_dir / f.path for f in sized])
+    out.extend(f"{f.path}: checksum mismatch" for f, d in zip(sized, digests, strict=True) if d != f.sha256)
     return out

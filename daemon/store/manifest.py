@@ -1,8 +1,8 @@
 """A snapshot's manifest: versioned JSON written beside its images.
 
-Schema (``manifest_version`` 1)::
+Schema (``manifest_version`` 2; version 1 lacks ``buffers`` and is still read)::
 
-    {"manifest_version": 1, "id": "snap-…", "name": "", "created": "2026-11-29T19:40:00+00:00",
+    {"manifest_version": 2, "id": "snap-…", "name": "", "created": "2026-11-29T19:40:00+00:00",
      "labels": {}, "owner_uid": 0,
      "source": {pid, comm, cmdline, uid, gid, tree_pids, rss_bytes, cwd},
      "host": {hostname, kernel, machine, criu_version, gpusnap_version, cpu_model, cpu_flags,
@@ -10,7 +10,12 @@ Schema (``manifest_version`` 1)::
      "digest_algorithm": "sha256-list-16MiB",
      "files": [{"path": "pages-1.img", "size_bytes": 4096, "sha256": "…"}],
      "phases": [{"phase": "dump", "duration_seconds": 1.2, "bytes": 0}],
-     "gpu_processes": [{"pid": 1234, "gpu_uuids": ["GPU-…"], "gpu_memory_bytes": 0}]}
+     "gpu_processes": [{"pid": 1234, "gpu_uuids": ["GPU-…"], "gpu_memory_bytes": 0}],
+     "worker": {…} or null,
+     "buffers": [{"name": "model.embed_tokens.weight", "size_bytes": 1050673152, "sha256": "…"}]}
+
+``buffers`` name blobs of the buffer store (``gpusnap.daemon.store.buffers``) by digest. A daemon that
+does not know version 2 would restore such a snapshot without its weights, so the version was raised.
 
 ``files[].sha256`` is computed with ``digest_algorithm`` (see ``gpusnap.daemon.store.checksum``).
 Readers refuse versions and digest algorithms they do not know instead of guessing.
@@ -28,6 +33,7 @@ from typing import Any
 from gpusnap.daemon.api.errors import DataLossError
 from gpusnap.daemon.store.checksum import DIGEST_ALGORITHM
 from gpusnap.daemon.api.types import (
+    BufferRef,
     GpuProcess,
     HostFacts,
     ImageFile,
@@ -37,7 +43,8 @@ from gpusnap.daemon.api.types import (
     WorkerInfo,
 )
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 
 
@@ -57,6 +64,7 @@ def to_json(snapshot: Snapshot) -> dict[str, Any]:
         "phases": [_fields(p) for p in snapshot.phases],
         "gpu_processes": [_fields(g) for g in snapshot.gpu_processes],
         "worker": _fields(snapshot.worker) if snapshot.worker else None,
+        "buffers": [_fields(b) for b in snapshot.buffers],
     }
 
 
@@ -67,9 +75,9 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
         DataLossError: unknown version or malformed document (reason ``MANIFEST_CORRUPT``).
     """
     version = doc.get("manifest_version")
-    if version != MANIFEST_VERSION:
+    if version not in READABLE_VERSIONS:
         raise DataLossError(
-            f"manifest version {version!r} is not supported by this gpusnap (knows {MANIFEST_VERSION}); "
+            f"manifest version {version!r} is not supported by this gpusnap (knows {', '.join(map(str, READABLE_VERSIONS))}); "
             "upgrade gpusnap or delete the snapshot",
             reason="MANIFEST_VERSION",
         )
@@ -112,6 +120,8 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
                 for g in doc.get("gpu_processes", [])
             ),
             worker=WorkerInfo(**doc["worker"]) if doc.get("worker") else None,
+            buffers=tuple(BufferRef(name=str(b["name"]), size_bytes=int(b["size_bytes"]), sha256=str(b["sha256"]))
+                          for b in doc.get("buffers", [])),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DataLossError(f"manifest is malformed ({type(exc).__name__}: {exc})", reason="MANIFEST_CORRUPT") from exc

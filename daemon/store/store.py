@@ -7,6 +7,8 @@ Layout under the store root (mode 0700: images hold process memory)::
     snapshots/<id>/criu-*.log        CRIU logs of the dump and of restores
     staging/<id>/…                   work in progress; removed at start and on failure
     logs/                            CRIU logs of failed dumps (the last 50)
+    buffers/                         workers' named buffers, shared by snapshots (``buffers.BufferStore``;
+                                     may live elsewhere)
     .lock                            flock: one daemon per store
 
 A snapshot becomes visible by one ``rename(2)`` of its staging directory into ``snapshots/``
@@ -22,7 +24,7 @@ import fcntl
 import os
 import shutil
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from gpusnap.daemon.api import validate
 from gpusnap.daemon.api.errors import AlreadyExistsError, DataLossError, FailedPreconditionError, NotFoundError
 from gpusnap.daemon.api.types import Snapshot
 from gpusnap.daemon.store import checksum, manifest
+from gpusnap.daemon.store.buffers import BufferStore
 
 log = structlog.get_logger(__name__)
 
@@ -60,10 +63,12 @@ class SnapshotStore:
 
     Args:
         root: store directory; created (mode 0700) if missing.
+        buffer_dir: the buffer store's directory (default ``root/buffers``).
     """
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, buffer_dir: Path | None = None):
         self.root = root
+        self.buffers = BufferStore(buffer_dir or root / "buffers")
         self.snapshots_dir = root / "snapshots"
         self.staging_dir = root / "staging"
         self._lock = threading.Lock()
@@ -98,6 +103,15 @@ class SnapshotStore:
         for leftover in self.staging_dir.iterdir():
             log.warning("store.staging_removed", path=str(leftover))
             shutil.rmtree(leftover, ignore_errors=True)
+        try:
+            self.buffers.open()
+        except OSError as exc:
+            raise FailedPreconditionError(
+                f"cannot use {self.buffers.root} as the buffer store ({exc.strerror}); give gpusnapd a writable "
+                "--buffer-dir",
+                reason="STORE_UNUSABLE",
+            ) from exc
+        self.collect_buffers()
 
     def close(self) -> None:
         """Release the store lock."""
@@ -189,7 +203,11 @@ class SnapshotStore:
         Raises:
             DataLossError: reason ``IMAGE_CHECKSUM``, naming the damaged files.
         """
-        bad = checksum.mismatches(self.snapshots_dir / snapshot.id / IMAGES, snapshot.files)
+        self.raise_damaged(snapshot, checksum.mismatches(self.snapshots_dir / snapshot.id / IMAGES, snapshot.files))
+
+    @staticmethod
+    def raise_damaged(snapshot: Snapshot, bad: Sequence[str]) -> None:
+        """Raise DataLossError (``IMAGE_CHECKSUM``) naming the damaged files in ``bad``, if any."""
         if bad:
             shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
             raise DataLossError(
@@ -206,15 +224,22 @@ class SnapshotStore:
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
         log.info("store.deleted", snapshot_id=path.name)
+        self.collect_buffers()
         return path.name
+
+    def collect_buffers(self) -> int:
+        """Remove buffer blobs that no listed snapshot references (and no operation has pinned); returns
+        the bytes freed. Damaged manifests keep nothing alive: their snapshots cannot be restored."""
+        referenced = {b.sha256 for s in self.list() for b in s.buffers}
+        return self.buffers.collect_garbage(referenced)
 
     def images_dir(self, snapshot_id: str) -> Path:
         """The images directory of a published snapshot."""
         return self.snapshots_dir / snapshot_id / IMAGES
 
     def used_bytes(self) -> int:
-        """Bytes used by published snapshots."""
-        return sum(p.stat().st_size for p in self.snapshots_dir.rglob("*") if p.is_file())
+        """Bytes used by published snapshots and the buffer store (each blob once)."""
+        return sum(p.stat().st_size for p in self.snapshots_dir.rglob("*") if p.is_file()) + self.buffers.used_bytes()
 
     def check_name_free(self, name: str) -> None:
         """Raise AlreadyExistsError (reason ``NAME_TAKEN``) if ``name`` is used or being written."""

@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import structlog
@@ -52,8 +52,10 @@ class AgentSession:
         self._lock = threading.Lock()
         self.closed = False
 
-    def call(self, message: agent_pb2.DaemonMessage, timeout_s: float, what: str) -> agent_pb2.CommandResult:
-        """Send one command and wait for its result.
+    def call(
+        self, message: agent_pb2.DaemonMessage, timeout_s: float, what: str, fds: Sequence[int] = ()
+    ) -> agent_pb2.CommandResult:
+        """Send one command (with ``fds`` attached, see ``agent.proto``) and wait for its result.
 
         Raises:
             DeadlineExceededError: no answer within ``timeout_s`` (reason ``AGENT_TIMEOUT``).
@@ -64,7 +66,7 @@ class AgentSession:
             message.command_id = next(self._ids)
             self.sock.settimeout(timeout_s)
             try:
-                wire.send(self.sock, message)
+                wire.send(self.sock, message, fds)
                 while True:
                     reply = wire.recv(self.sock, agent_pb2.AgentMessage())
                     if reply.WhichOneof("message") == "result" and reply.result.command_id == message.command_id:
@@ -82,6 +84,9 @@ class AgentSession:
                     f"the {self.info.engine} worker's agent (PID {self.info.pid}) went away during {what}: {exc}",
                     reason="AGENT_LOST",
                 ) from exc
+            finally:
+                if not self.closed:  # blocking again: _peer_open's MSG_DONTWAIT peek must not wait out a timeout
+                    self.sock.settimeout(None)
         result = reply.result
         if not result.ok:
             raise FailedPreconditionError(

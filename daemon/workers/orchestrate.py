@@ -1,14 +1,17 @@
 """Worker cooperation around capture and restore: warm-up, quiesce and resume through the worker's agent,
 or the control-directory contract.
 
-Capture: ``warm-up`` → ``quiesce`` (agent) or ``wait-ready`` (control directory), each undone on failure
-so the source resumes serving. Restore (after CRIU and CUDA are done): ``resume-worker`` wakes the restored
-copy, hands it the restore context and checks that its canary gives the capture-time tokens.
+Capture: ``warm-up`` → ``quiesce`` (agent) → ``offload`` (the buffers the agent names go to the buffer
+store), or ``wait-ready`` (control directory), each undone on failure so the source resumes serving, its
+buffers read back first. Restore (after CRIU and CUDA are done): ``reload-buffers`` then ``resume-worker``
+wakes the restored copy, hands it its buffers and the restore context, and checks that its canary gives the
+capture-time tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import dataclasses
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from gpusnap.adapters._proto import agent_pb2
@@ -17,13 +20,28 @@ from gpusnap.daemon.api.types import CheckpointOptions, RestoreOptions, Snapshot
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
-from gpusnap.daemon.workers import controldir
+from gpusnap.daemon.store.buffers import StagedBuffers
+from gpusnap.daemon.workers import controldir, offload
 from gpusnap.daemon.workers.agents import AgentRegistry, AgentSession
+
+
+@dataclasses.dataclass
+class Capture:
+    """What :func:`prepare_capture` did: the worker's description, and its buffers staged in the buffer
+    store (to be committed at publish, and closed with :meth:`close` when the capture ends)."""
+
+    worker: WorkerInfo | None = None
+    staged: StagedBuffers | None = None
+
+    def close(self) -> None:
+        if self.staged is not None:
+            self.staged.close()
+            self.staged = None
 
 
 def prepare_capture(
     run: PhaseRunner, deps: Deps, opts: CheckpointOptions, tree_pids: Collection[int], owner_uid: int
-) -> WorkerInfo | None:
+) -> Capture:
     """Bring the worker to a capturable state; registers the undo that makes it serve again."""
     cfg = deps.config
     if opts.control_dir:
@@ -32,10 +50,10 @@ def prepare_capture(
             controldir.clear(cdir, owner_uid, controldir.RESTORE_COMPLETE, controldir.SNAPSHOT_COMPLETE)
             controldir.wait_ready(cdir, min(cfg.ready_timeout, opts.timeout_s or cfg.ready_timeout), lambda: proc.alive(opts.pid))
         run.on_failure("resume-worker", lambda: controldir.signal_file(cdir, owner_uid, controldir.RESTORE_COMPLETE))
-        return WorkerInfo(control_dir=str(cdir))
+        return Capture(WorkerInfo(control_dir=str(cdir)))
     session = deps.agents.find(tree_pids)
     if session is None:
-        return None
+        return Capture()
     if not opts.quiesce:
         raise FailedPreconditionError(
             f"PID {session.info.pid} has a gpusnap worker agent attached, whose connection to gpusnapd cannot be "
@@ -50,31 +68,47 @@ def prepare_capture(
     # for its wake file, so the undo can always bring it back. A quiesce the agent answered with a failure
     # was already undone by the agent itself (it resumed its engine), so there is nothing to resume.
     refused: list[bool] = []
+    capture = Capture()
 
     def undo() -> None:
-        if not refused:
-            resume_source(deps, info.pid, info.instance_id, info.wake_dir, info.uid)
+        try:
+            if not refused:
+                resume_source(deps, info.pid, info.instance_id, info.wake_dir, info.uid, capture.staged)
+        finally:
+            capture.close()
 
     run.on_failure("resume-worker", undo)
     with run.phase("quiesce"):
         try:
-            session.call(agent_pb2.DaemonMessage(quiesce=agent_pb2.Quiesce()), cfg.quiesce_timeout, "quiesce")
+            quiesced = session.call(agent_pb2.DaemonMessage(quiesce=agent_pb2.Quiesce()), cfg.quiesce_timeout, "quiesce")
         except FailedPreconditionError as exc:
             if exc.reason == "AGENT_COMMAND_FAILED":
                 refused.append(True)
             raise
-    return WorkerInfo(engine=info.engine, instance_id=info.instance_id, wake_dir=info.wake_dir,
-                      canary_tokens=warm.details.get("tokens", ""), uid=info.uid, pid=info.pid)
+    if quiesced.buffers and opts.offload:
+        with run.phase("offload") as progress:
+            capture.staged = offload.offload(session, deps.store.buffers, quiesced.buffers, cfg.quiesce_timeout)
+            progress.bytes = capture.staged.total_bytes
+    elif quiesced.buffers:
+        offload.finish_quiesce(session, cfg.quiesce_timeout)
+    capture.worker = WorkerInfo(engine=info.engine, instance_id=info.instance_id, wake_dir=info.wake_dir,
+                                canary_tokens=warm.details.get("tokens", ""), uid=info.uid, pid=info.pid)
+    return capture
 
 
-def finish_capture(deps: Deps, opts: CheckpointOptions, worker: WorkerInfo | None, owner_uid: int) -> None:
-    """After a successful dump: a source that keeps running (``--leave-running``) serves again."""
-    if not (worker and opts.leave_running):
-        return
-    if worker.control_dir:
-        controldir.signal_file(Path(worker.control_dir), owner_uid, controldir.SNAPSHOT_COMPLETE)
-    elif worker.instance_id:
-        resume_source(deps, worker.pid, worker.instance_id, worker.wake_dir, worker.uid)
+def finish_capture(deps: Deps, opts: CheckpointOptions, capture: Capture, owner_uid: int) -> None:
+    """After a successful dump: a source that keeps running (``--leave-running``) serves again, with its
+    buffers read back; the staged buffers are released either way."""
+    worker = capture.worker
+    try:
+        if not (worker and opts.leave_running):
+            return
+        if worker.control_dir:
+            controldir.signal_file(Path(worker.control_dir), owner_uid, controldir.SNAPSHOT_COMPLETE)
+        elif worker.instance_id:
+            resume_source(deps, worker.pid, worker.instance_id, worker.wake_dir, worker.uid, capture.staged)
+    finally:
+        capture.close()
 
 
 def before_restore(snapshot: Snapshot) -> None:
@@ -84,11 +118,27 @@ def before_restore(snapshot: Snapshot) -> None:
         controldir.clear(Path(worker.control_dir), snapshot.owner_uid, controldir.RESTORE_COMPLETE)
 
 
-def resume_restored(run: PhaseRunner, deps: Deps, snapshot: Snapshot, opts: RestoreOptions, pids: Collection[int]) -> str:
-    """Wake the restored worker, give it the restore context and check its canary; returns its tokens."""
+def resume_restored(
+    run: PhaseRunner,
+    deps: Deps,
+    snapshot: Snapshot,
+    opts: RestoreOptions,
+    pids: Collection[int],
+    buffers_verified: Callable[[], None] = lambda: None,
+) -> str:
+    """Wake the restored worker, hand it its buffers (once ``buffers_verified()`` returns; it raises for
+    damaged ones), give it the restore context and check its canary; returns its tokens."""
     worker = snapshot.worker
     if worker is None:
         return ""
+    if snapshot.buffers:
+        with run.phase("reload-buffers") as progress:
+            AgentRegistry.wake(worker.wake_dir, worker.instance_id, worker.uid)
+            session = deps.agents.wait_for(pids, worker.instance_id, deps.config.resume_timeout)
+            buffers_verified()
+            fds = deps.store.buffers.open_for_read(snapshot.buffers)
+            offload.reload(session, [b.name for b in snapshot.buffers], fds, deps.config.resume_timeout)
+            progress.bytes = snapshot.buffer_bytes
     with run.phase("resume-worker"):
         if worker.control_dir:
             cdir = Path(worker.control_dir)
@@ -114,13 +164,18 @@ def _resume(session: AgentSession, deps: Deps, resume: agent_pb2.Resume) -> agen
     return session.call(agent_pb2.DaemonMessage(resume=resume), deps.config.resume_timeout, "resume")
 
 
-def resume_source(deps: Deps, pid: int, instance_id: str, wake_dir: str, uid: int) -> None:
-    """Wake the source's agent after a quiesce and resume it (a failed capture, or ``--leave-running``)."""
+def resume_source(
+    deps: Deps, pid: int, instance_id: str, wake_dir: str, uid: int, staged: StagedBuffers | None = None
+) -> None:
+    """Wake the source's agent after a quiesce, hand it back the buffers it wrote to ``staged``, and resume
+    it (a failed capture, or ``--leave-running``)."""
     if not proc.alive(pid):
         return
     AgentRegistry.wake(wake_dir, instance_id, uid)
     try:
         session = deps.agents.wait_for([pid], instance_id, deps.config.resume_timeout)
+        if staged is not None:
+            offload.reload(session, staged.names, staged.read_fds(), deps.config.resume_timeout)
         _resume(session, deps, agent_pb2.Resume(restored=False))
     finally:
         AgentRegistry.unwake(wake_dir, instance_id, uid)

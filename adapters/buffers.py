@@ -1,0 +1,211 @@
+"""Named buffers kept out of the process image: write a worker's large tensors to files and back.
+
+A worker names its large, reloadable tensors (weights; see ``TorchAdapter(buffers=...)``). At capture the
+agent writes each tensor's storage to a file descriptor the daemon hands it and frees the memory, so
+neither the CUDA checkpoint nor the CRIU image carries it; after a restore (or a failed capture) it
+allocates the storages again and reads them back. Tensors stay the same Python objects; only their
+storage's device address changes, so buffers that a captured CUDA graph reads must not be named.
+
+Data path (gpusnap measurements on an H200, bench/results/offload-probe-*.json): host↔device copies
+from pageable memory run at about 7 GB/s, from pinned memory at about 54 GB/s. CUDA storages therefore
+go through a ring of pinned bounce buffers: one worker thread per slot reads (``preadv``) or writes
+(``pwritev``) a chunk of the file while other slots' copies run on their own CUDA streams. CPU
+storages are read and written in place. ``preadv``/``pwritev`` and stream waits release the GIL.
+
+Requires torch (imported when used).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import queue
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+CHUNK_BYTES = 64 << 20
+"""Bytes per copy step (one pinned slot)."""
+
+
+def _default_threads() -> int:
+    return max(2, min(12, os.cpu_count() or 2))
+
+
+@dataclasses.dataclass
+class Buffer:
+    """One storage to move: ``name`` (the first tensor name that uses it) and its size in bytes."""
+
+    name: str
+    storage: Any  # torch.UntypedStorage
+    nbytes: int
+
+
+def collect(tensors: Mapping[str, Any]) -> list[Buffer]:
+    """The distinct storages behind ``tensors`` (name → torch.Tensor), largest first.
+
+    Tensors that share a storage (tied weights, views) yield one buffer, named after the first of them.
+    Empty storages are left out.
+
+    Raises:
+        TypeError: a value is not a torch.Tensor.
+    """
+    import torch
+
+    seen: dict[tuple[str, int], Buffer] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"buffer {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        storage = tensor.untyped_storage()
+        key = (str(storage.device), storage.data_ptr())
+        if storage.nbytes() > 0 and key not in seen:
+            seen[key] = Buffer(name, storage, storage.nbytes())
+    return sorted(seen.values(), key=lambda b: -b.nbytes)
+
+
+def _as_bytes(storage: Any) -> Any:
+    """A 1-D uint8 tensor over the whole storage."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    fd: int
+    tensor: Any  # uint8 view of the storage
+    offset: int
+    size: int
+
+
+def _steps(buffers: Sequence[Buffer], fds: Sequence[int]) -> list[_Step]:
+    out: list[_Step] = []
+    for buf, fd in zip(buffers, fds, strict=True):
+        view = _as_bytes(buf.storage)
+        out.extend(_Step(fd, view, off, min(CHUNK_BYTES, buf.nbytes - off)) for off in range(0, buf.nbytes, CHUNK_BYTES))
+    return out
+
+
+def _run_parallel(steps: Iterable[_Step], work: Any, threads: int) -> None:
+    """Run ``work(state, step)`` for every step on ``threads`` threads (``state``: one dict per thread),
+    wait for each thread's CUDA streams, and re-raise the first error."""
+    todo: queue.SimpleQueue[_Step | None] = queue.SimpleQueue()
+    for step in steps:
+        todo.put(step)
+    errors: list[BaseException] = []
+
+    def loop(index: int) -> None:
+        state: dict[str, Any] = {"index": index}
+        while not errors:
+            step = todo.get()
+            if step is None:
+                break
+            try:
+                work(state, step)
+            except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
+                errors.append(exc)
+                break
+        for stream in state.get("streams", {}).values():
+            stream.synchronize()
+
+    pool = [threading.Thread(target=loop, args=(i,), name=f"gpusnap-buffers-{i}", daemon=True) for i in range(threads)]
+    for _ in pool:
+        todo.put(None)
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _memory(tensor: Any) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (``Tensor.numpy()`` would make its storage
+    non-resizable, and resizing is how buffers are freed)."""
+    size = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B")
+
+
+def _full_io(call: Any, fd: int, view: memoryview, offset: int, what: str) -> None:
+    done = 0
+    while done < len(view):
+        n = call(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"{what}: short transfer at offset {offset + done} (file truncated?)")
+        done += n
+
+
+def _slot(state: dict[str, Any], device: Any) -> tuple[Any, Any, memoryview]:
+    """The thread's pinned slot (allocated on first use), its stream on ``device``, and a view of the slot."""
+    import torch
+
+    if "slot" not in state:
+        state["slot"] = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+        state["view"] = _memory(state["slot"])
+        state["streams"] = {}
+    streams = state["streams"]
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device=device)
+    return state["slot"], streams[device], state["view"]
+
+
+def write(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = None) -> None:
+    """Write each buffer's bytes to the matching file descriptor, from offset 0.
+
+    Raises:
+        OSError: a write failed (e.g. ENOSPC); the files' contents are then undefined.
+    """
+    import torch
+
+    def work(state: dict[str, Any], step: _Step) -> None:
+        src = step.tensor[step.offset : step.offset + step.size]
+        if step.tensor.device.type == "cpu":
+            _full_io(os.pwritev, step.fd, _memory(src), step.offset, "write")
+            return
+        slot, stream, view = _slot(state, step.tensor.device)
+        with torch.cuda.stream(stream):
+            slot[: step.size].copy_(src, non_blocking=True)
+        stream.synchronize()
+        _full_io(os.pwritev, step.fd, view[: step.size], step.offset, "write")
+
+    for device in {b.storage.device for b in buffers if b.storage.device.type == "cuda"}:
+        torch.cuda.synchronize(device)  # the engine's last kernels wrote these tensors
+    _run_parallel(_steps(buffers, fds), work, threads or _default_threads())
+
+
+def free(buffers: Sequence[Buffer]) -> None:
+    """Release each buffer's memory (its storage is resized to 0 bytes; tensors stay valid objects)."""
+    import torch
+
+    for buf in buffers:
+        buf.storage.resize_(0)
+    if any(b.storage.device.type == "cuda" for b in buffers):
+        torch.cuda.empty_cache()
+
+
+def read(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = None) -> None:
+    """Allocate each buffer's storage again (``nbytes``) and fill it from the matching descriptor.
+
+    Raises:
+        OSError: a read failed or a file is shorter than its buffer.
+    """
+    import torch
+
+    for buf in buffers:
+        if buf.storage.nbytes() != buf.nbytes:
+            buf.storage.resize_(buf.nbytes)
+
+    def work(state: dict[str, Any], step: _Step) -> None:
+        dst = step.tensor[step.offset : step.offset + step.size]
+        if step.tensor.device.type == "cpu":
+            _full_io(os.preadv, step.fd, _memory(dst), step.offset, "read")
+            return
+        slot, stream, view = _slot(state, step.tensor.device)
+        for pending in state["streams"].values():
+            pending.synchronize()  # the slot's previous copy is done before it is overwritten
+        _full_io(os.preadv, step.fd, view[: step.size], step.offset, "read")
+        with torch.cuda.stream(stream):
+            dst.copy_(slot[: step.size], non_blocking=True)
+
+    _run_parallel(_steps(buffers, fds), work, threads or _default_threads())

@@ -1,0 +1,236 @@
+"""BufferStore: content-addressed files holding workers' named buffers (weights), shared by snapshots.
+
+Layout under its root (default ``<store>/buffers``; ``--buffer-dir`` puts it elsewhere, e.g. on tmpfs
+for a RAM tier; mode 0700)::
+
+    sha256/<digest>     one buffer's bytes, mode 0400, named by its digest (``checksum.DIGEST_ALGORITHM``)
+    incoming/<random>   being written by a worker; removed at start and when its operation ends
+
+A capture stages one file per buffer and hands the worker a read-write descriptor to each (see
+``agent.proto``). The daemon then digests the files itself, never trusting the worker, and commits them:
+a digest already present is kept and the new copy dropped, so identical weights are stored once, however
+many snapshots use them. Blobs no snapshot references are removed by :meth:`BufferStore.collect_garbage`;
+digests of operations still in flight are pinned against that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import shutil
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import structlog
+
+from gpusnap.daemon.api.errors import DataLossError, ResourceExhaustedError
+from gpusnap.daemon.api.types import BufferRef
+from gpusnap.daemon.store import checksum
+
+log = structlog.get_logger(__name__)
+
+
+class StagedBuffers:
+    """Files a worker writes its buffers into, in one capture; owns their descriptors until :meth:`close`.
+
+    The descriptors stay open after :meth:`commit`, so a capture that fails later can still hand the
+    worker its buffers back (:meth:`read_fds`).
+    """
+
+    def __init__(self, store: BufferStore, names: Sequence[str], sizes: Sequence[int]):
+        self.store = store
+        self.names = list(names)
+        self.sizes = list(sizes)
+        self.paths = [store.incoming / f"{secrets.token_hex(8)}" for _ in self.names]
+        self.fds: list[int] = []
+        self._digests: Future[list[str]] | None = None
+        self.refs: list[BufferRef] = []
+        try:
+            for path in self.paths:
+                self.fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        except OSError:
+            self.close()
+            raise
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes)
+
+    def start_digests(self) -> None:
+        """Check sizes and start digesting the written files on the store's pool (see :meth:`commit`).
+
+        Raises:
+            DataLossError: a file's size differs from what the worker announced (``BUFFER_SIZE``).
+        """
+        for name, fd, size in zip(self.names, self.fds, self.sizes, strict=True):
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise DataLossError(
+                    f"the worker wrote {actual} bytes for buffer {name!r}, announced {size}", reason="BUFFER_SIZE"
+                )
+        self._digests = self.store.jobs.submit(checksum.file_digests, self.paths, self.store.pool)
+
+    def commit(self) -> list[BufferRef]:
+        """Wait for the digests and move each file to ``sha256/<digest>`` (or drop it if that exists),
+        fsynced; the digests stay pinned until :meth:`close`. Returns the snapshot's references."""
+        if self._digests is None:
+            self.start_digests()
+        assert self._digests is not None
+        digests = self._digests.result()
+        refs = [BufferRef(name=n, size_bytes=s, sha256=d) for n, s, d in zip(self.names, self.sizes, digests, strict=True)]
+        self.store.pin(digests)
+        self.refs = refs
+        for path, fd, digest in zip(self.paths, self.fds, digests, strict=True):
+            self.store.adopt(path, fd, digest)
+        self.store.fsync_dir()
+        return refs
+
+    def read_fds(self) -> list[int]:
+        """Fresh read-only descriptors of the written files (to hand the buffers back to the worker)."""
+        return [os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC) for fd in self.fds]
+
+    def close(self) -> None:
+        """Close the descriptors, remove what was not committed, and unpin the committed digests."""
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        for path in self.paths:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        self.store.unpin([r.sha256 for r in self.refs])
+
+
+class BufferStore:
+    """Content-addressed buffer files under ``root`` (see the module docstring)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.blobs = root / "sha256"
+        self.incoming = root / "incoming"
+        self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="gpusnap-digest")
+        """Hashes chunks; ``jobs`` waits for them (never the other way round, so neither can starve)."""
+        self.jobs = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpusnap-buffers")
+        self._lock = threading.Lock()
+        self._pins: dict[str, int] = {}
+
+    def open(self) -> None:
+        """Create the layout and remove files left in ``incoming`` by a previous daemon."""
+        for d in (self.root, self.blobs, self.incoming):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        for leftover in self.incoming.iterdir():
+            log.warning("buffers.incoming_removed", path=str(leftover))
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
+    def stage(self, names: Sequence[str], sizes: Sequence[int]) -> StagedBuffers:
+        """Staged files for a capture's buffers, after checking the store has room for them.
+
+        Raises:
+            ResourceExhaustedError: fewer free bytes than the buffers need (``BUFFER_STORE_FULL``).
+        """
+        need = sum(sizes)
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize
+        if need > free:
+            raise ResourceExhaustedError(
+                f"the worker's buffers need {need / 2**30:.1f} GiB but the buffer store {self.root} has "
+                f"{free / 2**30:.1f} GiB free; delete snapshots (`gpusnap rm`), give gpusnapd a larger --buffer-dir, "
+                "or checkpoint without offload (--no-offload)",
+                reason="BUFFER_STORE_FULL",
+            )
+        return StagedBuffers(self, names, sizes)
+
+    def path(self, digest: str) -> Path:
+        return self.blobs / digest
+
+    def adopt(self, path: Path, fd: int, digest: str) -> None:
+        """Make the staged file ``path`` the blob ``digest`` unless that blob exists already."""
+        target = self.path(digest)
+        if target.exists():
+            path.unlink()
+            return
+        os.fsync(fd)
+        os.fchmod(fd, 0o400)
+        os.rename(path, target)
+
+    def fsync_dir(self) -> None:
+        fd = os.open(self.blobs, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def pin(self, digests: Iterable[str]) -> None:
+        """Protect blobs from garbage collection while an operation uses them."""
+        with self._lock:
+            for d in digests:
+                self._pins[d] = self._pins.get(d, 0) + 1
+
+    def unpin(self, digests: Iterable[str]) -> None:
+        with self._lock:
+            for d in digests:
+                left = self._pins.get(d, 0) - 1
+                if left > 0:
+                    self._pins[d] = left
+                else:
+                    self._pins.pop(d, None)
+
+    def check_present(self, snapshot_id: str, refs: Sequence[BufferRef]) -> None:
+        """Raise DataLossError (``BUFFER_MISSING``) if a referenced blob is gone or has the wrong size."""
+        for ref in refs:
+            try:
+                size = self.path(ref.sha256).stat().st_size
+            except FileNotFoundError:
+                size = -1
+            if size != ref.size_bytes:
+                raise DataLossError(
+                    f"snapshot {snapshot_id} needs buffer {ref.name!r} (blob {ref.sha256[:12]}…, {ref.size_bytes} bytes), "
+                    f"which {'is missing from' if size < 0 else 'has the wrong size in'} {self.blobs} (a RAM --buffer-dir "
+                    "lost at reboot?); delete the snapshot and checkpoint again",
+                    reason="BUFFER_MISSING",
+                    metadata={"snapshot": snapshot_id},
+                )
+
+    def open_for_read(self, refs: Sequence[BufferRef]) -> list[int]:
+        """Read-only descriptors of the referenced blobs (the caller closes them)."""
+        fds: list[int] = []
+        try:
+            for ref in refs:
+                fds.append(os.open(self.path(ref.sha256), os.O_RDONLY | os.O_CLOEXEC))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    def start_verify(self, refs: Sequence[BufferRef]) -> Future[list[str]]:
+        """Digest the referenced blobs on the store's pool; the future yields one line per damaged blob."""
+        def run() -> list[str]:
+            digests = checksum.file_digests([self.path(r.sha256) for r in refs], self.pool)
+            return [f"buffer {r.name}: checksum mismatch" for r, d in zip(refs, digests, strict=True) if d != r.sha256]
+
+        return self.jobs.submit(run)
+
+    def collect_garbage(self, referenced: set[str]) -> int:
+        """Remove blobs that neither ``referenced`` nor an in-flight operation names; returns bytes freed."""
+        freed = 0
+        with self._lock:
+            keep = referenced | set(self._pins)
+            for blob in self.blobs.iterdir():
+                if blob.name not in keep:
+                    freed += blob.stat().st_size
+                    blob.unlink()
+        if freed:
+            log.info("buffers.collected", bytes=freed)
+        return freed
+
+    def used_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.blobs.iterdir())

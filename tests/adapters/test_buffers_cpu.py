@@ -1,0 +1,130 @@
+"""Named buffers kept out of the image, end to end with real CRIU: a PyTorch worker on CPU names its
+weights; the capture writes them to the buffer store and frees them, so the image does not hold them; a
+restore reads them back before resume and the worker gives identical tokens. Identical weights are stored
+once; a failed capture and ``--leave-running`` hand the source its weights back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.adapters import torch_venv
+from tests.conftest import DaemonProc, criu_killed, kill_tree, wait_for
+
+WORKER = Path(__file__).resolve().parent / "torch_cpu_worker.py"
+MIB = 256
+WEIGHT_BYTES = MIB << 20
+
+pytestmark = torch_venv.needs_venv
+
+
+class Worker:
+    def __init__(self, daemon: DaemonProc, tmp: Path, name: str, *args: str):
+        self.wd = tmp / name
+        self.wd.mkdir()
+        env = torch_venv.worker_env(daemon, tmp)
+        self.proc: subprocess.Popen[bytes] = torch_venv.start(WORKER, [str(self.wd), "--mib", str(MIB), *args], env,
+                                                              self.wd / "out")
+        wait_for(lambda: (self.wd / "ready").exists() or self.proc.poll() is not None, 120, "worker did not start")
+        assert self.proc.poll() is None, (self.wd / "out").read_text()[-3000:]
+        self.n = 0
+
+    def generate(self) -> dict[str, object]:
+        self.n += 1
+        (self.wd / f"go-{self.n}").write_text("")
+        out = self.wd / f"tokens-{self.n}"
+        wait_for(out.exists, 60, f"worker did not answer request {self.n}")
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+    def events(self) -> list[str]:
+        return (self.wd / "events").read_text().split("\n")[:-1]
+
+
+def _blob_bytes(daemon: DaemonProc) -> int:
+    blobs = daemon.store / "buffers" / "sha256"
+    return sum(p.stat().st_size for p in blobs.iterdir())
+
+
+@pytest.fixture
+def worker(daemon: DaemonProc, tmp_path: Path):  # type: ignore[no-untyped-def]
+    w = Worker(daemon, tmp_path, "w")
+    yield w
+    kill_tree(w.proc.pid)
+
+
+def test_weights_leave_the_image_and_come_back(daemon: DaemonProc, tmp_path: Path, worker: Worker) -> None:
+    before = worker.generate()
+    dumped = json.loads(daemon.cli("-o", "json", "dump", str(worker.proc.pid), "--name", "w", check=True).stdout)
+    assert list(dumped["phases"])[:4] == ["preflight", "warm-up", "quiesce", "offload"]
+    assert dumped["buffer_bytes"] == WEIGHT_BYTES, "the tied view is stored once, with its storage"
+    assert worker.proc.wait(timeout=30) == -9
+    snap = json.loads(daemon.cli("-o", "json", "inspect", "w", check=True).stdout)
+    assert [b["name"] for b in snap["buffers"]] == ["w"]
+    no_offload_image = WEIGHT_BYTES  # at least: the weights themselves are anonymous memory
+    assert dumped["size_bytes"] < no_offload_image, f"image {dumped['size_bytes']} holds the weights"
+    assert _blob_bytes(daemon) == WEIGHT_BYTES
+
+    pids = []
+    try:
+        for _ in range(2):  # two copies from one snapshot, both read the same blob
+            restored = json.loads(daemon.cli("-o", "json", "restore", "w", check=True, timeout=300).stdout)
+            pids.append(restored["pid"])
+            assert list(restored["phases"])[-2:] == ["reload-buffers", "resume-worker"]
+        after = worker.generate()
+        assert after == before, "identical tokens and weights from the restored worker"
+        assert worker.events()[-2:] == [f"resume restored=True resident={WEIGHT_BYTES}", "warm_up"]
+    finally:
+        kill_tree(*pids)
+
+
+def test_identical_weights_are_stored_once(daemon: DaemonProc, tmp_path: Path, worker: Worker) -> None:
+    other = Worker(daemon, tmp_path, "other")  # same seed: same weights
+    third = Worker(daemon, tmp_path, "third", "--seed", "1")
+    try:
+        daemon.cli("dump", str(worker.proc.pid), "--name", "a", check=True)
+        daemon.cli("dump", str(other.proc.pid), "--name", "b", check=True)
+        assert _blob_bytes(daemon) == WEIGHT_BYTES, "the second snapshot added only its CPU state"
+        daemon.cli("dump", str(third.proc.pid), "--name", "c", check=True)
+        assert _blob_bytes(daemon) == 2 * WEIGHT_BYTES
+        daemon.cli("rm", "a", "c", check=True)
+        assert _blob_bytes(daemon) == WEIGHT_BYTES, "b still needs the shared blob; c's went with it"
+        restored = json.loads(daemon.cli("-o", "json", "restore", "b", check=True, timeout=300).stdout)
+        kill_tree(restored["pid"])
+        daemon.cli("rm", "b", check=True)
+        assert _blob_bytes(daemon) == 0
+    finally:
+        kill_tree(other.proc.pid, third.proc.pid)
+
+
+def test_failed_capture_gives_the_source_its_weights_back(daemon: DaemonProc, worker: Worker) -> None:
+    before = worker.generate()
+    with criu_killed(daemon.proc.pid) as killed:
+        res = daemon.cli("dump", str(worker.proc.pid))
+    assert killed and res.returncode != 0, res.stderr
+    assert worker.proc.poll() is None
+    assert worker.events()[-2:] == [f"resume restored=False resident={WEIGHT_BYTES}", "warm_up"]
+    assert worker.generate() == before, "the source serves with its own weights again"
+    assert _blob_bytes(daemon) == 0 and not list((daemon.store / "buffers" / "incoming").iterdir())
+
+
+def test_leave_running_reloads_the_source(daemon: DaemonProc, worker: Worker) -> None:
+    before = worker.generate()
+    daemon.cli("dump", str(worker.proc.pid), "--leave-running", check=True)
+    assert worker.generate() == before
+    assert _blob_bytes(daemon) == WEIGHT_BYTES
+
+
+def test_no_offload_keeps_weights_in_the_image(daemon: DaemonProc, worker: Worker) -> None:
+    before = worker.generate()
+    dumped = json.loads(daemon.cli("-o", "json", "dump", str(worker.proc.pid), "--no-offload", check=True).stdout)
+    assert "offload" not in dumped["phases"] and dumped["buffer_bytes"] == 0
+    assert dumped["size_bytes"] > WEIGHT_BYTES
+    restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=300).stdout)
+    try:
+        assert "reload-buffers" not in restored["phases"]
+        assert worker.generate() == before
+    finally:
+        kill_tree(restored["pid"])

@@ -1,0 +1,83 @@
+"""A PyTorch worker on CPU whose weights are named buffers: they leave the process image at capture.
+
+    python torch_cpu_worker.py WORKDIR [--mib N] [--seed S]
+
+Its "model" is a random matrix of N MiB (float32, from seed S) plus a tied view of its first rows. Each
+generation step multiplies a state vector by the weights and takes the argmax, so the tokens can only be
+reproduced from the same weights. WORKDIR/go-N makes it generate 8 tokens and write WORKDIR/tokens-N
+(JSON: {"tokens": [...], "weights_sum": float}). WORKDIR/events logs the adapter calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+import torch
+
+from gpusnap.adapters import start_agent
+from gpusnap.adapters.pytorch import TorchAdapter
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workdir")
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    wd = args.workdir
+    gen = torch.Generator().manual_seed(args.seed)
+    cols = 1024
+    rows = args.mib * (1 << 20) // (4 * cols)
+    weights = {"w": torch.randn(rows, cols, generator=gen)}
+    weights["w.head"] = weights["w"][:cols]  # tied: shares the storage, offloaded once
+    lock = threading.Lock()
+
+    def log(what: str) -> None:
+        with open(os.path.join(wd, "events"), "a") as fh:
+            fh.write(what + "\n")
+
+    def generate(prompt: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            state = torch.zeros(cols)
+            state[[p % cols for p in prompt]] = 1.0
+            out = []
+            for _ in range(n):
+                token = int(torch.argmax(weights["w.head"] @ (weights["w"].T @ (weights["w"] @ state)) % 7.0))
+                out.append(token)
+                state = torch.roll(state, token % cols)
+            return out
+
+    def warm_up() -> list[int]:
+        log("warm_up")
+        return generate([1, 5, 6, 7], 2)
+
+    def quiesce() -> None:
+        lock.acquire()
+        log("quiesce")
+
+    def resume(ctx: object) -> None:
+        log(f"resume restored={ctx is not None} resident={weights['w'].untyped_storage().nbytes()}")
+        lock.release()
+
+    adapter = TorchAdapter(warm_up, quiesce=quiesce, resume=resume, buffers=lambda: weights)
+    start_agent(adapter).wait_attached(30)
+    open(os.path.join(wd, "ready"), "w").close()
+    n = 1
+    while True:
+        if os.path.exists(os.path.join(wd, f"go-{n}")):
+            with lock:
+                tokens = generate([3, 1, 4, 1, 5], 8)
+                total = float(weights["w"].double().sum())
+            with open(os.path.join(wd, f"tokens-{n}.tmp"), "w") as fh:
+                json.dump({"tokens": tokens, "weights_sum": total}, fh)
+            os.rename(os.path.join(wd, f"tokens-{n}.tmp"), os.path.join(wd, f"tokens-{n}"))
+            n += 1
+        time.sleep(0.005)
+
+
+if __name__ == "__main__":
+    main()
