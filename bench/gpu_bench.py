@@ -1,7 +1,9 @@
 """make bench-gpu: phase timings and bandwidth of GPU checkpoint/restore through gpusnapd.
 
-For each size, a PyTorch worker (tests/gpu/torch_worker.py) fills that many GiB of device memory;
-gpusnap dumps it and restores it; the restored worker's checksum is verified. Results are written as
+For each size and mode, a PyTorch worker (tests/gpu/torch_worker.py) fills that many GiB of device
+memory; gpusnap dumps it and restores it; the restored worker's checksum is verified. Modes: ``stock``
+(no agent: the CUDA checkpoint and CRIU carry the data) and ``offload`` (the worker's agent names the
+data as buffers: they go to the buffer store and come back through pinned memory). Results are written as
 JSON to bench/results/gpu-<kind>-<date>.json:
 
     {"host": {...}, "runs": [{"gib": 2, "checkpoint": {"phases": {...}, "total_s": …, "gb_per_s": …},
@@ -33,15 +35,27 @@ from tests.conftest import start_daemon, stop_daemon, wait_for  # noqa: E402
 WORKER = REPO / "tests" / "gpu" / "torch_worker.py"
 
 
-def run_size(daemon: object, gib: float, tmp: Path) -> dict[str, object]:
-    wd = tmp / f"w{gib}"
+def _buffer_store_bytes(root: Path) -> int:
+    blobs = root / "sha256"
+    return sum(p.stat().st_size for p in blobs.iterdir()) if blobs.is_dir() else 0
+
+
+def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Path) -> dict[str, object]:
+    """One worker holding ``gib`` GiB: dump, restore, verify. ``mode``: ``stock`` (no agent: CUDA checkpoint
+    and CRIU carry everything) or ``offload`` (the agent names the data as buffers); offload also takes a
+    second snapshot of the restored copy to show what it adds to the store."""
+    wd = tmp / f"{mode}-{gib}"
     wd.mkdir()
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(wd), "--gib", str(gib)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=open(wd / "stderr", "wb"), start_new_session=True)
+    env = {**os.environ, "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket),  # type: ignore[attr-defined]
+           "GPUSNAP_WAKE_DIR": str(tmp / "wake")}
+    extra = ["--agent"] if mode == "offload" else []
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(wd), "--gib", str(gib), *extra], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=open(wd / "stderr", "wb"), env=env, start_new_session=True)
     wait_for(lambda: (wd / "ready").exists() or proc.poll() is not None, 600, "worker did not start")
     if proc.poll() is not None:
         raise SystemExit((wd / "stderr").read_text())
     expected = (wd / "expected").read_text().split()
+    rss = _rss(proc.pid)
     t0 = time.monotonic()
     dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), check=True, timeout=3600).stdout)  # type: ignore[attr-defined]
     dump_wall = time.monotonic() - t0
@@ -53,21 +67,42 @@ def run_size(daemon: object, gib: float, tmp: Path) -> dict[str, object]:
     os.kill(restored["pid"], signal.SIGUSR1)
     wait_for(now.exists, 300, "restored worker did not answer")
     verified = now.read_text().split()[:2] == expected
-    os.kill(restored["pid"], signal.SIGKILL)
+    second = None
+    if mode == "offload":
+        store_before = _buffer_store_bytes(buffers_root)
+        again = json.loads(daemon.cli("-o", "json", "dump", str(restored["pid"]), check=True, timeout=3600).stdout)  # type: ignore[attr-defined]
+        second = {"image_bytes": again["size_bytes"], "buffer_bytes": again["buffer_bytes"],
+                  "buffer_store_growth_bytes": _buffer_store_bytes(buffers_root) - store_before, "phases": again["phases"]}
+        daemon.cli("rm", again["id"], check=True)  # type: ignore[attr-defined]
+    else:
+        os.kill(restored["pid"], signal.SIGKILL)
     daemon.cli("rm", dumped["id"], check=True)  # type: ignore[attr-defined]
     gpu_bytes = gib * 2**30
     ck_total = sum(dumped["phases"].values())
     rs_total = sum(restored["phases"].values())
     return {
+        "mode": mode,
         "gib": gib,
         "gpu_bytes": int(gpu_bytes),
+        "source_rss_bytes": rss,
         "image_bytes": dumped["size_bytes"],
+        "buffer_bytes": dumped.get("buffer_bytes", 0),
+        "snapshot_over_data": (dumped["size_bytes"] + dumped.get("buffer_bytes", 0)) / (gpu_bytes + rss),
         "verified": verified,
         "checkpoint": {"phases": dumped["phases"], "total_s": ck_total, "cli_wall_s": dump_wall,
                        "gb_per_s": gpu_bytes / 1e9 / ck_total},
         "restore": {"phases": restored["phases"], "total_s": rs_total, "cli_wall_s": restore_wall,
                     "gb_per_s": gpu_bytes / 1e9 / rs_total},
+        "second_snapshot": second,
     }
+
+
+def _rss(pid: int) -> int:
+    """Resident CPU memory of ``pid``, bytes (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def main() -> int:
@@ -75,17 +110,21 @@ def main() -> int:
     ap.add_argument("--sizes", default="2,16,64", help="GiB of GPU data, comma separated")
     ap.add_argument("--store-parent", default=None, help="directory for the store (default: a temp dir on disk)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--buffer-dir", default="", help="gpusnapd --buffer-dir (e.g. under /dev/shm: a RAM tier)")
     ap.add_argument("--label", default="", help="tag for the results file name")
+    ap.add_argument("--modes", default="stock,offload",
+                    help="stock (no agent) and/or offload (the worker names its data as buffers), comma separated")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-bench-", dir=args.store_parent))
-    daemon = start_daemon(tmp)
+    daemon = start_daemon(tmp, extra_env={"GPUSNAP_BUFFER_DIR": args.buffer_dir} if args.buffer_dir else None)
     runs = []
     try:
         node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
         for size in (float(s) for s in args.sizes.split(",")):
-            run = run_size(daemon, size, tmp)
-            print(json.dumps(run), flush=True)
-            runs.append(run)
+            for mode in args.modes.split(","):
+                run = run_size(daemon, size, tmp, mode, Path(args.buffer_dir) if args.buffer_dir else daemon.store / "buffers")
+                print(json.dumps(run), flush=True)
+                runs.append(run)
     finally:
         stop_daemon(daemon)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,11 +1,14 @@
 """A Llama-style LLM worker (transformers, random bf16 weights) with the gpusnap agent (PyTorch adapter).
 
-    python llm_worker.py WORKDIR [--size 1b|8b] [--no-agent]
+    python llm_worker.py WORKDIR [--size 1b|8b] [--no-agent] [--model-dir DIR [--save-model]]
 
-Builds the model on the GPU from a fixed seed (no weights are downloaded), then serves greedy
+Builds the model on the GPU from a fixed seed (no weights are downloaded), or loads it from DIR (a
+transformers model directory, safetensors) like a production worker; ``--save-model`` writes the random
+model to DIR and exits. Then it serves greedy
 generations: each WORKDIR/go-N makes it generate 16 tokens for a fixed prompt and write WORKDIR/tokens-N
 (JSON: {"tokens": [...], "t_done": <time.time()>}). WORKDIR/ready holds {"t_start", "t_first_token"}:
-process start to first generated token is the cold start.
+process start to first generated token is the cold start. The agent names the model's parameters as
+buffers, so a capture keeps the weights out of the image.
 """
 
 from __future__ import annotations
@@ -41,18 +44,35 @@ SIZES = {
 PROMPT = [1, 415, 5565, 302, 4843, 349, 5465, 28723]
 
 
+def _load(model_dir: str) -> LlamaForCausalLM:
+    """Load a saved model straight onto the GPU (safetensors)."""
+    try:
+        model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16, device_map="cuda")
+    except (ImportError, ValueError):  # older transformers want accelerate for device_map
+        model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).to("cuda")
+    return model.eval()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("workdir")
     ap.add_argument("--size", default="1b", choices=sorted(SIZES))
     ap.add_argument("--no-agent", action="store_true")
+    ap.add_argument("--model-dir", default="")
+    ap.add_argument("--save-model", action="store_true")
     args = ap.parse_args()
     wd = args.workdir
     torch.manual_seed(0)
     config = LlamaConfig(max_position_embeddings=4096, torch_dtype="bfloat16", **SIZES[args.size])
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).eval()
+    if args.model_dir and not args.save_model:
+        model = _load(args.model_dir)
+    else:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config).eval()
+    if args.save_model:
+        model.save_pretrained(args.model_dir)
+        return 0
     params = sum(p.numel() for p in model.parameters())
     lock = threading.Lock()
 
@@ -71,7 +91,8 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     if not args.no_agent:
-        adapter = TorchAdapter(lambda: generate([1, 5, 6, 7], 2), quiesce=quiesce, resume=lambda ctx: lock.release())
+        adapter = TorchAdapter(lambda: generate([1, 5, 6, 7], 2), quiesce=quiesce, resume=lambda ctx: lock.release(),
+                               buffers=lambda: dict(model.named_parameters()))
         start_agent(adapter).wait_attached(60)
     with open(os.path.join(wd, "ready.tmp"), "w") as fh:
         json.dump({"t_start": T_START, "t_first_token": t_first, "params": params, "first": first}, fh)

@@ -18,11 +18,11 @@ pytestmark = pytest.mark.gpu
 WORKER = Path(__file__).resolve().parent / "llm_worker.py"
 
 
-def start_llm(daemon: DaemonProc, wd: Path, size: str = "1b") -> subprocess.Popen[bytes]:
+def start_llm(daemon: DaemonProc, wd: Path, size: str = "1b", *args: str) -> subprocess.Popen[bytes]:
     wd.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket), "GPUSNAP_WAKE_DIR": str(wd.parent / "wake"),
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(wd), "--size", size], env=env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(wd), "--size", size, *args], env=env, stdin=subprocess.DEVNULL,
                             stdout=open(wd / "out", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: (wd / "ready").exists() or proc.poll() is not None, 600, "LLM worker did not start")
     assert proc.poll() is None, (wd / "out").read_text()[-3000:]
@@ -45,11 +45,13 @@ def test_llm_worker_same_tokens_after_restore(daemon: DaemonProc, tmp_path: Path
         before = request(wd, 1)["tokens"]
         assert len(before) == 16
         dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), check=True, timeout=900).stdout)
-        assert {"warm-up", "quiesce", "gpu-checkpoint", "dump"} <= set(dumped["phases"])
+        assert {"warm-up", "quiesce", "offload", "gpu-checkpoint", "dump"} <= set(dumped["phases"])
+        assert dumped["buffer_bytes"] >= 2 * ready["params"], "the bf16 weights left the image"
+        assert dumped["size_bytes"] < dumped["buffer_bytes"]
         assert proc.wait(timeout=60) == -9
         restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=900).stdout)
         restored_pid = restored["pid"]
-        assert "resume-worker" in restored["phases"]
+        assert list(restored["phases"])[-2:] == ["reload-buffers", "resume-worker"]
         after = request(wd, 2)["tokens"]
         assert after == before, "identical greedy tokens after restore"
         assert request(wd, 3)["tokens"] == before, "and it keeps serving"

@@ -1,6 +1,6 @@
 """A PyTorch process holding GPU memory, for GPU checkpoint/restore tests (run as a script).
 
-    python torch_worker.py WORKDIR --gib N [--device I]
+    python torch_worker.py WORKDIR --gib N [--device I] [--agent]
 
 - fills N GiB of device memory with a known pattern and writes its checksum to WORKDIR/expected;
 - captures a CUDA graph (y = x * 3 + 1 over a 64 MiB buffer) and writes its result checksum too;
@@ -8,6 +8,10 @@
 - on SIGUSR1 re-reads the device memory, replays the graph and writes WORKDIR/now
   ("<pattern checksum> <graph checksum> <device uuid>").
 WORKDIR/ready appears once all of that runs.
+
+With ``--agent`` it attaches the gpusnap agent (PyTorch adapter) and names the pattern chunks as buffers,
+so a capture keeps them out of the image; the canary is the pattern checksum, so a restore whose buffers
+came back wrong fails its canary.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -35,6 +40,7 @@ def main() -> None:
     ap.add_argument("workdir")
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--agent", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda", args.device)
     torch.cuda.set_device(dev)
@@ -64,6 +70,20 @@ def main() -> None:
     with open(os.path.join(wd, "expected"), "w") as fh:
         fh.write(f"{checksum(chunks)} {graph_sum:.6f}")
 
+    lock = threading.Lock()
+    if args.agent:
+        from gpusnap.adapters import start_agent
+        from gpusnap.adapters.pytorch import TorchAdapter
+
+        def quiesce() -> None:  # released by resume: no kernels while captured
+            lock.acquire()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+        adapter = TorchAdapter(lambda: [checksum(chunks) % (2**31 - 1)], quiesce=quiesce,
+                               resume=lambda ctx: lock.release(),
+                               buffers=lambda: {f"chunk{i}": c for i, c in enumerate(chunks)})
+        start_agent(adapter).wait_attached(60)
     requested = {"now": False}
     signal.signal(signal.SIGUSR1, lambda *_: requested.__setitem__("now", True))
     ticks = open(os.path.join(wd, "ticks"), "a", buffering=1)
@@ -71,19 +91,20 @@ def main() -> None:
     counter = 0
     work = torch.ones(1 << 20, device=dev)
     while True:
-        counter += 1
-        work.mul_(1.0)
-        torch.cuda.synchronize()
-        ticks.write(f"{counter}\n")
-        if requested["now"]:
-            requested["now"] = False
-            static_y.zero_()
-            graph.replay()
+        with lock:  # quiesce holds it: no kernels while captured
+            counter += 1
+            work.mul_(1.0)
             torch.cuda.synchronize()
-            now_uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-            with open(os.path.join(wd, "now.tmp"), "w") as fh:
-                fh.write(f"{checksum(chunks)} {float(static_y.double().sum().item()):.6f} {now_uuid}")
-            os.rename(os.path.join(wd, "now.tmp"), os.path.join(wd, "now"))
+            ticks.write(f"{counter}\n")
+            if requested["now"]:
+                requested["now"] = False
+                static_y.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                now_uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+                with open(os.path.join(wd, "now.tmp"), "w") as fh:
+                    fh.write(f"{checksum(chunks)} {float(static_y.double().sum().item()):.6f} {now_uuid}")
+                os.rename(os.path.join(wd, "now.tmp"), os.path.join(wd, "now"))
         time.sleep(0.05)
 
 
