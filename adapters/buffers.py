@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import gc
+import itertools
+import mmap
 import os
 import queue
 import threading
@@ -80,10 +83,15 @@ class _Step:
 
 
 def _steps(buffers: Sequence[Buffer], fds: Sequence[int]) -> list[_Step]:
-    out: list[_Step] = []
+    """Chunks of every buffer, interleaved across buffers: concurrent threads then work on different
+    files, and writes to one file serialize on its inode lock."""
+    per_buffer = []
     for buf, fd in zip(buffers, fds, strict=True):
         view = _as_bytes(buf.storage)
-        out.extend(_Step(fd, view, off, min(CHUNK_BYTES, buf.nbytes - off)) for off in range(0, buf.nbytes, CHUNK_BYTES))
+        per_buffer.append([_Step(fd, view, off, min(CHUNK_BYTES, buf.nbytes - off)) for off in range(0, buf.nbytes, CHUNK_BYTES)])
+    out: list[_Step] = []
+    for round_ in itertools.zip_longest(*per_buffer):
+        out.extend(step for step in round_ if step is not None)
     return out
 
 
@@ -108,6 +116,7 @@ def _run_parallel(steps: Iterable[_Step], work: Any, threads: int) -> None:
                 break
         for stream in state.get("streams", {}).values():
             stream.synchronize()
+        _release_slot(state)
 
     pool = [threading.Thread(target=loop, args=(i,), name=f"gpusnap-buffers-{i}", daemon=True) for i in range(threads)]
     for _ in pool:
@@ -137,17 +146,44 @@ def _full_io(call: Any, fd: int, view: memoryview, offset: int, what: str) -> No
 
 
 def _slot(state: dict[str, Any], device: Any) -> tuple[Any, Any, memoryview]:
-    """The thread's pinned slot (allocated on first use), its stream on ``device``, and a view of the slot."""
+    """The thread's pinned slot (allocated on first use), its stream on ``device``, and a view of the slot.
+
+    The slot is an anonymous mapping registered with ``cudaHostRegister``, not torch's caching host
+    allocator, which would keep it cached in the process (and so in the image) after use;
+    :func:`_release_slot` unregisters and unmaps it.
+    """
     import torch
 
     if "slot" not in state:
-        state["slot"] = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
-        state["view"] = _memory(state["slot"])
+        mapping = mmap.mmap(-1, CHUNK_BYTES)
+        slot = torch.frombuffer(mapping, dtype=torch.uint8)
+        err = torch.cuda.cudart().cudaHostRegister(slot.data_ptr(), CHUNK_BYTES, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of a {CHUNK_BYTES} byte slot failed (cudaError {int(err)})")
+        state["mapping"] = mapping
+        state["slot"] = slot
+        state["view"] = _memory(slot)
         state["streams"] = {}
     streams = state["streams"]
     if device not in streams:
         streams[device] = torch.cuda.Stream(device=device)
     return state["slot"], streams[device], state["view"]
+
+
+def _release_slot(state: dict[str, Any]) -> None:
+    if "slot" not in state:
+        return
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(state["slot"].data_ptr())
+    view, mapping = state.pop("view"), state.pop("mapping")
+    view.release()
+    del state["slot"]
+    gc.collect()
+    try:
+        mapping.close()
+    except BufferError:  # a view is still alive somewhere: the mapping is then freed with it
+        pass
 
 
 def write(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = None) -> None:

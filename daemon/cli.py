@@ -271,10 +271,12 @@ GPU_MAP_HELP = "move GPU state: OLD=NEW[,OLD=NEW…] (UUIDs or indexes); every c
 @click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="restore context: set in the worker (repeatable)")
 @click.option("--unset-env", multiple=True, metavar="NAME", help="restore context: remove from the worker (repeatable)")
 @click.option("--set", "values", multiple=True, metavar="KEY=VALUE", help="restore context: identity value for the worker's adapter")
+@click.option("--verify-buffers", is_flag=True,
+              help="re-digest the snapshot's buffers (weights) first; by default only their sizes are checked")
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
 def restore(obj: Ctx, snapshot: str, host_pidns: bool, private_net: bool, gpu_map: str, timeout: float | None, env: tuple[str, ...],
-            unset_env: tuple[str, ...], values: tuple[str, ...], detach: bool) -> None:
+            unset_env: tuple[str, ...], values: tuple[str, ...], verify_buffers: bool, detach: bool) -> None:
     """Restore SNAPSHOT (id or name) as a new process tree; prints the restored root's PID.
 
     Without --gpu-map, GPU state returns to the original GPUs, or to free GPUs of the same model when
@@ -284,7 +286,7 @@ def restore(obj: Ctx, snapshot: str, host_pidns: bool, private_net: bool, gpu_ma
     with obj.client() as client:
         op = _run(lambda: client.restore(snapshot, host_pid_namespace=host_pidns, gpu_map=mapping, timeout_s=timeout,
                                          env=_pairs(env, "--env"), unset_env=unset_env, values=_pairs(values, "--set"),
-                                         private_network=private_net))
+                                         private_network=private_net, verify_buffers=verify_buffers))
         if detach:
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return

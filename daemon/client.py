@@ -128,6 +128,7 @@ class DaemonClient:
         unset_env: Sequence[str] = (),
         values: Mapping[str, str] | None = None,
         private_network: bool = False,
+        verify_buffers: bool = False,
     ) -> operations_pb2.Operation:
         """Start a restore of ``snapshot`` (id or name); returns the running operation.
 
@@ -141,6 +142,7 @@ class DaemonClient:
             timeout=_duration(timeout_s),
             context=context,
             private_network=private_network,
+            verify_buffers=verify_buffers,
         )
         return self._call(self._ops.Restore, req).operation
 

@@ -469,6 +469,7 @@ class RestoreRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _builtins.int
     CONTEXT_FIELD_NUMBER: _builtins.int
     PRIVATE_NETWORK_FIELD_NUMBER: _builtins.int
+    VERIFY_BUFFERS_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.str
     """snapshot id or name"""
     host_pid_namespace: _builtins.bool
@@ -478,6 +479,10 @@ class RestoreRequest(_message.Message):
     private_network: _builtins.bool
     """Restore into a fresh network namespace with only loopback: copies of one snapshot (or a copy and its
     running source) keep their listening ports and loopback TCP connections to themselves.
+    """
+    verify_buffers: _builtins.bool
+    """Re-digest the snapshot's buffers (weights) before the worker gets them; they were digested when
+    written, and restores otherwise check only their sizes.
     """
     @_builtins.property
     def gpu_map(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -498,10 +503,11 @@ class RestoreRequest(_message.Message):
         timeout: _duration_pb2.Duration | None = ...,
         context: Global___WorkerContext | None = ...,
         private_network: _builtins.bool = ...,
+        verify_buffers: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "private_network", b"private_network", "snapshot", b"snapshot", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "private_network", b"private_network", "snapshot", b"snapshot", "timeout", b"timeout", "verify_buffers", b"verify_buffers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -128,6 +128,11 @@ class Snapshot:
         return sum(f.size_bytes for f in self.files)
 
     @property
+    def buffer_uid(self) -> int:
+        """The user whose worker wrote the buffers (their blobs live under that uid in the buffer store)."""
+        return self.worker.uid if self.worker else self.source.uid
+
+    @property
     def buffer_bytes(self) -> int:
         """Sum of the buffers' sizes, bytes (blobs may be shared with other snapshots)."""
         return sum(b.size_bytes for b in self.buffers)
@@ -173,6 +178,9 @@ class RestoreOptions:
     unset_env: tuple[str, ...] = ()
     values: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Restore context: identity values for the worker's adapter (new port, node name…)."""
+    verify_buffers: bool = False
+    """Re-digest the snapshot's buffers before handing them to the worker (they were digested when
+    written; see ``gpusnap.daemon.store.buffers``)."""
     private_network: bool = False
     """Restore into a fresh network namespace (loopback only): copies of one snapshot, or a copy and its
     running source, then keep their listening ports and loopback connections to themselves."""

@@ -1,8 +1,9 @@
 """Restore: bring a snapshot back as a new process tree.
 
-Phases: ``preflight`` (snapshot readable, caller allowed, host compatible, buffers present, GPU map
-resolved and GPU preconditions met) → ``verify`` (image sizes and digests; the buffers' digests are
-checked in the background, overlapped with the next phases) → ``restore`` (CRIU, by default into a fresh PID
+Phases: ``preflight`` (snapshot readable, caller allowed, host compatible, buffers present with their sizes,
+GPU map resolved and GPU preconditions met) → ``verify`` (image sizes and digests; with
+``verify_buffers`` the buffers' digests too, in the background, overlapped with the next phases) →
+``restore`` (CRIU, by default into a fresh PID
 namespace) → [``gpu-restore`` (``cuCheckpointProcessRestore``, with ``gpuPairs`` when remapping) →
 ``gpu-unlock``] → ``validate`` (every restored process exists and runs, every CUDA process is RUNNING:
 CRIU's success alone is not trusted, see checkpoint-restore/criu#2525 and #2993) → [``resume-worker``:
@@ -83,12 +84,14 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                     "restored copy); restore it with --private-net, or stop what holds the port",
                     reason="ADDRESS_IN_USE",
                 )
-        deps.store.buffers.check_present(snapshot.id, snapshot.buffers)
+        deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
         gpu_map = _resolve_gpu_map(deps, snapshot, opts)
     with run.phase("verify") as progress:
-        buffers_checked = deps.store.buffers.start_verify(snapshot.buffers) if snapshot.buffers else None
         deps.store.verify(snapshot)
         progress.bytes = snapshot.size_bytes
+        buffers_checked = None
+        if snapshot.buffers and opts.verify_buffers:  # digested while CRIU and CUDA restore run
+            buffers_checked = deps.store.buffers.start_verify(snapshot.buffer_uid, snapshot.buffers)
 
     def buffers_verified() -> None:
         if buffers_checked is not None:

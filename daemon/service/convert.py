@@ -88,6 +88,7 @@ def restore_options(req: operations_pb2.RestoreRequest) -> RestoreOptions:
         unset_env=tuple(req.context.unset_env),
         values=dict(req.context.values),
         private_network=req.private_network,
+        verify_buffers=req.verify_buffers,
     )
 
 

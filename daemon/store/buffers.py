@@ -3,14 +3,20 @@
 Layout under its root (default ``<store>/buffers``; ``--buffer-dir`` puts it elsewhere, e.g. on tmpfs
 for a RAM tier; mode 0700)::
 
-    sha256/<digest>     one buffer's bytes, mode 0400, named by its digest (``checksum.DIGEST_ALGORITHM``)
-    incoming/<random>   being written by a worker; removed at start and when its operation ends
+    sha256/<uid>/<digest>   one buffer's bytes, mode 0400, named by its digest (``checksum.DIGEST_ALGORITHM``),
+                            under the uid of the worker that wrote it
+    incoming/<random>       being written by a worker; removed at start and when its operation ends
 
 A capture stages one file per buffer and hands the worker a read-write descriptor to each (see
 ``agent.proto``). The daemon then digests the files itself, never trusting the worker, and commits them:
 a digest already present is kept and the new copy dropped, so identical weights are stored once, however
 many snapshots use them. Blobs no snapshot references are removed by :meth:`BufferStore.collect_garbage`;
 digests of operations still in flight are pinned against that.
+
+Why per uid: the worker could keep a duplicate of its read-write descriptor and change a blob after it
+was digested. Blobs are therefore shared only between snapshots of workers of the same user, whom such a
+change can only harm themselves; restores check blob sizes, and re-digest blobs only on request
+(``--verify-buffers``), which keeps gigabytes of hashing off the restore path.
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ class StagedBuffers:
     worker its buffers back (:meth:`read_fds`).
     """
 
-    def __init__(self, store: BufferStore, names: Sequence[str], sizes: Sequence[int]):
+    def __init__(self, store: BufferStore, uid: int, names: Sequence[str], sizes: Sequence[int]):
         self.store = store
+        self.uid = uid
         self.names = list(names)
         self.sizes = list(sizes)
         self.paths = [store.incoming / f"{secrets.token_hex(8)}" for _ in self.names]
@@ -81,11 +88,11 @@ class StagedBuffers:
         assert self._digests is not None
         digests = self._digests.result()
         refs = [BufferRef(name=n, size_bytes=s, sha256=d) for n, s, d in zip(self.names, self.sizes, digests, strict=True)]
-        self.store.pin(digests)
+        self.store.pin(self.uid, digests)
         self.refs = refs
         for path, fd, digest in zip(self.paths, self.fds, digests, strict=True):
-            self.store.adopt(path, fd, digest)
-        self.store.fsync_dir()
+            self.store.adopt(path, fd, self.uid, digest)
+        self.store.fsync_dir(self.uid)
         return refs
 
     def read_fds(self) -> list[int]:
@@ -102,7 +109,8 @@ class StagedBuffers:
                 path.unlink()
             except FileNotFoundError:
                 pass
-        self.store.unpin([r.sha256 for r in self.refs])
+        self.store.unpin(self.uid, [r.sha256 for r in self.refs])
+        self.refs = []
 
 
 class BufferStore:
@@ -130,8 +138,8 @@ class BufferStore:
             else:
                 leftover.unlink(missing_ok=True)
 
-    def stage(self, names: Sequence[str], sizes: Sequence[int]) -> StagedBuffers:
-        """Staged files for a capture's buffers, after checking the store has room for them.
+    def stage(self, uid: int, names: Sequence[str], sizes: Sequence[int]) -> StagedBuffers:
+        """Staged files for the buffers of a worker of user ``uid``, after checking the store has room.
 
         Raises:
             ResourceExhaustedError: fewer free bytes than the buffers need (``BUFFER_STORE_FULL``).
@@ -146,48 +154,57 @@ class BufferStore:
                 "or checkpoint without offload (--no-offload)",
                 reason="BUFFER_STORE_FULL",
             )
-        return StagedBuffers(self, names, sizes)
+        return StagedBuffers(self, uid, names, sizes)
 
-    def path(self, digest: str) -> Path:
-        return self.blobs / digest
+    @staticmethod
+    def key(uid: int, digest: str) -> str:
+        """A blob's identity in the store: ``<uid>/<digest>``."""
+        return f"{uid}/{digest}"
 
-    def adopt(self, path: Path, fd: int, digest: str) -> None:
-        """Make the staged file ``path`` the blob ``digest`` unless that blob exists already."""
-        target = self.path(digest)
+    def path(self, uid: int, digest: str) -> Path:
+        return self.blobs / self.key(uid, digest)
+
+    def adopt(self, path: Path, fd: int, uid: int, digest: str) -> None:
+        """Make the staged file ``path`` the blob ``digest`` of ``uid`` unless that blob exists already."""
+        target = self.path(uid, digest)
         if target.exists():
             path.unlink()
             return
+        target.parent.mkdir(mode=0o700, exist_ok=True)
         os.fsync(fd)
         os.fchmod(fd, 0o400)
         os.rename(path, target)
 
-    def fsync_dir(self) -> None:
-        fd = os.open(self.blobs, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    def fsync_dir(self, uid: int) -> None:
+        for d in (self.blobs / str(uid), self.blobs):
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
-    def pin(self, digests: Iterable[str]) -> None:
+    def pin(self, uid: int, digests: Iterable[str]) -> None:
         """Protect blobs from garbage collection while an operation uses them."""
         with self._lock:
             for d in digests:
-                self._pins[d] = self._pins.get(d, 0) + 1
+                k = self.key(uid, d)
+                self._pins[k] = self._pins.get(k, 0) + 1
 
-    def unpin(self, digests: Iterable[str]) -> None:
+    def unpin(self, uid: int, digests: Iterable[str]) -> None:
         with self._lock:
             for d in digests:
-                left = self._pins.get(d, 0) - 1
+                k = self.key(uid, d)
+                left = self._pins.get(k, 0) - 1
                 if left > 0:
-                    self._pins[d] = left
+                    self._pins[k] = left
                 else:
-                    self._pins.pop(d, None)
+                    self._pins.pop(k, None)
 
-    def check_present(self, snapshot_id: str, refs: Sequence[BufferRef]) -> None:
+    def check_present(self, snapshot_id: str, uid: int, refs: Sequence[BufferRef]) -> None:
         """Raise DataLossError (``BUFFER_MISSING``) if a referenced blob is gone or has the wrong size."""
         for ref in refs:
             try:
-                size = self.path(ref.sha256).stat().st_size
+                size = self.path(uid, ref.sha256).stat().st_size
             except FileNotFoundError:
                 size = -1
             if size != ref.size_bytes:
@@ -199,38 +216,42 @@ class BufferStore:
                     metadata={"snapshot": snapshot_id},
                 )
 
-    def open_for_read(self, refs: Sequence[BufferRef]) -> list[int]:
+    def open_for_read(self, uid: int, refs: Sequence[BufferRef]) -> list[int]:
         """Read-only descriptors of the referenced blobs (the caller closes them)."""
         fds: list[int] = []
         try:
             for ref in refs:
-                fds.append(os.open(self.path(ref.sha256), os.O_RDONLY | os.O_CLOEXEC))
+                fds.append(os.open(self.path(uid, ref.sha256), os.O_RDONLY | os.O_CLOEXEC))
         except OSError:
             for fd in fds:
                 os.close(fd)
             raise
         return fds
 
-    def start_verify(self, refs: Sequence[BufferRef]) -> Future[list[str]]:
+    def start_verify(self, uid: int, refs: Sequence[BufferRef]) -> Future[list[str]]:
         """Digest the referenced blobs on the store's pool; the future yields one line per damaged blob."""
         def run() -> list[str]:
-            digests = checksum.file_digests([self.path(r.sha256) for r in refs], self.pool)
+            digests = checksum.file_digests([self.path(uid, r.sha256) for r in refs], self.pool)
             return [f"buffer {r.name}: checksum mismatch" for r, d in zip(refs, digests, strict=True) if d != r.sha256]
 
         return self.jobs.submit(run)
 
     def collect_garbage(self, referenced: set[str]) -> int:
-        """Remove blobs that neither ``referenced`` nor an in-flight operation names; returns bytes freed."""
+        """Remove blobs whose :meth:`key` neither ``referenced`` nor an in-flight operation names; returns
+        the bytes freed."""
         freed = 0
         with self._lock:
             keep = referenced | set(self._pins)
-            for blob in self.blobs.iterdir():
-                if blob.name not in keep:
-                    freed += blob.stat().st_size
-                    blob.unlink()
+            for user_dir in self.blobs.iterdir():
+                for blob in user_dir.iterdir():
+                    if f"{user_dir.name}/{blob.name}" not in keep:
+                        freed += blob.stat().st_size
+                        blob.unlink()
+                if not any(user_dir.iterdir()):
+                    user_dir.rmdir()
         if freed:
             log.info("buffers.collected", bytes=freed)
         return freed
 
     def used_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.blobs.iterdir())
+        return sum(p.stat().st_size for p in self.blobs.rglob("*") if p.is_file())

@@ -40,7 +40,7 @@ def offload(
         FailedPreconditionError, DeadlineExceededError: see :meth:`AgentSession.call`.
         DataLossError: the worker wrote a different size than it announced (``BUFFER_SIZE``).
     """
-    staged = store.stage([b.name for b in announced], [b.size_bytes for b in announced])
+    staged = store.stage(session.info.uid, [b.name for b in announced], [b.size_bytes for b in announced])
     try:
         batches = _batches(len(announced))
         for i, batch in enumerate(batches):

@@ -136,7 +136,7 @@ def resume_restored(
             AgentRegistry.wake(worker.wake_dir, worker.instance_id, worker.uid)
             session = deps.agents.wait_for(pids, worker.instance_id, deps.config.resume_timeout)
             buffers_verified()
-            fds = deps.store.buffers.open_for_read(snapshot.buffers)
+            fds = deps.store.buffers.open_for_read(snapshot.buffer_uid, snapshot.buffers)
             offload.reload(session, [b.name for b in snapshot.buffers], fds, deps.config.resume_timeout)
             progress.bytes = snapshot.buffer_bytes
     with run.phase("resume-worker"):

@@ -43,9 +43,12 @@ class Worker:
         return (self.wd / "events").read_text().split("\n")[:-1]
 
 
+def _blobs(daemon: DaemonProc) -> list[Path]:
+    return [p for p in (daemon.store / "buffers" / "sha256").rglob("*") if p.is_file()]
+
+
 def _blob_bytes(daemon: DaemonProc) -> int:
-    blobs = daemon.store / "buffers" / "sha256"
-    return sum(p.stat().st_size for p in blobs.iterdir())
+    return sum(p.stat().st_size for p in _blobs(daemon))
 
 
 @pytest.fixture
@@ -128,3 +131,16 @@ def test_no_offload_keeps_weights_in_the_image(daemon: DaemonProc, worker: Worke
         assert worker.generate() == before
     finally:
         kill_tree(restored["pid"])
+
+
+def test_damaged_or_missing_buffers_are_named(daemon: DaemonProc, worker: Worker) -> None:
+    daemon.cli("dump", str(worker.proc.pid), "--name", "w", check=True)
+    (blob,) = _blobs(daemon)
+    with open(blob, "r+b") as fh:  # same size, other bytes: only a digest tells
+        fh.seek(1 << 20)
+        fh.write(b"\xff" * 4096)
+    res = daemon.cli("restore", "w", "--verify-buffers")
+    assert res.returncode == 4 and "buffer w: checksum mismatch" in res.stderr, res.stderr
+    blob.unlink()
+    res = daemon.cli("restore", "w")
+    assert res.returncode == 4 and "needs buffer 'w'" in res.stderr and "missing" in res.stderr, res.stderr

@@ -47,7 +47,9 @@ def test_llm_worker_same_tokens_after_restore(daemon: DaemonProc, tmp_path: Path
         dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), check=True, timeout=900).stdout)
         assert {"warm-up", "quiesce", "offload", "gpu-checkpoint", "dump"} <= set(dumped["phases"])
         assert dumped["buffer_bytes"] >= 2 * ready["params"], "the bf16 weights left the image"
-        assert dumped["size_bytes"] < dumped["buffer_bytes"]
+        snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
+        at_capture = int(snap["gpuProcesses"][0]["gpuMemoryBytes"])
+        assert at_capture < dumped["buffer_bytes"], f"{at_capture} bytes on the GPU at capture: the weights stayed"
         assert proc.wait(timeout=60) == -9
         restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=900).stdout)
         restored_pid = restored["pid"]

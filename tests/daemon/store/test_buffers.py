@@ -1,0 +1,98 @@
+"""BufferStore: staged files are digested by the daemon, stored once per user and content, kept while a
+snapshot or an operation needs them, and refused when the store has no room."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon.api.errors import DataLossError, ResourceExhaustedError
+from gpusnap.daemon.store import checksum
+from gpusnap.daemon.store.buffers import BufferStore
+
+
+def _store(tmp_path: Path) -> BufferStore:
+    store = BufferStore(tmp_path / "buffers")
+    store.open()
+    return store
+
+
+def _write(store: BufferStore, uid: int, contents: dict[str, bytes]):  # type: ignore[no-untyped-def]
+    staged = store.stage(uid, list(contents), [len(c) for c in contents.values()])
+    for fd, data in zip(staged.fds, contents.values(), strict=True):
+        os.pwrite(fd, data, 0)
+    staged.start_digests()
+    return staged
+
+
+def test_commit_names_blobs_by_digest_and_stores_identical_content_once(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    a = _write(store, 1000, {"w": b"x" * 5000, "b": b"y" * 10})
+    refs = a.commit()
+    assert [r.name for r in refs] == ["w", "b"]
+    path = store.path(1000, refs[0].sha256)
+    assert refs[0].sha256 == checksum.file_digest(path) and path.read_bytes() == b"x" * 5000
+    assert oct(path.stat().st_mode & 0o777) == "0o400"
+    again = _write(store, 1000, {"other-name": b"x" * 5000})
+    assert again.commit()[0].sha256 == refs[0].sha256
+    assert store.used_bytes() == 5010, "the second copy was dropped"
+    _write(store, 1001, {"w": b"x" * 5000}).commit()
+    assert store.used_bytes() == 10010, "another user's worker gets its own blob"
+    for s in (a, again):
+        s.close()
+    assert not list(store.incoming.iterdir())
+
+
+def test_garbage_collection_spares_referenced_and_pinned_blobs(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    kept = _write(store, 0, {"k": b"k" * 100})
+    kept_ref = kept.commit()[0]
+    kept.close()
+    inflight = _write(store, 0, {"p": b"p" * 100})
+    pinned_ref = inflight.commit()[0]  # committed, manifest not published yet
+    gone = _write(store, 0, {"g": b"g" * 100})
+    gone.commit()
+    gone.close()
+    assert store.collect_garbage({store.key(0, kept_ref.sha256)}) == 100
+    assert store.path(0, pinned_ref.sha256).exists()
+    inflight.close()
+    assert store.collect_garbage({store.key(0, kept_ref.sha256)}) == 100
+    assert store.used_bytes() == 100
+
+
+def test_a_wrong_size_or_missing_blob_is_refused(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    staged = store.stage(0, ["w"], [100])
+    os.pwrite(staged.fds[0], b"short", 0)
+    with pytest.raises(DataLossError, match="wrote 5 bytes for buffer 'w', announced 100"):
+        staged.start_digests()
+    staged.close()
+    ok = _write(store, 0, {"w": b"w" * 10})
+    ref = ok.commit()[0]
+    ok.close()
+    store.check_present("snap-x", 0, [ref])
+    store.path(0, ref.sha256).unlink()
+    with pytest.raises(DataLossError, match="missing from") as err:
+        store.check_present("snap-x", 0, [ref])
+    assert err.value.reason == "BUFFER_MISSING"
+
+
+def test_staging_more_than_the_free_space_is_refused(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    with pytest.raises(ResourceExhaustedError, match="buffer store .* free") as err:
+        store.stage(0, ["huge"], [1 << 62])
+    assert err.value.reason == "BUFFER_STORE_FULL"
+
+
+def test_read_descriptors_survive_the_commit(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    staged = _write(store, 0, {"w": b"abc" * 100})
+    staged.commit()
+    (fd,) = staged.read_fds()
+    try:
+        assert os.pread(fd, 3, 0) == b"abc"
+    finally:
+        os.close(fd)
+        staged.close()
