@@ -31,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from gpusnap.daemon._proto import operations_pb2  # noqa: E402
 from tests.conftest import start_daemon, stop_daemon  # noqa: E402
 from tests.gpu.test_gpu_engine import request, start_llm  # noqa: E402
 
@@ -45,10 +46,19 @@ def dump_and_restore(daemon: object, proc: subprocess.Popen[bytes], wd: Path, n:
     cli = daemon.cli  # type: ignore[attr-defined]
     dumped = json.loads(cli("-o", "json", "dump", str(proc.pid), *dump_args, check=True, timeout=1800).stdout)
     proc.wait(timeout=120)
-    t0 = time.time()
-    restored = json.loads(cli("-o", "json", "restore", dumped["id"], check=True, timeout=1800).stdout)
+    client = daemon.client()  # type: ignore[attr-defined]
+    t0 = time.time()  # an orchestrator's gRPC Restore call (the CLI adds its own start-up)
+    done = client.wait(client.restore(dumped["id"]).id, timeout_s=1800)
     answer = request(wd, n)
-    return {"dumped": dumped, "restored": restored, "answer": answer, "to_first_token_s": answer["t_done"] - t0}
+    if done.state != operations_pb2.OPERATION_STATE_SUCCEEDED:
+        raise SystemExit(f"restore failed: {done}")
+    restored = {"pid": done.restore.pid, "phases": {p.phase: p.duration_seconds for p in done.phases}}
+    snap = json.loads(cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
+    return {"dumped": dumped, "restored": restored, "answer": answer, "to_first_token_s": answer["t_done"] - t0,
+            "gpu_memory_at_capture_bytes": sum(int(g["gpuMemoryBytes"]) for g in snap.get("gpuProcesses", [])),
+            "source_rss_bytes": int(snap["source"]["rssBytes"]),
+            "largest_image_files": sorted(((f["path"], int(f["sizeBytes"])) for f in snap["files"]),
+                                          key=lambda f: -f[1])[:4]}
 
 
 def main() -> int:
@@ -87,6 +97,9 @@ def main() -> int:
         node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
     finally:
         stop_daemon(daemon)
+        for line in daemon.log.read_text().splitlines():  # the worker's own time for its buffers
+            if '"buffers.' in line:
+                print(line)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(model_dir, ignore_errors=True)
     cold = ready["t_first_token"] - ready["t_start"]
@@ -108,6 +121,11 @@ def main() -> int:
         "buffer_bytes": dumped["buffer_bytes"],  # type: ignore[index]
         "checkpoint_phases": dumped["phases"],  # type: ignore[index]
         "restore_phases": restored["phases"],  # type: ignore[index]
+        "gpu_memory_at_capture_bytes": fast["gpu_memory_at_capture_bytes"],
+        "source_rss_bytes": fast["source_rss_bytes"],
+        "image_over_weights_plus_rss": (dumped["size_bytes"] + dumped["buffer_bytes"])  # type: ignore[index]
+        / (dumped["buffer_bytes"] + fast["source_rss_bytes"]),  # type: ignore[index,operator]
+        "largest_image_files": fast["largest_image_files"],
         "stock": None if stock is None else {
             "restore_to_first_token_s": stock["to_first_token_s"],
             "image_bytes": stock["dumped"]["size_bytes"],  # type: ignore[index]

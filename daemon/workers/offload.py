@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import structlog
+
 from gpusnap.adapters import wire
 from gpusnap.adapters._proto import agent_pb2
 from gpusnap.daemon.store.buffers import BufferStore, StagedBuffers
 from gpusnap.daemon.workers.agents import AgentSession
+
+log = structlog.get_logger(__name__)
 
 
 def _batches(n: int) -> list[range]:
@@ -47,7 +51,9 @@ def offload(
             msg = agent_pb2.DaemonMessage(
                 offload=agent_pb2.Offload(names=[staged.names[j] for j in batch], last=i == len(batches) - 1)
             )
-            session.call(msg, timeout_s, "write its buffers out", fds=[staged.fds[j] for j in batch])
+            done = session.call(msg, timeout_s, "write its buffers out", fds=[staged.fds[j] for j in batch])
+            log.info("buffers.written", pid=session.info.pid, buffers=len(batch), worker_s=round(done.duration_seconds, 3),
+                     bytes=sum(staged.sizes[j] for j in batch))
         staged.start_digests()
     except BaseException:
         staged.close()
@@ -60,7 +66,8 @@ def reload(session: AgentSession, names: Sequence[str], fds: Sequence[int], time
     try:
         for batch in _batches(len(names)):
             msg = agent_pb2.DaemonMessage(reload=agent_pb2.Reload(names=[names[j] for j in batch]))
-            session.call(msg, timeout_s, "read its buffers back", fds=[fds[j] for j in batch])
+            done = session.call(msg, timeout_s, "read its buffers back", fds=[fds[j] for j in batch])
+            log.info("buffers.read", pid=session.info.pid, buffers=len(batch), worker_s=round(done.duration_seconds, 3))
     finally:
         for fd in fds:
             os.close(fd)
