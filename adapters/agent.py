@@ -153,9 +153,9 @@ class WorkerAgent:
                 elif kind == "quiesce":
                     result.buffers.extend(self._quiesce())
                 elif kind == "offload":
-                    self._offload(list(msg.offload.names), fds, last=msg.offload.last)
+                    result.details.update(self._offload(list(msg.offload.names), fds, last=msg.offload.last))
                 elif kind == "reload":
-                    self._reload(list(msg.reload.names), fds)
+                    result.details.update(self._reload(list(msg.reload.names), fds))
                 elif kind == "resume":
                     result.details["tokens"] = _tokens(self._resume(msg.resume))
                 else:
@@ -191,25 +191,28 @@ class WorkerAgent:
         if unknown:
             raise ValueError(f"unknown buffers {unknown[:3]}")
 
-    def _offload(self, names: list[str], fds: list[int], *, last: bool) -> None:
+    def _offload(self, names: list[str], fds: list[int], *, last: bool) -> dict[str, str]:
         self._check(names, fds)
         out = [n for n in names if n in self._out]
         if out:
             raise ValueError(f"buffers {out[:3]} are out already")
         picked = [self._buffers[n] for n in names]
-        buffers.write(picked, fds)
+        timings = buffers.write(picked, fds)
         buffers.free(picked)  # only once every buffer of the batch is written
         self._out.update(names)
         if last:
+            buffers.trim_heap()
             log.info("gpusnap agent: %d buffers (%d bytes) out of memory", len(self._out),
                      sum(self._buffers[n].nbytes for n in self._out))
+        return {k: f"{v:.3f}" for k, v in timings.items()}
 
-    def _reload(self, names: list[str], fds: list[int]) -> None:
+    def _reload(self, names: list[str], fds: list[int]) -> dict[str, str]:
         """Read back the named buffers that are out (a rollback may name some that never left)."""
         self._check(names, fds)
         wanted = [(self._buffers[n], fd) for n, fd in zip(names, fds, strict=True) if n in self._out]
-        buffers.read([b for b, _ in wanted], [fd for _, fd in wanted])
+        timings = buffers.read([b for b, _ in wanted], [fd for _, fd in wanted])
         self._out.difference_update(names)
+        return {k: f"{v:.3f}" for k, v in timings.items()}
 
     def _resume(self, msg: agent_pb2.Resume) -> list[int]:
         if self._out:

@@ -53,7 +53,7 @@ def offload(
             )
             done = session.call(msg, timeout_s, "write its buffers out", fds=[staged.fds[j] for j in batch])
             log.info("buffers.written", pid=session.info.pid, buffers=len(batch), worker_s=round(done.duration_seconds, 3),
-                     bytes=sum(staged.sizes[j] for j in batch))
+                     bytes=sum(staged.sizes[j] for j in batch), **dict(done.details))
         staged.start_digests()
     except BaseException:
         staged.close()
@@ -67,7 +67,8 @@ def reload(session: AgentSession, names: Sequence[str], fds: Sequence[int], time
         for batch in _batches(len(names)):
             msg = agent_pb2.DaemonMessage(reload=agent_pb2.Reload(names=[names[j] for j in batch]))
             done = session.call(msg, timeout_s, "read its buffers back", fds=[fds[j] for j in batch])
-            log.info("buffers.read", pid=session.info.pid, buffers=len(batch), worker_s=round(done.duration_seconds, 3))
+            log.info("buffers.read", pid=session.info.pid, buffers=len(batch), worker_s=round(done.duration_seconds, 3),
+                     **dict(done.details))
     finally:
         for fd in fds:
             os.close(fd)
