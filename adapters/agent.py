@@ -201,6 +201,7 @@ class WorkerAgent:
         buffers.free(picked)  # only once every buffer of the batch is written
         self._out.update(names)
         if last:
+            buffers.release_host_cache()
             buffers.trim_heap()
             log.info("gpusnap agent: %d buffers (%d bytes) out of memory", len(self._out),
                      sum(self._buffers[n].nbytes for n in self._out))
@@ -223,6 +224,8 @@ class WorkerAgent:
                                      values=dict(msg.context.values))
             context.apply_env()
         self._call(self.adapter.resume(context))
+        if self._buffers:  # the reload's pinned slots, off the path to the first token
+            threading.Thread(target=buffers.release_host_cache, name="gpusnap-release", daemon=True).start()
         self.quiesced = False
         self.resumed_count += 1
         return self._call(self.adapter.health())

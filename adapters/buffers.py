@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import gc
 import itertools
 import os
 import queue
@@ -150,7 +149,7 @@ def _slot(state: dict[str, Any], device: Any) -> tuple[Any, Any, memoryview]:
 
     Slots come from torch's caching host allocator (``cudaHostAlloc``): on an H200 host, 12 threads moved
     16 GiB at 14–21 GB/s with them, and at 7–9 GB/s with ``cudaHostRegister``-ed anonymous mappings
-    (bench/results/buffers-probe-*.json). :func:`_empty_host_cache` gives them back afterwards, so they
+    (bench/results/buffers-probe-*.json). :func:`release_host_cache` gives them back afterwards, so they
     are not captured.
     """
     import torch
@@ -170,13 +169,12 @@ def _release_slot(state: dict[str, Any]) -> None:
     state.pop("slot", None)
 
 
-def _empty_host_cache() -> None:
-    """Free torch's cached pinned host blocks (the slots, and the engine's own), which the image would
-    otherwise hold. ``torch._C._host_emptyCache`` exists in the torch 2.x releases gpusnap runs on; where it
-    is missing the slots stay cached (about 64 MiB per thread)."""
+def release_host_cache() -> None:
+    """Free torch's cached pinned host blocks (the slots, which batches reuse, and the engine's own), which
+    the image would otherwise hold. ``torch._C._host_emptyCache`` exists in the torch 2.x releases gpusnap
+    runs on; where it is missing the slots stay cached (64 MiB per thread)."""
     import torch
 
-    gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
         empty = getattr(torch._C, "_host_emptyCache", None)
@@ -188,7 +186,8 @@ def write(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = N
     """Write each buffer's bytes to the matching file descriptor, from offset 0.
 
     Returns:
-        Seconds spent: ``copy_s`` (copies and writes), ``release_s`` (slots).
+        Seconds spent: ``copy_s`` (copies and writes). The pinned slots stay in torch's host cache for
+        the next batch: call :func:`release_host_cache` before the process is captured.
 
     Raises:
         OSError: a write failed (e.g. ENOSPC); the files' contents are then undefined.
@@ -210,9 +209,7 @@ def write(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = N
         torch.cuda.synchronize(device)  # the engine's last kernels wrote these tensors
     t0 = time.monotonic()
     _run_parallel(_steps(buffers, fds), work, threads or _default_threads())
-    t1 = time.monotonic()
-    _empty_host_cache()
-    return {"copy_s": t1 - t0, "release_s": time.monotonic() - t1}
+    return {"copy_s": time.monotonic() - t0}
 
 
 def trim_heap() -> None:
@@ -238,7 +235,8 @@ def read(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = No
     """Allocate each buffer's storage again (``nbytes``) and fill it from the matching descriptor.
 
     Returns:
-        Seconds spent: ``alloc_s`` (storages), ``copy_s`` (reads and copies), ``release_s`` (slots).
+        Seconds spent: ``alloc_s`` (storages), ``copy_s`` (reads and copies). The pinned slots stay in
+        torch's host cache for the next batch: see :func:`release_host_cache`.
 
     Raises:
         OSError: a read failed or a file is shorter than its buffer.
@@ -264,6 +262,4 @@ def read(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = No
             dst.copy_(slot[: step.size], non_blocking=True)
 
     _run_parallel(_steps(buffers, fds), work, threads or _default_threads())
-    t2 = time.monotonic()
-    _empty_host_cache()
-    return {"alloc_s": t1 - t0, "copy_s": t2 - t1, "release_s": time.monotonic() - t2}
+    return {"alloc_s": t1 - t0, "copy_s": time.monotonic() - t1}
