@@ -42,19 +42,21 @@ def cold_start(daemon: object, wd: Path, size: str, *args: str) -> tuple[subproc
 
 
 def dump_and_restore(daemon: object, proc: subprocess.Popen[bytes], wd: Path, n: int, *dump_args: str) -> dict[str, object]:
-    """Dump ``proc``, restore it, and time restore issued → first token of request ``n``."""
+    """Dump ``proc``, restore it, time restore issued → first token (request ``n``, one token), then take
+    request ``n + 1`` (16 tokens) for the comparison with the source's answer."""
     cli = daemon.cli  # type: ignore[attr-defined]
     dumped = json.loads(cli("-o", "json", "dump", str(proc.pid), *dump_args, check=True, timeout=1800).stdout)
     proc.wait(timeout=120)
     client = daemon.client()  # type: ignore[attr-defined]
     t0 = time.time()  # an orchestrator's gRPC Restore call (the CLI adds its own start-up)
     done = client.wait(client.restore(dumped["id"]).id, timeout_s=1800)
-    answer = request(wd, n)
+    first = request(wd, n, tokens=1)
+    answer = request(wd, n + 1)
     if done.state != operations_pb2.OPERATION_STATE_SUCCEEDED:
         raise SystemExit(f"restore failed: {done}")
     restored = {"pid": done.restore.pid, "phases": {p.phase: p.duration_seconds for p in done.phases}}
     snap = json.loads(cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
-    return {"dumped": dumped, "restored": restored, "answer": answer, "to_first_token_s": answer["t_done"] - t0,
+    return {"dumped": dumped, "restored": restored, "answer": answer, "to_first_token_s": first["t_done"] - t0,
             "gpu_memory_at_capture_bytes": sum(int(g["gpuMemoryBytes"]) for g in snap.get("gpuProcesses", [])),
             "source_rss_bytes": int(snap["source"]["rssBytes"]),
             "largest_image_files": sorted(((f["path"], int(f["sizeBytes"])) for f in snap["files"]),

@@ -5,7 +5,8 @@
 Builds the model on the GPU from a fixed seed (no weights are downloaded), or loads it from DIR (a
 transformers model directory, safetensors) like a production worker; ``--save-model`` writes the random
 model to DIR and exits. Then it serves greedy
-generations: each WORKDIR/go-N makes it generate 16 tokens for a fixed prompt and write WORKDIR/tokens-N
+generations: each WORKDIR/go-N makes it generate 16 tokens (or the number the file holds) for a fixed
+prompt and write WORKDIR/tokens-N
 (JSON: {"tokens": [...], "t_done": <time.time()>}). WORKDIR/ready holds {"t_start", "t_first_token"}:
 process start to first generated token is the cold start. The agent names the model's parameters as
 buffers, so a capture keeps the weights out of the image.
@@ -101,7 +102,9 @@ def main() -> int:
     while True:
         go = os.path.join(wd, f"go-{n}")
         if os.path.exists(go):
-            tokens = generate(PROMPT, 16)
+            with open(go) as fh:
+                count = int(fh.read().strip() or 16)
+            tokens = generate(PROMPT, count)
             with open(os.path.join(wd, f"tokens-{n}.tmp"), "w") as fh:
                 json.dump({"tokens": tokens, "t_done": time.time()}, fh)
             os.rename(os.path.join(wd, f"tokens-{n}.tmp"), os.path.join(wd, f"tokens-{n}"))

@@ -29,8 +29,11 @@ def start_llm(daemon: DaemonProc, wd: Path, size: str = "1b", *args: str) -> sub
     return proc
 
 
-def request(wd: Path, n: int, timeout: float = 120) -> dict:  # type: ignore[type-arg]
-    (wd / f"go-{n}").write_text("")
+def request(wd: Path, n: int, timeout: float = 120, tokens: int = 16) -> dict:  # type: ignore[type-arg]
+    """Ask for generation ``n`` (``tokens`` greedy tokens); returns {"tokens", "t_done"}."""
+    go = wd / f"go-{n}"
+    go.with_suffix(".tmp").write_text(str(tokens))
+    go.with_suffix(".tmp").rename(go)
     wait_for((wd / f"tokens-{n}").exists, timeout, f"no answer to request {n}")
     return json.loads((wd / f"tokens-{n}").read_text())  # type: ignore[no-any-return]
 
