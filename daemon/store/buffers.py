@@ -21,7 +21,7 @@ change can only harm themselves; restores check blob sizes, and re-digest blobs 
 
 from __future__ import annotations
 
-import dataclasses
+import fcntl
 import os
 import secrets
 import shutil
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import structlog
 
-from gpusnap.daemon.api.errors import DataLossError, ResourceExhaustedError
+from gpusnap.daemon.api.errors import DataLossError, FailedPreconditionError, ResourceExhaustedError
 from gpusnap.daemon.api.types import BufferRef
 from gpusnap.daemon.store import checksum
 
@@ -125,12 +125,35 @@ class BufferStore:
         self.jobs = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpusnap-buffers")
         self._lock = threading.Lock()
         self._pins: dict[str, int] = {}
+        self._lock_fd: int | None = None
+
+    def close(self) -> None:
+        """Release the buffer store's lock."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def open(self) -> None:
-        """Create the layout and remove files left in ``incoming`` by a previous daemon."""
+        """Create the layout, take the buffer store's lock and remove files left in ``incoming``.
+
+        Raises:
+            FailedPreconditionError: another daemon uses this directory (``STORE_LOCKED``): its garbage
+                collection would delete the other daemon's blobs.
+            OSError: the directory cannot be created or written.
+        """
         for d in (self.root, self.blobs, self.incoming):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FailedPreconditionError(
+                f"buffer store {self.root} is in use by another gpusnapd; give each daemon its own --buffer-dir",
+                reason="STORE_LOCKED",
+            ) from None
+        self._lock_fd = fd
         for leftover in self.incoming.iterdir():
             log.warning("buffers.incoming_removed", path=str(leftover))
             if leftover.is_dir():

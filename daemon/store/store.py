@@ -114,7 +114,8 @@ class SnapshotStore:
         self.collect_buffers()
 
     def close(self) -> None:
-        """Release the store lock."""
+        """Release the store's locks."""
+        self.buffers.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

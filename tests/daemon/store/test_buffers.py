@@ -96,3 +96,14 @@ def test_read_descriptors_survive_the_commit(tmp_path: Path) -> None:
     finally:
         os.close(fd)
         staged.close()
+
+
+def test_two_daemons_cannot_share_a_buffer_store(tmp_path: Path) -> None:
+    from gpusnap.daemon.api.errors import FailedPreconditionError
+
+    first = _store(tmp_path)
+    with pytest.raises(FailedPreconditionError, match="in use by another gpusnapd") as err:
+        _store(tmp_path)
+    assert err.value.reason == "STORE_LOCKED"
+    first.close()
+    _store(tmp_path).close()
