@@ -31,34 +31,37 @@ def finish_quiesce(session: AgentSession, timeout_s: float) -> None:
     session.call(msg, timeout_s, "detach")
 
 
-def offload(
-    session: AgentSession, store: BufferStore, announced: Sequence[agent_pb2.BufferInfo], timeout_s: float
-) -> StagedBuffers:
-    """Move the announced buffers out of the worker into staged files; digests start at once.
+def stage(session: AgentSession, store: BufferStore, announced: Sequence[agent_pb2.BufferInfo]) -> StagedBuffers:
+    """Staged files for the buffers the worker announced (see :meth:`BufferStore.stage`).
 
-    The caller owns the result and must :meth:`StagedBuffers.close` it when the capture ends (after a
-    rollback's :func:`reload`, if any). On error the staged files are closed here.
+    The caller owns the result: it hands it to a rollback's :func:`reload` if the capture fails, and
+    closes it (:meth:`StagedBuffers.close`) when the capture ends.
 
     Raises:
         ResourceExhaustedError: the buffer store lacks room (``BUFFER_STORE_FULL``).
+    """
+    return store.stage(session.info.uid, [b.name for b in announced], [b.size_bytes for b in announced])
+
+
+def offload(session: AgentSession, staged: StagedBuffers, timeout_s: float) -> None:
+    """Have the worker write its buffers into ``staged`` and free them, in batches; digests start at once.
+
+    A failure part-way leaves some buffers out of the worker: the capture's rollback reads them back from
+    ``staged`` (the agent skips those it still holds).
+
+    Raises:
         FailedPreconditionError, DeadlineExceededError: see :meth:`AgentSession.call`.
         DataLossError: the worker wrote a different size than it announced (``BUFFER_SIZE``).
     """
-    staged = store.stage(session.info.uid, [b.name for b in announced], [b.size_bytes for b in announced])
-    try:
-        batches = _batches(len(announced))
-        for i, batch in enumerate(batches):
-            msg = agent_pb2.DaemonMessage(
-                offload=agent_pb2.Offload(names=[staged.names[j] for j in batch], last=i == len(batches) - 1)
-            )
-            done = session.call(msg, timeout_s, "write its buffers out", fds=[staged.fds[j] for j in batch])
-            log.info("buffers.written", pid=session.info.pid, buffers=len(batch), worker_s=round(done.duration_seconds, 3),
-                     bytes=sum(staged.sizes[j] for j in batch), **dict(done.details))
-        staged.start_digests()
-    except BaseException:
-        staged.close()
-        raise
-    return staged
+    batches = _batches(len(staged.names))
+    for i, batch in enumerate(batches):
+        msg = agent_pb2.DaemonMessage(
+            offload=agent_pb2.Offload(names=[staged.names[j] for j in batch], last=i == len(batches) - 1)
+        )
+        done = session.call(msg, timeout_s, "write its buffers out", fds=[staged.fds[j] for j in batch])
+        log.info("buffers.written", pid=session.info.pid, buffers=len(batch), worker_s=round(done.duration_seconds, 3),
+                 bytes=sum(staged.sizes[j] for j in batch), **dict(done.details))
+    staged.start_digests()
 
 
 def reload(session: AgentSession, names: Sequence[str], fds: Sequence[int], timeout_s: float) -> None:

@@ -87,7 +87,8 @@ def prepare_capture(
             raise
     if quiesced.buffers and opts.offload:
         with run.phase("offload") as progress:
-            capture.staged = offload.offload(session, deps.store.buffers, quiesced.buffers, cfg.quiesce_timeout)
+            capture.staged = offload.stage(session, deps.store.buffers, quiesced.buffers)
+            offload.offload(session, capture.staged, cfg.quiesce_timeout)
             progress.bytes = capture.staged.total_bytes
     elif quiesced.buffers:
         offload.finish_quiesce(session, cfg.quiesce_timeout)
