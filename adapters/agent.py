@@ -151,7 +151,7 @@ class WorkerAgent:
                 elif kind == "health":
                     result.details["tokens"] = _tokens(self._call(self.adapter.health()))
                 elif kind == "quiesce":
-                    result.buffers.extend(self._quiesce())
+                    result.buffers.extend(self._quiesce(msg.quiesce.offload))
                 elif kind == "offload":
                     result.details.update(self._offload(list(msg.offload.names), fds, last=msg.offload.last))
                 elif kind == "reload":
@@ -171,10 +171,10 @@ class WorkerAgent:
             if result.ok and ((kind == "quiesce" and not result.buffers) or (kind == "offload" and msg.offload.last)):
                 return  # close the channel before the dump
 
-    def _quiesce(self) -> list[agent_pb2.BufferInfo]:
+    def _quiesce(self, offload: bool) -> list[agent_pb2.BufferInfo]:
         try:
             self._call(self.adapter.quiesce())
-            named = self.adapter.buffers()
+            named = self.adapter.buffers() if offload else {}
             self._buffers = {b.name: b for b in buffers.collect(named)} if named else {}
         except Exception:
             self._call(self.adapter.resume(None))  # a failed quiesce leaves the worker serving
@@ -198,10 +198,12 @@ class WorkerAgent:
             raise ValueError(f"buffers {out[:3]} are out already")
         picked = [self._buffers[n] for n in names]
         timings = buffers.write(picked, fds)
-        buffers.free(picked)  # only once every buffer of the batch is written
-        self._out.update(names)
+        try:
+            buffers.free(picked)  # only once every buffer of the batch is written
+        finally:  # what was freed is out, even if freeing one of them failed
+            self._out.update(b.name for b in picked if b.storage.nbytes() == 0)
         if last:
-            buffers.release_host_cache()
+            buffers.release_host_cache({b.storage.device for b in self._buffers.values() if b.storage.device.type == "cuda"})
             buffers.trim_heap()
             log.info("gpusnap agent: %d buffers (%d bytes) out of memory", len(self._out),
                      sum(self._buffers[n].nbytes for n in self._out))

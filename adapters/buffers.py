@@ -6,8 +6,9 @@ neither the CUDA checkpoint nor the CRIU image carries it; after a restore (or a
 allocates the storages again and reads them back. Tensors stay the same Python objects; only their
 storage's device address changes, so buffers that a captured CUDA graph reads must not be named.
 
-Data path (gpusnap measurements on an H200, bench/results/offload-probe-*.json): host↔device copies
-from pageable memory run at about 7 GB/s, from pinned memory at about 54 GB/s. CUDA storages therefore
+Data path (gpusnap measurements on an H200, bench/results/offload-probe-*.json and
+buffers-probe-*.json): host↔device copies from pageable memory run at about 7 GB/s, from pinned memory at
+about 54 GB/s. CUDA storages therefore
 go through a ring of pinned bounce buffers: one worker thread per slot reads (``preadv``) or writes
 (``pwritev``) a chunk of the file while other slots' copies run on their own CUDA streams. CPU
 storages are read and written in place. ``preadv``/``pwritev`` and stream waits release the GIL.
@@ -52,6 +53,7 @@ def collect(tensors: Mapping[str, Any]) -> list[Buffer]:
 
     Raises:
         TypeError: a value is not a torch.Tensor.
+        ValueError: a tensor's storage cannot be resized (so it could not be freed).
     """
     import torch
 
@@ -60,6 +62,9 @@ def collect(tensors: Mapping[str, Any]) -> list[Buffer]:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"buffer {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         storage = tensor.untyped_storage()
+        if not storage.resizable():
+            raise ValueError(f"buffer {name!r} cannot be freed: its storage is not resizable (it wraps memory torch "
+                             "does not own, e.g. from numpy or a memory-mapped file); do not name it")
         key = (str(storage.device), storage.data_ptr())
         if storage.nbytes() > 0 and key not in seen:
             seen[key] = Buffer(name, storage, storage.nbytes())
@@ -169,14 +174,22 @@ def _release_slot(state: dict[str, Any]) -> None:
     state.pop("slot", None)
 
 
-def release_host_cache() -> None:
+def release_host_cache(devices: Iterable[Any] = ()) -> None:
     """Free torch's cached pinned host blocks (the slots, which batches reuse, and the engine's own), which
     the image would otherwise hold. ``torch._C._host_emptyCache`` exists in the torch 2.x releases gpusnap
-    runs on; where it is missing the slots stay cached (64 MiB per thread)."""
+    runs on; where it is missing the slots stay cached (64 MiB per thread).
+
+    Args:
+        devices: GPUs to wait for first, so no block is kept for a pending copy (before a capture: the
+            buffers' devices; never others, which would get a context). The copies of :func:`write` and
+            :func:`read` are complete when they return, so a release after a reload, while the engine
+            serves again, names none.
+    """
     import torch
 
     if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        for device in devices:
+            torch.cuda.synchronize(device)
         empty = getattr(torch._C, "_host_emptyCache", None)
         if empty is not None:
             empty()

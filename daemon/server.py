@@ -16,6 +16,7 @@ from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, opera
 from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
+from gpusnap.daemon.drivers import host
 from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.operations.deps import Deps
@@ -63,6 +64,7 @@ def build_daemon(config: DaemonConfig) -> Running:
         InvalidArgumentError: inconsistent configuration.
     """
     config.validate()
+    host.raise_open_file_limit()
     criu = CriuDriver(config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs")
     criu_version = criu.require_supported()
     store = SnapshotStore(config.store, Path(config.buffer_dir) if config.buffer_dir else None)

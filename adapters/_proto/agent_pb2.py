@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gpusnap/v1/agent.proto\x12\ngpusnap.v1\"\xcb\x01\n\nAgentHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x0f\n\x07resumed\x18\x04 \x01(\x08\x12\x10\n\x08wake_dir\x18\x05 \x01(\t\x12.\n\x04info\x18\x06 \x03(\x0b\x32 .gpusnap.v1.AgentHello.InfoEntry\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xea\x01\n\rCommandResult\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x37\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32&.gpusnap.v1.CommandResult.DetailsEntry\x12\x18\n\x10\x64uration_seconds\x18\x05 \x01(\x01\x12\'\n\x07\x62uffers\x18\x06 \x03(\x0b\x32\x16.gpusnap.v1.BufferInfo\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\".\n\nBufferInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"o\n\x0c\x41gentMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.gpusnap.v1.AgentHelloH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.gpusnap.v1.CommandResultH\x00\x42\t\n\x07message\"\x08\n\x06WarmUp\"\t\n\x07Quiesce\"\xe8\x01\n\x0eRestoreContext\x12\x30\n\x03\x65nv\x18\x01 \x03(\x0b\x32#.gpusnap.v1.RestoreContext.EnvEntry\x12\x11\n\tunset_env\x18\x02 \x03(\t\x12\x36\n\x06values\x18\x03 \x03(\x0b\x32&.gpusnap.v1.RestoreContext.ValuesEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\x06Resume\x12\x10\n\x08restored\x18\x01 \x01(\x08\x12+\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x1a.gpusnap.v1.RestoreContext\"\x08\n\x06Health\"&\n\x07Offload\x12\r\n\x05names\x18\x01 \x03(\t\x12\x0c\n\x04last\x18\x02 \x01(\x08\"\x17\n\x06Reload\x12\r\n\x05names\x18\x01 \x03(\t\"\x97\x02\n\rDaemonMessage\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12%\n\x07warm_up\x18\x02 \x01(\x0b\x32\x12.gpusnap.v1.WarmUpH\x00\x12&\n\x07quiesce\x18\x03 \x01(\x0b\x32\x13.gpusnap.v1.QuiesceH\x00\x12$\n\x06resume\x18\x04 \x01(\x0b\x32\x12.gpusnap.v1.ResumeH\x00\x12$\n\x06health\x18\x05 \x01(\x0b\x32\x12.gpusnap.v1.HealthH\x00\x12&\n\x07offload\x18\x06 \x01(\x0b\x32\x13.gpusnap.v1.OffloadH\x00\x12$\n\x06reload\x18\x07 \x01(\x0b\x32\x12.gpusnap.v1.ReloadH\x00\x42\t\n\x07\x63ommandb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gpusnap/v1/agent.proto\x12\ngpusnap.v1\"\xcb\x01\n\nAgentHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x0f\n\x07resumed\x18\x04 \x01(\x08\x12\x10\n\x08wake_dir\x18\x05 \x01(\t\x12.\n\x04info\x18\x06 \x03(\x0b\x32 .gpusnap.v1.AgentHello.InfoEntry\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xea\x01\n\rCommandResult\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x37\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32&.gpusnap.v1.CommandResult.DetailsEntry\x12\x18\n\x10\x64uration_seconds\x18\x05 \x01(\x01\x12\'\n\x07\x62uffers\x18\x06 \x03(\x0b\x32\x16.gpusnap.v1.BufferInfo\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\".\n\nBufferInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"o\n\x0c\x41gentMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.gpusnap.v1.AgentHelloH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.gpusnap.v1.CommandResultH\x00\x42\t\n\x07message\"\x08\n\x06WarmUp\"\x1a\n\x07Quiesce\x12\x0f\n\x07offload\x18\x01 \x01(\x08\"\xe8\x01\n\x0eRestoreContext\x12\x30\n\x03\x65nv\x18\x01 \x03(\x0b\x32#.gpusnap.v1.RestoreContext.EnvEntry\x12\x11\n\tunset_env\x18\x02 \x03(\t\x12\x36\n\x06values\x18\x03 \x03(\x0b\x32&.gpusnap.v1.RestoreContext.ValuesEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\x06Resume\x12\x10\n\x08restored\x18\x01 \x01(\x08\x12+\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x1a.gpusnap.v1.RestoreContext\"\x08\n\x06Health\"&\n\x07Offload\x12\r\n\x05names\x18\x01 \x03(\t\x12\x0c\n\x04last\x18\x02 \x01(\x08\"\x17\n\x06Reload\x12\r\n\x05names\x18\x01 \x03(\t\"\x97\x02\n\rDaemonMessage\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12%\n\x07warm_up\x18\x02 \x01(\x0b\x32\x12.gpusnap.v1.WarmUpH\x00\x12&\n\x07quiesce\x18\x03 \x01(\x0b\x32\x13.gpusnap.v1.QuiesceH\x00\x12$\n\x06resume\x18\x04 \x01(\x0b\x32\x12.gpusnap.v1.ResumeH\x00\x12$\n\x06health\x18\x05 \x01(\x0b\x32\x12.gpusnap.v1.HealthH\x00\x12&\n\x07offload\x18\x06 \x01(\x0b\x32\x13.gpusnap.v1.OffloadH\x00\x12$\n\x06reload\x18\x07 \x01(\x0b\x32\x12.gpusnap.v1.ReloadH\x00\x42\t\n\x07\x63ommandb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,21 +54,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WARMUP']._serialized_start=642
   _globals['_WARMUP']._serialized_end=650
   _globals['_QUIESCE']._serialized_start=652
-  _globals['_QUIESCE']._serialized_end=661
-  _globals['_RESTORECONTEXT']._serialized_start=664
-  _globals['_RESTORECONTEXT']._serialized_end=896
-  _globals['_RESTORECONTEXT_ENVENTRY']._serialized_start=807
-  _globals['_RESTORECONTEXT_ENVENTRY']._serialized_end=849
-  _globals['_RESTORECONTEXT_VALUESENTRY']._serialized_start=851
-  _globals['_RESTORECONTEXT_VALUESENTRY']._serialized_end=896
-  _globals['_RESUME']._serialized_start=898
-  _globals['_RESUME']._serialized_end=969
-  _globals['_HEALTH']._serialized_start=971
-  _globals['_HEALTH']._serialized_end=979
-  _globals['_OFFLOAD']._serialized_start=981
-  _globals['_OFFLOAD']._serialized_end=1019
-  _globals['_RELOAD']._serialized_start=1021
-  _globals['_RELOAD']._serialized_end=1044
-  _globals['_DAEMONMESSAGE']._serialized_start=1047
-  _globals['_DAEMONMESSAGE']._serialized_end=1326
+  _globals['_QUIESCE']._serialized_end=678
+  _globals['_RESTORECONTEXT']._serialized_start=681
+  _globals['_RESTORECONTEXT']._serialized_end=913
+  _globals['_RESTORECONTEXT_ENVENTRY']._serialized_start=824
+  _globals['_RESTORECONTEXT_ENVENTRY']._serialized_end=866
+  _globals['_RESTORECONTEXT_VALUESENTRY']._serialized_start=868
+  _globals['_RESTORECONTEXT_VALUESENTRY']._serialized_end=913
+  _globals['_RESUME']._serialized_start=915
+  _globals['_RESUME']._serialized_end=986
+  _globals['_HEALTH']._serialized_start=988
+  _globals['_HEALTH']._serialized_end=996
+  _globals['_OFFLOAD']._serialized_start=998
+  _globals['_OFFLOAD']._serialized_end=1036
+  _globals['_RELOAD']._serialized_start=1038
+  _globals['_RELOAD']._serialized_end=1061
+  _globals['_DAEMONMESSAGE']._serialized_start=1064
+  _globals['_DAEMONMESSAGE']._serialized_end=1343
 # @@protoc_insertion_point(module_scope)

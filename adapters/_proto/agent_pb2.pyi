@@ -8,11 +8,22 @@ Transport: the agent connects to the daemon's agent socket (a Unix stream socket
 one serialized message: the agent sends AgentMessage, the daemon sends DaemonMessage. The daemon learns
 the worker's PID from the socket's peer credentials (SO_PEERCRED), which also works from containers.
 
-Capture: the daemon sends WarmUp, then Quiesce. After answering Quiesce the agent closes the connection
-(no socket to the daemon may be in the image) and waits for its wake file, <wake dir>/<instance_id>,
-to appear; then it reconnects with hello.resumed = true and waits for Resume. The daemon creates the
+Capture: the daemon sends WarmUp, then Quiesce. After answering Quiesce (and, with buffers, the last
+Offload) the agent closes the connection (no socket to the daemon may be in the image) and waits for its
+wake file, <wake dir>/<instance_id>, to appear; then it reconnects with hello.resumed = true and waits
+for Resume. If the daemon closes the connection first (a failed capture), the agent waits the same way. The daemon creates the
 wake file once the worker may run on: after a restore (in the restored copy) or after a failed capture
 (in the source).
+
+Named buffers (weights) kept out of the image: when Quiesce.offload is set, Quiesce's result lists the
+buffers the worker can move (CommandResult.buffers); without it the agent announces none, so a daemon
+that predates buffers never sees the connection stay open. The daemon then sends Offload commands, each
+with one file descriptor per named buffer attached to its frame (SCM_RIGHTS, in the order of
+Offload.names, at most 200 per frame); the worker writes each buffer to its descriptor from offset 0
+and frees the memory. The Offload with last = true ends the exchange: the worker closes the connection
+after answering it successfully. Before Resume, the daemon sends Reload commands the same way
+(read-only descriptors); the worker allocates the buffers again and reads them back, skipping any it
+still holds. A Resume while a buffer is still out fails.
 """
 
 from collections import abc as _abc
@@ -225,12 +236,17 @@ class Quiesce(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    OFFLOAD_FIELD_NUMBER: _builtins.int
+    offload: _builtins.bool
+    """the daemon takes buffers: announce them in the result"""
     def __init__(
         self,
+        *,
+        offload: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offload", b"offload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -364,7 +380,7 @@ class Offload(_message.Message):
     NAMES_FIELD_NUMBER: _builtins.int
     LAST_FIELD_NUMBER: _builtins.int
     last: _builtins.bool
-    """close the connection after answering"""
+    """close the connection after answering (when ok)"""
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import resource
 import os
 import socket
 from pathlib import Path
@@ -66,3 +67,19 @@ def mem_available_bytes() -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+OPEN_FILES_WANTED = 65536
+"""Soft RLIMIT_NOFILE gpusnapd raises itself to (within the hard limit): a capture holds one descriptor per
+worker buffer (up to 16384), and systemd starts services with a soft limit of 1024."""
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft limit on open files to ``OPEN_FILES_WANTED`` or the hard limit; returns the new soft
+    limit. CRIU runs with it too; a very high one would only make CRIU's service-descriptor table larger."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        return want
+    return soft

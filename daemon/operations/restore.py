@@ -8,7 +8,8 @@ namespace) → [``gpu-restore`` (``cuCheckpointProcessRestore``, with ``gpuPairs
 ``gpu-unlock``] → ``validate`` (every restored process exists and runs, every CUDA process is RUNNING:
 CRIU's success alone is not trusted, see checkpoint-restore/criu#2525 and #2993) → [``resume-worker``:
 the worker's agent resumes it with the restore context and its canary must give the capture-time
-tokens, after ``reload-buffers`` hands it its buffers once their digests are confirmed; or
+tokens, after ``reload-buffers`` hands it its buffers (their sizes checked, and with ``verify_buffers``
+their digests); or
 ``restore-complete`` in its control directory]. A failure releases the
 GPUs of whatever was restored, kills it (in that order: cuda-checkpoint#53) and keeps the snapshot.
 """
@@ -84,6 +85,9 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                     "restored copy); restore it with --private-net, or stop what holds the port",
                     reason="ADDRESS_IN_USE",
                 )
+        digests = [b.sha256 for b in snapshot.buffers]
+        deps.store.buffers.pin(snapshot.buffer_uid, digests)  # until the worker has read them
+        run.on_failure("unpin-buffers", lambda: deps.store.buffers.unpin(snapshot.buffer_uid, digests))
         deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
         gpu_map = _resolve_gpu_map(deps, snapshot, opts)
     with run.phase("verify") as progress:
@@ -146,6 +150,8 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                 reason="RESTORE_INCOMPLETE",
             )
     orchestrate.resume_restored(run, deps, snapshot, opts, pids, buffers_verified)
+    run.drop_undo("unpin-buffers")
+    deps.store.buffers.unpin(snapshot.buffer_uid, digests)
     return RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid)
 
 

@@ -16,17 +16,19 @@ digests of operations still in flight are pinned against that.
 Why per uid: the worker could keep a duplicate of its read-write descriptor and change a blob after it
 was digested. Blobs are therefore shared only between snapshots of workers of the same user, whom such a
 change can only harm themselves; restores check blob sizes, and re-digest blobs only on request
-(``--verify-buffers``), which keeps gigabytes of hashing off the restore path.
+(``--verify-buffers``), which keeps gigabytes of hashing off the restore path. Such a descriptor could
+also grow a blob after its capture: nothing bounds that yet (known gap).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import secrets
 import shutil
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,8 +83,8 @@ class StagedBuffers:
         self._digests = self.store.jobs.submit(checksum.file_digests, self.paths, self.store.pool)
 
     def commit(self) -> list[BufferRef]:
-        """Wait for the digests and move each file to ``sha256/<digest>`` (or drop it if that exists),
-        fsynced; the digests stay pinned until :meth:`close`. Returns the snapshot's references."""
+        """Wait for the digests and move each file to ``sha256/<uid>/<digest>`` (or drop it if that
+        exists), fsynced; the digests stay pinned until :meth:`close`. Returns the snapshot's references."""
         if self._digests is None:
             self.start_digests()
         assert self._digests is not None
@@ -190,13 +192,14 @@ class BufferStore:
     def adopt(self, path: Path, fd: int, uid: int, digest: str) -> None:
         """Make the staged file ``path`` the blob ``digest`` of ``uid`` unless that blob exists already."""
         target = self.path(uid, digest)
-        if target.exists():
-            path.unlink()
-            return
-        target.parent.mkdir(mode=0o700, exist_ok=True)
         os.fsync(fd)
         os.fchmod(fd, 0o400)
-        os.rename(path, target)
+        with self._lock:  # the garbage collector removes empty user directories
+            if target.exists():
+                path.unlink()
+                return
+            target.parent.mkdir(mode=0o700, exist_ok=True)
+            os.rename(path, target)
 
     def fsync_dir(self, uid: int) -> None:
         for d in (self.blobs / str(uid), self.blobs):
@@ -259,12 +262,22 @@ class BufferStore:
 
         return self.jobs.submit(run)
 
-    def collect_garbage(self, referenced: set[str]) -> int:
-        """Remove blobs whose :meth:`key` neither ``referenced`` nor an in-flight operation names; returns
-        the bytes freed."""
+    @contextlib.contextmanager
+    def pinned(self, uid: int, digests: Sequence[str]) -> Iterator[None]:
+        """Keep these blobs from garbage collection for the duration of the block (e.g. a restore)."""
+        self.pin(uid, digests)
+        try:
+            yield
+        finally:
+            self.unpin(uid, digests)
+
+    def collect_garbage(self, referenced: Callable[[], set[str]]) -> int:
+        """Remove blobs whose :meth:`key` neither ``referenced()`` (called under the store's lock, so a
+        capture cannot publish and unpin in between) nor an in-flight operation names; returns the bytes
+        freed."""
         freed = 0
         with self._lock:
-            keep = referenced | set(self._pins)
+            keep = referenced() | set(self._pins)
             for user_dir in self.blobs.iterdir():
                 for blob in user_dir.iterdir():
                     if f"{user_dir.name}/{blob.name}" not in keep:

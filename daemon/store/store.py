@@ -231,8 +231,9 @@ class SnapshotStore:
     def collect_buffers(self) -> int:
         """Remove buffer blobs that no listed snapshot references (and no operation has pinned); returns
         the bytes freed. Damaged manifests keep nothing alive: their snapshots cannot be restored."""
-        referenced = {self.buffers.key(s.buffer_uid, b.sha256) for s in self.list() for b in s.buffers}
-        return self.buffers.collect_garbage(referenced)
+        return self.buffers.collect_garbage(
+            lambda: {self.buffers.key(s.buffer_uid, b.sha256) for s in self.list() for b in s.buffers}
+        )
 
     def images_dir(self, snapshot_id: str) -> Path:
         """The images directory of a published snapshot."""

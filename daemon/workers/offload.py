@@ -15,6 +15,7 @@ import structlog
 
 from gpusnap.adapters import wire
 from gpusnap.adapters._proto import agent_pb2
+from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.store.buffers import BufferStore, StagedBuffers
 from gpusnap.daemon.workers.agents import AgentSession
 
@@ -25,10 +26,8 @@ def _batches(n: int) -> list[range]:
     return [range(i, min(i + wire.MAX_FDS, n)) for i in range(0, n, wire.MAX_FDS)]
 
 
-def finish_quiesce(session: AgentSession, timeout_s: float) -> None:
-    """Tell an agent that announced buffers to keep them (an empty last Offload); it then detaches."""
-    msg = agent_pb2.DaemonMessage(offload=agent_pb2.Offload(last=True))
-    session.call(msg, timeout_s, "detach")
+MAX_BUFFERS = 16384
+"""Buffers one worker may announce: each holds a staged file (and descriptor) open during its capture."""
 
 
 def stage(session: AgentSession, store: BufferStore, announced: Sequence[agent_pb2.BufferInfo]) -> StagedBuffers:
@@ -38,8 +37,24 @@ def stage(session: AgentSession, store: BufferStore, announced: Sequence[agent_p
     closes it (:meth:`StagedBuffers.close`) when the capture ends.
 
     Raises:
+        FailedPreconditionError: a malformed announcement (``BAD_BUFFERS``): more than ``MAX_BUFFERS``,
+            an empty or repeated name, an empty buffer.
         ResourceExhaustedError: the buffer store lacks room (``BUFFER_STORE_FULL``).
     """
+    names = [b.name for b in announced]
+    problem = (
+        f"{len(names)} buffers (at most {MAX_BUFFERS})" if len(names) > MAX_BUFFERS
+        else "an empty name" if not all(names)
+        else "a repeated name" if len(set(names)) != len(names)
+        else "an empty buffer" if not all(b.size_bytes for b in announced)
+        else ""
+    )
+    if problem:
+        raise FailedPreconditionError(
+            f"the {session.info.engine} worker (PID {session.info.pid}) announced {problem}; fix its adapter's "
+            "buffers() or checkpoint with --no-offload",
+            reason="BAD_BUFFERS",
+        )
     return store.stage(session.info.uid, [b.name for b in announced], [b.size_bytes for b in announced])
 
 

@@ -71,27 +71,31 @@ def prepare_capture(
     capture = Capture()
 
     def undo() -> None:
+        had_buffers = capture.staged is not None
         try:
+            proc.ensure_no_frozen(list(tree_pids))  # a CRIU killed mid-dump may have left it stopped
+            session.close()  # an agent still connected (mid-offload) then waits for its wake file too
             if not refused:
                 resume_source(deps, info.pid, info.instance_id, info.wake_dir, info.uid, capture.staged)
         finally:
             capture.close()
+            if had_buffers:  # blobs committed before a later failure belong to no snapshot
+                deps.store.collect_buffers()
 
     run.on_failure("resume-worker", undo)
     with run.phase("quiesce"):
         try:
-            quiesced = session.call(agent_pb2.DaemonMessage(quiesce=agent_pb2.Quiesce()), cfg.quiesce_timeout, "quiesce")
+            quiesced = session.call(agent_pb2.DaemonMessage(quiesce=agent_pb2.Quiesce(offload=opts.offload)),
+                                    cfg.quiesce_timeout, "quiesce")
         except FailedPreconditionError as exc:
             if exc.reason == "AGENT_COMMAND_FAILED":
                 refused.append(True)
             raise
-    if quiesced.buffers and opts.offload:
+    if quiesced.buffers:
         with run.phase("offload") as progress:
             capture.staged = offload.stage(session, deps.store.buffers, quiesced.buffers)
             offload.offload(session, capture.staged, cfg.quiesce_timeout)
             progress.bytes = capture.staged.total_bytes
-    elif quiesced.buffers:
-        offload.finish_quiesce(session, cfg.quiesce_timeout)
     capture.worker = WorkerInfo(engine=info.engine, instance_id=info.instance_id, wake_dir=info.wake_dir,
                                 canary_tokens=warm.details.get("tokens", ""), uid=info.uid, pid=info.pid)
     return capture

@@ -144,3 +144,27 @@ def test_damaged_or_missing_buffers_are_named(daemon: DaemonProc, worker: Worker
     blob.unlink()
     res = daemon.cli("restore", "w")
     assert res.returncode == 4 and "needs buffer 'w'" in res.stderr and "missing" in res.stderr, res.stderr
+
+
+def test_a_full_buffer_store_refuses_the_capture_and_the_worker_serves_on(tmp_path: Path) -> None:
+    """The worker is quiesced and still connected when staging fails: the rollback must detach and resume it."""
+    from tests.conftest import start_daemon, stop_daemon
+
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)]).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    d = start_daemon(tmp_path, extra_env={"GPUSNAP_BUFFER_DIR": str(small / "buffers"), "GPUSNAP_RESUME_TIMEOUT": "30"})
+    w = Worker(d, tmp_path, "w")
+    try:
+        before = w.generate()
+        res = d.cli("dump", str(w.proc.pid))
+        assert res.returncode == 9 and "GiB free" in res.stderr, res.stderr
+        assert "rollback" not in res.stderr, res.stderr
+        assert w.generate() == before, "the source serves again, weights in place"
+        assert w.events()[-2:] == [f"resume restored=False resident={WEIGHT_BYTES}", "warm_up"]
+        assert json.loads(d.cli("-o", "json", "ls", check=True).stdout) == []
+    finally:
+        kill_tree(w.proc.pid)
+        stop_daemon(d)
+        subprocess.run(["umount", "-l", str(small)])
