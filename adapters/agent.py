@@ -7,8 +7,8 @@ Start it once the engine is built::
     agent = start_agent(VllmAdapter(engine), loop=asyncio.get_running_loop())
 
 The agent dials gpusnapd's agent socket (``GPUSNAP_AGENT_SOCKET``, default ``/run/gpusnap/agent.sock``)
-from a background thread and keeps retrying while the daemon is away. After answering ``Quiesce`` it
-closes the connection, so the captured image holds no socket to the daemon, and waits for its wake file
+from a background thread and keeps retrying while the daemon is away. After answering ``Quiesce`` (with
+buffers, the last ``Offload``) it closes the connection, so the captured image holds no socket to the daemon, and waits for its wake file
 (``<wake dir>/<instance id>``); the daemon creates it once the worker may run on (in a restored copy, or
 in the source after a failed capture). Then it reconnects and waits for ``Resume``. Buffers the adapter
 names (:meth:`EngineAdapter.buffers`) leave memory between quiesce and resume: see

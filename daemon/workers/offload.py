@@ -55,7 +55,7 @@ def stage(session: AgentSession, store: BufferStore, announced: Sequence[agent_p
             "buffers() or checkpoint with --no-offload",
             reason="BAD_BUFFERS",
         )
-    return store.stage(session.info.uid, [b.name for b in announced], [b.size_bytes for b in announced])
+    return store.stage(session.info.uid, names, [b.size_bytes for b in announced])
 
 
 def offload(session: AgentSession, staged: StagedBuffers, timeout_s: float) -> None:
