@@ -86,8 +86,9 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                     reason="ADDRESS_IN_USE",
                 )
         digests = [b.sha256 for b in snapshot.buffers]
-        deps.store.buffers.pin(snapshot.buffer_uid, digests)  # until the worker has read them
-        run.on_failure("unpin-buffers", lambda: deps.store.buffers.unpin(snapshot.buffer_uid, digests))
+        if digests:  # kept from garbage collection until the worker has read them
+            deps.store.buffers.pin(snapshot.buffer_uid, digests)
+            run.on_failure("unpin-buffers", lambda: deps.store.buffers.unpin(snapshot.buffer_uid, digests))
         deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
         gpu_map = _resolve_gpu_map(deps, snapshot, opts)
     with run.phase("verify") as progress:
@@ -150,8 +151,9 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                 reason="RESTORE_INCOMPLETE",
             )
     orchestrate.resume_restored(run, deps, snapshot, opts, pids, buffers_verified)
-    run.drop_undo("unpin-buffers")
-    deps.store.buffers.unpin(snapshot.buffer_uid, digests)
+    if digests:
+        run.drop_undo("unpin-buffers")
+        deps.store.buffers.unpin(snapshot.buffer_uid, digests)
     return RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid)
 
 
