@@ -26,6 +26,8 @@ def _batches(n: int) -> list[range]:
     return [range(i, min(i + wire.MAX_FDS, n)) for i in range(0, n, wire.MAX_FDS)]
 
 
+SLOWEST_STORE_BYTES_PER_S = 100 << 20
+"""A batch's time bound grows by its bytes at this rate (a slow disk), on top of the fixed timeout."""
 MAX_BUFFERS = 16384
 """Buffers one worker may announce: each holds a staged file (and descriptor) open during its capture."""
 
@@ -58,6 +60,12 @@ def stage(session: AgentSession, store: BufferStore, announced: Sequence[agent_p
     return store.stage(session.info.uid, names, [b.size_bytes for b in announced])
 
 
+def batch_timeout(timeout_s: float, nbytes: int) -> float:
+    """The bound on one Offload or Reload batch moving ``nbytes``: ``timeout_s`` plus the time the slowest
+    store gpusnap plans for (``SLOWEST_STORE_BYTES_PER_S``) needs for them."""
+    return timeout_s + nbytes / SLOWEST_STORE_BYTES_PER_S
+
+
 def offload(session: AgentSession, staged: StagedBuffers, timeout_s: float) -> None:
     """Have the worker write its buffers into ``staged`` and free them, in batches; digests start at once.
 
@@ -73,9 +81,11 @@ def offload(session: AgentSession, staged: StagedBuffers, timeout_s: float) -> N
         msg = agent_pb2.DaemonMessage(
             offload=agent_pb2.Offload(names=[staged.names[j] for j in batch], last=i == len(batches) - 1)
         )
-        done = session.call(msg, timeout_s, "write its buffers out", fds=[staged.fds[j] for j in batch])
+        nbytes = sum(staged.sizes[j] for j in batch)
+        done = session.call(msg, batch_timeout(timeout_s, nbytes), "write its buffers out",
+                            fds=[staged.fds[j] for j in batch])
         log.info("buffers.written", pid=session.info.pid, buffers=len(batch), worker_s=round(done.duration_seconds, 3),
-                 bytes=sum(staged.sizes[j] for j in batch), **dict(done.details))
+                 bytes=nbytes, **dict(done.details))
     staged.start_digests()
 
 
@@ -84,7 +94,9 @@ def reload(session: AgentSession, names: Sequence[str], fds: Sequence[int], time
     try:
         for batch in _batches(len(names)):
             msg = agent_pb2.DaemonMessage(reload=agent_pb2.Reload(names=[names[j] for j in batch]))
-            done = session.call(msg, timeout_s, "read its buffers back", fds=[fds[j] for j in batch])
+            nbytes = sum(os.fstat(fds[j]).st_size for j in batch)
+            done = session.call(msg, batch_timeout(timeout_s, nbytes), "read its buffers back",
+                                fds=[fds[j] for j in batch])
             log.info("buffers.read", pid=session.info.pid, buffers=len(batch), worker_s=round(done.duration_seconds, 3),
                      **dict(done.details))
     finally:
