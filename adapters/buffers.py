@@ -107,8 +107,8 @@ def _run_parallel(steps: Iterable[_Step], work: Any, threads: int) -> None:
         todo.put(step)
     errors: list[BaseException] = []
 
-    def loop(index: int) -> None:
-        state: dict[str, Any] = {"index": index}
+    def loop() -> None:
+        state: dict[str, Any] = {}
         while not errors:
             step = todo.get()
             if step is None:
@@ -122,7 +122,7 @@ def _run_parallel(steps: Iterable[_Step], work: Any, threads: int) -> None:
             stream.synchronize()
         _release_slot(state)
 
-    pool = [threading.Thread(target=loop, args=(i,), name=f"gpusnap-buffers-{i}", daemon=True) for i in range(threads)]
+    pool = [threading.Thread(target=loop, name=f"gpusnap-buffers-{i}", daemon=True) for i in range(threads)]
     for _ in pool:
         todo.put(None)
     for t in pool:

@@ -1,17 +1,16 @@
 """Restore: bring a snapshot back as a new process tree.
 
-Phases: ``preflight`` (snapshot readable, caller allowed, host compatible, buffers present with their sizes,
-GPU map resolved and GPU preconditions met) → ``verify`` (image sizes and digests; with
+Phases: ``preflight`` (snapshot readable, caller allowed, host compatible, buffers present with their
+sizes, GPU map resolved and GPU preconditions met) → ``verify`` (image sizes and digests; with
 ``verify_buffers`` the buffers' digests too, in the background, overlapped with the next phases) →
-``restore`` (CRIU, by default into a fresh PID
-namespace) → [``gpu-restore`` (``cuCheckpointProcessRestore``, with ``gpuPairs`` when remapping) →
-``gpu-unlock``] → ``validate`` (every restored process exists and runs, every CUDA process is RUNNING:
-CRIU's success alone is not trusted, see checkpoint-restore/criu#2525 and #2993) → [``resume-worker``:
-the worker's agent resumes it with the restore context and its canary must give the capture-time
-tokens, after ``reload-buffers`` hands it its buffers (their sizes checked, and with ``verify_buffers``
-their digests); or
-``restore-complete`` in its control directory]. A failure releases the
-GPUs of whatever was restored, kills it (in that order: cuda-checkpoint#53) and keeps the snapshot.
+``restore`` (CRIU, by default into a fresh PID namespace) → [``gpu-restore``
+(``cuCheckpointProcessRestore``, with ``gpuPairs`` when remapping) → ``gpu-unlock``] → ``validate`` (every
+restored process exists and runs, every CUDA process is RUNNING: CRIU's success alone is not trusted, see
+checkpoint-restore/criu#2525 and #2993) → [``reload-buffers`` (the worker gets its buffers back, their
+sizes checked, and with ``verify_buffers`` their digests) → ``resume-worker``: the worker's agent resumes
+it with the restore context and its canary must give the capture-time tokens; or ``restore-complete`` in
+its control directory]. A failure releases the GPUs of whatever was restored, kills it (in that order:
+cuda-checkpoint#53) and keeps the snapshot.
 """
 
 from __future__ import annotations

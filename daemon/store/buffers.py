@@ -22,13 +22,12 @@ also grow a blob after its capture: nothing bounds that yet (known gap).
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import secrets
 import shutil
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import structlog
 from gpusnap.daemon.api.errors import DataLossError, FailedPreconditionError, ResourceExhaustedError
 from gpusnap.daemon.api.types import BufferRef
 from gpusnap.daemon.store import checksum
+from gpusnap.daemon.store.durable import fsync_dir
 
 log = structlog.get_logger(__name__)
 
@@ -94,7 +94,8 @@ class StagedBuffers:
         self.refs = refs
         for path, fd, digest in zip(self.paths, self.fds, digests, strict=True):
             self.store.adopt(path, fd, self.uid, digest)
-        self.store.fsync_dir(self.uid)
+        fsync_dir(self.store.blobs / str(self.uid))
+        fsync_dir(self.store.blobs)
         return refs
 
     def read_fds(self) -> list[int]:
@@ -201,14 +202,6 @@ class BufferStore:
             target.parent.mkdir(mode=0o700, exist_ok=True)
             os.rename(path, target)
 
-    def fsync_dir(self, uid: int) -> None:
-        for d in (self.blobs / str(uid), self.blobs):
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
     def pin(self, uid: int, digests: Iterable[str]) -> None:
         """Protect blobs from garbage collection while an operation uses them."""
         with self._lock:
@@ -261,15 +254,6 @@ class BufferStore:
             return [f"buffer {r.name}: checksum mismatch" for r, d in zip(refs, digests, strict=True) if d != r.sha256]
 
         return self.jobs.submit(run)
-
-    @contextlib.contextmanager
-    def pinned(self, uid: int, digests: Sequence[str]) -> Iterator[None]:
-        """Keep these blobs from garbage collection for the duration of the block (e.g. a restore)."""
-        self.pin(uid, digests)
-        try:
-            yield
-        finally:
-            self.unpin(uid, digests)
 
     def collect_garbage(self, referenced: Callable[[], set[str]]) -> int:
         """Remove blobs whose :meth:`key` neither ``referenced()`` (called under the store's lock, so a

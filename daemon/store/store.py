@@ -35,6 +35,7 @@ from gpusnap.daemon.api.errors import AlreadyExistsError, DataLossError, FailedP
 from gpusnap.daemon.api.types import Snapshot
 from gpusnap.daemon.store import checksum, manifest
 from gpusnap.daemon.store.buffers import BufferStore
+from gpusnap.daemon.store.durable import fsync_dir
 
 log = structlog.get_logger(__name__)
 
@@ -154,7 +155,7 @@ class SnapshotStore:
         _fsync_tree(staging.path)
         final = self.snapshots_dir / snapshot.id
         os.rename(staging.path, final)
-        _fsync_dir(self.snapshots_dir)
+        fsync_dir(self.snapshots_dir)
         log.info("store.published", snapshot_id=snapshot.id, name=snapshot.name, bytes=snapshot.size_bytes)
         return snapshot
 
@@ -257,14 +258,6 @@ class SnapshotStore:
             )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
@@ -273,4 +266,4 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))

@@ -58,8 +58,9 @@ def test_garbage_collection_spares_referenced_and_pinned_blobs(tmp_path: Path) -
     assert store.collect_garbage(lambda: {store.key(0, kept_ref.sha256)}) == 100
     assert store.path(0, pinned_ref.sha256).exists()
     inflight.close()
-    with store.pinned(0, [kept_ref.sha256]):
-        assert store.collect_garbage(set) == 100, "the in-flight blob goes once unpinned; the restored one stays"
+    store.pin(0, [kept_ref.sha256])  # as a restore does
+    assert store.collect_garbage(set) == 100, "the in-flight blob goes once unpinned; the restored one stays"
+    store.unpin(0, [kept_ref.sha256])
     assert store.collect_garbage(lambda: {store.key(0, kept_ref.sha256)}) == 0
     assert store.used_bytes() == 100
 
