@@ -38,6 +38,8 @@ class DaemonProc:
     proc: subprocess.Popen[bytes]
     log: Path
     clients: list[DaemonClient] = field(default_factory=list)
+    cli_argv: tuple[str, ...] = (sys.executable, "-m", "gpusnap.daemon.cli")
+    env: dict[str, str] | None = None
 
     def client(self) -> DaemonClient:
         c = DaemonClient(self.socket)
@@ -45,10 +47,10 @@ class DaemonProc:
         return c
 
     def cli(self, *args: str, user: int | None = None, check: bool = False, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "gpusnap.daemon.cli", "--socket", str(self.socket), *args]
+        cmd = [*self.cli_argv, "--socket", str(self.socket), *args]
         if user is not None:
             cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_cli_env())
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env or _cli_env())
         if check and res.returncode != 0:
             raise AssertionError(f"{args} exited {res.returncode}: {res.stderr}")
         return res
@@ -67,23 +69,31 @@ def _cli_env() -> dict[str, str]:
     return env
 
 
-def start_daemon(tmp: Path, extra_env: dict[str, str] | None = None, criu_binary: str | None = None) -> DaemonProc:
-    """Start gpusnapd with a socket in a world-traversable temp dir and a store under ``tmp``."""
+def start_daemon(tmp: Path, extra_env: dict[str, str] | None = None, criu_binary: str | None = None,
+                 bin_dir: Path | None = None, base_env: dict[str, str] | None = None) -> DaemonProc:
+    """Start gpusnapd with a socket in a world-traversable temp dir and a store under ``tmp``.
+
+    ``bin_dir``: run the ``gpusnapd`` and ``gpusnap`` scripts installed there (with ``base_env`` instead
+    of this interpreter's environment) rather than this checkout's modules.
+    """
     sock_dir = Path(tempfile.mkdtemp(prefix="gpusnap-sock-"))
     os.chmod(sock_dir, 0o755)
     socket_path = sock_dir / "gpusnapd.sock"
     store = tmp / "store"
     log = tmp / "gpusnapd.log"
     prefix = criu_prefix()
-    env = {**_cli_env(), "GPUSNAP_LOG_FORMAT": "json", "GPUSNAP_AGENT_SOCKET": str(sock_dir / "agent.sock"),
+    env = {**(base_env or _cli_env()), "GPUSNAP_LOG_FORMAT": "json", "GPUSNAP_AGENT_SOCKET": str(sock_dir / "agent.sock"),
            **(extra_env or {})}
+    daemon_argv = [str(bin_dir / "gpusnapd")] if bin_dir else [sys.executable, "-m", "gpusnap.daemon.main"]
     cmd = [
-        sys.executable, "-m", "gpusnap.daemon.main",
+        *daemon_argv,
         "--socket", str(socket_path), "--store", str(store),
         "--criu", criu_binary or str(prefix / "bin" / "criu"), "--pycriu-path", str(prefix / "python"),
     ]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
     d = DaemonProc(socket=socket_path, store=store, proc=proc, log=log)
+    if bin_dir:
+        d.cli_argv, d.env = (str(bin_dir / "gpusnap"),), base_env
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
