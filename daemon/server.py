@@ -10,7 +10,6 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
 from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
@@ -21,6 +20,7 @@ from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.service import reflection
 from gpusnap.daemon.service.peercred import PeerCredProxy
 from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, SnapshotServicer
 from gpusnap.daemon.store import SnapshotStore
@@ -93,7 +93,7 @@ def build_daemon(config: DaemonConfig) -> Running:
     node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(daemon, proxy), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable((*SERVICE_NAMES, health.SERVICE_NAME), server)
     server.add_insecure_port(f"unix:{private}")
     if config.listen:
         server.add_secure_port(config.listen, _tls_credentials(config))
