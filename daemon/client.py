@@ -158,8 +158,19 @@ class DaemonClient:
     def get_operation(self, op_id: str) -> operations_pb2.Operation:
         return self._call(self._ops.GetOperation, operations_pb2.GetOperationRequest(id=op_id)).operation
 
-    def list_operations(self) -> list[operations_pb2.Operation]:
-        return list(self._call(self._ops.ListOperations, operations_pb2.ListOperationsRequest()).operations)
+    def list_operations(self, page_size: int = 0) -> list[operations_pb2.Operation]:
+        """Every operation the caller may see, oldest first, fetched page by page."""
+        return self._all_pages(self._ops.ListOperations, operations_pb2.ListOperationsRequest(page_size=page_size), "operations")
+
+    def _all_pages(self, method: Callable[..., Any], request: Any, field: str) -> list[Any]:
+        """Call a List RPC until its ``next_page_token`` is empty; the items of every page, in order."""
+        out: list[Any] = []
+        while True:
+            resp = self._call(method, request)
+            out.extend(getattr(resp, field))
+            if not resp.next_page_token:
+                return out
+            request.page_token = resp.next_page_token
 
     def watch(self, op_id: str) -> Iterator[operations_pb2.OperationEvent]:
         """The operation's events from its start until its final event."""
@@ -175,9 +186,10 @@ class DaemonClient:
         raise_if_failed(op)
         return op
 
-    def list_snapshots(self, label_selector: Mapping[str, str] | None = None) -> list[types_pb2.Snapshot]:
-        req = snapshots_pb2.ListSnapshotsRequest(label_selector=dict(label_selector or {}))
-        return list(self._call(self._snaps.ListSnapshots, req).snapshots)
+    def list_snapshots(self, label_selector: Mapping[str, str] | None = None, page_size: int = 0) -> list[types_pb2.Snapshot]:
+        """Every snapshot the caller may see (matching ``label_selector``), oldest first, page by page."""
+        req = snapshots_pb2.ListSnapshotsRequest(label_selector=dict(label_selector or {}), page_size=page_size)
+        return self._all_pages(self._snaps.ListSnapshots, req, "snapshots")
 
     def get_snapshot(self, snapshot: str) -> types_pb2.Snapshot:
         return self._call(self._snaps.GetSnapshot, snapshots_pb2.GetSnapshotRequest(snapshot=snapshot)).snapshot

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from gpusnap.daemon.api import validate
+from gpusnap.daemon.api import paging, validate
 from gpusnap.daemon.api.errors import AbortedError, NotFoundError, PermissionDeniedError
 from gpusnap.daemon.api.types import Caller, CheckpointOptions, HostFacts, RestoreOptions, Snapshot
 from gpusnap.daemon.drivers import proc
@@ -112,11 +112,18 @@ class Daemon:
             raise NotFoundError(f"no operation {op_id!r} in this daemon", reason="OPERATION_NOT_FOUND")
         return record
 
-    def operations(self, caller: Caller) -> list[OperationRecord]:
-        return [r for r in self.registry.list() if caller.is_root or r.owner_uid == caller.uid]
+    def operations(self, caller: Caller, page_size: int = 0, page_token: str = "") -> paging.Page[OperationRecord]:
+        """A page of the operations the caller may see, oldest first (raises as :func:`paging.paginate`)."""
+        records = [r for r in self.registry.list() if caller.is_root or r.owner_uid == caller.uid]
+        return paging.paginate(records, operation_key, paging.page_size(page_size), page_token)
 
-    def snapshots(self, caller: Caller, label_selector: Mapping[str, str]) -> list[Snapshot]:
-        return [s for s in self.deps.store.list(label_selector) if caller.is_root or s.owner_uid == caller.uid]
+    def snapshots(
+        self, caller: Caller, label_selector: Mapping[str, str], page_size: int = 0, page_token: str = ""
+    ) -> paging.Page[Snapshot]:
+        """A page of the caller's snapshots (root: all) matching ``label_selector``, oldest first; the index
+        is filtered by owner before anything else (raises as :func:`paging.paginate`)."""
+        snaps = self.deps.store.list(label_selector, owner_uid=None if caller.is_root else caller.uid)
+        return paging.paginate(snaps, snapshot_key, paging.page_size(page_size), page_token)
 
     def snapshot(self, ref: str, caller: Caller) -> Snapshot:
         snapshot = self.deps.store.get(ref)
@@ -150,6 +157,14 @@ class Daemon:
             cuda_unavailable_reason=self.deps.gpu.reason,
         )
 
+
+
+def snapshot_key(snapshot: Snapshot) -> paging.Key:
+    return paging.key(snapshot.created, snapshot.id)
+
+
+def operation_key(record: OperationRecord) -> paging.Key:
+    return paging.key(record.started, record.id)
 
 
 def _require_identified(caller: Caller) -> None:

@@ -44,6 +44,14 @@ class ListSnapshotsRequest(_message.Message):
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most this many snapshots (0: 100; more than 1000: 1000). A page may hold fewer, to stay under
+    2 MiB encoded; follow next_page_token until it is empty (AIP-158).
+    """
+    page_token: _builtins.str
+    """next_page_token of the previous page; empty for the first"""
     @_builtins.property
     def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """every pair must match"""
@@ -52,10 +60,12 @@ class ListSnapshotsRequest(_message.Message):
         self,
         *,
         label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["label_selector", b"label_selector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label_selector", b"label_selector", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -66,16 +76,22 @@ class ListSnapshotsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """empty on the last page"""
     @_builtins.property
-    def snapshots(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Snapshot]: ...
+    def snapshots(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Snapshot]:
+        """oldest first"""
+
     def __init__(
         self,
         *,
         snapshots: _abc.Iterable[_types_pb2.Snapshot] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshots", b"snapshots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "snapshots", b"snapshots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -78,7 +78,7 @@ class OperationRegistry:
     def list(self) -> list[OperationRecord]:
         """Known operations, oldest first."""
         with self._lock:
-            return sorted(self._ops.values(), key=lambda r: r.started)
+            return sorted(self._ops.values(), key=lambda r: (r.started, r.id))
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop accepting work; with ``wait`` let running operations finish."""

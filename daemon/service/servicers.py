@@ -13,7 +13,8 @@ from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, opera
 from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
 from gpusnap.daemon.api.errors import GpusnapError, InternalError
 from gpusnap.daemon.api.types import ANONYMOUS_CALLER, ROOT_CALLER, Caller
-from gpusnap.daemon.core import Daemon
+from gpusnap.daemon.api import paging
+from gpusnap.daemon.core import Daemon, operation_key, snapshot_key
 from gpusnap.daemon.service import convert
 from gpusnap.daemon.service.errors import abort
 from gpusnap.daemon.service.peercred import PeerCredProxy
@@ -107,15 +108,19 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
 
     @_rpc
     def ListOperations(self, request: operations_pb2.ListOperationsRequest, context: grpc.ServicerContext) -> operations_pb2.ListOperationsResponse:
-        records = self.daemon.operations(self.caller(context))
-        return operations_pb2.ListOperationsResponse(operations=[convert.operation(r) for r in records])
+        page = self.daemon.operations(self.caller(context), request.page_size, request.page_token)
+        ops = [convert.operation(r) for r in page.items]
+        page = paging.fit(page, [m.ByteSize() for m in ops], operation_key)
+        return operations_pb2.ListOperationsResponse(operations=ops[: len(page.items)], next_page_token=page.next_token)
 
 
 class SnapshotServicer(_Base, snapshots_pb2_grpc.SnapshotServiceServicer):
     @_rpc
     def ListSnapshots(self, request: snapshots_pb2.ListSnapshotsRequest, context: grpc.ServicerContext) -> snapshots_pb2.ListSnapshotsResponse:
-        snaps = self.daemon.snapshots(self.caller(context), dict(request.label_selector))
-        return snapshots_pb2.ListSnapshotsResponse(snapshots=[convert.snapshot(s) for s in snaps])
+        page = self.daemon.snapshots(self.caller(context), dict(request.label_selector), request.page_size, request.page_token)
+        snaps = [convert.snapshot(s) for s in page.items]
+        page = paging.fit(page, [m.ByteSize() for m in snaps], snapshot_key)
+        return snapshots_pb2.ListSnapshotsResponse(snapshots=snaps[: len(page.items)], next_page_token=page.next_token)
 
     @_rpc
     def GetSnapshot(self, request: snapshots_pb2.GetSnapshotRequest, context: grpc.ServicerContext) -> snapshots_pb2.GetSnapshotResponse:

@@ -36,6 +36,7 @@ from gpusnap.daemon.api.types import Snapshot
 from gpusnap.daemon.store import checksum, manifest
 from gpusnap.daemon.store.buffers import BufferStore
 from gpusnap.daemon.store.durable import fsync_dir
+from gpusnap.daemon.store.index import SnapshotIndex
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +76,7 @@ class SnapshotStore:
         self._lock = threading.Lock()
         self._reserved_names: dict[str, str] = {}
         self._lock_fd: int | None = None
+        self._index = SnapshotIndex()
 
     def open(self) -> None:
         """Create the layout, take the store lock and remove staging leftovers.
@@ -112,6 +114,7 @@ class SnapshotStore:
                 "--buffer-dir",
                 reason="STORE_UNUSABLE",
             ) from exc
+        self._index.load(self.snapshots_dir)
         self.collect_buffers()
 
     def close(self) -> None:
@@ -156,21 +159,14 @@ class SnapshotStore:
         final = self.snapshots_dir / snapshot.id
         os.rename(staging.path, final)
         fsync_dir(self.snapshots_dir)
+        self._index.add(snapshot)
         log.info("store.published", snapshot_id=snapshot.id, name=snapshot.name, bytes=snapshot.size_bytes)
         return snapshot
 
-    def list(self, label_selector: Mapping[str, str] | None = None) -> list[Snapshot]:
-        """Complete snapshots, oldest first; damaged ones are logged and left out."""
-        out = []
-        for path in self.snapshots_dir.iterdir():
-            try:
-                snap = manifest.read(path)
-            except DataLossError as exc:
-                log.warning("store.snapshot_damaged", path=str(path), error=str(exc))
-                continue
-            if all(snap.labels.get(k) == v for k, v in (label_selector or {}).items()):
-                out.append(snap)
-        return sorted(out, key=lambda s: (s.created, s.id))
+    def list(self, label_selector: Mapping[str, str] | None = None, owner_uid: int | None = None) -> list[Snapshot]:
+        """Complete snapshots (of ``owner_uid`` only, when given), oldest first, from the in-memory index;
+        damaged ones are left out."""
+        return self._index.list(owner_uid, label_selector or {})
 
     def get(self, ref: str) -> Snapshot:
         """The snapshot with id or name ``ref``.
@@ -180,7 +176,12 @@ class SnapshotStore:
             NotFoundError: no such snapshot (reason ``SNAPSHOT_NOT_FOUND``).
             DataLossError: its manifest is damaged.
         """
-        return manifest.read(self.path_of(ref))
+        path = self.path_of(ref)
+        try:
+            return manifest.read(path)
+        except DataLossError:
+            self._index.discard(path.name)  # damaged since it was indexed: no longer listed
+            raise
 
     def path_of(self, ref: str) -> Path:
         """Directory of the snapshot with id or name ``ref`` (raises as :meth:`get`)."""
@@ -190,9 +191,9 @@ class SnapshotStore:
             if path.is_dir():
                 return path
         else:
-            for snap in self.list():
-                if snap.name == ref:
-                    return self.snapshots_dir / snap.id
+            found = self._index.by_name(ref)
+            if found is not None:
+                return self.snapshots_dir / found.id
         raise NotFoundError(
             f"no snapshot {ref!r} in {self.root}; list snapshots with `gpusnap ls`",
             reason="SNAPSHOT_NOT_FOUND",
@@ -224,6 +225,7 @@ class SnapshotStore:
         # Rename first so a half-deleted snapshot is never listed.
         doomed = self.staging_dir / f"{path.name}.deleting"
         os.rename(path, doomed)
+        self._index.discard(path.name)
         shutil.rmtree(doomed, ignore_errors=True)
         log.info("store.deleted", snapshot_id=path.name)
         self.collect_buffers()
@@ -250,7 +252,7 @@ class SnapshotStore:
             self._check_name_free_locked(name)
 
     def _check_name_free_locked(self, name: str) -> None:
-        if name in self._reserved_names or any(s.name == name for s in self.list()):
+        if name in self._reserved_names or self._index.by_name(name) is not None:
             raise AlreadyExistsError(
                 f"a snapshot named {name!r} already exists; choose another name or delete it with `gpusnap rm {name}`",
                 reason="NAME_TAKEN",

@@ -1,0 +1,73 @@
+"""SnapshotIndex: the published snapshots in memory, by owner, so a list neither reads nor parses manifests.
+
+Every manifest is parsed once, when the store opens; :class:`~gpusnap.daemon.store.store.SnapshotStore`
+then adds a snapshot when it publishes it and drops it when it deletes it or finds its manifest damaged.
+A list looks only at the caller's own snapshots (root: all) before it applies the label selector.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import structlog
+
+from gpusnap.daemon.api.errors import DataLossError
+from gpusnap.daemon.api.types import Snapshot
+from gpusnap.daemon.store import manifest
+
+log = structlog.get_logger(__name__)
+
+
+class SnapshotIndex:
+    """Snapshots by owner uid, then by id. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_owner: dict[int, dict[str, Snapshot]] = {}
+        self._owner_of: dict[str, int] = {}
+
+    def load(self, snapshots_dir: Path) -> None:
+        """Index every readable manifest under ``snapshots_dir``; damaged ones are logged and left out."""
+        for path in snapshots_dir.iterdir():
+            try:
+                self.add(manifest.read(path))
+            except DataLossError as exc:
+                log.warning("store.snapshot_damaged", path=str(path), error=str(exc))
+
+    def add(self, snapshot: Snapshot) -> None:
+        with self._lock:
+            self._by_owner.setdefault(snapshot.owner_uid, {})[snapshot.id] = snapshot
+            self._owner_of[snapshot.id] = snapshot.owner_uid
+
+    def discard(self, snapshot_id: str) -> None:
+        with self._lock:
+            owner = self._owner_of.pop(snapshot_id, None)
+            if owner is not None:
+                self._by_owner[owner].pop(snapshot_id, None)
+                if not self._by_owner[owner]:
+                    del self._by_owner[owner]
+
+    def list(self, owner_uid: int | None, label_selector: Mapping[str, str]) -> list[Snapshot]:
+        """Snapshots of ``owner_uid`` (every owner's for ``None``) whose labels match, oldest first."""
+        with self._lock:
+            if owner_uid is None:
+                candidates = [s for snaps in self._by_owner.values() for s in snaps.values()]
+            else:
+                candidates = list(self._by_owner.get(owner_uid, {}).values())
+        out = [s for s in candidates if all(s.labels.get(k) == v for k, v in label_selector.items())]
+        return sorted(out, key=lambda s: (s.created, s.id))
+
+    def by_name(self, name: str) -> Snapshot | None:
+        """The snapshot named ``name``, if any."""
+        with self._lock:
+            for snaps in self._by_owner.values():
+                for snap in snaps.values():
+                    if snap.name == name:
+                        return snap
+        return None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._owner_of)
