@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from concurrent import futures
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
 from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
+from gpusnap.daemon import rundirs
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import host
@@ -70,17 +70,18 @@ def build_daemon(config: DaemonConfig) -> Running:
     store = SnapshotStore(config.store, Path(config.buffer_dir) if config.buffer_dir else None)
     store.open()
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
+    for sock_dir in {config.socket.parent, config.agent_socket.parent}:
+        sock_dir.mkdir(parents=True, exist_ok=True)
+        rundirs.check_socket_dir(sock_dir)
     agents = AgentRegistry(config.agent_socket)
     agents.start()
-    wake = config.agent_socket.parent / "wake"  # the agents' default GPUSNAP_WAKE_DIR, like /tmp
-    wake.mkdir(parents=True, exist_ok=True)
-    os.chmod(wake, 0o1777)
+    # The agents' default GPUSNAP_WAKE_DIR, like /tmp.
+    rundirs.make_own_dir(config.agent_socket.parent / "wake", 0o1777)
     deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents)
     daemon = Daemon(deps, OperationRegistry(max_workers=config.max_operations))
 
     private_dir = config.socket.parent / ".gpusnapd-private"
-    private_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(private_dir, 0o700)
+    rundirs.make_own_dir(private_dir, 0o700)
     private = private_dir / "grpc.sock"
     proxy = PeerCredProxy(config.socket, private, config.socket_group)
     proxy.check_free()

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -70,16 +71,19 @@ def _cli_env() -> dict[str, str]:
 
 
 def start_daemon(tmp: Path, extra_env: dict[str, str] | None = None, criu_binary: str | None = None,
-                 bin_dir: Path | None = None, base_env: dict[str, str] | None = None) -> DaemonProc:
+                 bin_dir: Path | None = None, base_env: dict[str, str] | None = None,
+                 socket_dir: Path | None = None) -> DaemonProc:
     """Start gpusnapd with a socket in a world-traversable temp dir and a store under ``tmp``.
 
     ``bin_dir``: run the ``gpusnapd`` and ``gpusnap`` scripts installed there (with ``base_env`` instead
     of this interpreter's environment) rather than this checkout's modules.
     """
-    sock_dir = Path(tempfile.mkdtemp(prefix="gpusnap-sock-"))
-    os.chmod(sock_dir, 0o755)
+    sock_dir = socket_dir or Path(tempfile.mkdtemp(prefix="gpusnap-sock-"))
+    if socket_dir is None:
+        os.chmod(sock_dir, 0o755)
     socket_path = sock_dir / "gpusnapd.sock"
     store = tmp / "store"
+    tmp.mkdir(parents=True, exist_ok=True)
     log = tmp / "gpusnapd.log"
     prefix = criu_prefix()
     env = {**(base_env or _cli_env()), "GPUSNAP_LOG_FORMAT": "json", "GPUSNAP_AGENT_SOCKET": str(sock_dir / "agent.sock"),
@@ -253,3 +257,12 @@ def wait_for(cond: object, timeout: float, message: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(message)
+
+
+@pytest.fixture(scope="session")
+def hostile() -> Iterator[tuple[Any, Any]]:
+    """Two unprivileged users (``tests.users.User``) in one shared group, removed after the session."""
+    from tests.users import hostile_users
+
+    with hostile_users() as users:
+        yield users

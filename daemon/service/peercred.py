@@ -21,6 +21,7 @@ from pathlib import Path
 
 import structlog
 
+from gpusnap.daemon.rundirs import socket_answers, unlink_if_ours
 from gpusnap.daemon.api.errors import FailedPreconditionError, UnauthenticatedError
 from gpusnap.daemon.api.types import ROOT_CALLER, Caller
 
@@ -47,10 +48,11 @@ class PeerCredProxy:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="gpusnap-peercred", daemon=True)
         self._server: asyncio.AbstractServer | None = None
+        self._bound: tuple[int, int] | None = None
 
     def check_free(self) -> None:
         """Raise FailedPreconditionError (``SOCKET_IN_USE``) if another daemon serves the public socket."""
-        if (self.public.exists() or self.public.is_symlink()) and _answers(self.public):
+        if (self.public.exists() or self.public.is_symlink()) and socket_answers(self.public):
             raise FailedPreconditionError(
                 f"another gpusnapd already serves {self.public}; stop it first or pass another --socket",
                 reason="SOCKET_IN_USE",
@@ -63,6 +65,8 @@ class PeerCredProxy:
         if self.public.exists() or self.public.is_symlink():
             self.public.unlink()
         sock.bind(str(self.public))
+        st = os.lstat(self.public)
+        self._bound = (st.st_dev, st.st_ino)
         _set_mode_and_group(self.public, self.group)
         sock.listen(128)
         sock.setblocking(False)
@@ -86,10 +90,7 @@ class PeerCredProxy:
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
-        try:
-            self.public.unlink()
-        except FileNotFoundError:
-            pass
+        unlink_if_ours(self.public, self._bound)
 
     def caller(self, peer: str) -> Caller | None:
         """The credentials behind a gRPC peer string; ``None`` if it did not come through the proxy.
@@ -166,17 +167,6 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             pass
 
 
-def _answers(path: Path) -> bool:
-    """Whether something accepts connections on the Unix socket ``path``."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1)
-        probe.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
 
 
 def _set_mode_and_group(path: Path, group: str) -> None:

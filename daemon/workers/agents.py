@@ -24,6 +24,7 @@ import structlog
 from gpusnap.adapters import wire
 from gpusnap.adapters._proto import agent_pb2
 from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
+from gpusnap.daemon import rundirs
 from gpusnap.daemon.workers import safefs
 
 log = structlog.get_logger(__name__)
@@ -130,14 +131,27 @@ class AgentRegistry:
         self._sessions: dict[int, AgentSession] = {}
         self._cond = threading.Condition()
         self._listener: socket.socket | None = None
+        self._bound: tuple[int, int] | None = None
 
     def start(self) -> None:
-        """Bind the socket and accept agents in a background thread."""
+        """Bind the socket and accept agents in a background thread.
+
+        Raises:
+            FailedPreconditionError: another daemon serves the socket (reason ``SOCKET_IN_USE``).
+        """
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         if self.socket_path.exists() or self.socket_path.is_symlink():
-            self.socket_path.unlink()
+            if rundirs.socket_answers(self.socket_path):
+                raise FailedPreconditionError(
+                    f"another gpusnapd already serves the agent socket {self.socket_path}; stop it first or give "
+                    "this one another agent socket (GPUSNAP_AGENT_SOCKET / agent_socket)",
+                    reason="SOCKET_IN_USE",
+                )
+            self.socket_path.unlink()  # left behind by a daemon that died
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(str(self.socket_path))
+        st = os.lstat(self.socket_path)
+        self._bound = (st.st_dev, st.st_ino)
         os.chmod(self.socket_path, 0o666)
         self._listener.listen(64)
         threading.Thread(target=self._accept, name="gpusnap-agents", daemon=True).start()
@@ -149,10 +163,7 @@ class AgentRegistry:
             for session in self._sessions.values():
                 session.close()
             self._sessions.clear()
-        try:
-            self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
+        rundirs.unlink_if_ours(self.socket_path, self._bound)
 
     def find(self, pids: Collection[int]) -> AgentSession | None:
         """The live session of an agent in one of ``pids``, if any."""
@@ -195,14 +206,14 @@ class AgentRegistry:
     @staticmethod
     def wake(wake_dir: str, instance_id: str, uid: int) -> None:
         """Create the agent's wake file (the worker polls for it after Quiesce), never through a symlink, in
-        a directory of the agent's user or root's."""
-        with safefs.open_dir(wake_dir, uid) as fd:
+        a directory of the agent's user or the daemon's own wake directory."""
+        with safefs.open_dir(wake_dir, uid, shared_ok=True) as fd:
             safefs.create(fd, instance_id)
 
     @staticmethod
     def unwake(wake_dir: str, instance_id: str, uid: int) -> None:
         """Remove a wake file (before a capture, so a stale one cannot wake the source early)."""
-        with safefs.open_dir(wake_dir, uid) as fd:
+        with safefs.open_dir(wake_dir, uid, shared_ok=True) as fd:
             safefs.remove(fd, instance_id)
 
     def _accept(self) -> None:

@@ -1,11 +1,12 @@
 """File operations gpusnapd performs as root in directories that callers name (control and wake
-directories): never through a symlink, never on a name the caller picked, only in directories the
-caller owns (or root's).
+directories): never through a symlink in any component, never on a name the caller picked, only in
+directories the caller owns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,25 +14,76 @@ from pathlib import Path
 from gpusnap.daemon.api.errors import InvalidArgumentError, PermissionDeniedError
 
 
-@contextlib.contextmanager
-def open_dir(path: str | Path, owner_uid: int) -> Iterator[int]:
-    """An fd of directory ``path`` (not a symlink), owned by ``owner_uid`` or root; closed on exit.
+def walk(path: str | Path, *, final_flags: int = os.O_RDONLY) -> int:
+    """Open ``path`` one component at a time from ``/``, never through a symlink; returns the fd of the
+    last component, opened with ``final_flags`` (plus ``O_NOFOLLOW | O_CLOEXEC``); the caller closes it.
+
+    Every directory on the way is opened ``O_PATH | O_DIRECTORY | O_NOFOLLOW`` relative to the one
+    before (openat2's ``RESOLVE_NO_SYMLINKS``, done per component as Python has no openat2), so a
+    component swapped for a symlink at any depth, before or during the walk, fails with ``ELOOP`` or
+    ``ENOTDIR`` instead of being followed. ``.`` and ``..`` components are refused.
 
     Raises:
-        InvalidArgumentError: not an absolute path to a directory (reason ``BAD_DIRECTORY``).
-        PermissionDeniedError: owned by someone else (reason ``NOT_OWNER``).
+        OSError: a component is missing, a symlink (``ELOOP``/``ENOTDIR``), ``.``/``..`` (``EINVAL``).
     """
-    if not os.path.isabs(path):
-        raise InvalidArgumentError(f"{path!r} is not an absolute path", reason="BAD_DIRECTORY")
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        raise OSError(errno.EINVAL, "not an absolute path")
+    parts = [p for p in text.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise OSError(errno.EINVAL, "'.' and '..' are not allowed")
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = (final_flags if last else os.O_PATH | os.O_DIRECTORY) | os.O_NOFOLLOW | os.O_CLOEXEC
+            nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        if not parts and final_flags != os.O_PATH | os.O_DIRECTORY:
+            nxt = os.open("/", final_flags | os.O_CLOEXEC)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+_shared_dirs: set[tuple[int, int]] = set()
+"""(st_dev, st_ino) of sticky directories the daemon made itself (its wake directory), usable by all."""
+
+
+def trust_shared_dir(path: str | Path) -> None:
+    """Let :func:`open_dir` with ``shared_ok`` accept ``path``, a sticky directory the daemon created."""
+    st = os.lstat(path)
+    _shared_dirs.add((st.st_dev, st.st_ino))
+
+
+@contextlib.contextmanager
+def open_dir(path: str | Path, owner_uid: int, *, shared_ok: bool = False) -> Iterator[int]:
+    """An fd of directory ``path`` owned by ``owner_uid``, reached without following any symlink; closed on exit.
+
+    ``shared_ok`` also accepts a sticky directory the daemon made for everyone (:func:`trust_shared_dir`).
+
+    Raises:
+        InvalidArgumentError: not an absolute path to a directory, or a symlink in any component (reason
+            ``BAD_DIRECTORY``).
+        PermissionDeniedError: the directory is not ``owner_uid``'s (reason ``NOT_OWNER``).
+    """
+    try:
+        fd = walk(path, final_flags=os.O_RDONLY | os.O_DIRECTORY)
     except OSError as exc:
-        raise InvalidArgumentError(f"{path} is not a directory gpusnapd can use ({exc.strerror})", reason="BAD_DIRECTORY") from exc
+        why = "a component is a symlink" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
+        raise InvalidArgumentError(
+            f"{path} is not a directory gpusnapd can use ({why}); name a real directory of yours, without symlinks",
+            reason="BAD_DIRECTORY",
+        ) from exc
     try:
-        uid = os.fstat(fd).st_uid
-        if uid not in (0, owner_uid):
+        st = os.fstat(fd)
+        if st.st_uid != owner_uid and not (shared_ok and (st.st_dev, st.st_ino) in _shared_dirs):
             raise PermissionDeniedError(
-                f"{path} belongs to uid {uid}, not to uid {owner_uid}; use a directory of your own",
+                f"{path} is not owned by uid {owner_uid}; use a directory of your own",
                 reason="NOT_OWNER",
             )
         yield fd

@@ -1,0 +1,114 @@
+"""Directories root writes into or serves from: symlinks at any depth, other users' directories, planted
+runtime directories, another daemon's sockets (issue 10, breaks 3 and 5, and the agent-socket takeover)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon.api.errors import InvalidArgumentError, PermissionDeniedError
+from gpusnap.daemon.workers import controldir, safefs
+from tests.conftest import start_daemon, stop_daemon
+from tests.users import User
+
+
+def test_a_symlink_in_a_middle_component_is_not_followed(tmp_path: Path, hostile: tuple[User, User]) -> None:
+    """Break 3: `--control-dir ~/l/x` with `~/l` swapped for a link to a root directory."""
+    a, _ = hostile
+    home = tmp_path / "home"
+    (home / "real" / "x").mkdir(parents=True)
+    os.chown(home / "real" / "x", a.uid, a.gid)
+    rootdir = tmp_path / "rootdir"
+    (rootdir / "x").mkdir(parents=True)  # root's, the attacker's target
+    (home / "l").symlink_to(rootdir)
+    with pytest.raises(InvalidArgumentError, match="symlink"):
+        controldir.write_context(home / "l" / "x", a.uid, {"LD_PRELOAD": "/evil.so"}, [])
+    with pytest.raises(InvalidArgumentError, match="symlink"):
+        controldir.write_context(home / "l" / "x", 0, {"LD_PRELOAD": "/evil.so"}, [])
+    assert list((rootdir / "x").iterdir()) == [], "nothing was written through the link"
+    controldir.write_context(home / "real" / "x", a.uid, {"A": "1"}, [])
+    assert (home / "real" / "x" / controldir.RESTORE_CONTEXT).is_file()
+    with pytest.raises(InvalidArgumentError):
+        with safefs.open_dir(str(home / "real" / ".." / "real" / "x"), a.uid):
+            pass
+
+
+def test_only_the_callers_own_directory_is_accepted(tmp_path: Path, hostile: tuple[User, User]) -> None:
+    """Break 3: a root-owned directory (or another user's) is no longer a valid control directory."""
+    a, b = hostile
+    d = tmp_path / "d"
+    d.mkdir()
+    with pytest.raises(PermissionDeniedError):
+        controldir.signal_file(d, a.uid, controldir.RESTORE_COMPLETE)
+    os.chown(d, b.uid, b.gid)
+    with pytest.raises(PermissionDeniedError):
+        controldir.signal_file(d, a.uid, controldir.RESTORE_COMPLETE)
+    assert not (d / controldir.RESTORE_COMPLETE).exists()
+
+
+def _sock_dir(mode: int = 0o755) -> Path:
+    d = Path(tempfile.mkdtemp(prefix="gpusnap-sock-"))
+    os.chmod(d, mode)
+    return d
+
+
+def _refused(tmp_path: Path, socket_dir: Path, reason: str) -> str:
+    env = {"GPUSNAP_AGENT_SOCKET": str(socket_dir / "agent.sock")}
+    d = start_daemon(tmp_path, extra_env=env, socket_dir=socket_dir)
+    try:
+        assert d.proc.wait(timeout=60) != 0, "gpusnapd must refuse to start"
+    finally:
+        d.proc.kill()
+        d.proc.wait()
+    log = d.log.read_text()
+    assert reason in log, log
+    return log
+
+
+def test_daemon_refuses_a_socket_directory_others_can_write(tmp_path: Path, hostile: tuple[User, User]) -> None:
+    """Break 5: socket directory owned by a user, or writable by everyone (not sticky)."""
+    a, _ = hostile
+    owned = _sock_dir()
+    os.chown(owned, a.uid, a.gid)
+    _refused(tmp_path / "1", owned, "UNSAFE_SOCKET_DIR")
+    _refused(tmp_path / "2", _sock_dir(0o777), "UNSAFE_SOCKET_DIR")
+
+
+def test_daemon_never_adopts_or_chmods_a_planted_runtime_directory(tmp_path: Path) -> None:
+    """Break 5: a pre-made `.gpusnapd-private` is not adopted; a `wake` link's target is not made 1777."""
+    planted = _sock_dir()
+    (planted / ".gpusnapd-private").mkdir(mode=0o755)
+    os.chmod(planted / ".gpusnapd-private", 0o755)
+    _refused(tmp_path / "1", planted, "UNSAFE_RUNTIME_DIR")
+    assert stat.S_IMODE((planted / ".gpusnapd-private").stat().st_mode) == 0o755
+
+    linked = _sock_dir()
+    target = tmp_path / "etc-like"
+    target.mkdir(mode=0o755)
+    os.chmod(target, 0o755)
+    (linked / "wake").symlink_to(target)
+    _refused(tmp_path / "2", linked, "UNSAFE_RUNTIME_DIR")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755, "the link's target kept its mode"
+
+
+def test_a_second_daemon_neither_takes_over_nor_deletes_the_agent_socket(tmp_path: Path) -> None:
+    first = start_daemon(tmp_path / "first")
+    try:
+        assert first.alive(), first.log.read_text()
+        ino = first.agent_socket.stat().st_ino
+        second = start_daemon(tmp_path / "second", extra_env={"GPUSNAP_AGENT_SOCKET": str(first.agent_socket)})
+        try:
+            assert second.proc.wait(timeout=60) != 0
+        finally:
+            stop_daemon(second)
+        assert "SOCKET_IN_USE" in second.log.read_text()
+        assert first.agent_socket.stat().st_ino == ino, "the first daemon's agent socket is untouched"
+        res = subprocess.run(["python3", "-c", f"import socket; s=socket.socket(socket.AF_UNIX); s.connect({str(first.agent_socket)!r})"])
+        assert res.returncode == 0
+    finally:
+        stop_daemon(first)
