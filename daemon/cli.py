@@ -95,8 +95,9 @@ def _fail(err: GpusnapError) -> None:
     obj = ctx.find_object(Ctx) if ctx else None
     if obj is not None and obj.output == "json":  # scripts get the reason too
         code = err.code.name if hasattr(err.code, "name") else str(err.code)
-        click.echo(json.dumps({"error": {"code": code, "reason": err.reason, "message": err.message,
-                                         "metadata": err.metadata}}, indent=2))
+        metadata = {k: v for k, v in err.metadata.items() if k != "action"}
+        click.echo(json.dumps({"error": {"code": code, "reason": err.reason, "action": err.action.value,
+                                         "message": err.message, "metadata": metadata}}, indent=2))
     sys.exit(EXIT_CODES.get(err.code, 1))
 
 

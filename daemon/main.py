@@ -18,6 +18,10 @@ from gpusnap.daemon.server import build_daemon
 
 EXIT_CONFIG = 2
 EXIT_PRECONDITION = 3
+EXIT_IN_USE = 4
+"""Exit codes of gpusnapd (docs/errors.md): bad configuration, cannot start, store or socket taken by
+another gpusnapd."""
+IN_USE_REASONS = frozenset({"STORE_LOCKED", "SOCKET_IN_USE"})
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -51,7 +55,7 @@ def main(config_file: Path | None, **flags: object) -> None:
     except GpusnapError as err:
         log.error("daemon.start_failed", reason=err.reason, error=str(err))
         click.echo(f"gpusnapd: {err}", err=True)
-        sys.exit(EXIT_PRECONDITION)
+        sys.exit(EXIT_IN_USE if err.reason in IN_USE_REASONS else EXIT_PRECONDITION)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -34,6 +34,66 @@ class Code(enum.IntEnum):
     UNAUTHENTICATED = 16
 
 
+class Action(enum.StrEnum):
+    """What a program should do about an error (``metadata["action"]`` of its ``google.rpc.ErrorInfo``;
+    docs/errors.md lists each reason's)."""
+
+    RETRY = "retry"
+    """Transient: the same request may work later (busy tree, daemon restarting, timeout, memory or space
+    short for now)."""
+    FALL_BACK = "fall_back"
+    """This snapshot cannot be used here (damaged, incompatible host/GPU/driver, restore failed): start the
+    worker cold, or restore on another node."""
+    FIX = "fix"
+    """The request or the set-up is wrong (bad argument, unknown name, no permission): retrying it unchanged
+    never helps."""
+
+
+_ACTION_BY_CODE: dict[Code, Action] = {
+    Code.ABORTED: Action.RETRY,
+    Code.UNAVAILABLE: Action.RETRY,
+    Code.DEADLINE_EXCEEDED: Action.RETRY,
+    Code.RESOURCE_EXHAUSTED: Action.RETRY,
+    Code.CANCELLED: Action.RETRY,
+    Code.FAILED_PRECONDITION: Action.FALL_BACK,
+    Code.DATA_LOSS: Action.FALL_BACK,
+    Code.INTERNAL: Action.FALL_BACK,
+    Code.UNKNOWN: Action.FALL_BACK,
+}
+_ACTION_BY_REASON: dict[str, Action] = {
+    # a snapshot that is gone or cannot match this node's GPUs: cold start instead
+    "SNAPSHOT_NOT_FOUND": Action.FALL_BACK,
+    "GPU_MODEL_MISMATCH": Action.FALL_BACK,
+    "GPU_NOT_FOUND": Action.FALL_BACK,
+    # failed preconditions that a changed request or set-up cures
+    "ADDRESS_IN_USE": Action.FIX,
+    "STORE_LOCKED": Action.FIX,
+    "SOCKET_IN_USE": Action.FIX,
+    "CRIU_MISSING": Action.FIX,
+    "CRIU_TOO_OLD": Action.FIX,
+    "PYCRIU_MISSING": Action.FIX,
+    "CAPABILITY_MISSING": Action.FIX,
+    "STORE_UNUSABLE": Action.FIX,
+    "BAD_DIRECTORY": Action.FIX,
+    "TERMINAL": Action.FIX,
+    "EXTERNAL_PIPE": Action.FIX,
+    "TCP_ESTABLISHED": Action.FIX,
+    "USER_NAMESPACE": Action.FIX,
+    "PID_NAMESPACE_INIT": Action.FIX,
+    "NOT_SUSPENDED": Action.FIX,
+    "SUSPENDED_TREE_UNKNOWN": Action.FIX,
+    "AGENT_ATTACHED": Action.FIX,
+    # the worker went away or broke mid-operation: the same call again may work
+    "AGENT_LOST": Action.RETRY,
+    "CRIU_DIED": Action.RETRY,
+}
+
+
+def action_for(code: Code, reason: str) -> Action:
+    """The :class:`Action` for an error of ``code`` with ``reason`` (docs/errors.md)."""
+    return _ACTION_BY_REASON.get(reason) or _ACTION_BY_CODE.get(code, Action.FIX)
+
+
 class GpusnapError(Exception):
     """Root of every gpusnap error.
 
@@ -54,6 +114,11 @@ class GpusnapError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+    @property
+    def action(self) -> Action:
+        """Retry, fall back (cold start) or fix the request; see :class:`Action`."""
+        return action_for(self.code, self.reason)
 
 
 class InvalidArgumentError(GpusnapError):

@@ -227,7 +227,8 @@ def check_gpu_memory(need_by_target: Mapping[str, int], gpus: Sequence[GpuDevice
             f"not enough free GPU memory: {detail}; stop other processes on those GPUs or restore onto other GPUs of "
             "the same model",
             reason="GPU_MEMORY_INSUFFICIENT",
-            metadata={"gpus": ",".join(g.uuid for g, _ in short)},
+            metadata={"gpus": ",".join(g.uuid for g, _ in short),
+                      "missing_bytes": str(sum(max(0, n - g.memory_free_bytes) for g, n in short))},
         )
 
 

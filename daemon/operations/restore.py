@@ -54,6 +54,7 @@ def check_host_compatible(snapshot: Snapshot) -> None:
             f"snapshot {snapshot.id} was taken on {snapshot.host.machine}, this host is {host.machine()}; "
             "restore it on a host of the same architecture",
             reason="HOST_INCOMPATIBLE",
+            metadata={"snapshot": snapshot.id, "snapshot_machine": snapshot.host.machine, "host_machine": host.machine()},
         )
 
 

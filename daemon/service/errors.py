@@ -1,7 +1,8 @@
 """The one mapping between gpusnap errors and gRPC statuses (both directions).
 
 The server sends a ``google.rpc.Status`` whose details carry a ``google.rpc.ErrorInfo``
-(``reason``, ``domain="gpusnap.dev"``, ``metadata``); the client rebuilds the matching
+(``reason``, ``domain="gpusnap.dev"``, ``metadata`` with ``action``: retry, fall_back or fix, see
+docs/errors.md); the client rebuilds the matching
 :class:`~gpusnap.daemon.api.errors.GpusnapError` subclass from it.
 """
 
@@ -21,7 +22,8 @@ DOMAIN = "gpusnap.dev"
 
 def to_status_proto(err: GpusnapError) -> status_pb2.Status:
     """``err`` as a ``google.rpc.Status`` (used for RPC errors and for failed operations)."""
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.metadata)
+    metadata = {**err.metadata, "action": err.action.value}
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
     return status_pb2.Status(code=int(err.code), message=err.message, details=[detail])
@@ -39,6 +41,7 @@ def from_status_proto(status: status_pb2.Status) -> GpusnapError:
         info = error_details_pb2.ErrorInfo()
         if detail.Unpack(info):
             reason, metadata = info.reason, dict(info.metadata)
+            metadata.pop("action", None)  # derived from code and reason again (GpusnapError.action)
     return error_for_code(Code(status.code), status.message, reason=reason, metadata=metadata)
 
 

@@ -232,7 +232,7 @@ class BufferStore:
                     f"which {'is missing from' if size < 0 else 'has the wrong size in'} {self.blobs} (a RAM --buffer-dir "
                     "lost at reboot?); delete the snapshot and checkpoint again",
                     reason="BUFFER_MISSING",
-                    metadata={"snapshot": snapshot_id},
+                    metadata={"snapshot": snapshot_id, "buffer": ref.name, "sha256": ref.sha256},
                 )
 
     def open_for_read(self, uid: int, refs: Sequence[BufferRef]) -> list[int]:

@@ -150,9 +150,11 @@ def read(directory: Path) -> Snapshot:
         raise DataLossError(
             f"manifest {path} cannot be read ({exc}); the snapshot is damaged: delete it with `gpusnap rm`",
             reason="MANIFEST_CORRUPT",
+            metadata={"snapshot": directory.name, "file": MANIFEST_NAME},
         ) from exc
     if not isinstance(doc, dict):
-        raise DataLossError(f"manifest {path} is not a JSON object", reason="MANIFEST_CORRUPT")
+        raise DataLossError(f"manifest {path} is not a JSON object", reason="MANIFEST_CORRUPT",
+                            metadata={"snapshot": directory.name, "file": MANIFEST_NAME})
     return from_json(doc)
 
 

@@ -216,7 +216,9 @@ class SnapshotStore:
             raise DataLossError(
                 f"snapshot {snapshot.id} is damaged ({shown}); it cannot be restored: delete it and checkpoint again",
                 reason="IMAGE_CHECKSUM",
-                metadata={"snapshot": snapshot.id},
+                # the damaged files by name ("pages-1.img: checksum mismatch" -> "pages-1.img")
+                metadata={"snapshot": snapshot.id, "files": ",".join(b.partition(":")[0] for b in bad[:20]),
+                          "damaged_count": str(len(bad))},
             )
 
     def delete(self, ref: str) -> str:

@@ -17,31 +17,47 @@ def _still_serving(daemon: DaemonProc) -> None:
     assert json.loads(daemon.cli("-o", "json", "node", check=True).stdout)["host"]["criuVersion"].startswith("4.")
 
 
+def _error(res: object) -> dict[str, object]:
+    """The ``-o json`` error document of a failed CLI call (docs/errors.md)."""
+    err = json.loads(res.stdout)["error"]  # type: ignore[attr-defined]
+    assert isinstance(err, dict)
+    return err
+
+
 def _snapshot(daemon: DaemonProc, workloads: Workloads, name: str) -> dict[str, object]:
     w = workloads.start("--mem-mb", "4", "--no-listener", "--no-child")
     return json.loads(daemon.cli("-o", "json", "dump", str(w.pid), "--name", name, check=True).stdout)
 
 
 @pytest.mark.parametrize(
-    ("args", "code", "words"),
+    ("args", "code", "words", "reason", "action"),
     [
-        (["dump", "4000000"], 3, "no process with PID 4000000"),
-        (["dump", "1"], 2, "PID 1 is the init process"),
-        (["dump", "0"], 2, "not a valid PID"),
-        (["dump", "--", "-5"], 2, "not a valid PID"),
-        (["restore", "snap-aaaaaaaaaaaaaaaaaaaaaaaaaa"], 3, "no snapshot"),
-        (["inspect", "no-such-name"], 3, "no snapshot"),
-        (["rm", "no-such-name"], 3, "no snapshot"),
-        (["restore", "../../etc/passwd"], 2, "neither a snapshot id"),
-        (["inspect", "UPPER"], 2, "neither a snapshot id"),
-        (["wait", "op-zzz"], 2, "invalid operation id"),
+        (["dump", "4000000"], 3, "no process with PID 4000000", "PROCESS_NOT_FOUND", "fix"),
+        (["dump", "1"], 2, "PID 1 is the init process", "INVALID_PID", "fix"),
+        (["dump", "0"], 2, "not a valid PID", "INVALID_PID", "fix"),
+        (["dump", "--", "-5"], 2, "not a valid PID", "INVALID_PID", "fix"),
+        (["restore", "snap-aaaaaaaaaaaaaaaaaaaaaaaaaa"], 3, "no snapshot", "SNAPSHOT_NOT_FOUND", "fall_back"),
+        (["inspect", "no-such-name"], 3, "no snapshot", "SNAPSHOT_NOT_FOUND", "fall_back"),
+        (["restore", "../../etc/passwd"], 2, "neither a snapshot id", "INVALID_SNAPSHOT_REF", "fix"),
+        (["inspect", "UPPER"], 2, "neither a snapshot id", "INVALID_SNAPSHOT_REF", "fix"),
+        (["wait", "op-zzz"], 2, "invalid operation id", "INVALID_OPERATION_ID", "fix"),
     ],
 )
-def test_bad_references(daemon: DaemonProc, args: list[str], code: int, words: str) -> None:
+def test_bad_references(daemon: DaemonProc, args: list[str], code: int, words: str, reason: str, action: str) -> None:
     res = daemon.cli(*args)
     assert res.returncode == code, res.stderr
     assert words in res.stderr
     assert res.stderr.count("\n") == 1, "errors are one line"
+    as_json = daemon.cli("-o", "json", *args)
+    assert as_json.returncode == code
+    err = _error(as_json)
+    assert (err["reason"], err["action"]) == (reason, action), err
+    _still_serving(daemon)
+
+
+def test_rm_of_an_unknown_name(daemon: DaemonProc) -> None:
+    res = daemon.cli("rm", "no-such-name")
+    assert res.returncode == 3 and "no snapshot" in res.stderr
     _still_serving(daemon)
 
 
@@ -56,26 +72,29 @@ def test_daemon_refuses_to_dump_itself(daemon: DaemonProc) -> None:
 @pytest.mark.parametrize("name", ["Bad Name", "-dash", "x" * 64, "snap-aaaaaaaaaaaaaaaaaaaaaaaaaa", "a/b", ""])
 def test_invalid_names(daemon: DaemonProc, workloads: Workloads, name: str) -> None:
     w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
-    res = daemon.cli("dump", str(w.pid), "--name", name)
+    res = daemon.cli("-o", "json", "dump", str(w.pid), "--name", name)
     if name == "":
         assert res.returncode == 0, "an empty name means unnamed"
         return
     assert res.returncode == 2 and "invalid snapshot name" in res.stderr
+    assert _error(res)["reason"] == "INVALID_NAME"
     assert w.proc is not None and w.proc.poll() is None, "the source is untouched"
 
 
 def test_invalid_label(daemon: DaemonProc, workloads: Workloads) -> None:
     w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
-    res = daemon.cli("dump", str(w.pid), "--label", "bad key=v")
+    res = daemon.cli("-o", "json", "dump", str(w.pid), "--label", "bad key=v")
     assert res.returncode == 2 and "invalid label key" in res.stderr
+    assert _error(res)["reason"] == "INVALID_LABEL"
     assert daemon.cli("dump", str(w.pid), "--label", "novalue").returncode == 2
 
 
 def test_duplicate_name_is_refused(daemon: DaemonProc, workloads: Workloads) -> None:
     _snapshot(daemon, workloads, "dup")
     w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
-    res = daemon.cli("dump", str(w.pid), "--name", "dup")
+    res = daemon.cli("-o", "json", "dump", str(w.pid), "--name", "dup")
     assert res.returncode == 5 and "already exists" in res.stderr
+    assert _error(res)["reason"] == "NAME_TAKEN" and _error(res)["metadata"] == {"name": "dup"}
     assert w.proc is not None and w.proc.poll() is None
 
 
@@ -90,6 +109,8 @@ def test_corrupted_manifest(daemon: DaemonProc, workloads: Workloads) -> None:
     with pytest.raises(DataLossError) as err:
         daemon.client().get_snapshot(str(snap["id"]))
     assert err.value.reason == "MANIFEST_CORRUPT"
+    assert err.value.metadata == {"snapshot": snap["id"], "file": "manifest.json"}
+    assert err.value.action.value == "fall_back"
     assert daemon.cli("rm", str(snap["id"])).returncode == 0, "root can delete a damaged snapshot"
     _still_serving(daemon)
 
@@ -113,9 +134,12 @@ def test_damaged_image_is_refused_before_restore(daemon: DaemonProc, workloads: 
             byte = fh.read(1)
             fh.seek(-1, os.SEEK_CUR)
             fh.write(bytes([byte[0] ^ 0xFF]))
-    res = daemon.cli("restore", str(snap["id"]))
+    res = daemon.cli("-o", "json", "restore", str(snap["id"]))
     assert res.returncode == 4, res.stderr
     assert "damaged" in res.stderr and image.name in res.stderr
+    err = _error(res)
+    assert (err["reason"], err["action"]) == ("IMAGE_CHECKSUM", "fall_back")
+    assert err["metadata"] == {"snapshot": snap["id"], "files": image.name, "damaged_count": "1"}
     ops = json.loads(daemon.cli("-o", "json", "ops", check=True).stdout)
     failed = [o for o in ops if o["kind"] == "OPERATION_KIND_RESTORE"][-1]
     assert failed["state"] == "OPERATION_STATE_FAILED" and failed["phase"] == "verify"
@@ -155,8 +179,9 @@ def test_tree_in_a_user_namespace_is_refused(daemon: DaemonProc) -> None:
         wait_for(lambda: any(c.name() == "sleep" for c in psutil.Process(proc.pid).children(recursive=True)), 10,
                  "unshare did not start")
         inner = next(c.pid for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "sleep")
-        res = daemon.cli("dump", str(inner))
+        res = daemon.cli("-o", "json", "dump", str(inner))
         assert res.returncode == 4 and "user namespace" in res.stderr, res.stderr
+        assert (_error(res)["reason"], _error(res)["action"]) == ("USER_NAMESPACE", "fix")
         assert psutil.Process(inner).is_running()
     finally:
         proc.kill()
@@ -190,8 +215,9 @@ def test_trees_that_could_never_be_restored_are_refused(daemon: DaemonProc, tmp_
         procs.append(reader.pid)
         wait_for(lambda: len(psutil.Process(reader.pid).children()) == 2, 10, "pipeline did not start")
         writer = next(c.pid for c in psutil.Process(reader.pid).children() if c.name() == "sleep")
-        res = daemon.cli("dump", str(writer))
+        res = daemon.cli("-o", "json", "dump", str(writer))
         assert res.returncode == 4 and "pipe whose other end" in res.stderr, res.stderr
+        assert _error(res)["reason"] == "EXTERNAL_PIPE"
         assert psutil.Process(writer).is_running()
 
         nsinit = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "setsid", "sleep", "600"],
@@ -200,8 +226,9 @@ def test_trees_that_could_never_be_restored_are_refused(daemon: DaemonProc, tmp_
         procs.append(nsinit.pid)
         wait_for(lambda: bool(psutil.Process(nsinit.pid).children()), 10, "unshare did not start")
         init = psutil.Process(nsinit.pid).children()[0].pid
-        res = daemon.cli("dump", str(init))
+        res = daemon.cli("-o", "json", "dump", str(init))
         assert res.returncode == 4 and "init (PID 1) of its own PID namespace" in res.stderr, res.stderr
+        assert _error(res)["reason"] == "PID_NAMESPACE_INIT"
 
         res = daemon.cli("dump", "2")
         assert res.returncode == 2 and "kernel thread" in res.stderr
@@ -222,8 +249,9 @@ def test_trees_that_could_never_be_restored_are_refused(daemon: DaemonProc, tmp_
                                   start_new_session=True)
         procs.append(on_tty.pid)
         os.close(slave)
-        res = daemon.cli("dump", str(on_tty.pid))
+        res = daemon.cli("-o", "json", "dump", str(on_tty.pid))
         assert res.returncode == 4 and "has a terminal open" in res.stderr, res.stderr
+        assert _error(res)["reason"] == "TERMINAL"
         assert psutil.Process(on_tty.pid).is_running()
         os.close(master)
 
@@ -239,3 +267,4 @@ def test_json_errors_reach_stdout(daemon: DaemonProc) -> None:
     res = daemon.cli("-o", "json", "inspect", "no-such-snapshot")
     assert res.returncode == 3
     assert json.loads(res.stdout)["error"]["reason"] == "SNAPSHOT_NOT_FOUND"
+    assert json.loads(res.stdout)["error"]["action"] == "fall_back"

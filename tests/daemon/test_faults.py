@@ -16,9 +16,11 @@ from tests.conftest import DaemonProc, Workloads, criu_killed, wait_for
 def test_criu_killed_in_the_middle_of_a_dump(daemon: DaemonProc, workloads: Workloads) -> None:
     w = workloads.start("--mem-mb", "1500", "--no-child", "--no-listener")
     with criu_killed(daemon.proc.pid, delay_s=0.15) as killed:  # let CRIU seize the tree and write pages
-        res = daemon.cli("dump", str(w.pid), "--name", "killed")
+        res = daemon.cli("-o", "json", "dump", str(w.pid), "--name", "killed")
     assert killed, "CRIU was never seen running"
     assert res.returncode == 5 and "CRIU" in res.stderr, res.stderr  # ABORTED: CRIU died
+    assert json.loads(res.stdout)["error"]["reason"] == "CRIU_DIED"
+    assert json.loads(res.stdout)["error"]["action"] == "retry"
     assert "CRIU" in res.stderr
     assert json.loads(daemon.cli("-o", "json", "ls", check=True).stdout) == [], "no snapshot listed"
     assert list((daemon.store / "staging").iterdir()) == [], "staging removed"
@@ -50,6 +52,7 @@ def test_second_checkpoint_of_the_same_tree_is_rejected(daemon: DaemonProc, work
     with pytest.raises(AbortedError) as err:
         client.checkpoint(child)  # a process of the same tree
     assert err.value.reason == "TREE_BUSY" and first.id in err.value.message
+    assert err.value.action.value == "retry" and err.value.metadata["operation_id"] == first.id
     res = daemon.cli("dump", str(w.pid))
     assert res.returncode == 5 and "already part of running operation" in res.stderr
     assert client.wait(first.id).snapshot.name == "first"
@@ -89,7 +92,7 @@ def test_store_in_use_by_another_daemon(daemon: DaemonProc) -> None:
 
     d2 = start_daemon(daemon.store.parent)
     try:
-        assert d2.proc.wait(timeout=30) == 3
+        assert d2.proc.wait(timeout=30) == 4, "the documented exit code for 'in use' (docs/errors.md)"
         assert "in use by another gpusnapd" in d2.log.read_text()
     finally:
         stop_daemon(d2)

@@ -62,6 +62,7 @@ def test_auto_pick_never_steals_a_checkpointed_gpu() -> None:
     with pytest.raises(ResourceExhaustedError) as e:
         resolve_gpu_map({}, [U[0], U[1]], node, required_free_bytes={U[0]: 40 * GIB, U[1]: 40 * GIB})
     assert e.value.reason == "GPU_MEMORY_INSUFFICIENT" and U[0] in e.value.message
+    assert e.value.metadata["gpu"] == U[0] and e.value.metadata["needed_bytes"] == str(40 * GIB)
 
 
 def test_auto_pick_unknown_model() -> None:

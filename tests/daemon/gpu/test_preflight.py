@@ -75,6 +75,7 @@ def test_gpu_memory() -> None:
     with pytest.raises(ResourceExhaustedError) as e:
         pf.check_gpu_memory({U0: 50 * GIB}, gpus, headroom_bytes=1)
     assert e.value.reason == "GPU_MEMORY_INSUFFICIENT" and U0 in e.value.message
+    assert e.value.metadata["gpus"] == U0 and e.value.metadata["missing_bytes"] == "1", "one byte short"
     with pytest.raises(FailedPreconditionError) as e2:
         pf.check_gpu_memory({U1: 1}, gpus)
     assert e2.value.reason == "GPU_NOT_FOUND"
