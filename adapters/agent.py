@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpusnap.adapters import buffers, wire
+from gpusnap.adapters import buffers, capture_settings, wire
 from gpusnap.adapters._proto import agent_pb2
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
 
@@ -124,7 +124,7 @@ class WorkerAgent:
                 instance_id=self.instance_id,
                 resumed=self.quiesced,
                 wake_dir=str(self.wake_dir),
-                info=self.adapter.info(),
+                info={**self.adapter.info(), **capture_settings.report(os.environ)},
             )
             wire.send(sock, agent_pb2.AgentMessage(hello=hello))
         except OSError:

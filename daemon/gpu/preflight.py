@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from gpusnap.adapters import capture_settings
 from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError, ResourceExhaustedError
 from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid
 from gpusnap.daemon.drivers.nvml import GpuDevice
@@ -37,10 +38,6 @@ MIN_DRIVER_MAJOR_REMAP = 580
 SUPPORTED_MACHINES = frozenset({"x86_64", "amd64"})
 #: Default MPS pipe directory when ``CUDA_MPS_PIPE_DIRECTORY`` is unset.
 DEFAULT_MPS_PIPE_DIR = "/tmp/nvidia-mps"
-#: Environment a multi-process (multi-rank NCCL) tree must carry (FC-05; FC-06 is covered by SHM off).
-REQUIRED_NCCL_ENV: Mapping[str, str] = {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_SHM_DISABLE": "1"}
-#: Extra environment for vLLM multi-rank trees (FC-05); ``--disable-custom-all-reduce`` is checked on argv.
-REQUIRED_VLLM_ENV: Mapping[str, str] = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 #: Device files CRIU cannot dump, with the fix for each (FC-20; vLLM snapshot refuses /dev/infiniband).
 FORBIDDEN_DEVICES: Mapping[str, str] = {
     "/dev/gdrdrv": (
@@ -291,44 +288,109 @@ def check_no_forbidden_devices(pid: int, paths: Iterable[str]) -> None:
         )
 
 
-def check_nccl_env(pid: int, env: Mapping[str, str], *, engine: str | None = None, cmdline: Sequence[str] = ()) -> None:
-    """A rank of a multi-process tree carries the NCCL settings that keep checkpoint from hanging (FC-05/FC-06).
+def check_nccl_env(pid: int, env: Mapping[str, str], *, engine: str | None = None, tensor_parallel: int = 1) -> None:
+    """A rank of a multi-process tree carries the settings that keep checkpoint from hanging (FC-05/06/07).
 
-    Call it for every CUDA process when the tree has more than one. Required: ``NCCL_P2P_DISABLE=1``,
-    ``NCCL_NVLS_ENABLE=0``, ``NCCL_SHM_DISABLE=1`` (the last also covers FC-06's SHM/cuMem-host hang); for
-    ``engine == "vllm"`` also ``VLLM_ALLREDUCE_USE_SYMM_MEM=0`` and, when ``cmdline`` is given and looks like a
-    vLLM server, ``--disable-custom-all-reduce``.
+    Call it for every CUDA process when the tree has more than one, or when the job is tensor-parallel.
+    Required: the ``MULTI_PROCESS`` rows of :data:`gpusnap.adapters.capture_settings.CAPTURE_SETTINGS`
+    (``NCCL_P2P_DISABLE=1``, ``NCCL_NVLS_ENABLE=0``, ``NCCL_SHM_DISABLE=1``, ``NCCL_CUMEM_HOST_ENABLE=0``)
+    and, with ``tensor_parallel > 1``, the ``TENSOR_PARALLEL`` rows of ``engine`` (vLLM
+    ``VLLM_ALLREDUCE_USE_SYMM_MEM=0``). ``configure_capture_env`` sets all of them.
 
     Args:
         pid: the rank's PID.
         env: its environment (``/proc/<pid>/environ``).
-        engine: ``"vllm"``, ``"sglang"``, ``"trtllm"`` or ``None``.
-        cmdline: its argv (only used for vLLM).
+        engine: ``"vllm"``, ``"sglang"``, ``"trtllm"`` or ``None`` (unknown: no engine-specific rows).
+        tensor_parallel: the job's tensor-parallel size (1 when not tensor-parallel or unknown).
 
     Raises:
-        FailedPreconditionError: reason ``NCCL_ENV_UNSAFE``, listing every missing ``NAME=value``.
+        FailedPreconditionError: reason ``NCCL_ENV_UNSAFE``, listing every missing ``NAME=value`` and the
+            failure cases behind them.
     """
-    required = dict(REQUIRED_NCCL_ENV)
-    if engine == "vllm":
-        required.update(REQUIRED_VLLM_ENV)
-    missing = [f"{k}={v}" for k, v in required.items() if env.get(k, "").strip() != v]
-    if engine == "vllm" and cmdline and any("vllm" in a for a in cmdline):
-        if "--disable-custom-all-reduce" not in cmdline:
-            missing.append("--disable-custom-all-reduce")
+    scopes = capture_settings.scopes_for(cuda_processes=2, tensor_parallel=tensor_parallel)
+    missing = capture_settings.missing_env(env, scopes, engine=engine)
     if missing:
-        raise FailedPreconditionError(
-            f"process {pid} is one rank of a multi-process CUDA tree but lacks {', '.join(missing)}; NCCL P2P, NVLS "
-            "and SHM transports make checkpoint hang (FC-05, FC-06): restart the worker with these settings",
-            reason="NCCL_ENV_UNSAFE",
-            metadata={"pid": str(pid), "missing": ",".join(missing)},
-        )
+        _refuse_settings(pid, missing, "its environment lacks", "restart the worker with these variables set")
+
+
+def check_engine_args(pid: int, argv: Sequence[str], *, engine: str, tensor_parallel: int) -> None:
+    """The process that started a tensor-parallel engine passed the engine flags capture needs (FC-05/07).
+
+    Args:
+        pid: the process whose ``argv`` names the tensor-parallel size.
+        argv: its command line.
+        engine: the engine it runs (:func:`engine_from_argv`).
+        tensor_parallel: the size it asked for.
+
+    Raises:
+        FailedPreconditionError: reason ``NCCL_ENV_UNSAFE``, naming each missing flag (vLLM
+            ``--disable-custom-all-reduce``).
+    """
+    scopes = capture_settings.scopes_for(cuda_processes=2, tensor_parallel=tensor_parallel)
+    missing = capture_settings.missing_engine_args(argv, scopes, engine=engine)
+    if missing:
+        _refuse_settings(pid, missing, f"its {engine} command line lacks", "restart the engine with these flags")
+
+
+def _refuse_settings(pid: int, missing: Sequence[capture_settings.CaptureSetting], lacks: str, fix: str) -> None:
+    names = [s.requirement() for s in missing]
+    cases = sorted({fc for s in missing for fc in s.failure_cases})
+    why = "; ".join(dict.fromkeys(s.reason for s in missing))
+    raise FailedPreconditionError(
+        f"process {pid} is one rank of a multi-process CUDA job but {lacks} {', '.join(names)} "
+        f"({why}{'; ' + ', '.join(cases) if cases else ''}): {fix} (gpusnap.adapters.configure_capture_env sets "
+        "the variables)",
+        reason="NCCL_ENV_UNSAFE",
+        metadata={"pid": str(pid), "missing": ",".join(names)},
+    )
+
+
+#: Command-line flags that give an engine's tensor-parallel size (vLLM, SGLang, TensorRT-LLM's trtllm-serve).
+TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--tp-size", "--tp", "--tp_size")
+_ENGINE_MARKERS = (("vllm", "vllm"), ("sglang", "sglang"), ("tensorrt_llm", "trtllm"), ("trtllm", "trtllm"))
+
+
+def engine_from_argv(argv: Sequence[str]) -> str | None:
+    """``"vllm"``, ``"sglang"`` or ``"trtllm"`` when ``argv`` runs that engine's entry point, else ``None``.
+
+    Looks at the program and at ``-m`` module arguments only (so a model *named* after an engine does not
+    count): ``vllm serve …``, ``python -m vllm.entrypoints.openai.api_server``, ``python -m sglang.launch_server``,
+    ``trtllm-serve``.
+    """
+    candidates = [Path(argv[0]).name] if argv else []
+    candidates += [argv[i + 1] for i in range(len(argv) - 1) if argv[i] == "-m"]
+    for arg in candidates:
+        for marker, engine in _ENGINE_MARKERS:
+            if arg == marker or arg.startswith(marker + ".") or arg.startswith(marker + "-"):
+                return engine
+    return None
+
+
+def tensor_parallel_from_argv(argv: Sequence[str]) -> int:
+    """The tensor-parallel size an engine command line asks for (:data:`TENSOR_PARALLEL_FLAGS`), else 1.
+
+    Accepts ``--flag N`` and ``--flag=N``; an unparsable value counts as 1 (the engine would refuse it).
+    """
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag not in TENSOR_PARALLEL_FLAGS:
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if value.strip().isdigit():
+            return max(int(value), 1)
+    return 1
 
 
 def check_launch_job(pid: int, env: Mapping[str, str]) -> None:
     """A rank of a multi-process CUDA tree was started under ``cuda-checkpoint --launch-job`` (FC-07).
 
     Processes that share CUDA IPC memory can only be checkpointed as one job: the launch wrapper exports
-    ``CUDA_CHECKPOINT_JOB_FILE`` to every descendant.
+    ``CUDA_CHECKPOINT_JOB_FILE`` to every descendant. :func:`check_capture` runs it only when
+    :attr:`CaptureFacts.require_launch_job` is set: the ``MULTI_PROCESS`` capture settings
+    (:func:`check_nccl_env`) already keep NCCL from sharing CUDA IPC memory between ranks, and the launch
+    wrapper needs driver >= 590, so demanding it of every multi-process tree refused workers that the
+    documented settings make capturable (issue 9).
 
     Raises:
         FailedPreconditionError: reason ``LAUNCH_JOB_MISSING``.
@@ -363,9 +425,12 @@ class CaptureFacts:
         image_bytes_in_ram: bytes of images that will sit in RAM (tmpfs), else 0.
         mps_pipe_dir_exists: see :func:`check_mps_inactive` (per node; any CUDA PID).
         mps_daemon_running: see :func:`check_mps_inactive`.
-        engine: adapter name (``"vllm"`` …) or ``None``.
-        cmdline_by_pid: argv of each CUDA PID (vLLM flag check).
-        require_launch_job: refuse multi-process trees without ``--launch-job`` (FC-07).
+        engine: adapter name (``"vllm"`` …) or ``None`` (then guessed from the command lines).
+        cmdline_by_pid: argv of the tree's processes (engine, tensor-parallel size and engine flags).
+        tensor_parallel: the job's tensor-parallel size when known (e.g. from the ranks' agents); 0 = read it
+            from ``cmdline_by_pid`` (:func:`tensor_parallel_from_argv`).
+        require_launch_job: also refuse multi-process trees not started under ``--launch-job`` (FC-07), for
+            trees known to share CUDA IPC memory outside NCCL.
     """
 
     machine: str
@@ -382,7 +447,8 @@ class CaptureFacts:
     mps_daemon_running: bool = False
     engine: str | None = None
     cmdline_by_pid: Mapping[int, Sequence[str]] = field(default_factory=dict)
-    require_launch_job: bool = True
+    tensor_parallel: int = 0
+    require_launch_job: bool = False
 
 
 @dataclass(frozen=True)
@@ -431,8 +497,9 @@ def _run_all(checks: Sequence[tuple[str, Callable[[], None]]]) -> None:
 def check_capture(facts: CaptureFacts) -> None:
     """Run every capture check and report all failures together.
 
-    Order: machine, driver (≥ 570), MIG on the used GPUs, MPS, forbidden devices per PID, NCCL env and
-    launch-job per rank (only when more than one CUDA PID), host RAM.
+    Order: machine, driver (≥ 570), MIG on the used GPUs, MPS, forbidden devices per PID, capture settings
+    per rank (when more than one CUDA PID or a tensor-parallel size above 1; launch-job only when
+    required), engine flags of a tensor-parallel launcher, host RAM.
 
     Raises:
         FailedPreconditionError / ResourceExhaustedError: the single failing check's error, or
@@ -463,13 +530,21 @@ def check_capture(facts: CaptureFacts) -> None:
     )
     for pid, paths in facts.open_paths_by_pid.items():
         checks.append((f"devices:{pid}", partial(check_no_forbidden_devices, pid, paths)))
-    if len(facts.cuda_pids) > 1:
+    launcher = _tensor_parallel_launcher(facts.cmdline_by_pid)
+    tp = facts.tensor_parallel or (launcher[1] if launcher else 1)
+    engine = facts.engine or (launcher[2] if launcher else None) or _engine_of(facts.cmdline_by_pid.values())
+    if len(facts.cuda_pids) > 1 or tp > 1:
         for pid in facts.cuda_pids:
             env = facts.env_by_pid.get(pid, {})
-            argv = facts.cmdline_by_pid.get(pid, ())
-            checks.append((f"nccl:{pid}", partial(check_nccl_env, pid, env, engine=facts.engine, cmdline=argv)))
+            checks.append((f"nccl:{pid}", partial(check_nccl_env, pid, env, engine=engine, tensor_parallel=tp)))
             if facts.require_launch_job:
                 checks.append((f"launch_job:{pid}", partial(check_launch_job, pid, env)))
+    launched = launcher[2] if launcher is not None else None
+    if launcher is not None and launched is not None and tp > 1:
+        argv = facts.cmdline_by_pid[launcher[0]]
+        checks.append(
+            (f"engine_args:{launcher[0]}", partial(check_engine_args, launcher[0], argv, engine=launched, tensor_parallel=tp))
+        )
     checks.append(
         (
             "host_memory",
@@ -479,6 +554,19 @@ def check_capture(facts: CaptureFacts) -> None:
         )
     )
     _run_all(checks)
+
+
+def _tensor_parallel_launcher(cmdlines: Mapping[int, Sequence[str]]) -> tuple[int, int, str | None] | None:
+    """(pid, tensor-parallel size, engine) of the first command line asking for a size above 1, else ``None``."""
+    for pid, argv in cmdlines.items():
+        size = tensor_parallel_from_argv(argv)
+        if size > 1:
+            return pid, size, engine_from_argv(argv)
+    return None
+
+
+def _engine_of(cmdlines: Iterable[Sequence[str]]) -> str | None:
+    return next((e for e in map(engine_from_argv, cmdlines) if e), None)
 
 
 def check_restore(facts: RestoreFacts) -> None:
@@ -571,6 +659,28 @@ def read_environ(pid: int, proc_root: Path = Path("/proc")) -> dict[str, str]:
             key, _, value = item.partition(b"=")
             env[key.decode(errors="replace")] = value.decode(errors="replace")
     return env
+
+
+def effective_environ(pid: int, reported: Mapping[str, str], proc_root: Path = Path("/proc")) -> dict[str, str]:
+    """A process's environment as its libraries see it: ``/proc/<pid>/environ`` (as at exec), with the
+    capture settings its agent reported (``capture_settings.reported``) laid over it.
+
+    ``configure_capture_env`` run inside a process changes ``getenv`` there but not ``/proc/<pid>/environ``;
+    without the agent's report the preflight would refuse a front end configured as documented.
+
+    Raises:
+        OSError: ``environ`` unreadable (process gone, no permission).
+    """
+    return {**read_environ(pid, proc_root), **reported}
+
+
+def read_cmdline(pid: int, proc_root: Path = Path("/proc")) -> list[str]:
+    """``<proc_root>/<pid>/cmdline`` as argv; empty when the process vanished or is a kernel thread."""
+    try:
+        raw = (proc_root / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.removesuffix(b"\0").split(b"\0")] if raw else []
 
 
 def mps_pipe_dir_exists(pid: int, env: Mapping[str, str], proc_root: Path = Path("/proc")) -> bool:

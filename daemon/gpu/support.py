@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import structlog
 
@@ -149,8 +149,20 @@ class GpuSupport:
         )
         return GpuTree(cuda_pids=tuple(cuda_pids), processes=processes)
 
-    def check_capture(self, tree: GpuTree, tree_pids: Iterable[int]) -> None:
-        """Every capture precondition (driver, MIG, MPS, devices, NCCL, host RAM) before anything is locked."""
+    def check_capture(
+        self, tree: GpuTree, tree_pids: Iterable[int], reported_env: Mapping[int, Mapping[str, str]] | None = None
+    ) -> None:
+        """Every capture precondition (driver, MIG, MPS, devices, capture settings, host RAM) before anything is
+        locked.
+
+        Args:
+            tree: the tree's CUDA side.
+            tree_pids: every PID of the tree.
+            reported_env: capture settings agents reported for their processes (``AgentRegistry.capture_env``),
+                laid over ``/proc/<pid>/environ``, which shows only the environment at exec.
+        """
+        tree_pids = list(tree_pids)
+        reported_env = reported_env or {}
         driver, _ = self.driver_versions()
         facts = preflight.CaptureFacts(
             machine=host.machine(),
@@ -158,8 +170,9 @@ class GpuSupport:
             gpus=self.gpus(),
             gpu_uuids=tree.uuids,
             cuda_pids=tree.cuda_pids,
-            env_by_pid={p: preflight.read_environ(p) for p in tree.cuda_pids},
+            env_by_pid={p: preflight.effective_environ(p, reported_env.get(p, {})) for p in tree.cuda_pids},
             open_paths_by_pid={p: preflight.open_paths(p) for p in tree_pids},
+            cmdline_by_pid={p: preflight.read_cmdline(p) for p in tree_pids},
             mem_available_bytes=self.host_memory(),
             gpu_bytes=tree.gpu_bytes,
             mps_daemon_running=preflight.mps_daemon_running(),

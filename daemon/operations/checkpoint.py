@@ -66,7 +66,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
         enter_ns_of = opts.pid if ns_pid != opts.pid else 0
         gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))
         if gpu_tree:
-            deps.gpu.check_capture(gpu_tree, facts.tree_pids)
+            deps.gpu.check_capture(gpu_tree, facts.tree_pids, deps.agents.capture_env(facts.tree_pids))
 
     run.on_failure("resume-source", lambda: _resume_source(list(facts.tree_pids)))
     capture = orchestrate.prepare_capture(run, deps, opts, facts.tree_pids, owner_uid)

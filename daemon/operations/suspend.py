@@ -35,7 +35,7 @@ def run_suspend(run: PhaseRunner, deps: Deps, pid: int, lock_timeout_s: float | 
             raise FailedPreconditionError(
                 f"the tree of PID {pid} has no CUDA process to suspend", reason="NO_CUDA_PROCESS", metadata={"pid": str(pid)}
             )
-        deps.gpu.check_capture(tree, tree_pids)
+        deps.gpu.check_capture(tree, tree_pids, deps.agents.capture_env(tree_pids))
     ctl = deps.gpu.controller(tree.gpu_bytes)
     timeout_ms = int((lock_timeout_s or deps.config.gpu_lock_timeout) * 1000)
     with run.phase("gpu-lock"):

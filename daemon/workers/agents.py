@@ -21,7 +21,7 @@ from pathlib import Path
 
 import structlog
 
-from gpusnap.adapters import wire
+from gpusnap.adapters import capture_settings, wire
 from gpusnap.adapters._proto import agent_pb2
 from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
 from gpusnap.daemon import rundirs
@@ -173,6 +173,15 @@ class AgentRegistry:
                 if session is not None and not session.closed and _peer_open(session.sock):
                     return session
         return None
+
+    def capture_env(self, pids: Collection[int]) -> dict[int, dict[str, str]]:
+        """Capture settings each live agent among ``pids`` reported in its hello (its process's environment as
+        it is now, which ``/proc/<pid>/environ`` does not show; ``capture_settings.report``), by PID."""
+        with self._cond:
+            sessions = [self._sessions.get(p) for p in pids]
+        return {
+            s.info.pid: capture_settings.reported(s.info.info) for s in sessions if s is not None and not s.closed
+        }
 
     def wait_for(self, pids: Collection[int], instance_id: str, timeout_s: float) -> AgentSession:
         """Wait for the agent ``instance_id`` to reconnect (after Quiesce) from one of ``pids``.

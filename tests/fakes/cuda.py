@@ -276,8 +276,10 @@ class FakeProc:
         env: Mapping[str, str] | None = None,
         comm: str = "python3",
         state: str = "S",
+        cmdline: Sequence[str] = ("python3",),
     ) -> Path:
-        """Create ``<root>/<pid>`` with fd symlinks to ``fds``, ``maps`` lines naming ``maps`` paths, ``environ``."""
+        """Create ``<root>/<pid>`` with fd symlinks to ``fds``, ``maps`` lines naming ``maps`` paths, ``environ``,
+        ``cmdline``."""
         base = self.root / str(pid)
         (base / "fd").mkdir(parents=True, exist_ok=True)
         (base / "stat").write_text(f"{pid} ({comm}) {state} 1 {pid} {pid} 0 -1\n")
@@ -296,6 +298,7 @@ class FakeProc:
         (base / "maps").write_text("\n".join(lines) + "\n")
         environ = env or {}
         (base / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in environ.items()))
+        (base / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in cmdline))
         return base
 
     def remove(self, pid: int) -> None:

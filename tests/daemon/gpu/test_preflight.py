@@ -18,7 +18,7 @@ SAFE_NCCL = {
     "NCCL_P2P_DISABLE": "1",
     "NCCL_NVLS_ENABLE": "0",
     "NCCL_SHM_DISABLE": "1",
-    "CUDA_CHECKPOINT_JOB_FILE": "/x",
+    "NCCL_CUMEM_HOST_ENABLE": "0",
 }
 
 
@@ -105,16 +105,31 @@ def test_nccl_env_fc05() -> None:
     with pytest.raises(FailedPreconditionError) as e:
         pf.check_nccl_env(9, {"NCCL_P2P_DISABLE": "1"})
     assert e.value.reason == "NCCL_ENV_UNSAFE"
-    assert e.value.metadata["missing"] == "NCCL_NVLS_ENABLE=0,NCCL_SHM_DISABLE=1"
+    assert e.value.metadata["missing"] == "NCCL_NVLS_ENABLE=0,NCCL_SHM_DISABLE=1,NCCL_CUMEM_HOST_ENABLE=0"
+    assert "FC-05" in e.value.message and "FC-06" in e.value.message and "configure_capture_env" in e.value.message
+    pf.check_nccl_env(9, SAFE_NCCL, engine="vllm")  # not known to be tensor-parallel: no vLLM all-reduce rows
     with pytest.raises(FailedPreconditionError) as e:
-        pf.check_nccl_env(9, SAFE_NCCL, engine="vllm", cmdline=["python", "-m", "vllm.entrypoints.openai.api_server"])
-    assert "VLLM_ALLREDUCE_USE_SYMM_MEM=0" in e.value.message and "--disable-custom-all-reduce" in e.value.message
-    pf.check_nccl_env(
-        9,
-        {**SAFE_NCCL, "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"},
-        engine="vllm",
-        cmdline=["vllm", "serve", "m", "--disable-custom-all-reduce"],
-    )
+        pf.check_nccl_env(9, SAFE_NCCL, engine="vllm", tensor_parallel=2)
+    assert e.value.metadata["missing"] == "VLLM_ALLREDUCE_USE_SYMM_MEM=0"
+    pf.check_nccl_env(9, {**SAFE_NCCL, "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}, engine="vllm", tensor_parallel=2)
+    with pytest.raises(FailedPreconditionError) as e:
+        pf.check_engine_args(9, ["vllm", "serve", "m", "-tp", "2"], engine="vllm", tensor_parallel=2)
+    assert e.value.metadata["missing"] == "--disable-custom-all-reduce"
+    pf.check_engine_args(9, ["vllm", "serve", "m", "-tp", "2", "--disable-custom-all-reduce"], engine="vllm",
+                         tensor_parallel=2)
+
+
+def test_engine_and_tensor_parallel_from_argv() -> None:
+    assert pf.engine_from_argv(["/venv/bin/vllm", "serve", "m"]) == "vllm"
+    assert pf.engine_from_argv(["python", "-m", "vllm.entrypoints.openai.api_server"]) == "vllm"
+    assert pf.engine_from_argv(["python", "-m", "sglang.launch_server"]) == "sglang"
+    assert pf.engine_from_argv(["trtllm-serve", "m"]) == "trtllm"
+    assert pf.engine_from_argv(["python", "serve.py", "--model", "vllm-model"]) is None
+    assert pf.tensor_parallel_from_argv(["vllm", "serve", "m", "--tensor-parallel-size", "4"]) == 4
+    assert pf.tensor_parallel_from_argv(["vllm", "serve", "m", "--tensor-parallel-size=2"]) == 2
+    assert pf.tensor_parallel_from_argv(["x", "--tp-size", "8"]) == 8
+    assert pf.tensor_parallel_from_argv(["x", "-tp", "junk"]) == 1
+    assert pf.tensor_parallel_from_argv(["x", "--tp"]) == 1
 
 
 def test_launch_job_fc07() -> None:
@@ -156,7 +171,10 @@ def test_check_capture_reports_every_failure() -> None:
     assert e.value.reason == "PREFLIGHT_FAILED"
     reasons = e.value.metadata["reasons"].split(",")
     assert reasons[:2] == ["ARCH_UNSUPPORTED", "NVIDIA_DRIVER_TOO_OLD"]
-    assert "NCCL_ENV_UNSAFE" in reasons and "LAUNCH_JOB_MISSING" in reasons
+    assert "NCCL_ENV_UNSAFE" in reasons and "LAUNCH_JOB_MISSING" not in reasons  # launch-job only on request
+    with pytest.raises(FailedPreconditionError) as e:
+        pf.check_capture(_capture(cuda_pids=[10, 11], env_by_pid={10: SAFE_NCCL, 11: SAFE_NCCL}, require_launch_job=True))
+    assert e.value.metadata["reasons"] == "LAUNCH_JOB_MISSING,LAUNCH_JOB_MISSING"
     # no NCCL requirements when the tree has one CUDA process
     pf.check_capture(_capture(cuda_pids=[10], env_by_pid={}))
 

@@ -37,6 +37,7 @@ from gpusnap.daemon.operations.restore import run_restore
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
 from gpusnap.daemon.store import SnapshotStore
 from tests.conftest import Workload, Workloads, criu_prefix, wait_for
+from gpusnap.adapters import capture_settings
 from tests.daemon.operations.fakes_cuda import ProcessCuda
 from tests.daemon.operations.fakes_nvml import GIB, FakeGpu, FakeNvml, fake_uuid
 
@@ -44,13 +45,8 @@ MIB = 1 << 20
 GPU_BYTES = 512 * MIB
 """Device memory a fake CUDA process holds (small: the host-RAM preflight counts it)."""
 
-NCCL_ENV = {
-    "NCCL_P2P_DISABLE": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "NCCL_SHM_DISABLE": "1",
-    "CUDA_CHECKPOINT_JOB_FILE": "/tmp/gpusnap-test-job",
-}
-"""What a multi-CUDA-process tree must carry to pass the capture preflight (FC-05..FC-07)."""
+NCCL_ENV = capture_settings.env_defaults()
+"""What ``configure_capture_env()`` sets: a multi-CUDA-process tree configured so passes the preflight."""
 
 
 class RecordingCriu(CriuDriver):

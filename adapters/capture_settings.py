@@ -1,0 +1,227 @@
+"""The one table of capture settings: what a worker sets so that it can be checkpointed, and why.
+
+Three readers use this table and nothing else: :func:`gpusnap.adapters.env.configure_capture_env` (sets
+the environment defaults inside the worker), the vLLM plugin (sets them, and the engine arguments, in
+every vLLM process before the engine is built), and the daemon's preflight
+(``gpusnap.daemon.gpu.preflight.check_nccl_env``), which refuses a tree whose CUDA processes lack what
+their layout needs. A worker configured with the helper therefore passes preflight whatever its layout.
+
+Each :class:`CaptureSetting` has a :class:`Scope`:
+
+* ``ANY``: every worker; the helper sets it, preflight does not require it (a single CUDA process
+  captures without it, the setting only removes things that get in the way).
+* ``MULTI_PROCESS``: required of every CUDA process of a tree that has several (front end + worker,
+  data-parallel ranks, tensor-parallel ranks). These switch off NCCL's transports between processes that
+  share GPU or host memory the checkpoint cannot carry; in a process that never talks NCCL to a peer they
+  change nothing, so the helper always sets them.
+* ``TENSOR_PARALLEL``: engine features that only a tensor-parallel group uses (custom all-reduce and
+  symmetric memory over CUDA IPC); the helper sets them when asked for ``tensor_parallel > 1``,
+  preflight requires them of a job it knows to be tensor-parallel.
+
+Failure cases (``FC-xx``) are described in ``docs/tensor-parallel.md``. This module imports only the
+standard library: it runs inside engine processes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+class Scope(enum.Enum):
+    """Which process layouts need a setting (see the module docstring)."""
+
+    ANY = "any"
+    MULTI_PROCESS = "multi_process"
+    TENSOR_PARALLEL = "tensor_parallel"
+
+
+class Kind(enum.Enum):
+    """Where a setting lives."""
+
+    ENV = "env"
+    """An environment variable, read by the library when it starts (set it before the engine starts)."""
+    ENGINE_ARG = "engine_arg"
+    """A command-line flag of the engine (``name``), also an engine-args field (``engine_field``)."""
+
+
+@dataclass(frozen=True)
+class CaptureSetting:
+    """One row of :data:`CAPTURE_SETTINGS`.
+
+    Attributes:
+        name: environment variable, or the engine's flag for :attr:`Kind.ENGINE_ARG` rows.
+        value: the value to set (``""`` for a flag that takes none).
+        reason: why a captured worker needs it, one sentence.
+        scope: which layouts need it.
+        failure_cases: ids of the failure cases it prevents (``docs/tensor-parallel.md``).
+        engine: ``"vllm"``, ``"sglang"``, ``"trtllm"`` when only that engine reads it, else ``None``.
+        kind: environment variable or engine argument.
+        engine_field: for engine arguments, the engine-args attribute (vLLM ``EngineArgs``) the flag sets.
+    """
+
+    name: str
+    value: str
+    reason: str
+    scope: Scope = Scope.ANY
+    failure_cases: tuple[str, ...] = ()
+    engine: str | None = None
+    kind: Kind = Kind.ENV
+    engine_field: str = ""
+
+    def requirement(self) -> str:
+        """How a refusal names it: ``NAME=value`` for variables, the flag for engine arguments."""
+        return self.name if self.kind is Kind.ENGINE_ARG else f"{self.name}={self.value}"
+
+
+_S = CaptureSetting
+CAPTURE_SETTINGS: tuple[CaptureSetting, ...] = (
+    # --- every worker ---------------------------------------------------------------------------------
+    _S("NCCL_CUMEM_ENABLE", "0", "NCCL then allocates with cudaMalloc and exports no cuMem handles (file "
+       "descriptors) to peer processes, which is CUDA IPC memory the checkpoint cannot carry", failure_cases=("FC-07",)),
+    _S("NCCL_IB_DISABLE", "1", "InfiniBand verbs state (/dev/infiniband) cannot enter a CRIU image"),
+    _S("NCCL_RAS_ENABLE", "0", "NCCL's RAS thread keeps sockets open between ranks"),
+    _S("TORCH_NCCL_ENABLE_MONITORING", "0", "the NCCL watchdog kills processes that were frozen for the dump"),
+    _S("TORCH_NCCL_DUMP_ON_TIMEOUT", "0", "same watchdog: no dumps over the gap between capture and restore"),
+    _S("HF_HUB_OFFLINE", "1", "no hub connections may be open in the image"),
+    _S("HF_HUB_DISABLE_XET", "1", "the Xet client keeps background connections"),
+    _S("VLLM_WORKER_MULTIPROC_METHOD", "spawn", "fork would copy CUDA state and open files into children",
+       engine="vllm"),
+    _S("TORCHINDUCTOR_COMPILE_THREADS", "1", "no compile worker pool processes in the image"),
+    # --- several CUDA processes: no transport between processes that the checkpoint cannot carry -------
+    _S("NCCL_P2P_DISABLE", "1", "the P2P transport maps peer GPU memory over CUDA IPC; checkpoint hangs on it and "
+       "IPC memory cannot be restored per process", Scope.MULTI_PROCESS, ("FC-05", "FC-07")),
+    _S("NCCL_NVLS_ENABLE", "0", "NVLink SHARP multicast objects span processes and cannot be checkpointed",
+       Scope.MULTI_PROCESS, ("FC-05",)),
+    _S("NCCL_SHM_DISABLE", "1", "the SHM transport shares host buffers between ranks; checkpoint and restore hang "
+       "on it", Scope.MULTI_PROCESS, ("FC-05", "FC-06")),
+    _S("NCCL_CUMEM_HOST_ENABLE", "0", "cuMem host allocations behind the SHM transport hang restore in "
+       "ncclCheckpointRestore", Scope.MULTI_PROCESS, ("FC-06",)),
+    # --- tensor-parallel groups: engine all-reduce paths over CUDA IPC --------------------------------
+    _S("VLLM_ALLREDUCE_USE_SYMM_MEM", "0", "vLLM's symmetric-memory all-reduce maps peer GPU memory (CUDA IPC, "
+       "multicast)", Scope.TENSOR_PARALLEL, ("FC-05", "FC-07"), engine="vllm"),
+    _S("--disable-custom-all-reduce", "", "vLLM's custom all-reduce shares GPU buffers between ranks over CUDA "
+       "IPC", Scope.TENSOR_PARALLEL, ("FC-05", "FC-07"), engine="vllm", kind=Kind.ENGINE_ARG,
+       engine_field="disable_custom_all_reduce"),
+    _S("TLLM_NCCL_SYMMETRIC_ZERO_COPY", "0", "TensorRT-LLM's NCCL registered windows are peer GPU memory",
+       Scope.TENSOR_PARALLEL, ("FC-05", "FC-07"), engine="trtllm"),
+)
+"""Every capture setting, in the order the helper applies them."""
+del _S
+
+
+def scopes_for(*, cuda_processes: int, tensor_parallel: int) -> frozenset[Scope]:
+    """The scopes a layout requires (``ANY`` rows are never required).
+
+    Args:
+        cuda_processes: CUDA processes in the tree (≥ 0).
+        tensor_parallel: tensor-parallel size of the job (1 when not tensor-parallel or unknown).
+
+    Returns:
+        ``MULTI_PROCESS`` with several CUDA processes or ``tensor_parallel > 1``; ``TENSOR_PARALLEL`` with
+        ``tensor_parallel > 1``; else empty.
+    """
+    scopes: set[Scope] = set()
+    if cuda_processes > 1 or tensor_parallel > 1:
+        scopes.add(Scope.MULTI_PROCESS)
+    if tensor_parallel > 1:
+        scopes.add(Scope.TENSOR_PARALLEL)
+    return frozenset(scopes)
+
+
+def settings(
+    scopes: Iterable[Scope], *, engine: str | None = None, kind: Kind | None = None
+) -> tuple[CaptureSetting, ...]:
+    """Rows of :data:`CAPTURE_SETTINGS` in ``scopes``.
+
+    Args:
+        scopes: the scopes wanted.
+        engine: keep engine-specific rows only for this engine; ``None`` keeps every engine's rows.
+        kind: only rows of this kind; ``None`` keeps both.
+    """
+    wanted = frozenset(scopes)
+    return tuple(
+        s
+        for s in CAPTURE_SETTINGS
+        if s.scope in wanted
+        and (engine is None or s.engine is None or s.engine == engine)
+        and (kind is None or s.kind is kind)
+    )
+
+
+def env_defaults(*, tensor_parallel: int = 1, engine: str | None = None) -> dict[str, str]:
+    """The environment a worker should start with: ``ANY`` and ``MULTI_PROCESS`` rows always (inert in a
+    process without NCCL peers), ``TENSOR_PARALLEL`` rows when ``tensor_parallel > 1``.
+
+    Args:
+        tensor_parallel: the worker's tensor-parallel size (≥ 1).
+        engine: the engine, to leave out other engines' rows; ``None`` keeps them all.
+
+    Raises:
+        ValueError: ``tensor_parallel < 1``.
+    """
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+    scopes = scopes_for(cuda_processes=2, tensor_parallel=tensor_parallel) | {Scope.ANY}
+    return {s.name: s.value for s in settings(scopes, engine=engine, kind=Kind.ENV)}
+
+
+def engine_args(engine: str, *, tensor_parallel: int = 1) -> dict[str, str]:
+    """Engine arguments a captured worker of ``engine`` needs: engine-args field → flag (e.g. vLLM
+    ``{"disable_custom_all_reduce": "--disable-custom-all-reduce"}`` at ``tensor_parallel > 1``)."""
+    scopes = scopes_for(cuda_processes=2, tensor_parallel=tensor_parallel)
+    return {s.engine_field: s.name for s in settings(scopes, engine=engine, kind=Kind.ENGINE_ARG)}
+
+
+def missing_env(env: Mapping[str, str], scopes: Iterable[Scope], *, engine: str | None) -> list[CaptureSetting]:
+    """Environment rows of ``scopes`` that ``env`` lacks or sets to another value (whitespace ignored).
+
+    Args:
+        env: a process's environment (e.g. ``/proc/<pid>/environ``).
+        scopes: what its layout needs (:func:`scopes_for`).
+        engine: the tree's engine; ``None`` means unknown, and engine-specific rows are then not required.
+    """
+    return [
+        s
+        for s in settings(scopes, kind=Kind.ENV)
+        if (s.engine is None or s.engine == engine) and env.get(s.name, "").strip() != s.value
+    ]
+
+
+def missing_engine_args(argv: Iterable[str], scopes: Iterable[Scope], *, engine: str) -> list[CaptureSetting]:
+    """Engine-argument rows of ``scopes`` for ``engine`` absent from ``argv`` (``--flag`` or ``--flag=…``)."""
+    args = list(argv)
+    return [
+        s
+        for s in settings(scopes, engine=engine, kind=Kind.ENGINE_ARG)
+        if s.engine == engine and not any(a == s.name or a.startswith(s.name + "=") for a in args)
+    ]
+
+
+#: Prefix of the agent-hello ``info`` keys that carry a process's capture settings (:func:`report`).
+REPORT_PREFIX = "capture_env."
+
+
+def report(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment rows of the table that ``environ`` sets, keyed ``capture_env.NAME``, for the agent's hello.
+
+    ``/proc/<pid>/environ`` shows a process's environment as it was at exec, so variables that
+    :func:`~gpusnap.adapters.env.configure_capture_env` set inside the process (which NCCL, reading
+    ``getenv`` later, does see) are missing there; the agent reports them instead. Only names of the table
+    are reported.
+    """
+    names = {s.name for s in CAPTURE_SETTINGS if s.kind is Kind.ENV}
+    return {REPORT_PREFIX + k: v for k, v in environ.items() if k in names}
+
+
+def reported(info: Mapping[str, str]) -> dict[str, str]:
+    """The inverse of :func:`report`: ``NAME → value`` for the table's names found in an agent's ``info``
+    (anything else in ``info`` is ignored)."""
+    names = {s.name for s in CAPTURE_SETTINGS if s.kind is Kind.ENV}
+    out = {}
+    for key, value in info.items():
+        name = key.removeprefix(REPORT_PREFIX)
+        if key.startswith(REPORT_PREFIX) and name in names:
+            out[name] = value
+    return out
