@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.api.errors import InvalidArgumentError
+from gpusnap.daemon.metrics import parse_listen
 
 DEFAULT_SOCKET = Path("/run/gpusnap/gpusnapd.sock")
 DEFAULT_STORE = Path("/var/lib/gpusnap")
@@ -30,6 +31,10 @@ class DaemonConfig:
     """Group that may use the socket; ignored when it does not exist."""
     listen: str = ""
     """Optional TCP ``host:port``; requires ``tls_cert`` and ``tls_key``."""
+    metrics_listen: str = ""
+    """Prometheus metrics on ``IP:PORT`` (a bare port means 127.0.0.1); empty = off. The page shows
+    operation counts, phase timings and store use to whoever reaches it: keep it on loopback or a trusted
+    network."""
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -99,6 +104,8 @@ class DaemonConfig:
             raise InvalidArgumentError(
                 "--listen needs TLS: set tls_cert and tls_key (and tls_client_ca for mutual TLS)", reason="BAD_CONFIG"
             )
+        if self.metrics_listen:
+            parse_listen(self.metrics_listen)
         if self.log_format not in ("auto", "json", "console"):
             raise InvalidArgumentError(f"log_format must be auto, json or console, not {self.log_format!r}", reason="BAD_CONFIG")
 

@@ -12,12 +12,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
 from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
-from gpusnap.daemon import rundirs
+from gpusnap.daemon import __version__, rundirs
+from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import host
 from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
+from gpusnap.daemon.metrics import Metrics, Usage
+from gpusnap.daemon.operations.base import OperationKind
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.service import reflection
@@ -43,17 +46,17 @@ class Running:
     proxy: PeerCredProxy
     daemon: Daemon
     health: health.HealthServicer
+    metrics: Metrics
 
     def stop(self, grace: float = 5.0) -> None:
         for name in ("", *SERVICE_NAMES):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server.stop(grace).wait()
         self.proxy.stop()
+        self.metrics.stop()
         # Running operations finish (and roll back if they fail) before the store and the agent channel
         # close: a quiesced worker must still be able to reconnect and be resumed.
-        self.daemon.registry.shutdown(wait=True)
-        self.daemon.deps.agents.stop()
-        self.daemon.deps.store.close()
+        _release(self.daemon)
 
 
 def build_daemon(config: DaemonConfig) -> Running:
@@ -78,7 +81,11 @@ def build_daemon(config: DaemonConfig) -> Running:
     # The agents' default GPUSNAP_WAKE_DIR, like /tmp.
     rundirs.make_own_dir(config.agent_socket.parent / "wake", 0o1777)
     deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents)
-    daemon = Daemon(deps, OperationRegistry(max_workers=config.max_operations))
+    metrics = Metrics(lambda: _usage(daemon))  # read at scrape time, once the daemon exists
+    daemon = Daemon(deps, OperationRegistry(max_workers=config.max_operations, on_finished=metrics.observe))
+    driver, cuda = gpu.driver_versions()
+    metrics.set_versions(gpusnap_version=__version__, criu_version=criu_version, nvidia_driver_version=driver,
+                         cuda_driver_version=cuda)
 
     private_dir = config.socket.parent / ".gpusnapd-private"
     rundirs.make_own_dir(private_dir, 0o700)
@@ -100,6 +107,21 @@ def build_daemon(config: DaemonConfig) -> Running:
         server.add_secure_port(config.listen, _tls_credentials(config))
     server.start()
     proxy.start()
+    metrics_at = None
+    if config.metrics_listen:
+        try:
+            metrics_host, metrics_port = metrics.serve(config.metrics_listen)
+            metrics_at = f"{metrics_host}:{metrics_port}"
+        except OSError as exc:
+            server.stop(0)
+            proxy.stop()
+            _release(daemon)
+            raise FailedPreconditionError(
+                f"cannot serve metrics on {config.metrics_listen} ({exc.strerror or exc}); pick a free address "
+                "with --metrics-listen / metrics_listen",
+                reason="METRICS_ADDRESS_IN_USE",
+                metadata={"listen": config.metrics_listen},
+            ) from exc
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -110,10 +132,33 @@ def build_daemon(config: DaemonConfig) -> Running:
         criu=config.criu_binary,
         criu_version=criu_version,
         listen=config.listen or None,
+        metrics=metrics_at,
         gpu=gpu.available,
         gpu_reason=gpu.reason or None,
     )
-    return Running(server=server, proxy=proxy, daemon=daemon, health=health_servicer)
+    return Running(server=server, proxy=proxy, daemon=daemon, health=health_servicer, metrics=metrics)
+
+
+def _release(daemon: Daemon) -> None:
+    """Release what :func:`build_daemon` acquired before the servers started (agent socket, store lock)."""
+    daemon.registry.shutdown(wait=True)
+    daemon.deps.agents.stop()
+    daemon.deps.store.close()
+
+
+def _usage(daemon: Daemon) -> Usage:
+    store = daemon.deps.store
+    buffers = store.buffers.used_bytes()
+    running = dict.fromkeys((kind.value for kind in OperationKind), 0)
+    for record in daemon.registry.list():
+        if not record.done:
+            running[record.kind.value] += 1
+    return Usage(
+        tier_bytes={"images": store.used_bytes() - buffers, "buffers": buffers},
+        snapshots=len(store.list()),
+        agents=daemon.deps.agents.connected(),
+        running_operations=running,
+    )
 
 
 def _tls_credentials(config: DaemonConfig) -> grpc.ServerCredentials:

@@ -69,6 +69,7 @@ _ACTION_BY_REASON: dict[str, Action] = {
     "ADDRESS_IN_USE": Action.FIX,
     "STORE_LOCKED": Action.FIX,
     "SOCKET_IN_USE": Action.FIX,
+    "METRICS_ADDRESS_IN_USE": Action.FIX,
     "UNSAFE_SOCKET_DIR": Action.FIX,
     "UNSAFE_RUNTIME_DIR": Action.FIX,
     "CRIU_MISSING": Action.FIX,

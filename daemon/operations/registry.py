@@ -7,11 +7,14 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+import structlog
+
 from gpusnap.daemon.api import validate
 from gpusnap.daemon.api.errors import AbortedError, NotFoundError
 from gpusnap.daemon.operations.base import OperationRecord, PhaseRunner
 
 KEEP_FINISHED = 256
+log = structlog.get_logger(__name__)
 
 
 class OperationRegistry:
@@ -19,9 +22,11 @@ class OperationRegistry:
 
     Args:
         max_workers: operations that may run at once.
+        on_finished: called with each record once it has finished (metrics); its exceptions are logged.
     """
 
-    def __init__(self, max_workers: int = 8):
+    def __init__(self, max_workers: int = 8, on_finished: Callable[[OperationRecord], None] | None = None):
+        self._on_finished = on_finished
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="gpusnap-op")
         self._lock = threading.Lock()
         self._ops: dict[str, OperationRecord] = {}
@@ -52,6 +57,11 @@ class OperationRegistry:
         def run() -> None:
             try:
                 PhaseRunner(record).run(body)
+                if self._on_finished is not None:
+                    try:
+                        self._on_finished(record)
+                    except Exception:  # a metrics bug must not fail the operation
+                        log.exception("operation.observer_failed", operation_id=record.id)
             finally:
                 with self._lock:
                     for p in pids:

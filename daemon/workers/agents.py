@@ -165,6 +165,11 @@ class AgentRegistry:
             self._sessions.clear()
         rundirs.unlink_if_ours(self.socket_path, self._bound)
 
+    def connected(self) -> int:
+        """Agents connected now."""
+        with self._cond:
+            return len(self._sessions)
+
     def find(self, pids: Collection[int]) -> AgentSession | None:
         """The live session of an agent in one of ``pids``, if any."""
         with self._cond:

@@ -1,0 +1,150 @@
+"""Prometheus metrics of gpusnapd (prometheus-client), served on ``metrics_listen`` when it is set.
+
+Operations are counted when they finish (:meth:`Metrics.observe`, called by the operation registry);
+store, tier and agent figures are read at scrape time. Metric names follow the Prometheus naming
+guide: ``gpusnap_`` prefix, base units (seconds, bytes), ``_total`` for counters.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gpusnap.daemon.api.errors import InvalidArgumentError
+from gpusnap.daemon.operations.base import OperationRecord, OperationState
+
+# Phases last from milliseconds (publish) to minutes (a GPU dump of a large model).
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+DEFAULT_METRICS_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a scrape reads from the daemon: bytes per storage tier, snapshots, connected agents."""
+
+    tier_bytes: dict[str, int]
+    snapshots: int
+    agents: int
+    running_operations: dict[str, int]
+
+
+class _UsageCollector(Collector):
+    def __init__(self, read: Callable[[], Usage]):
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        usage = self._read()
+        tiers = GaugeMetricFamily("gpusnap_store_used_bytes", "Bytes used in the store, by tier", labels=["tier"])
+        for tier, used in sorted(usage.tier_bytes.items()):
+            tiers.add_metric([tier], used)
+        yield tiers
+        yield GaugeMetricFamily("gpusnap_snapshots", "Snapshots listed in the store", value=usage.snapshots)
+        yield GaugeMetricFamily("gpusnap_agents_connected", "Worker agents connected to the daemon", value=usage.agents)
+        running = GaugeMetricFamily("gpusnap_operations_running", "Operations in progress, by kind", labels=["kind"])
+        for kind, count in sorted(usage.running_operations.items()):
+            running.add_metric([kind], count)
+        yield running
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())  # values come only at scrape time
+
+
+class Metrics:
+    """The daemon's metrics in their own registry (so tests and embedders never share the global one).
+
+    Args:
+        usage: called at each scrape for store, tier and agent figures.
+    """
+
+    def __init__(self, usage: Callable[[], Usage]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.operations = Counter(
+            "gpusnap_operations", "Finished operations, by kind and result", ["kind", "result"], registry=self.registry
+        )
+        self.failures = Counter(
+            "gpusnap_operation_failures",
+            "Failed operations, by kind and stable reason (docs/errors.md)",
+            ["kind", "reason"],
+            registry=self.registry,
+        )
+        self.operation_seconds = Histogram(
+            "gpusnap_operation_duration_seconds",
+            "Wall time of finished operations",
+            ["kind", "result"],
+            buckets=PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.phase_seconds = Histogram(
+            "gpusnap_phase_duration_seconds",
+            "Duration of completed operation phases",
+            ["kind", "phase"],
+            buckets=PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.bytes_moved = Counter(
+            "gpusnap_bytes_moved", "Bytes moved by completed phases", ["kind", "phase"], registry=self.registry
+        )
+        self.build = Info("gpusnap_build", "gpusnap, CRIU and GPU driver versions", registry=self.registry)
+        self.registry.register(_UsageCollector(usage))
+        self._server: Any = None
+
+    def set_versions(self, **versions: str) -> None:
+        """Fill ``gpusnap_build_info`` (e.g. ``criu_version="4.2"``; empty values are sent as "none")."""
+        self.build.info({k: v or "none" for k, v in versions.items()})
+
+    def observe(self, record: OperationRecord) -> None:
+        """Count a finished operation, its phases and the bytes they moved."""
+        kind = record.kind.value
+        result = "succeeded" if record.state is OperationState.SUCCEEDED else "failed"
+        self.operations.labels(kind, result).inc()
+        if record.error is not None:
+            self.failures.labels(kind, record.error.reason).inc()
+        if record.finished is not None:
+            self.operation_seconds.labels(kind, result).observe((record.finished - record.started).total_seconds())
+        for phase in record.phases:
+            self.phase_seconds.labels(kind, phase.phase).observe(phase.duration_seconds)
+            if phase.bytes:
+                self.bytes_moved.labels(kind, phase.phase).inc(phase.bytes)
+
+    def serve(self, listen: str) -> tuple[str, int]:
+        """Serve the text format on ``listen`` (``host:port``, ``[v6]:port`` or ``port`` for loopback);
+        returns the bound address. Raises OSError if the address is taken."""
+        host, port = parse_listen(listen)
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        bound_host, bound_port = self._server.server_address[:2]
+        return str(bound_host), int(bound_port)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port``, ``:port`` or ``port`` (the last two on loopback) as (host, port).
+
+    Raises:
+        InvalidArgumentError: reason ``BAD_CONFIG``.
+    """
+    host, sep, port = listen.rpartition(":")
+    if not sep:
+        host, port = "", listen
+    host = host.strip("[]") or DEFAULT_METRICS_HOST
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+        if not 0 <= number <= 65535:
+            raise ValueError(port)
+    except ValueError as exc:
+        raise InvalidArgumentError(
+            f"metrics_listen {listen!r} is not IP:PORT (e.g. 127.0.0.1:9464; a bare port means loopback)",
+            reason="BAD_CONFIG",
+        ) from exc
+    return host, number

@@ -1,0 +1,119 @@
+"""Prometheus metrics scraped around a real dump and restore match what the operations report."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpusnap.daemon.metrics import parse_listen
+from tests.conftest import DaemonProc, Workloads, start_daemon, stop_daemon, wait_for
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture
+def metered(tmp_path: Path) -> Iterator[tuple[DaemonProc, str]]:
+    d = start_daemon(tmp_path, extra_env={"GPUSNAP_METRICS_LISTEN": "127.0.0.1:0"})
+    assert d.alive(), d.log.read_text()
+    try:
+        started = next(json.loads(line) for line in d.log.read_text().splitlines() if '"daemon.started"' in line)
+        yield d, f"http://{started['metrics']}/metrics"
+    finally:
+        stop_daemon(d)
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def _check_operation(samples: Samples, op: dict[str, object], kind: str) -> None:
+    """Counts, phase histograms and bytes of one finished operation, as its JSON reported them."""
+    assert value(samples, "gpusnap_operations_total", kind=kind, result="succeeded") == 1
+    phases = op["phases"]
+    assert isinstance(phases, dict) and phases
+    for phase, seconds in phases.items():
+        assert value(samples, "gpusnap_phase_duration_seconds_count", kind=kind, phase=phase) == 1, phase
+        assert value(samples, "gpusnap_phase_duration_seconds_sum", kind=kind, phase=phase) == pytest.approx(seconds)
+        assert value(samples, "gpusnap_phase_duration_seconds_bucket", kind=kind, phase=phase, le="+Inf") == 1
+    observed = {dict(labels)["phase"] for (name, labels) in samples
+                if name == "gpusnap_phase_duration_seconds_count" and dict(labels)["kind"] == kind}
+    assert observed == set(phases), "no phase counted that the operation did not run"
+
+
+def test_metrics_follow_a_dump_and_a_restore(metered: tuple[DaemonProc, str], workloads: Workloads) -> None:
+    daemon, url = metered
+    before = scrape(url)
+    assert value(before, "gpusnap_operations_total", kind="checkpoint", result="succeeded") == 0
+    assert value(before, "gpusnap_snapshots") == 0
+    node = daemon.client().node_info()
+    assert value(before, "gpusnap_build_info", gpusnap_version=node.host.gpusnap_version,
+                 criu_version=node.host.criu_version, nvidia_driver_version="none",
+                 cuda_driver_version="none") == 1
+
+    w = workloads.start("--mem-mb", "300", "--no-child")
+    op_id = json.loads(daemon.cli("-o", "json", "dump", str(w.pid), "--leave-running", "--detach", check=True).stdout)
+    seen_running = []
+
+    def finished() -> bool:
+        samples = scrape(url)
+        seen_running.append(value(samples, "gpusnap_operations_running", kind="checkpoint"))
+        return value(samples, "gpusnap_operations_total", kind="checkpoint", result="succeeded") == 1
+
+    wait_for(finished, 120, "the checkpoint was never counted")
+    assert 1 in seen_running, "a scrape during the dump shows it running"
+    done = daemon.client().wait(op_id["operation"])
+    snap = {"id": done.snapshot.id, "size_bytes": done.snapshot.size_bytes}
+    dumped = scrape(url)
+    _check_operation(dumped, {"phases": {p.phase: p.duration_seconds for p in done.phases}}, "checkpoint")
+    assert value(dumped, "gpusnap_operations_running", kind="checkpoint") == 0
+    assert value(dumped, "gpusnap_bytes_moved_total", kind="checkpoint", phase="checksum") == snap["size_bytes"]
+    assert value(dumped, "gpusnap_snapshots") == 1
+    assert value(dumped, "gpusnap_store_used_bytes", tier="images") >= snap["size_bytes"] > 300 * 2**20
+
+    # The source still listens on its port: a restore onto the host network fails in preflight.
+    failed = daemon.cli("-o", "json", "restore", snap["id"])
+    assert failed.returncode == 4 and json.loads(failed.stdout)["error"]["reason"] == "ADDRESS_IN_USE"
+    restored = json.loads(daemon.cli("-o", "json", "restore", snap["id"], "--private-net", check=True).stdout)
+    workloads.adopt(restored["pid"])
+    after = scrape(url)
+    _check_operation(after, restored, "restore")
+    assert value(after, "gpusnap_operations_total", kind="restore", result="failed") == 1
+    assert value(after, "gpusnap_operation_failures_total", kind="restore", reason="ADDRESS_IN_USE") == 1
+    assert value(after, "gpusnap_phase_duration_seconds_count", kind="restore", phase="restore") == 1, \
+        "a failed phase is not counted as completed"
+    assert value(after, "gpusnap_bytes_moved_total", kind="restore", phase="verify") == snap["size_bytes"]
+    assert value(after, "gpusnap_operations_total", kind="checkpoint", result="succeeded") == 1
+
+
+def test_metrics_are_off_by_default_and_loopback_by_default(daemon: DaemonProc) -> None:
+    started = next(json.loads(line) for line in daemon.log.read_text().splitlines() if '"daemon.started"' in line)
+    assert started.get("metrics") is None
+    assert parse_listen("9464") == ("127.0.0.1", 9464)
+    assert parse_listen(":9464") == ("127.0.0.1", 9464)
+    assert parse_listen("[::1]:9464") == ("::1", 9464)
+
+
+@pytest.mark.parametrize("listen", ["localhost:9464", "127.0.0.1:99999", "127.0.0.1:x"])
+def test_bad_metrics_address_is_refused(tmp_path: Path, listen: str) -> None:
+    d = start_daemon(tmp_path, extra_env={"GPUSNAP_METRICS_LISTEN": listen})
+    try:
+        assert d.proc.wait(timeout=30) == 2
+        assert "is not IP:PORT" in d.log.read_text()
+    finally:
+        stop_daemon(d)
