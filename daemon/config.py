@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
@@ -10,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.api.errors import InvalidArgumentError
-from gpusnap.daemon.metrics import parse_listen
 
 DEFAULT_SOCKET = Path("/run/gpusnap/gpusnapd.sock")
 DEFAULT_STORE = Path("/var/lib/gpusnap")
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,3 +122,26 @@ def _coerce(name: str, typ: Any, value: Any) -> Any:
         return str(value)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"config {name}: {value!r} is not a valid {typ}", reason="BAD_CONFIG") from exc
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port``, ``:port`` or ``port`` (the last two on loopback) as (host, port).
+
+    Raises:
+        InvalidArgumentError: reason ``BAD_CONFIG``.
+    """
+    host, sep, port = listen.rpartition(":")
+    if not sep:
+        host, port = "", listen
+    host = host.strip("[]") or DEFAULT_METRICS_HOST
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+        if not 0 <= number <= 65535:
+            raise ValueError(port)
+    except ValueError as exc:
+        raise InvalidArgumentError(
+            f"metrics_listen {listen!r} is not IP:PORT (e.g. 127.0.0.1:9464; a bare port means loopback)",
+            reason="BAD_CONFIG",
+        ) from exc
+    return host, number

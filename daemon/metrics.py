@@ -7,7 +7,6 @@ guide: ``gpusnap_`` prefix, base units (seconds, bytes), ``_total`` for counters
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +15,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Info, start
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gpusnap.daemon.api.errors import InvalidArgumentError
+from gpusnap.daemon.config import parse_listen
 from gpusnap.daemon.operations.base import OperationRecord, OperationState
 
 # Phases last from milliseconds (publish) to minutes (a GPU dump of a large model).
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
-DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -125,26 +123,3 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    """``host:port``, ``[v6]:port``, ``:port`` or ``port`` (the last two on loopback) as (host, port).
-
-    Raises:
-        InvalidArgumentError: reason ``BAD_CONFIG``.
-    """
-    host, sep, port = listen.rpartition(":")
-    if not sep:
-        host, port = "", listen
-    host = host.strip("[]") or DEFAULT_METRICS_HOST
-    try:
-        ipaddress.ip_address(host)
-        number = int(port)
-        if not 0 <= number <= 65535:
-            raise ValueError(port)
-    except ValueError as exc:
-        raise InvalidArgumentError(
-            f"metrics_listen {listen!r} is not IP:PORT (e.g. 127.0.0.1:9464; a bare port means loopback)",
-            reason="BAD_CONFIG",
-        ) from exc
-    return host, number

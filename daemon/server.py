@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -19,7 +20,6 @@ from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import host
 from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
-from gpusnap.daemon.metrics import Metrics, Usage
 from gpusnap.daemon.operations.base import OperationKind
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
@@ -46,14 +46,15 @@ class Running:
     proxy: PeerCredProxy
     daemon: Daemon
     health: health.HealthServicer
-    metrics: Metrics
+    metrics: Any  # gpusnap.daemon.metrics.Metrics, or None when metrics_listen is empty
 
     def stop(self, grace: float = 5.0) -> None:
         for name in ("", *SERVICE_NAMES):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server.stop(grace).wait()
         self.proxy.stop()
-        self.metrics.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
         # Running operations finish (and roll back if they fail) before the store and the agent channel
         # close: a quiesced worker must still be able to reconnect and be resumed.
         _release(self.daemon)
@@ -81,11 +82,16 @@ def build_daemon(config: DaemonConfig) -> Running:
     # The agents' default GPUSNAP_WAKE_DIR, like /tmp.
     rundirs.make_own_dir(config.agent_socket.parent / "wake", 0o1777)
     deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents)
-    metrics = Metrics(lambda: _usage(daemon))  # read at scrape time, once the daemon exists
-    daemon = Daemon(deps, OperationRegistry(max_workers=config.max_operations, on_finished=metrics.observe))
-    driver, cuda = gpu.driver_versions()
-    metrics.set_versions(gpusnap_version=__version__, criu_version=criu_version, nvidia_driver_version=driver,
-                         cuda_driver_version=cuda)
+    metrics = None
+    if config.metrics_listen:  # prometheus-client is imported only when metrics are on
+        from gpusnap.daemon.metrics import Metrics
+
+        metrics = Metrics(lambda: _usage(daemon))  # read at scrape time, once the daemon exists
+        driver, cuda = gpu.driver_versions()
+        metrics.set_versions(gpusnap_version=__version__, criu_version=criu_version,
+                             nvidia_driver_version=driver, cuda_driver_version=cuda)
+    observe = metrics.observe if metrics is not None else None
+    daemon = Daemon(deps, OperationRegistry(max_workers=config.max_operations, on_finished=observe))
 
     private_dir = config.socket.parent / ".gpusnapd-private"
     rundirs.make_own_dir(private_dir, 0o700)
@@ -108,7 +114,7 @@ def build_daemon(config: DaemonConfig) -> Running:
     server.start()
     proxy.start()
     metrics_at = None
-    if config.metrics_listen:
+    if metrics is not None:
         try:
             metrics_host, metrics_port = metrics.serve(config.metrics_listen)
             metrics_at = f"{metrics_host}:{metrics_port}"
@@ -146,7 +152,10 @@ def _release(daemon: Daemon) -> None:
     daemon.deps.store.close()
 
 
-def _usage(daemon: Daemon) -> Usage:
+def _usage(daemon: Daemon) -> Any:
+    """What a scrape reads (a ``gpusnap.daemon.metrics.Usage``)."""
+    from gpusnap.daemon.metrics import Usage
+
     store = daemon.deps.store
     buffers = store.buffers.used_bytes()
     running = dict.fromkeys((kind.value for kind in OperationKind), 0)

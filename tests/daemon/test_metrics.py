@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpusnap.daemon.metrics import parse_listen
+from gpusnap.daemon.config import parse_listen
 from tests.conftest import DaemonProc, Workloads, start_daemon, stop_daemon, wait_for
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
