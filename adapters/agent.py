@@ -201,7 +201,7 @@ class WorkerAgent:
         try:
             buffers.free(picked)  # only once every buffer of the batch is written
         finally:  # what was freed is out, even if freeing one of them failed
-            self._out.update(b.name for b in picked if b.storage.nbytes() == 0)
+            self._out.update(b.name for b in picked if b.out)
         if last:
             buffers.release_host_cache({b.storage.device for b in self._buffers.values() if b.storage.device.type == "cuda"})
             buffers.trim_heap()

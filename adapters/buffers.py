@@ -3,8 +3,10 @@
 A worker names its large, reloadable tensors (weights; see ``TorchAdapter(buffers=...)``). At capture the
 agent writes each tensor's storage to a file descriptor the daemon hands it and frees the memory, so
 neither the CUDA checkpoint nor the CRIU image carries it; after a restore (or a failed capture) it
-allocates the storages again and reads them back. Tensors stay the same Python objects; only their
-storage's device address changes, so buffers that a captured CUDA graph reads must not be named.
+allocates the storages again and reads them back. Tensors stay the same Python objects. A plain storage's
+device address changes; a storage in a VMM arena (:func:`gpusnap.adapters.vmm.stabilize`) keeps it: its
+arena is released once all of its storages are written and re-mapped at the same addresses before they
+are read back, so CUDA graphs that read those tensors stay valid.
 
 Data path (gpusnap measurements on an H200, bench/results/offload-probe-*.json and
 buffers-probe-*.json): host↔device copies from pageable memory run at about 7 GB/s, from pinned memory at
@@ -38,36 +40,48 @@ def _default_threads() -> int:
 
 @dataclasses.dataclass
 class Buffer:
-    """One storage to move: ``name`` (the first tensor name that uses it) and its size in bytes."""
+    """One storage to move: ``name`` (the first tensor name that uses it), its size in bytes, and the VMM
+    arena it lives in (``None``: a plain storage, freed by resizing it to 0 bytes)."""
 
     name: str
     storage: Any  # torch.UntypedStorage
     nbytes: int
+    arena: Any = None  # gpusnap.adapters.vmm.Arena
+    address: int = 0  # the storage's device address (arena-backed buffers)
+    freed: bool = False  # an arena-backed buffer was written out (its memory goes with the arena)
+
+    @property
+    def out(self) -> bool:
+        """True while the buffer's data is not in memory (written out and freed)."""
+        return self.freed if self.arena is not None else self.storage.nbytes() == 0
 
 
 def collect(tensors: Mapping[str, Any]) -> list[Buffer]:
     """The distinct storages behind ``tensors`` (name → torch.Tensor), largest first.
 
     Tensors that share a storage (tied weights, views) yield one buffer, named after the first of them.
-    Empty storages are left out.
+    Empty storages are left out. Storages in a VMM arena (:mod:`gpusnap.adapters.vmm`) keep their arena.
 
     Raises:
         TypeError: a value is not a torch.Tensor.
-        ValueError: a tensor's storage cannot be resized (so it could not be freed).
+        ValueError: a tensor's storage cannot be resized (so it could not be freed) and is in no arena.
     """
     import torch
+
+    from gpusnap.adapters import vmm
 
     seen: dict[tuple[str, int], Buffer] = {}
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"buffer {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         storage = tensor.untyped_storage()
-        if not storage.resizable():
+        arena = vmm.arena_of(storage.data_ptr()) if storage.nbytes() > 0 else None
+        if arena is None and not storage.resizable():
             raise ValueError(f"buffer {name!r} cannot be freed: its storage is not resizable (it wraps memory torch "
                              "does not own, e.g. from numpy or a memory-mapped file); do not name it")
         key = (str(storage.device), storage.data_ptr())
         if storage.nbytes() > 0 and key not in seen:
-            seen[key] = Buffer(name, storage, storage.nbytes())
+            seen[key] = Buffer(name, storage, storage.nbytes(), arena, storage.data_ptr())
     return sorted(seen.values(), key=lambda b: -b.nbytes)
 
 
@@ -235,11 +249,29 @@ def trim_heap() -> None:
 
 
 def free(buffers: Sequence[Buffer]) -> None:
-    """Release each buffer's memory (its storage is resized to 0 bytes; tensors stay valid objects)."""
+    """Release each buffer's memory; tensors stay valid objects.
+
+    A plain storage is resized to 0 bytes. An arena-backed buffer is marked out, and its arena is released
+    (:meth:`~gpusnap.adapters.vmm.Arena.release`, addresses kept) once every storage placed in it is out;
+    until then its memory stays mapped and its data in place.
+
+    Raises:
+        gpusnap.adapters.vmm.VmmError: releasing an arena failed.
+    """
     import torch
 
+    full = []
     for buf in buffers:
-        buf.storage.resize_(0)
+        if buf.arena is None:
+            buf.storage.resize_(0)
+            continue
+        buf.freed = True
+        if buf.arena.mark_out(buf.address) and buf.arena not in full:
+            full.append(buf.arena)
+    for device in {b.storage.device for b in buffers if b.arena in full and b.storage.device.type == "cuda"}:
+        torch.cuda.synchronize(device)  # no copy or kernel still reads the memory
+    for arena in full:
+        arena.release()
     if any(b.storage.device.type == "cuda" for b in buffers):
         torch.cuda.empty_cache()
 
@@ -251,14 +283,20 @@ def read(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = No
         Seconds spent: ``alloc_s`` (storages), ``copy_s`` (reads and copies). The pinned slots stay in
         torch's host cache for the next batch: see :func:`release_host_cache`.
 
+    Arena-backed buffers get their arena re-mapped at the same addresses (:meth:`~gpusnap.adapters.vmm.Arena.remap`;
+    a no-op while it is still mapped) instead.
+
     Raises:
         OSError: a read failed or a file is shorter than its buffer.
+        gpusnap.adapters.vmm.VmmError: re-mapping an arena failed (e.g. the GPU is out of memory).
     """
     import torch
 
     t0 = time.monotonic()
     for buf in buffers:
-        if buf.storage.nbytes() != buf.nbytes:
+        if buf.arena is not None:
+            buf.arena.remap()
+        elif buf.storage.nbytes() != buf.nbytes:
             buf.storage.resize_(buf.nbytes)
     t1 = time.monotonic()
 
@@ -275,4 +313,8 @@ def read(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = No
             dst.copy_(slot[: step.size], non_blocking=True)
 
     _run_parallel(_steps(buffers, fds), work, threads or _default_threads())
+    for buf in buffers:
+        if buf.arena is not None:
+            buf.arena.mark_in(buf.address)
+            buf.freed = False
     return {"alloc_s": t1 - t0, "copy_s": time.monotonic() - t1}

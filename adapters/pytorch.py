@@ -11,6 +11,14 @@ quiesce and resume. Defaults: quiesce = ``torch.cuda.synchronize()`` + ``torch.c
 They are written to gpusnapd's buffer store at capture and read back on resume through pinned memory,
 which restores an 8B model's weights far faster than CRIU and the CUDA checkpoint carry them
 (``docs/performance.md``).
+
+A worker whose CUDA graphs read those tensors creates the adapter with ``stable_addresses=True`` *before*
+capturing its graphs: the named tensors then move into VMM arenas (:func:`gpusnap.adapters.vmm.stabilize`)
+and come back at the same device addresses after a restore, so the graphs stay valid::
+
+    adapter = TorchAdapter(warm_up, buffers=lambda: dict(model.named_parameters()), stable_addresses=True)
+    capture_graphs(model)
+    start_agent(adapter)
 """
 
 from __future__ import annotations
@@ -49,6 +57,13 @@ class TorchAdapter(EngineAdapter):
             current step (optional).
         buffers: ``() -> Mapping[str, torch.Tensor]``: tensors kept out of the image while quiesced
             (see :meth:`EngineAdapter.buffers`); default none.
+        stable_addresses: move the CUDA tensors ``buffers`` names into VMM arenas now, so they keep their
+            device addresses across offload and reload (see the module docstring). Tensors that quiesce
+            later names but that were not moved here are refused (``ValueError`` at quiesce).
+
+    Raises:
+        ValueError: ``stable_addresses`` without ``buffers``.
+        gpusnap.adapters.vmm.VmmError: moving the tensors failed (they are left where they were).
     """
 
     engine = "torch"
@@ -62,6 +77,7 @@ class TorchAdapter(EngineAdapter):
         health: Callable[[], list[int] | Awaitable[list[int]]] | None = None,
         lock: asyncio.Lock | None = None,
         buffers: Callable[[], Mapping[str, Any]] | None = None,
+        stable_addresses: bool = False,
     ):
         self._warm_up = warm_up
         self._quiesce = quiesce or _default_quiesce
@@ -70,6 +86,13 @@ class TorchAdapter(EngineAdapter):
         self._lock = lock
         self._held = False
         self._buffers = buffers
+        self.stable_addresses = stable_addresses
+        if stable_addresses:
+            if buffers is None:
+                raise ValueError("stable_addresses=True needs buffers= (the tensors to keep at fixed addresses)")
+            from gpusnap.adapters import vmm
+
+            vmm.stabilize(buffers())
 
     async def warm_up(self) -> list[int]:
         return list(await _maybe_await(self._warm_up()))
@@ -88,7 +111,15 @@ class TorchAdapter(EngineAdapter):
             self._held = False
 
     def buffers(self) -> Mapping[str, Any]:
-        return dict(self._buffers()) if self._buffers is not None else {}
+        named = dict(self._buffers()) if self._buffers is not None else {}
+        if self.stable_addresses:
+            from gpusnap.adapters import vmm
+
+            moving = [n for n, t in named.items() if vmm.movable(t)]
+            if moving:
+                raise ValueError(f"{len(moving)} buffers (e.g. {moving[0]!r}) are not address-stable: they were "
+                                 "created after the adapter; a CUDA graph reading them would break at reload")
+        return named
 
     async def health(self) -> list[int]:
         return list(await _maybe_await(self._health()))

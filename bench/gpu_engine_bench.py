@@ -10,6 +10,9 @@ and serves greedy generations through the gpusnap PyTorch adapter.
   includes verify, CRIU, CUDA restore, unlock, reloading the weights from the buffer store, and the
   agent's resume with its canary). ``--stock`` repeats it with ``--no-offload`` for comparison.
 
+``--graphs``: every worker decodes with a captured CUDA graph over its weights, which it first moves into
+VMM arenas (tests/gpu/graph_decode.py), so the offload path must bring them back at the same addresses.
+
 JSON is written to bench/results/gpu-engine-<label>-<date>.json.
 """
 
@@ -71,7 +74,9 @@ def main() -> int:
     ap.add_argument("--label", default="")
     ap.add_argument("--stock", action="store_true", help="also dump and restore with --no-offload (CRIU + CUDA carry the weights)")
     ap.add_argument("--model-parent", default=None, help="where the saved model goes (default: the temp dir)")
+    ap.add_argument("--graphs", action="store_true", help="decode with a CUDA graph over address-stable weights")
     args = ap.parse_args()
+    g = ["--graphs"] if args.graphs else []
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-engine-bench-"))
     model_dir = Path(tempfile.mkdtemp(prefix="model-", dir=args.model_parent or tmp))
     worker = REPO / "tests" / "gpu" / "llm_worker.py"
@@ -80,18 +85,18 @@ def main() -> int:
     daemon = start_daemon(tmp, extra_env={"GPUSNAP_BUFFER_DIR": args.buffer_dir} if args.buffer_dir else None)
     stock = None
     try:
-        proc, random_init = cold_start(daemon, tmp / "random-init", args.size, "--no-agent")
+        proc, random_init = cold_start(daemon, tmp / "random-init", args.size, "--no-agent", *g)
         proc.kill()
         proc.wait()
         wd = tmp / "llm"
-        proc, ready = cold_start(daemon, wd, args.size, "--model-dir", str(model_dir))
+        proc, ready = cold_start(daemon, wd, args.size, "--model-dir", str(model_dir), *g)
         before = request(wd, 1)["tokens"]
         fast = dump_and_restore(daemon, proc, wd, 2)
         same = fast["answer"]["tokens"] == before  # type: ignore[index]
         os.kill(fast["restored"]["pid"], signal.SIGKILL)  # type: ignore[index]
         if args.stock:
             wd2 = tmp / "llm-stock"
-            proc, _ = cold_start(daemon, wd2, args.size, "--model-dir", str(model_dir))
+            proc, _ = cold_start(daemon, wd2, args.size, "--model-dir", str(model_dir), *g)
             request(wd2, 1)
             stock = dump_and_restore(daemon, proc, wd2, 2, "--no-offload")
             same = same and stock["answer"]["tokens"] == before  # type: ignore[index]
@@ -112,6 +117,9 @@ def main() -> int:
         "host": {"kernel": platform.release(), "criu": node["host"]["criuVersion"],
                  "driver": node["host"].get("nvidiaDriverVersion", ""), "gpu": node["gpus"][0]["name"]},
         "model": {"size": args.size, "parameters": ready["params"], "dtype": "bfloat16"},
+        "cuda_graphs": args.graphs,
+        "worker_gpu_allocated_bytes": ready.get("gpu_allocated_bytes"),
+        "graph_matches_eager": ready.get("graph_tokens") == ready.get("eager_tokens") if args.graphs else None,
         "cold_start_to_first_token_s": cold,
         "cold_start_note": "process start -> first token, weights loaded from a local safetensors model directory "
                            "(page cache warm: it was just written)",
@@ -130,6 +138,7 @@ def main() -> int:
         "largest_image_files": fast["largest_image_files"],
         "stock": None if stock is None else {
             "restore_to_first_token_s": stock["to_first_token_s"],
+            "over_offload": stock["to_first_token_s"] / fast["to_first_token_s"],  # type: ignore[operator]
             "image_bytes": stock["dumped"]["size_bytes"],  # type: ignore[index]
             "checkpoint_phases": stock["dumped"]["phases"],  # type: ignore[index]
             "restore_phases": stock["restored"]["phases"],  # type: ignore[index]

@@ -1,6 +1,6 @@
 """A Llama-style LLM worker (transformers, random bf16 weights) with the gpusnap agent (PyTorch adapter).
 
-    python llm_worker.py WORKDIR [--size 1b|8b] [--no-agent] [--model-dir DIR [--save-model]]
+    python llm_worker.py WORKDIR [--size 1b|8b] [--no-agent] [--graphs] [--model-dir DIR [--save-model]]
 
 Builds the model on the GPU from a fixed seed (no weights are downloaded), or loads it from DIR (a
 transformers model directory, safetensors) like a production worker; ``--save-model`` writes the random
@@ -10,6 +10,11 @@ prompt and write WORKDIR/tokens-N
 (JSON: {"tokens": [...], "t_done": <time.time()>}). WORKDIR/ready holds {"t_start", "t_first_token"}:
 process start to first generated token is the cold start. The agent names the model's parameters as
 buffers, so a capture keeps the weights out of the image.
+
+With ``--graphs`` the decode step is a captured CUDA graph (graph_decode.py) that reads the weights; the
+weights are moved into VMM arenas first (``TorchAdapter(stable_addresses=True)``), so they come back at
+the same device addresses after a restore. WORKDIR/ready then also holds the graph's and an eager run's
+tokens for the same prompt ("graph_tokens", "eager_tokens").
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ def main() -> int:
     ap.add_argument("--no-agent", action="store_true")
     ap.add_argument("--model-dir", default="")
     ap.add_argument("--save-model", action="store_true")
+    ap.add_argument("--graphs", action="store_true", help="decode with a captured CUDA graph over the weights")
     args = ap.parse_args()
     wd = args.workdir
     torch.manual_seed(0)
@@ -76,8 +82,36 @@ def main() -> int:
         return 0
     params = sum(p.numel() for p in model.parameters())
     lock = threading.Lock()
+    adapter = None
+    extra: dict[str, object] = {}
+
+    def quiesce() -> None:  # hold the serving lock until resume: no generation while captured
+        lock.acquire()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def make_adapter(stable: bool) -> TorchAdapter:
+        return TorchAdapter(lambda: generate([1, 5, 6, 7], 2), quiesce=quiesce, resume=lambda ctx: lock.release(),
+                            buffers=lambda: dict(model.named_parameters()), stable_addresses=stable)
+
+    decoder = None
+    if args.graphs:
+        from gpusnap.adapters import vmm
+        from graph_decode import GraphDecoder  # beside this script (sys.path[0])
+
+        if args.no_agent:
+            vmm.stabilize(dict(model.named_parameters()))
+        else:
+            adapter = make_adapter(True)  # moves the weights into VMM arenas: before the graph is captured
+        assert all(vmm.is_stable(p) for p in model.parameters())
+        decoder = GraphDecoder(model, max_len=64)
+        decoder.capture(PROMPT)
+        extra = {"graph_tokens": decoder.generate(PROMPT, 16), "eager_tokens": decoder.generate(PROMPT, 16, eager=True)}
 
     def generate(prompt: list[int], n: int) -> list[int]:
+        if decoder is not None:
+            with lock:
+                return decoder.generate(prompt, n)
         with lock, torch.inference_mode():
             ids = torch.tensor([prompt], device="cuda")
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
@@ -86,17 +120,13 @@ def main() -> int:
 
     first = generate(PROMPT, 1)
     t_first = time.time()
-    def quiesce() -> None:  # hold the serving lock until resume: no generation while captured
-        lock.acquire()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
+    torch.cuda.empty_cache()
+    extra["gpu_allocated_bytes"] = torch.cuda.memory_allocated()
+    extra["gpu_reserved_bytes"] = torch.cuda.memory_reserved()
     if not args.no_agent:
-        adapter = TorchAdapter(lambda: generate([1, 5, 6, 7], 2), quiesce=quiesce, resume=lambda ctx: lock.release(),
-                               buffers=lambda: dict(model.named_parameters()))
-        start_agent(adapter).wait_attached(60)
+        start_agent(adapter or make_adapter(False)).wait_attached(60)
     with open(os.path.join(wd, "ready.tmp"), "w") as fh:
-        json.dump({"t_start": T_START, "t_first_token": t_first, "params": params, "first": first}, fh)
+        json.dump({"t_start": T_START, "t_first_token": t_first, "params": params, "first": first, **extra}, fh)
     os.rename(os.path.join(wd, "ready.tmp"), os.path.join(wd, "ready"))
     n = 1
     while True:
