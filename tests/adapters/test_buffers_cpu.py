@@ -168,3 +168,24 @@ def test_a_full_buffer_store_refuses_the_capture_and_the_worker_serves_on(tmp_pa
         kill_tree(w.proc.pid)
         stop_daemon(d)
         subprocess.run(["umount", "-l", str(small)])
+
+
+def test_address_stable_weights_survive_criu_at_the_same_address(daemon: DaemonProc, tmp_path: Path) -> None:
+    """Weights in a VMM arena (fake driver: the arena is a host mapping): the capture releases the arena's
+    memory and leaves its range reserved (PROT_NONE, so the image holds no weight pages); after CRIU
+    restores the process, the arena is re-mapped at the same address and filled from the buffer store."""
+    w = Worker(daemon, tmp_path, "stable", "--stable-fake")
+    restored_pid = 0
+    try:
+        before = w.generate()
+        dumped = json.loads(daemon.cli("-o", "json", "dump", str(w.proc.pid), check=True).stdout)
+        assert dumped["buffer_bytes"] == WEIGHT_BYTES
+        assert dumped["size_bytes"] < WEIGHT_BYTES, f"image {dumped['size_bytes']} holds the released arena's pages"
+        assert w.proc.wait(timeout=30) == -9
+        restored_pid = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=300).stdout)["pid"]
+        after = w.generate()
+        assert after["ptr"] == before["ptr"], "the weights came back at the same address"
+        assert after == before, "identical tokens and weights"
+        assert "resume restored=True resident=268435456 mapped=True" in w.events()
+    finally:
+        kill_tree(w.proc.pid, restored_pid)

@@ -1,11 +1,14 @@
 """A PyTorch worker on CPU whose weights are named buffers: they leave the process image at capture.
 
-    python torch_cpu_worker.py WORKDIR [--mib N] [--seed S]
+    python torch_cpu_worker.py WORKDIR [--mib N] [--seed S] [--stable-fake]
 
 Its "model" is a random matrix of N MiB (float32, from seed S) plus a tied view of its first rows. Each
 generation step multiplies a state vector by the weights and takes the argmax, so the tokens can only be
 reproduced from the same weights. WORKDIR/go-N makes it generate 8 tokens and write WORKDIR/tokens-N
-(JSON: {"tokens": [...], "weights_sum": float}). WORKDIR/events logs the adapter calls.
+(JSON: {"tokens": [...], "weights_sum": float}, plus "ptr", the weights' address, with ``--stable-fake``).
+WORKDIR/events logs the adapter calls. ``--stable-fake``: ``TorchAdapter(stable_addresses=True)`` over the fake VMM driver
+(tests/fakes/cuda_vmm.py), whose arenas are host mappings, so the weights live in an arena that is
+released (left reserved, ``PROT_NONE``) at capture and re-mapped at the same address after a restore.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,7 +32,14 @@ def main() -> None:
     ap.add_argument("workdir")
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stable-fake", action="store_true")
     args = ap.parse_args()
+    if args.stable_fake:
+        sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for tests.fakes
+        from gpusnap.adapters import vmm
+        from tests.fakes.cuda_vmm import FakeVmmDriver
+
+        vmm._driver_module = FakeVmmDriver()
     wd = args.workdir
     gen = torch.Generator().manual_seed(args.seed)
     cols = 1024
@@ -60,10 +72,17 @@ def main() -> None:
         log("quiesce")
 
     def resume(ctx: object) -> None:
-        log(f"resume restored={ctx is not None} resident={weights['w'].untyped_storage().nbytes()}")
+        arena = getattr(weights["w"], "_arena", None)
+        log(f"resume restored={ctx is not None} resident={weights['w'].untyped_storage().nbytes()}"
+            + (f" mapped={arena.mapped}" if arena is not None else ""))
         lock.release()
 
-    adapter = TorchAdapter(warm_up, quiesce=quiesce, resume=resume, buffers=lambda: weights)
+    adapter = TorchAdapter(warm_up, quiesce=quiesce, resume=resume, buffers=lambda: weights,
+                           stable_addresses=args.stable_fake)
+    if args.stable_fake:
+        from gpusnap.adapters import vmm
+
+        weights["w"]._arena = vmm.arena_of(weights["w"].data_ptr())  # type: ignore[attr-defined]
     start_agent(adapter).wait_attached(30)
     open(os.path.join(wd, "ready"), "w").close()
     n = 1
@@ -73,7 +92,8 @@ def main() -> None:
                 tokens = generate([3, 1, 4, 1, 5], 8)
                 total = float(weights["w"].double().sum())
             with open(os.path.join(wd, f"tokens-{n}.tmp"), "w") as fh:
-                json.dump({"tokens": tokens, "weights_sum": total}, fh)
+                ptr = {"ptr": weights["w"].data_ptr()} if args.stable_fake else {}
+                json.dump({"tokens": tokens, "weights_sum": total, **ptr}, fh)
             os.rename(os.path.join(wd, f"tokens-{n}.tmp"), os.path.join(wd, f"tokens-{n}"))
             n += 1
         time.sleep(0.005)
