@@ -31,24 +31,17 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "build" / "pkg"))
+sys.path.insert(0, str(REPO))
 
+from bench.offload_probe import copy_chunks, timed  # noqa: E402  (256 MiB chunks over N streams)
 from gpusnap.adapters import buffers  # noqa: E402
 
-CHUNK = 256 << 20
 REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 MAP_POPULATE = 0x8000
-
-
-def timed(fn) -> float:  # type: ignore[no-untyped-def]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def map_file(fd: int, n: int, prot: int, populate: bool = False) -> int:
@@ -60,14 +53,6 @@ def map_file(fd: int, n: int, prot: int, populate: bool = False) -> int:
 
 def host_tensor(addr: int, n: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_uint8 * n).from_address(addr), dtype=torch.uint8)
-
-
-def copy_chunks(dst: torch.Tensor, src: torch.Tensor, streams: list[torch.cuda.Stream]) -> None:
-    for i, off in enumerate(range(0, src.numel(), CHUNK)):
-        with torch.cuda.stream(streams[i % len(streams)]):
-            dst[off : off + CHUNK].copy_(src[off : off + CHUNK], non_blocking=True)
-    for s in streams:
-        s.synchronize()
 
 
 def same(gpu: torch.Tensor, host: torch.Tensor) -> bool:
@@ -96,8 +81,8 @@ def probe(directory: Path, n: int, src: torch.Tensor) -> dict[str, object]:
         res["register_rc"] = rc
         if rc == 0:
             streams = [torch.cuda.Stream() for _ in range(4)]
-            res["h2d_registered_s"] = timed(lambda: copy_chunks(dst, host, streams))
-            res["h2d_registered_again_s"] = timed(lambda: copy_chunks(dst, host, streams))
+            res["h2d_registered_s"] = timed(lambda h=host: copy_chunks(dst, h, streams))
+            res["h2d_registered_again_s"] = timed(lambda h=host: copy_chunks(dst, h, streams))
             res["h2d_ok"] = bool(torch.equal(dst[:: 1 << 20], src[:: 1 << 20]))
             t0 = time.perf_counter()
             cudart.cudaHostUnregister(addr)

@@ -96,8 +96,9 @@ def main() -> int:
 
     decoder = None
     if args.graphs:
-        from gpusnap.adapters import vmm
         from graph_decode import GraphDecoder  # beside this script (sys.path[0])
+
+        from gpusnap.adapters import vmm
 
         if args.no_agent:
             vmm.stabilize(dict(model.named_parameters()))

@@ -38,6 +38,24 @@ def request(wd: Path, n: int, timeout: float = 120, tokens: int = 16) -> dict:  
     return json.loads((wd / f"tokens-{n}").read_text())  # type: ignore[no-any-return]
 
 
+def dump_offload_restore(daemon: DaemonProc, proc: subprocess.Popen[bytes], ready: dict) -> tuple[dict, dict, int]:  # type: ignore[type-arg]
+    """Dump ``proc`` with its weights offloaded, check they left the image and the GPU, restore it.
+
+    Returns:
+        (dump result, restore result, the worker's GPU bytes at capture).
+    """
+    dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), check=True, timeout=900).stdout)
+    assert {"warm-up", "quiesce", "offload", "gpu-checkpoint", "dump"} <= set(dumped["phases"])
+    assert dumped["buffer_bytes"] >= 2 * ready["params"], "the bf16 weights left the image"
+    snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
+    at_capture = int(snap["gpuProcesses"][0]["gpuMemoryBytes"])
+    assert at_capture < dumped["buffer_bytes"], f"{at_capture} bytes on the GPU at capture: the weights stayed"
+    assert proc.wait(timeout=60) == -9
+    restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=900).stdout)
+    assert list(restored["phases"])[-2:] == ["reload-buffers", "resume-worker"]
+    return dumped, restored, at_capture
+
+
 def test_llm_worker_same_tokens_after_restore(daemon: DaemonProc, tmp_path: Path) -> None:
     wd = tmp_path / "llm"
     proc = start_llm(daemon, wd)
@@ -47,16 +65,8 @@ def test_llm_worker_same_tokens_after_restore(daemon: DaemonProc, tmp_path: Path
         assert ready["params"] > 1.0e9
         before = request(wd, 1)["tokens"]
         assert len(before) == 16
-        dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), check=True, timeout=900).stdout)
-        assert {"warm-up", "quiesce", "offload", "gpu-checkpoint", "dump"} <= set(dumped["phases"])
-        assert dumped["buffer_bytes"] >= 2 * ready["params"], "the bf16 weights left the image"
-        snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
-        at_capture = int(snap["gpuProcesses"][0]["gpuMemoryBytes"])
-        assert at_capture < dumped["buffer_bytes"], f"{at_capture} bytes on the GPU at capture: the weights stayed"
-        assert proc.wait(timeout=60) == -9
-        restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=900).stdout)
+        dumped, restored, at_capture = dump_offload_restore(daemon, proc, ready)
         restored_pid = restored["pid"]
-        assert list(restored["phases"])[-2:] == ["reload-buffers", "resume-worker"]
         after = request(wd, 2)["tokens"]
         assert after == before, "identical greedy tokens after restore"
         assert request(wd, 3)["tokens"] == before, "and it keeps serving"
@@ -76,16 +86,8 @@ def test_llm_with_cuda_graph_same_tokens_after_offload_restore(daemon: DaemonPro
         assert ready["graph_tokens"] == ready["eager_tokens"], "the captured graph decodes like the eager model"
         before = request(wd, 1)["tokens"]
         assert before == ready["graph_tokens"]
-        dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), check=True, timeout=900).stdout)
-        assert "offload" in dumped["phases"]
-        assert dumped["buffer_bytes"] >= 2 * ready["params"], "the bf16 weights left the image"
-        snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
-        at_capture = int(snap["gpuProcesses"][0]["gpuMemoryBytes"])
-        assert at_capture < dumped["buffer_bytes"], f"{at_capture} bytes on the GPU at capture: the weights stayed"
-        assert proc.wait(timeout=60) == -9
-        restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=900).stdout)
+        dumped, restored, at_capture = dump_offload_restore(daemon, proc, ready)
         restored_pid = restored["pid"]
-        assert list(restored["phases"])[-2:] == ["reload-buffers", "resume-worker"]
         assert request(wd, 2)["tokens"] == before, "the graph replays over the reloaded weights: same tokens"
         assert request(wd, 3)["tokens"] == before, "and it keeps serving"
         print(f"\nMEASURED llm 1b graphs: gpu at capture {at_capture} B; dump {dumped['phases']} "
