@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers perf-chart clean help
+.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers perf-chart clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -74,8 +74,12 @@ typecheck: venv ## mypy --strict over the gpusnap package
 	ln -s ../../daemon .mypy_src/gpusnap/daemon && ln -s ../../adapters .mypy_src/gpusnap/adapters
 	cd .mypy_src && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p gpusnap.daemon -p gpusnap.adapters
 
-proto: venv ## regenerate daemon/_proto from proto/
+proto: venv ## regenerate daemon/_proto from proto/, then the JSON schema of -o json
 	$(PY) scripts/gen_protos.py
+	$(PY) scripts/gen_json_schema.py
+
+schemas: venv ## regenerate docs/schemas/v1/cli.schema.json (the -o json schema) from the protos
+	$(PY) scripts/gen_json_schema.py
 
 install-service: ## install gpusnapd as a systemd service (root)
 	scripts/install-service.sh

@@ -132,8 +132,8 @@ def main() -> int:
     result = {
         "benchmark": "gpu",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": {"kernel": platform.release(), "criu": node["host"]["criuVersion"],
-                 "driver": node["host"].get("nvidiaDriverVersion", ""), "gpu": gpus[0]["name"] if gpus else "",
+        "host": {"kernel": platform.release(), "criu": node["host"]["criu_version"],
+                 "driver": node["host"].get("nvidia_driver_version", ""), "gpu": gpus[0]["name"] if gpus else "",
                  "gpus": len(gpus), "store": args.store_parent or "disk (temp dir)"},
         "runs": runs,
     }

@@ -60,9 +60,9 @@ def dump_and_restore(daemon: object, proc: subprocess.Popen[bytes], wd: Path, n:
     restored = {"pid": done.restore.pid, "phases": {p.phase: p.duration_seconds for p in done.phases}}
     snap = json.loads(cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
     return {"dumped": dumped, "restored": restored, "answer": answer, "to_first_token_s": first["t_done"] - t0,
-            "gpu_memory_at_capture_bytes": sum(int(g["gpuMemoryBytes"]) for g in snap.get("gpuProcesses", [])),
-            "source_rss_bytes": int(snap["source"]["rssBytes"]),
-            "largest_image_files": sorted(((f["path"], int(f["sizeBytes"])) for f in snap["files"]),
+            "gpu_memory_at_capture_bytes": sum(int(g["gpu_memory_bytes"]) for g in snap.get("gpu_processes", [])),
+            "source_rss_bytes": int(snap["source"]["rss_bytes"]),
+            "largest_image_files": sorted(((f["path"], int(f["size_bytes"])) for f in snap["files"]),
                                           key=lambda f: -f[1])[:4]}
 
 
@@ -114,8 +114,8 @@ def main() -> int:
     result = {
         "benchmark": "gpu-engine",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": {"kernel": platform.release(), "criu": node["host"]["criuVersion"],
-                 "driver": node["host"].get("nvidiaDriverVersion", ""), "gpu": node["gpus"][0]["name"]},
+        "host": {"kernel": platform.release(), "criu": node["host"]["criu_version"],
+                 "driver": node["host"].get("nvidia_driver_version", ""), "gpu": node["gpus"][0]["name"]},
         "model": {"size": args.size, "parameters": ready["params"], "dtype": "bfloat16"},
         "cuda_graphs": args.graphs,
         "worker_gpu_allocated_bytes": ready.get("gpu_allocated_bytes"),

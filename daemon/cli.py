@@ -20,12 +20,11 @@ from datetime import UTC
 from typing import Any, TypeVar
 
 import click
-from google.protobuf import json_format
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gpusnap.daemon import __version__
+from gpusnap.daemon import __version__, jsonout
 from gpusnap.daemon._proto import operations_pb2
 from gpusnap.daemon.api.errors import Code, GpusnapError
 from gpusnap.daemon.client import DaemonClient, raise_if_failed
@@ -94,10 +93,7 @@ def _fail(err: GpusnapError) -> None:
     ctx = click.get_current_context(silent=True)
     obj = ctx.find_object(Ctx) if ctx else None
     if obj is not None and obj.output == "json":  # scripts get the reason too
-        code = err.code.name if hasattr(err.code, "name") else str(err.code)
-        metadata = {k: v for k, v in err.metadata.items() if k != "action"}
-        click.echo(json.dumps({"error": {"code": code, "reason": err.reason, "action": err.action.value,
-                                         "message": err.message, "metadata": metadata}}, indent=2))
+        click.echo(json.dumps({"error": jsonout.error(err)}, indent=2))
     sys.exit(EXIT_CODES.get(err.code, 1))
 
 
@@ -109,10 +105,15 @@ def _run(fn: Callable[[], T]) -> T:
         raise AssertionError("unreachable") from err
 
 
-def _json(msg: Any) -> str:
+def _json(msg: Any, omit: frozenset[str] = frozenset()) -> str:
+    """``-o json`` of a message or a list of them (daemon/jsonout.py, docs/schemas/v1/cli.schema.json)."""
     if isinstance(msg, list):
-        return json.dumps([json_format.MessageToDict(m) for m in msg], indent=2)
-    return json.dumps(json_format.MessageToDict(msg), indent=2)
+        return json.dumps([jsonout.message(m, omit) for m in msg], indent=2)
+    return json.dumps(jsonout.message(msg, omit), indent=2)
+
+
+LS_OMIT = frozenset({"host.cpu_flags"})
+"""About 100 flags per snapshot; `inspect` shows them."""
 
 
 def _size(n: int) -> str:
@@ -343,7 +344,7 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...]) -> None:
     with obj.client() as client:
         snaps = _run(lambda: client.list_snapshots(_labels(labels)))
     if obj.output == "json":
-        click.echo(_json(snaps))
+        click.echo(_json(snaps, LS_OMIT))
         return
     table = Table("ID", "NAME", "CREATED", "SIZE", "SOURCE", "GPUS", box=None)
     table.columns[0].no_wrap = True
@@ -396,17 +397,21 @@ def inspect(obj: Ctx, snapshot: str) -> None:
 def rm(obj: Ctx, snapshots: tuple[str, ...]) -> None:
     """Delete snapshots (ids or names)."""
     deleted: list[str] = []
-    failed: list[GpusnapError] = []
+    failed: list[tuple[str, GpusnapError]] = []
     with obj.client() as client:
         for ref in snapshots:
             try:
                 deleted.append(client.delete_snapshot(ref))
             except GpusnapError as err:
                 click.echo(f"gpusnap: error: {ref}: {err.message}", err=True)
-                failed.append(err)
-    click.echo(json.dumps({"deleted": deleted}) if obj.output == "json" else "\n".join(deleted))
+                failed.append((ref, err))
+    if obj.output == "json":
+        click.echo(json.dumps({"deleted": deleted,
+                               "failed": [{"snapshot": ref, "error": jsonout.error(err)} for ref, err in failed]}))
+    else:
+        click.echo("\n".join(deleted))
     if failed:
-        sys.exit(EXIT_CODES.get(failed[0].code, 1))
+        sys.exit(EXIT_CODES.get(failed[0][1].code, 1))
 
 
 @main.command()
@@ -464,7 +469,7 @@ def list_operations(obj: Ctx) -> None:
     with obj.client() as client:
         ops = _run(client.list_operations)
     if obj.output == "json":
-        click.echo(_json(ops))
+        click.echo(_json(ops, frozenset({"snapshot.host.cpu_flags"})))
         return
     table = Table("ID", "KIND", "STATE", "PHASE", "STARTED", "TARGET", box=None)
     table.columns[0].no_wrap = True

@@ -51,7 +51,7 @@ def test_agent_warm_up_quiesce_dump_restore_resume(daemon: DaemonProc, tmp_path:
         assert toy.proc.wait(timeout=10) == -9
         assert toy.events() == ["warm_up", "quiesce"]
         snap = json.loads(daemon.cli("-o", "json", "inspect", "toy", check=True).stdout)
-        assert snap["worker"]["engine"] == "toy" and snap["worker"]["canaryTokens"]
+        assert snap["worker"]["engine"] == "toy" and snap["worker"]["canary_tokens"]
 
         restored = json.loads(daemon.cli(
             "-o", "json", "restore", "toy", "--env", "TOY_PORT=9000", "--unset-env", "TOY_GONE", "--set", "node=n2",

@@ -49,14 +49,14 @@ def test_vllm_engine_round_trip(daemon: DaemonProc, tmp_path: Path) -> None:
         assert list(dumped["phases"])[:3] == ["preflight", "warm-up", "quiesce"]
         assert "dev-shm" in dumped["phases"], "vLLM's shared-memory queues are saved with the images"
         snap = json.loads(daemon.cli("-o", "json", "inspect", "vllm-cpu", check=True).stdout)
-        assert len(snap["source"]["treePids"]) >= 3, "front end, EngineCore and Worker are all captured"
+        assert len(snap["source"]["tree_pids"]) >= 3, "front end, EngineCore and Worker are all captured"
         assert snap["worker"]["engine"] == "vllm"
         assert proc.wait(timeout=30) == -9
 
         restored = json.loads(daemon.cli("-o", "json", "restore", "vllm-cpu", check=True, timeout=600).stdout)
         restored_pid = restored["pid"]
         assert "resume-worker" in restored["phases"]
-        assert len(restored["pids"]) == len(snap["source"]["treePids"])
+        assert len(restored["pids"]) == len(snap["source"]["tree_pids"])
         assert _request(wd, 2) == before, "identical greedy tokens from the restored engine"
         assert _request(wd, 3) == before, "and new requests are served"
         print(f"\nMEASURED vllm-cpu: image {dumped['size_bytes']} bytes, dump {dumped['phases']}, restore {restored['phases']}")

@@ -14,7 +14,7 @@ from tests.conftest import DaemonProc, Workloads
 
 def _still_serving(daemon: DaemonProc) -> None:
     assert daemon.alive()
-    assert json.loads(daemon.cli("-o", "json", "node", check=True).stdout)["host"]["criuVersion"].startswith("4.")
+    assert json.loads(daemon.cli("-o", "json", "node", check=True).stdout)["host"]["criu_version"].startswith("4.")
 
 
 def _error(res: object) -> dict[str, object]:
@@ -141,8 +141,8 @@ def test_damaged_image_is_refused_before_restore(daemon: DaemonProc, workloads: 
     assert (err["reason"], err["action"]) == ("IMAGE_CHECKSUM", "fall_back")
     assert err["metadata"] == {"snapshot": snap["id"], "files": image.name, "damaged_count": "1"}
     ops = json.loads(daemon.cli("-o", "json", "ops", check=True).stdout)
-    failed = [o for o in ops if o["kind"] == "OPERATION_KIND_RESTORE"][-1]
-    assert failed["state"] == "OPERATION_STATE_FAILED" and failed["phase"] == "verify"
+    failed = [o for o in ops if o["kind"] == "restore"][-1]
+    assert failed["state"] == "failed" and failed["phase"] == "verify"
     _still_serving(daemon)
 
 

@@ -48,7 +48,7 @@ def test_round_trip_of_a_process_tree(daemon: DaemonProc, workloads: Workloads) 
     listed = json.loads(daemon.cli("-o", "json", "ls", check=True).stdout)
     assert [s["id"] for s in listed] == [dumped["id"]]
     assert listed[0]["labels"] == {"test": "roundtrip"}
-    assert len(listed[0]["source"]["treePids"]) == 2
+    assert len(listed[0]["source"]["tree_pids"]) == 2
 
     res = daemon.cli("-o", "json", "restore", "tree-100m", check=True)
     restored = json.loads(res.stdout)

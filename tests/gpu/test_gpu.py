@@ -122,10 +122,10 @@ def test_gpu_round_trip(daemon: DaemonProc, torch_worker) -> None:  # type: igno
 
     dumped, restored = _dump_restore(daemon, w)
     snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
-    assert snap["gpuProcesses"][0]["pid"] == w.pid
-    assert int(snap["gpuProcesses"][0]["gpuMemoryBytes"]) >= GIB * 2**30
-    assert snap["host"]["nvidiaDriverVersion"]
-    assert int(snap["sizeBytes"]) >= GIB * 2**30, "the images hold the GPU memory"
+    assert snap["gpu_processes"][0]["pid"] == w.pid
+    assert int(snap["gpu_processes"][0]["gpu_memory_bytes"]) >= GIB * 2**30
+    assert snap["host"]["nvidia_driver_version"]
+    assert int(snap["size_bytes"]) >= GIB * 2**30, "the images hold the GPU memory"
     assert {"gpu-lock", "gpu-checkpoint", "dump"} <= set(dumped["phases"])
     assert {"restore", "gpu-restore", "gpu-unlock", "validate"} <= set(restored["phases"])
 
@@ -143,12 +143,12 @@ def test_gpu_suspend_resume_in_place(daemon: DaemonProc, torch_worker) -> None: 
     expected = w.expected()
     assert sum(_gpu_memory_of(w.pid).values()) >= GIB * 2**30
     res = json.loads(daemon.cli("-o", "json", "suspend", str(w.pid), check=True, timeout=900).stdout)
-    assert res["suspend"]["gpuProcesses"][0]["pid"] == w.pid
+    assert res["suspend"]["gpu_processes"][0]["pid"] == w.pid
     held = sum(_gpu_memory_of(w.pid).values())
     assert held < 64 * 2**20, f"GPU memory not freed while suspended ({held} bytes held)"
     assert psutil.Process(w.pid).status() != psutil.STATUS_ZOMBIE
     res = json.loads(daemon.cli("-o", "json", "resume", str(w.pid), check=True, timeout=900).stdout)
-    assert res["state"] == "OPERATION_STATE_SUCCEEDED"
+    assert res["state"] == "succeeded"
     assert w.probe(w.pid)[:2] == expected
     assert sum(_gpu_memory_of(w.pid).values()) >= GIB * 2**30
 
@@ -186,7 +186,7 @@ def test_gpu_map_for_cpu_snapshot_is_refused(daemon: DaemonProc, tmp_path: Path)
         res = daemon.cli("restore", snap, "--gpu-map", "0=0")
         assert res.returncode == 2 and "holds no GPU state" in res.stderr
         node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
-        assert node["cudaCheckpointSupported"] and node["gpus"][0]["uuid"].startswith("GPU-")
+        assert node["cuda_checkpoint_supported"] and node["gpus"][0]["uuid"].startswith("GPU-")
     finally:
         proc.kill()
         proc.wait()

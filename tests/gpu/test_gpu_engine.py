@@ -48,7 +48,7 @@ def dump_offload_restore(daemon: DaemonProc, proc: subprocess.Popen[bytes], read
     assert {"warm-up", "quiesce", "offload", "gpu-checkpoint", "dump"} <= set(dumped["phases"])
     assert dumped["buffer_bytes"] >= 2 * ready["params"], "the bf16 weights left the image"
     snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
-    at_capture = int(snap["gpuProcesses"][0]["gpuMemoryBytes"])
+    at_capture = int(snap["gpu_processes"][0]["gpu_memory_bytes"])
     assert at_capture < dumped["buffer_bytes"], f"{at_capture} bytes on the GPU at capture: the weights stayed"
     assert proc.wait(timeout=60) == -9
     restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=900).stdout)

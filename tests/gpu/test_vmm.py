@@ -63,14 +63,14 @@ def test_reserved_range_survives_suspend_and_dump(daemon: DaemonProc, tmp_path: 
         assert held < GIB, f"the released GiB is not held by the process ({held} bytes)"
 
         res = json.loads(daemon.cli("-o", "json", "suspend", str(proc.pid), check=True, timeout=600).stdout)
-        assert res["suspend"]["gpuProcesses"][0]["pid"] == proc.pid
+        assert res["suspend"]["gpu_processes"][0]["pid"] == proc.pid
         daemon.cli("-o", "json", "resume", str(proc.pid), check=True, timeout=600)
         assert probe()["pid"] == proc.pid
 
         dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), "--no-quiesce", check=True,
                                        timeout=900).stdout)
         snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
-        at_capture = int(snap["gpuProcesses"][0]["gpuMemoryBytes"])
+        at_capture = int(snap["gpu_processes"][0]["gpu_memory_bytes"])
         assert at_capture < GIB, f"{at_capture} bytes of GPU memory at capture: the released range was captured"
         assert proc.wait(timeout=60) == -9
         restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=900).stdout)

@@ -88,7 +88,7 @@ def test_users_list_only_their_own(many: tuple[DaemonProc, list[str]]) -> None:
     theirs = [i for n, i in enumerate(ids[1:]) if n % 10 == 0]
     listed = json.loads(d.cli("-o", "json", "ls", user=NOBODY, check=True).stdout)
     assert [s["id"] for s in listed] == theirs
-    assert all(s["ownerUid"] == NOBODY for s in listed)
+    assert all(s["owner_uid"] == NOBODY for s in listed)
 
 
 def test_page_boundary_survives_a_delete(  # last: it deletes a snapshot of the shared daemon

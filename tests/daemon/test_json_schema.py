@@ -1,0 +1,110 @@
+"""Every command's ``-o json`` output validates against docs/schemas/v1/cli.schema.json (jsonschema)."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.conftest import REPO, DaemonProc, Workloads
+
+SCHEMA = json.loads((REPO / "docs" / "schemas" / "v1" / "cli.schema.json").read_text())
+RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
+FORMATS = jsonschema.FormatChecker(formats=())
+
+
+@FORMATS.checks("date-time")
+def _rfc3339(value: object) -> bool:
+    if not isinstance(value, str) or not RFC3339.match(value):
+        return False
+    datetime.fromisoformat(value)
+    return True
+
+
+def check(command: str, doc: Any) -> None:
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    schema = {"$defs": SCHEMA["$defs"], "$ref": f"#/$defs/command_{command}"}
+    jsonschema.Draft202012Validator(schema, format_checker=FORMATS).validate(doc)
+
+
+def run(daemon: DaemonProc, *args: str, ok: bool = True) -> Any:
+    res = daemon.cli("-o", "json", *args)
+    assert (res.returncode == 0) is ok, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_every_command_matches_the_schema(daemon: DaemonProc, workloads: Workloads) -> None:
+    w = workloads.start("--mem-mb", "8", "--no-child")
+    dump = run(daemon, "dump", str(w.pid), "--name", "schema", "--label", "team=ops", "--leave-running")
+    check("dump", dump)
+    restored = run(daemon, "restore", "schema", "--private-net")
+    workloads.adopt(restored["pid"])
+    check("restore", restored)
+    detached = run(daemon, "restore", "schema", "--private-net", "--detach")
+    check("detached", detached)
+    waited = run(daemon, "wait", detached["operation"])
+    check("wait", waited)
+    workloads.adopt(waited["restore"]["pid"])
+    assert waited["kind"] == "restore" and waited["state"] == "succeeded"
+
+    listed = run(daemon, "ls")
+    check("ls", listed)
+    assert "cpu_flags" not in listed[0]["host"], "per-snapshot CPU flags stay out of ls"
+    inspected = run(daemon, "inspect", "schema")
+    check("inspect", inspected)
+    assert inspected["host"]["cpu_flags"], "inspect keeps them"
+    assert isinstance(inspected["size_bytes"], int) and inspected["size_bytes"] == dump["size_bytes"]
+    assert isinstance(inspected["source"]["rss_bytes"], int)
+    assert datetime.fromisoformat(inspected["created"]).tzinfo is not None
+
+    check("node", run(daemon, "node"))
+    ops = run(daemon, "ops")
+    check("ops", ops)
+    assert [o["kind"] for o in ops] == ["checkpoint", "restore", "restore"]
+    assert all(isinstance(p["bytes"], int) for o in ops for p in o["phases"])
+
+    # Failures: one error object, whatever the command.
+    for args in (["inspect", "no-such"], ["restore", "snap-aaaaaaaaaaaaaaaaaaaaaaaaaa"], ["wait", "op-bad"],
+                 ["suspend", str(w.pid)], ["resume", str(w.pid)]):
+        failed = run(daemon, *args, ok=False)
+        check("failed", failed)
+    partly = run(daemon, "rm", "no-such", ok=False)  # rm reports each snapshot it could not delete
+    check("rm", partly)
+    assert partly["deleted"] == [] and partly["failed"][0]["error"]["reason"] == "SNAPSHOT_NOT_FOUND"
+    failed_op = run(daemon, "restore", "schema", ok=False)  # the source still holds its port
+    check("failed", failed_op)
+    assert failed_op["error"]["reason"] == "ADDRESS_IN_USE"
+    ops = run(daemon, "ops")
+    check("ops", ops)
+    error = ops[-1]["error"]
+    assert ops[-1]["state"] == "failed" and (error["reason"], error["action"]) == ("ADDRESS_IN_USE", "fix")
+
+    removed = run(daemon, "rm", "schema")
+    check("rm", removed)
+    assert removed == {"deleted": [dump["id"]], "failed": []}
+
+
+@pytest.mark.parametrize("bad", [
+    {"id": "snap-x", "name": "", "operation": "op-y", "size_bytes": "12", "buffer_bytes": 0, "phases": {}},
+    {"sizeBytes": 1},
+])
+def test_schema_rejects_the_old_forms(bad: dict[str, object]) -> None:
+    with pytest.raises(jsonschema.ValidationError):
+        check("dump", bad)
+    with pytest.raises(jsonschema.ValidationError):
+        check("inspect", {"id": "snap-x", "created": "yesterday"})
+
+
+def test_schema_file_is_what_the_generator_writes() -> None:
+    """docs/schemas/v1/cli.schema.json is generated (`make schemas`); a stale copy fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_json_schema", REPO / "scripts" / "gen_json_schema.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.render() == (REPO / "docs" / "schemas" / "v1" / "cli.schema.json").read_text(), "run `make schemas`"
