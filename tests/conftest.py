@@ -270,7 +270,7 @@ def hostile() -> Iterator[tuple[Any, Any]]:
 
 # `make test-fast` runs `-m "not slow"`: tests that start gpusnapd, real workloads or CRIU, an engine or a
 # wheel build take seconds each and are marked slow here by what they use, so new ones need no marker.
-SLOW_FIXTURES = frozenset({"daemon", "open_daemon", "workloads", "node", "criu_version", "hostile"})
+SLOW_FIXTURES = frozenset({"daemon", "open_daemon", "workloads", "node", "criu_version", "hostile", "ceph_gateway", "fleet"})
 SLOW_MODULES = frozenset({
     "tests.test_packaging", "tests.daemon.test_tls", "tests.daemon.test_faults", "tests.systemd.test_unit",
     "tests.adapters.test_vllm_cpu", "tests.adapters.test_buffers_cpu", "tests.adapters.test_agent_roundtrip",
@@ -283,3 +283,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         module = getattr(item, "module", None)
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or getattr(module, "__name__", "") in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def ceph_gateway() -> Iterator[object]:
+    """A real Ceph RADOS Gateway for the session (tests/ceph_rgw.py); CI installs it (.ci/run)."""
+    from tests import ceph_rgw
+
+    missing = ceph_rgw.available()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    gw = ceph_rgw.start()
+    yield gw
+    gw.stop()

@@ -46,6 +46,7 @@ class NodeInfo(_message.Message):
     CUDA_CHECKPOINT_SUPPORTED_FIELD_NUMBER: _builtins.int
     CUDA_UNAVAILABLE_REASON_FIELD_NUMBER: _builtins.int
     CRIU_PATH_FIELD_NUMBER: _builtins.int
+    REMOTE_FIELD_NUMBER: _builtins.int
     store_path: _builtins.str
     store_used_bytes: _builtins.int
     snapshot_count: _builtins.int
@@ -54,6 +55,8 @@ class NodeInfo(_message.Message):
     cuda_unavailable_reason: _builtins.str
     """why not, when not"""
     criu_path: _builtins.str
+    remote: _builtins.str
+    """remote store URL (s3://bucket/prefix), empty when none"""
     @_builtins.property
     def host(self) -> _types_pb2.HostFacts: ...
     @_builtins.property
@@ -69,10 +72,11 @@ class NodeInfo(_message.Message):
         cuda_checkpoint_supported: _builtins.bool = ...,
         cuda_unavailable_reason: _builtins.str = ...,
         criu_path: _builtins.str = ...,
+        remote: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["host", b"host"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["criu_path", b"criu_path", "cuda_checkpoint_supported", b"cuda_checkpoint_supported", "cuda_unavailable_reason", b"cuda_unavailable_reason", "gpus", b"gpus", "host", b"host", "snapshot_count", b"snapshot_count", "store_path", b"store_path", "store_used_bytes", b"store_used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["criu_path", b"criu_path", "cuda_checkpoint_supported", b"cuda_checkpoint_supported", "cuda_unavailable_reason", b"cuda_unavailable_reason", "gpus", b"gpus", "host", b"host", "remote", b"remote", "snapshot_count", b"snapshot_count", "store_path", b"store_path", "store_used_bytes", b"store_used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

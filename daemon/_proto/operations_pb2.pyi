@@ -36,6 +36,8 @@ class _OperationKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Operati
     OPERATION_KIND_RESTORE: _OperationKind.ValueType  # 2
     OPERATION_KIND_SUSPEND: _OperationKind.ValueType  # 3
     OPERATION_KIND_RESUME: _OperationKind.ValueType  # 4
+    OPERATION_KIND_PUSH: _OperationKind.ValueType  # 5
+    OPERATION_KIND_PULL: _OperationKind.ValueType  # 6
 
 class OperationKind(_OperationKind, metaclass=_OperationKindEnumTypeWrapper): ...
 
@@ -44,6 +46,8 @@ OPERATION_KIND_CHECKPOINT: OperationKind.ValueType  # 1
 OPERATION_KIND_RESTORE: OperationKind.ValueType  # 2
 OPERATION_KIND_SUSPEND: OperationKind.ValueType  # 3
 OPERATION_KIND_RESUME: OperationKind.ValueType  # 4
+OPERATION_KIND_PUSH: OperationKind.ValueType  # 5
+OPERATION_KIND_PULL: OperationKind.ValueType  # 6
 Global___OperationKind: _TypeAlias = OperationKind  # noqa: Y015
 
 class _OperationState:
@@ -189,6 +193,49 @@ class ResumeResult(_message.Message):
 Global___ResumeResult: _TypeAlias = ResumeResult  # noqa: Y015
 
 @_typing.final
+class TransferResult(_message.Message):
+    """What a push or pull moved: chunks already at the destination are skipped, not sent again."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    REMOTE_FIELD_NUMBER: _builtins.int
+    TRANSFERRED_BYTES_FIELD_NUMBER: _builtins.int
+    SKIPPED_BYTES_FIELD_NUMBER: _builtins.int
+    TRANSFERRED_CHUNKS_FIELD_NUMBER: _builtins.int
+    SKIPPED_CHUNKS_FIELD_NUMBER: _builtins.int
+    BUFFER_TRANSFERRED_BYTES_FIELD_NUMBER: _builtins.int
+    snapshot_id: _builtins.str
+    remote: _builtins.str
+    """s3://bucket/prefix"""
+    transferred_bytes: _builtins.int
+    """chunk bytes sent (push) or received (pull)"""
+    skipped_bytes: _builtins.int
+    """chunk bytes already at the destination"""
+    transferred_chunks: _builtins.int
+    skipped_chunks: _builtins.int
+    buffer_transferred_bytes: _builtins.int
+    """the part of transferred_bytes that belongs to buffers (weights)"""
+    def __init__(
+        self,
+        *,
+        snapshot_id: _builtins.str = ...,
+        remote: _builtins.str = ...,
+        transferred_bytes: _builtins.int = ...,
+        skipped_bytes: _builtins.int = ...,
+        transferred_chunks: _builtins.int = ...,
+        skipped_chunks: _builtins.int = ...,
+        buffer_transferred_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_transferred_bytes", b"buffer_transferred_bytes", "remote", b"remote", "skipped_bytes", b"skipped_bytes", "skipped_chunks", b"skipped_chunks", "snapshot_id", b"snapshot_id", "transferred_bytes", b"transferred_bytes", "transferred_chunks", b"transferred_chunks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferResult: _TypeAlias = TransferResult  # noqa: Y015
+
+@_typing.final
 class Operation(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -203,6 +250,7 @@ class Operation(_message.Message):
     RESTORE_FIELD_NUMBER: _builtins.int
     SUSPEND_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
+    TRANSFER_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     TARGET_PID_FIELD_NUMBER: _builtins.int
     TARGET_SNAPSHOT_FIELD_NUMBER: _builtins.int
@@ -231,6 +279,10 @@ class Operation(_message.Message):
     @_builtins.property
     def resume(self) -> Global___ResumeResult: ...
     @_builtins.property
+    def transfer(self) -> Global___TransferResult:
+        """push, pull"""
+
+    @_builtins.property
     def error(self) -> _status_pb2.Status:
         """set when state is FAILED; details carry google.rpc.ErrorInfo"""
 
@@ -248,15 +300,16 @@ class Operation(_message.Message):
         restore: Global___RestoreResult | None = ...,
         suspend: Global___SuspendResult | None = ...,
         resume: Global___ResumeResult | None = ...,
+        transfer: Global___TransferResult | None = ...,
         error: _status_pb2.Status | None = ...,
         target_pid: _builtins.int = ...,
         target_snapshot: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "started", b"started", "suspend", b"suspend"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "started", b"started", "suspend", b"suspend", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "id", b"id", "kind", b"kind", "phase", b"phase", "phases", b"phases", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "started", b"started", "state", b"state", "suspend", b"suspend", "target_pid", b"target_pid", "target_snapshot", b"target_snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "id", b"id", "kind", b"kind", "phase", b"phase", "phases", b"phases", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "started", b"started", "state", b"state", "suspend", b"suspend", "target_pid", b"target_pid", "target_snapshot", b"target_snapshot", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["snapshot", "restore", "suspend", "resume"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["snapshot", "restore", "suspend", "resume", "transfer"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -714,6 +767,84 @@ class ResumeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResumeResponse: _TypeAlias = ResumeResponse  # noqa: Y015
+
+@_typing.final
+class PushRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    snapshot: _builtins.str
+    def __init__(
+        self,
+        *,
+        snapshot: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushRequest: _TypeAlias = PushRequest  # noqa: Y015
+
+@_typing.final
+class PushResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPERATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def operation(self) -> Global___Operation: ...
+    def __init__(
+        self,
+        *,
+        operation: Global___Operation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushResponse: _TypeAlias = PushResponse  # noqa: Y015
+
+@_typing.final
+class PullRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    snapshot: _builtins.str
+    def __init__(
+        self,
+        *,
+        snapshot: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullRequest: _TypeAlias = PullRequest  # noqa: Y015
+
+@_typing.final
+class PullResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPERATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def operation(self) -> Global___Operation: ...
+    def __init__(
+        self,
+        *,
+        operation: Global___Operation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullResponse: _TypeAlias = PullResponse  # noqa: Y015
 
 @_typing.final
 class GetOperationRequest(_message.Message):

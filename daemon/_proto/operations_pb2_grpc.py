@@ -74,6 +74,16 @@ class OperationServiceStub:
                 request_serializer=gpusnap_dot_v1_dot_operations__pb2.ListOperationsRequest.SerializeToString,
                 response_deserializer=gpusnap_dot_v1_dot_operations__pb2.ListOperationsResponse.FromString,
                 _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/gpusnap.v1.OperationService/Push',
+                request_serializer=gpusnap_dot_v1_dot_operations__pb2.PushRequest.SerializeToString,
+                response_deserializer=gpusnap_dot_v1_dot_operations__pb2.PushResponse.FromString,
+                _registered_method=True)
+        self.Pull = channel.unary_unary(
+                '/gpusnap.v1.OperationService/Pull',
+                request_serializer=gpusnap_dot_v1_dot_operations__pb2.PullRequest.SerializeToString,
+                response_deserializer=gpusnap_dot_v1_dot_operations__pb2.PullResponse.FromString,
+                _registered_method=True)
 
 
 class OperationServiceServicer:
@@ -133,6 +143,20 @@ class OperationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Push(self, request, context):
+        """Upload a local snapshot to the remote store (content-addressed chunks first, manifest last).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pull(self, request, context):
+        """Download a remote snapshot into the local store (digests checked as chunks arrive).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OperationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +199,16 @@ def add_OperationServiceServicer_to_server(servicer, server):
                     servicer.ListOperations,
                     request_deserializer=gpusnap_dot_v1_dot_operations__pb2.ListOperationsRequest.FromString,
                     response_serializer=gpusnap_dot_v1_dot_operations__pb2.ListOperationsResponse.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=gpusnap_dot_v1_dot_operations__pb2.PushRequest.FromString,
+                    response_serializer=gpusnap_dot_v1_dot_operations__pb2.PushResponse.SerializeToString,
+            ),
+            'Pull': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=gpusnap_dot_v1_dot_operations__pb2.PullRequest.FromString,
+                    response_serializer=gpusnap_dot_v1_dot_operations__pb2.PullResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +427,60 @@ class OperationService:
             '/gpusnap.v1.OperationService/ListOperations',
             gpusnap_dot_v1_dot_operations__pb2.ListOperationsRequest.SerializeToString,
             gpusnap_dot_v1_dot_operations__pb2.ListOperationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpusnap.v1.OperationService/Push',
+            gpusnap_dot_v1_dot_operations__pb2.PushRequest.SerializeToString,
+            gpusnap_dot_v1_dot_operations__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpusnap.v1.OperationService/Pull',
+            gpusnap_dot_v1_dot_operations__pb2.PullRequest.SerializeToString,
+            gpusnap_dot_v1_dot_operations__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,10 @@ class OperationServiceStub:
     WatchOperation: _grpc.UnaryStreamMultiCallable[_operations_pb2.WatchOperationRequest, _operations_pb2.WatchOperationResponse]
     """Streams the operation's events from its start; ends after the final event."""
     ListOperations: _grpc.UnaryUnaryMultiCallable[_operations_pb2.ListOperationsRequest, _operations_pb2.ListOperationsResponse]
+    Push: _grpc.UnaryUnaryMultiCallable[_operations_pb2.PushRequest, _operations_pb2.PushResponse]
+    """Upload a local snapshot to the remote store (content-addressed chunks first, manifest last)."""
+    Pull: _grpc.UnaryUnaryMultiCallable[_operations_pb2.PullRequest, _operations_pb2.PullResponse]
+    """Download a remote snapshot into the local store (digests checked as chunks arrive)."""
 
 @_typing.type_check_only
 class OperationServiceAsyncStub(OperationServiceStub):
@@ -65,6 +69,10 @@ class OperationServiceAsyncStub(OperationServiceStub):
     WatchOperation: _aio.UnaryStreamMultiCallable[_operations_pb2.WatchOperationRequest, _operations_pb2.WatchOperationResponse]  # type: ignore[assignment]
     """Streams the operation's events from its start; ends after the final event."""
     ListOperations: _aio.UnaryUnaryMultiCallable[_operations_pb2.ListOperationsRequest, _operations_pb2.ListOperationsResponse]  # type: ignore[assignment]
+    Push: _aio.UnaryUnaryMultiCallable[_operations_pb2.PushRequest, _operations_pb2.PushResponse]  # type: ignore[assignment]
+    """Upload a local snapshot to the remote store (content-addressed chunks first, manifest last)."""
+    Pull: _aio.UnaryUnaryMultiCallable[_operations_pb2.PullRequest, _operations_pb2.PullResponse]  # type: ignore[assignment]
+    """Download a remote snapshot into the local store (digests checked as chunks arrive)."""
 
 class OperationServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -128,5 +136,21 @@ class OperationServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _operations_pb2.ListOperationsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_operations_pb2.ListOperationsResponse, _abc.Awaitable[_operations_pb2.ListOperationsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Push(
+        self,
+        request: _operations_pb2.PushRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_operations_pb2.PushResponse, _abc.Awaitable[_operations_pb2.PushResponse]]:
+        """Upload a local snapshot to the remote store (content-addressed chunks first, manifest last)."""
+
+    @_abc_1.abstractmethod
+    def Pull(
+        self,
+        request: _operations_pb2.PullRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_operations_pb2.PullResponse, _abc.Awaitable[_operations_pb2.PullResponse]]:
+        """Download a remote snapshot into the local store (digests checked as chunks arrive)."""
 
 def add_OperationServiceServicer_to_server(servicer: OperationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

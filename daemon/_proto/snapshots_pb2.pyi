@@ -46,12 +46,15 @@ class ListSnapshotsRequest(_message.Message):
     LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    REMOTE_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """At most this many snapshots (0: 100; more than 1000: 1000). A page may hold fewer, to stay under
     2 MiB encoded; follow next_page_token until it is empty (AIP-158).
     """
     page_token: _builtins.str
     """next_page_token of the previous page; empty for the first"""
+    remote: _builtins.bool
+    """list the remote store's snapshots instead of the local ones"""
     @_builtins.property
     def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """every pair must match"""
@@ -62,10 +65,11 @@ class ListSnapshotsRequest(_message.Message):
         label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        remote: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["label_selector", b"label_selector", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label_selector", b"label_selector", "page_size", b"page_size", "page_token", b"page_token", "remote", b"remote"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -141,15 +145,22 @@ class DeleteSnapshotRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SNAPSHOT_FIELD_NUMBER: _builtins.int
+    REMOTE_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.str
+    """id or name"""
+    remote: _builtins.bool
+    """Delete the remote store's manifest instead of the local snapshot; chunks no other manifest references
+    are collected once older than the grace period (remote_gc_grace).
+    """
     def __init__(
         self,
         *,
         snapshot: _builtins.str = ...,
+        remote: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["remote", b"remote", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -197,6 +197,19 @@ class RestoreResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class TransferResult:
+    """What a push or pull moved (``gpusnap.v1.TransferResult``); bytes are chunk bytes."""
+
+    snapshot_id: str
+    remote: str
+    transferred_bytes: int = 0
+    skipped_bytes: int = 0
+    transferred_chunks: int = 0
+    skipped_chunks: int = 0
+    buffer_transferred_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Caller:
     """Who asked, from the socket's peer credentials (SO_PEERCRED)."""
 

@@ -32,6 +32,8 @@ class OperationKind(enum.Enum):
     RESTORE = "restore"
     SUSPEND = "suspend"
     RESUME = "resume"
+    PUSH = "push"
+    PULL = "pull"
 
 
 class OperationState(enum.Enum):

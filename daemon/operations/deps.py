@@ -9,6 +9,7 @@ from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.workers.agents import AgentRegistry
 from gpusnap.daemon.store import SnapshotStore
+from gpusnap.daemon.remote.store import RemoteStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,3 +20,5 @@ class Deps:
     criu_version: str
     gpu: GpuSupport
     agents: AgentRegistry
+    remote: RemoteStore | None = None
+    """The remote store (``--remote``), None when not configured."""

@@ -23,6 +23,7 @@ from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snap
 from gpusnap.daemon.drivers import host, proc
 from gpusnap.daemon.gpu import gpumap, preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController
+from gpusnap.daemon.operations import provenance
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
 from gpusnap.daemon.workers import orchestrate
@@ -66,6 +67,7 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         run.record.target_snapshot = snapshot.id
         check_may_restore(snapshot, caller)
         check_host_compatible(snapshot)
+        provenance.check_pulled(deps, snapshot.id)
         if opts.private_network and opts.host_pid_namespace:
             raise InvalidArgumentError(
                 "--private-net needs the fresh namespaces of a default restore; drop --host-pidns",

@@ -9,6 +9,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from gpusnap.daemon._proto import node_pb2, operations_pb2, types_pb2
 from gpusnap.daemon.api.types import (
+    TransferResult,
     CheckpointOptions,
     GpuProcess,
     HostFacts,
@@ -34,6 +35,8 @@ _KIND = {
     OperationKind.RESTORE: operations_pb2.OPERATION_KIND_RESTORE,
     OperationKind.SUSPEND: operations_pb2.OPERATION_KIND_SUSPEND,
     OperationKind.RESUME: operations_pb2.OPERATION_KIND_RESUME,
+    OperationKind.PUSH: operations_pb2.OPERATION_KIND_PUSH,
+    OperationKind.PULL: operations_pb2.OPERATION_KIND_PULL,
 }
 _STATE = {
     OperationState.RUNNING: operations_pb2.OPERATION_STATE_RUNNING,
@@ -168,6 +171,8 @@ def operation(r: OperationRecord) -> operations_pb2.Operation:
                 pid=r.result.pid, pids=list(r.result.pids), snapshot_id=r.result.snapshot_id, namespace_pid=r.result.namespace_pid
             )
         )
+    elif isinstance(r.result, TransferResult):
+        msg.transfer.CopyFrom(operations_pb2.TransferResult(**dataclasses.asdict(r.result)))
     return msg
 
 
@@ -211,6 +216,7 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
         ],
         cuda_checkpoint_supported=n.cuda_checkpoint_supported,
         cuda_unavailable_reason=n.cuda_unavailable_reason,
+        remote=n.remote,
     )
 
 

@@ -81,6 +81,16 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
         return operations_pb2.ResumeResponse(operation=convert.operation(record))
 
     @_rpc
+    def Push(self, request: operations_pb2.PushRequest, context: grpc.ServicerContext) -> operations_pb2.PushResponse:
+        record = self.daemon.push(request.snapshot, self.caller(context))
+        return operations_pb2.PushResponse(operation=convert.operation(record))
+
+    @_rpc
+    def Pull(self, request: operations_pb2.PullRequest, context: grpc.ServicerContext) -> operations_pb2.PullResponse:
+        record = self.daemon.pull(request.snapshot, self.caller(context))
+        return operations_pb2.PullResponse(operation=convert.operation(record))
+
+    @_rpc
     def GetOperation(self, request: operations_pb2.GetOperationRequest, context: grpc.ServicerContext) -> operations_pb2.GetOperationResponse:
         record = self.daemon.operation(request.id, self.caller(context))
         return operations_pb2.GetOperationResponse(operation=convert.operation(record))
@@ -117,7 +127,8 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
 class SnapshotServicer(_Base, snapshots_pb2_grpc.SnapshotServiceServicer):
     @_rpc
     def ListSnapshots(self, request: snapshots_pb2.ListSnapshotsRequest, context: grpc.ServicerContext) -> snapshots_pb2.ListSnapshotsResponse:
-        page = self.daemon.snapshots(self.caller(context), dict(request.label_selector), request.page_size, request.page_token)
+        list_fn = self.daemon.remote_snapshots if request.remote else self.daemon.snapshots
+        page = list_fn(self.caller(context), dict(request.label_selector), request.page_size, request.page_token)
         snaps = [convert.snapshot(s) for s in page.items]
         page = paging.fit(page, [m.ByteSize() for m in snaps], snapshot_key)
         return snapshots_pb2.ListSnapshotsResponse(snapshots=snaps[: len(page.items)], next_page_token=page.next_token)
@@ -129,7 +140,8 @@ class SnapshotServicer(_Base, snapshots_pb2_grpc.SnapshotServiceServicer):
 
     @_rpc
     def DeleteSnapshot(self, request: snapshots_pb2.DeleteSnapshotRequest, context: grpc.ServicerContext) -> snapshots_pb2.DeleteSnapshotResponse:
-        return snapshots_pb2.DeleteSnapshotResponse(id=self.daemon.delete_snapshot(request.snapshot, self.caller(context)))
+        delete = self.daemon.delete_remote_snapshot if request.remote else self.daemon.delete_snapshot
+        return snapshots_pb2.DeleteSnapshotResponse(id=delete(request.snapshot, self.caller(context)))
 
 
 class NodeServicer(_Base, node_pb2_grpc.NodeServiceServicer):

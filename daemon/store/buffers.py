@@ -6,6 +6,8 @@ for a RAM tier; mode 0700)::
     sha256/<uid>/<digest>   one buffer's bytes, mode 0400, named by its digest (``checksum.DIGEST_ALGORITHM``),
                             under the uid of the worker that wrote it
     incoming/<random>       being written by a worker; removed at start and when its operation ends
+    pulling/<id>/<digest>   being downloaded by a pull of snapshot <id>; kept across restarts (a retried
+                            pull resumes), moved into sha256/ when the pull publishes
 
 A capture stages one file per buffer and hands the worker a read-write descriptor to each (see
 ``agent.proto``). The daemon then digests the files itself, never trusting the worker, and commits them:
@@ -123,6 +125,7 @@ class BufferStore:
         self.root = root
         self.blobs = root / "sha256"
         self.incoming = root / "incoming"
+        self.pulling = root / "pulling"
         self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="gpusnap-digest")
         """Hashes chunks; ``jobs`` waits for them (never the other way round, so neither can starve)."""
         self.jobs = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpusnap-buffers")
@@ -144,7 +147,7 @@ class BufferStore:
                 collection would delete the other daemon's blobs.
             OSError: the directory cannot be created or written.
         """
-        for d in (self.root, self.blobs, self.incoming):
+        for d in (self.root, self.blobs, self.incoming, self.pulling):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
         fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

@@ -37,8 +37,14 @@ def _hash_chunk(path: Path, offset: int) -> bytes:
             return hashlib.sha256(mm).digest()
 
 
-def _combine(chunks: list[bytes]) -> str:
+def combine(chunks: Sequence[bytes]) -> str:
+    """The ``DIGEST_ALGORITHM`` digest of a file whose ``CHUNK_BYTES`` chunks have the SHA-256 ``chunks``."""
     return hashlib.sha256(f"{CHUNK_BYTES}:".encode() + b"".join(chunks)).hexdigest()
+
+
+def chunk_count(size: int) -> int:
+    """How many ``CHUNK_BYTES`` chunks a file of ``size`` bytes has (0 for an empty file)."""
+    return -(-size // CHUNK_BYTES)
 
 
 def file_digests(paths: Sequence[Path], pool: ThreadPoolExecutor | None = None) -> list[str]:
@@ -48,7 +54,7 @@ def file_digests(paths: Sequence[Path], pool: ThreadPoolExecutor | None = None) 
         with ThreadPoolExecutor(max_workers=_workers()) as own:
             return file_digests(paths, own)
     jobs = [[pool.submit(_hash_chunk, p, off) for off in range(0, p.stat().st_size, CHUNK_BYTES)] for p in paths]
-    return [_combine([f.result() for f in chunks]) for chunks in jobs]
+    return [combine([f.result() for f in chunks]) for chunks in jobs]
 
 
 def file_digest(path: Path, pool: ThreadPoolExecutor | None = None) -> str:

@@ -6,6 +6,9 @@ Layout under the store root (mode 0700: images hold process memory)::
     snapshots/<id>/images/…          CRIU images (and, later, GPU data)
     snapshots/<id>/criu-*.log        CRIU logs of the dump and of restores
     staging/<id>/…                   work in progress; removed at start and on failure
+    pulls/<id>/…                     a pull from the remote store in progress; kept across restarts so that
+                                     a retry resumes it, removed once published (never listed)
+    snapshots/<id>/provenance.json   pulled snapshots: where they were made (the compatibility gate reads it)
     logs/                            CRIU logs of failed dumps (the last 50)
     buffers/                         workers' named buffers, shared by snapshots (``buffers.BufferStore``;
                                      may live elsewhere)
@@ -41,6 +44,7 @@ from gpusnap.daemon.store.index import SnapshotIndex
 log = structlog.get_logger(__name__)
 
 IMAGES = "images"
+PROVENANCE = "provenance.json"
 
 
 def new_snapshot_id() -> str:
@@ -73,6 +77,7 @@ class SnapshotStore:
         self.buffers = BufferStore(buffer_dir or root / "buffers")
         self.snapshots_dir = root / "snapshots"
         self.staging_dir = root / "staging"
+        self.pulls_dir = root / "pulls"
         self._lock = threading.Lock()
         self._reserved_names: dict[str, str] = {}
         self._lock_fd: int | None = None
@@ -85,7 +90,7 @@ class SnapshotStore:
             FailedPreconditionError: another daemon holds the store (reason ``STORE_LOCKED``).
         """
         try:
-            for d in (self.root, self.snapshots_dir, self.staging_dir):
+            for d in (self.root, self.snapshots_dir, self.staging_dir, self.pulls_dir):
                 d.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self.root, 0o700)
             fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -106,6 +111,9 @@ class SnapshotStore:
         for leftover in self.staging_dir.iterdir():
             log.warning("store.staging_removed", path=str(leftover))
             shutil.rmtree(leftover, ignore_errors=True)
+        for pull in self.pulls_dir.iterdir():  # an unfinished pull stays for its retry, a finished one goes
+            if (self.snapshots_dir / pull.name).exists():
+                shutil.rmtree(pull, ignore_errors=True)
         try:
             self.buffers.open()
         except OSError as exc:
@@ -162,6 +170,28 @@ class SnapshotStore:
         self._index.add(snapshot)
         log.info("store.published", snapshot_id=snapshot.id, name=snapshot.name, bytes=snapshot.size_bytes)
         return snapshot
+
+    def publish_pulled(self, directory: Path, snapshot: Snapshot, provenance: bytes) -> Snapshot:
+        """Publish a pulled snapshot from ``directory`` (``images/`` complete and verified).
+
+        Raises:
+            AlreadyExistsError: the id is here already, or its name is taken (``NAME_TAKEN``).
+        """
+        (directory / PROVENANCE).write_bytes(provenance)
+        with self._lock:
+            if (self.snapshots_dir / snapshot.id).exists():
+                raise AlreadyExistsError(f"snapshot {snapshot.id} is on this node already", reason="SNAPSHOT_EXISTS",
+                                         metadata={"snapshot": snapshot.id})
+            if snapshot.name:
+                self._check_name_free_locked(snapshot.name)
+            return self.publish(StagingDir(snapshot.id, directory), snapshot)
+
+    def provenance(self, snapshot_id: str) -> bytes | None:
+        """The provenance record of a pulled snapshot, None for one made here."""
+        try:
+            return (self.snapshots_dir / snapshot_id / PROVENANCE).read_bytes()
+        except FileNotFoundError:
+            return None
 
     def list(self, label_selector: Mapping[str, str] | None = None, owner_uid: int | None = None) -> list[Snapshot]:
         """Complete snapshots (of ``owner_uid`` only, when given), oldest first, from the in-memory index;

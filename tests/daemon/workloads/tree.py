@@ -1,8 +1,8 @@
 """A process tree for checkpoint/restore tests (run as a script; stdio should be /dev/null).
 
-    python tree.py WORKDIR [--mem-mb N] [--no-listener] [--no-child]
+    python tree.py WORKDIR [--mem-mb N] [--random] [--no-listener] [--no-child]
 
-- parent fills N MiB (default 100) with a known pattern and writes its sha256 to WORKDIR/expected_sha;
+- parent fills N MiB (default 100) with a known pattern (or random bytes) and writes its sha256 to WORKDIR/expected_sha;
 - parent forks a child; they are joined by a pipe: the parent writes a tick every 0.1 s, the child
   appends the tick count to WORKDIR/child.log;
 - parent appends its own counter to WORKDIR/parent.log (a file kept open and appended to);
@@ -31,9 +31,10 @@ def main() -> None:
     ap.add_argument("--mem-mb", type=int, default=100)
     ap.add_argument("--no-listener", action="store_true")
     ap.add_argument("--no-child", action="store_true")
+    ap.add_argument("--random", action="store_true", help="fill memory with random bytes (no two chunks alike)")
     args = ap.parse_args()
     wd = args.workdir
-    memory = bytearray(PATTERN * (args.mem_mb * 256))
+    memory = bytearray(os.urandom(args.mem_mb << 20) if args.random else PATTERN * (args.mem_mb * 256))
     with open(os.path.join(wd, "expected_sha"), "w") as fh:
         fh.write(hashlib.sha256(memory).hexdigest())
 

@@ -1,0 +1,164 @@
+"""Push and pull: snapshots between this node's store and the remote store.
+
+Push phases: ``preflight`` (snapshot readable, caller allowed, buffers present) → ``upload`` (every chunk
+the remote lacks; the chunks read must make up the recorded digests) → ``publish`` (the manifest, last,
+by a conditional put). Nothing is listed remotely before ``publish``; an interrupted push leaves chunks
+that the next push reuses and garbage collection removes after its grace period.
+
+Pull phases: ``preflight`` (manifest read and checked, caller allowed, compatibility gate, room) →
+``download`` (into ``<store>/pulls/<id>`` and the buffer store's ``pulling/<id>``, every chunk checked
+against its digest; chunks an interrupted pull already wrote are kept after the same check) →
+``publish`` (buffers adopted into the buffer store, then one rename into ``snapshots/``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+
+from gpusnap.daemon.api.errors import FailedPreconditionError, ResourceExhaustedError
+from gpusnap.daemon.api.types import Caller, Snapshot, TransferResult
+from gpusnap.daemon.operations import provenance
+from gpusnap.daemon.operations.base import PhaseProgress, PhaseRunner
+from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.operations.restore import check_may_restore
+from gpusnap.daemon.remote.layout import RemoteManifest
+from gpusnap.daemon.remote.store import RemoteStore
+from gpusnap.daemon.remote.transfer import Item, Tally, pull_chunks, push_chunks
+from gpusnap.daemon.store.durable import fsync_dir
+from gpusnap.daemon.store.store import IMAGES, SnapshotStore
+
+
+def require_remote(deps: Deps) -> RemoteStore:
+    """The configured remote store.
+
+    Raises:
+        FailedPreconditionError: none configured (``REMOTE_NOT_CONFIGURED``).
+    """
+    if deps.remote is None:
+        raise FailedPreconditionError(
+            "gpusnapd has no remote store: start it with --remote s3://BUCKET/PREFIX (and --remote-endpoint URL "
+            "for a non-AWS service), or set remote in its config file",
+            reason="REMOTE_NOT_CONFIGURED",
+        )
+    return deps.remote
+
+
+def _reporter(p: PhaseProgress) -> Callable[[int, int], None]:
+    """Progress events at most every 1% (and at the end), not one per chunk."""
+    last = [-1]
+
+    def report(done: int, total: int) -> None:
+        p.bytes = done
+        if done == total or done - last[0] >= max(1, total // 100):
+            last[0] = done
+            p.report(done, total)
+
+    return report
+
+
+def _result(snapshot_id: str, remote: RemoteStore, tally: Tally) -> TransferResult:
+    return TransferResult(snapshot_id=snapshot_id, remote=str(remote), transferred_bytes=tally.transferred_bytes,
+                          skipped_bytes=tally.skipped_bytes, transferred_chunks=tally.transferred_chunks,
+                          skipped_chunks=tally.skipped_chunks, buffer_transferred_bytes=tally.buffer_transferred_bytes)
+
+
+def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> TransferResult:
+    """The body of a push operation (see the module docstring)."""
+    remote = require_remote(deps)
+    store = deps.store
+    with run.phase("preflight"):
+        snap = store.get(ref)
+        check_may_restore(snap, caller)
+        uid = snap.buffer_uid
+        store.buffers.check_present(snap.id, uid, snap.buffers)
+        images = store.images_dir(snap.id)
+        items = [Item(f.path, images / f.path, f.size_bytes) for f in snap.files]
+        digests = [f.sha256 for f in snap.files]
+        blobs = {b.sha256: b for b in snap.buffers}  # a blob shared by two names goes once
+        items += [Item(f"buffer {b.name}", store.buffers.path(uid, d), b.size_bytes, is_buffer=True) for d, b in blobs.items()]
+        digests += list(blobs)
+        prov = provenance.of_snapshot(deps, snap)
+    store.buffers.pin(uid, blobs)
+    try:
+        with run.phase("upload") as p:
+            chunk_lists, tally = push_chunks(remote.objects, remote.limits, items, digests, _reporter(p))
+            p.bytes = tally.transferred_bytes
+    finally:
+        store.buffers.unpin(uid, blobs)
+    n = len(snap.files)
+    doc = RemoteManifest(snap, prov, tuple(chunk_lists[:n]), dict(zip(blobs, chunk_lists[n:], strict=True)))
+    with run.phase("publish"):
+        if not remote.publish(doc):
+            run.log.info("push.already_published", snapshot_id=snap.id)
+    return _result(snap.id, remote, tally)
+
+
+def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> TransferResult:
+    """The body of a pull operation (see the module docstring)."""
+    remote = require_remote(deps)
+    store = deps.store
+    with run.phase("preflight"):
+        doc = remote.find(ref)
+        snap = doc.snapshot
+        run.record.target_snapshot = snap.id
+        check_may_restore(snap, caller)
+        if (store.snapshots_dir / snap.id).exists():
+            return TransferResult(snapshot_id=snap.id, remote=str(remote))
+        provenance.check(deps, snap.id, doc.provenance)
+        if snap.name:
+            store.check_name_free(snap.name)
+        work = store.pulls_dir / snap.id
+        blob_work = store.buffers.pulling / snap.id
+        uid = snap.buffer_uid
+        items = [Item(f.path, work / IMAGES / f.path, f.size_bytes) for f in snap.files]
+        chunk_lists: list[tuple[str, ...]] = list(doc.file_chunks)
+        blobs = _missing_blobs(store, uid, snap)
+        items += [Item(f"buffer {name}", blob_work / d, size, is_buffer=True) for d, (name, size) in blobs.items()]
+        chunk_lists += [doc.buffer_chunks[d] for d in blobs]
+        _check_room(store.pulls_dir, sum(f.size_bytes for f in snap.files), "snapshot store", "--store")
+        _check_room(store.buffers.root, sum(s for _, s in blobs.values()), "buffer store", "--buffer-dir")
+    with run.phase("download") as p:
+        tally = pull_chunks(remote.objects, remote.limits, items, chunk_lists, _reporter(p))
+        p.bytes = tally.transferred_bytes
+    with run.phase("publish"):
+        digests = [b.sha256 for b in snap.buffers]
+        store.buffers.pin(uid, digests)
+        try:
+            for d in blobs:
+                path = blob_work / d
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                try:
+                    store.buffers.adopt(path, fd, uid, d)
+                finally:
+                    os.close(fd)
+            if blobs:
+                fsync_dir(store.buffers.blobs / str(uid))
+            store.buffers.check_present(snap.id, uid, snap.buffers)
+            store.publish_pulled(work, snap, provenance.to_bytes(doc.provenance))
+        finally:
+            store.buffers.unpin(uid, digests)
+        shutil.rmtree(blob_work, ignore_errors=True)
+    return _result(snap.id, remote, tally)
+
+
+def _missing_blobs(store: SnapshotStore, uid: int, snap: Snapshot) -> dict[str, tuple[str, int]]:
+    """Buffers whose blob this node lacks: digest -> (a name, size)."""
+    out: dict[str, tuple[str, int]] = {}
+    for b in snap.buffers:
+        path = store.buffers.path(uid, b.sha256)
+        if b.sha256 not in out and not (path.exists() and path.stat().st_size == b.size_bytes):
+            out[b.sha256] = (b.name, b.size_bytes)
+    return out
+
+
+def _check_room(directory: os.PathLike[str] | str, need: int, what: str, flag: str) -> None:
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise ResourceExhaustedError(
+            f"the pull needs {need / 2**30:.2f} GiB in the {what} but {free / 2**30:.2f} GiB are free; delete "
+            f"snapshots (`gpusnap rm`) or give gpusnapd a larger {flag}",
+            reason="STORE_FULL",
+        )

@@ -1,0 +1,1 @@
+"""The remote store: snapshots on S3-compatible object storage, as content-addressed chunks (docs/fleet.md)."""

@@ -1,0 +1,168 @@
+"""The remote store's content-addressed layout and its manifest document.
+
+Keys under ``s3://BUCKET/PREFIX/``::
+
+    chunks/<2 hex>/<sha256>     one chunk: SHA-256 of its bytes names it; at most checksum.CHUNK_BYTES
+    manifests/<snapshot id>.json  a published snapshot; put last, with If-None-Match: *
+
+Image files and buffers (weights) are cut into ``checksum.CHUNK_BYTES`` chunks, the same chunks whose
+digests make up their ``checksum.DIGEST_ALGORITHM`` digests: a manifest lists each file's and each
+buffer's chunk digests, and a reader checks that they combine to the digest the snapshot records before
+it fetches anything. A chunk shared by files, buffers, snapshots or nodes is stored once.
+
+Manifest document (``format`` ``gpusnap-remote/1``)::
+
+    {"format": "gpusnap-remote/1", "snapshot": {the local manifest, see store.manifest},
+     "provenance": {node, pushed_at, gpusnap_version, machine, kernel, criu_version, cpu_flags,
+                    gpu_model, gpu_count, driver_major},
+     "files": [[chunk sha256, …] for each snapshot.files entry, in order],
+     "buffers": {buffer digest: [chunk sha256, …]}}
+
+Every field of a document read back is checked: it may come from anyone who can write the bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from gpusnap.daemon.api import validate
+from gpusnap.daemon.api.errors import DataLossError
+from gpusnap.daemon.api.types import Snapshot
+from gpusnap.daemon.store import checksum, manifest
+
+FORMAT = "gpusnap-remote/1"
+MANIFESTS = "manifests/"
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+def chunk_key(digest: str) -> str:
+    return f"chunks/{digest[:2]}/{digest}"
+
+
+def manifest_key(snapshot_id: str) -> str:
+    return f"{MANIFESTS}{snapshot_id}.json"
+
+
+def snapshot_id_of(key: str) -> str | None:
+    """The snapshot id a ``manifests/…`` key names, or None for anything else."""
+    sid = key.removeprefix(MANIFESTS).removesuffix(".json")
+    return sid if key.startswith(MANIFESTS) and validate.SNAPSHOT_ID_RE.fullmatch(sid) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Provenance:
+    """Where and with what a snapshot was made: what the compatibility gate compares."""
+
+    node: str
+    pushed_at: str
+    gpusnap_version: str
+    machine: str
+    kernel: str
+    criu_version: str
+    cpu_flags: tuple[str, ...]
+    gpu_model: str = ""
+    gpu_count: int = 0
+    driver_major: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "cpu_flags": list(self.cpu_flags)}
+
+    @classmethod
+    def from_json(cls, p: dict[str, Any]) -> Provenance:
+        """Raises KeyError, TypeError, ValueError on a malformed record."""
+        return cls(node=str(p["node"]), pushed_at=str(p["pushed_at"]), gpusnap_version=str(p["gpusnap_version"]),
+                   machine=str(p["machine"]), kernel=str(p["kernel"]), criu_version=str(p["criu_version"]),
+                   cpu_flags=tuple(str(f) for f in p["cpu_flags"]), gpu_model=str(p["gpu_model"]),
+                   gpu_count=int(p["gpu_count"]), driver_major=str(p["driver_major"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteManifest:
+    snapshot: Snapshot
+    provenance: Provenance
+    file_chunks: tuple[tuple[str, ...], ...]
+    buffer_chunks: dict[str, tuple[str, ...]]
+
+    def chunks(self) -> set[str]:
+        """Every chunk digest the snapshot needs."""
+        return {d for c in self.file_chunks for d in c} | {d for c in self.buffer_chunks.values() for d in c}
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "snapshot": manifest.to_json(self.snapshot),
+            "provenance": self.provenance.to_json(),
+            "files": [list(c) for c in self.file_chunks],
+            "buffers": {k: list(v) for k, v in self.buffer_chunks.items()},
+        }
+        return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def parse(data: bytes, key_id: str) -> RemoteManifest:
+    """Read and check a manifest fetched from ``manifests/<key_id>.json``.
+
+    Raises:
+        DataLossError: malformed, unknown format, unsafe paths, or chunk lists that do not add up to the
+            snapshot's digests (reason ``REMOTE_MANIFEST_CORRUPT``).
+    """
+    def bad(why: str) -> DataLossError:
+        return DataLossError(f"remote manifest of {key_id} is unusable: {why}; delete it with "
+                             f"`gpusnap rm --remote {key_id}` and push again", reason="REMOTE_MANIFEST_CORRUPT",
+                             metadata={"snapshot": key_id})
+
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise bad(f"not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise bad(f"format {doc.get('format') if isinstance(doc, dict) else None!r}, this gpusnap reads {FORMAT}")
+    try:
+        snap = manifest.from_json(doc["snapshot"])
+        prov = Provenance.from_json(doc["provenance"])
+        files = tuple(tuple(str(d) for d in c) for c in doc["files"])
+        buffers = {str(k): tuple(str(d) for d in v) for k, v in doc["buffers"].items()}
+    except DataLossError as exc:
+        raise bad(exc.message) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise bad(f"{type(exc).__name__}: {exc}") from None
+    if snap.id != key_id:
+        raise bad(f"it describes {snap.id}")
+    if len(files) != len(snap.files):
+        raise bad("chunk lists and files differ in number")
+    _check_paths([f.path for f in snap.files], bad)
+    for f, chunks in zip(snap.files, files, strict=True):
+        _check_chunks(f.path, f.size_bytes, f.sha256, chunks, bad)
+    for b in snap.buffers:
+        if b.sha256 not in buffers:
+            raise bad(f"no chunk list for buffer {b.name!r}")
+        _check_chunks(f"buffer {b.name}", b.size_bytes, b.sha256, buffers[b.sha256], bad)
+    return RemoteManifest(snap, prov, files, buffers)
+
+
+def _check_paths(paths: Sequence[str], bad: Any) -> None:
+    """Relative, no ``.``/``..``/empty parts, each once, none under another (pulls create them)."""
+    seen: set[str] = set()
+    for path in paths:
+        if path.startswith("/") or "\\" in path or "\0" in path or any(p in ("", ".", "..") for p in path.split("/")):
+            raise bad(f"unsafe file path {path[:200]!r}")
+        if path in seen:
+            raise bad(f"file {path[:200]!r} listed twice")
+        seen.add(path)
+    for path in paths:
+        parts = path.split("/")
+        if any("/".join(parts[:i]) in seen for i in range(1, len(parts))):
+            raise bad(f"file {path[:200]!r} lies under another file")
+
+
+def _check_chunks(what: str, size: int, digest: str, chunks: Sequence[str], bad: Any) -> None:
+    if size < 0 or len(chunks) != checksum.chunk_count(size):
+        raise bad(f"{what}: {len(chunks)} chunks for {size} bytes")
+    if not all(HEX64.fullmatch(d) for d in chunks):
+        raise bad(f"{what}: a chunk digest is not 64 lowercase hex digits")
+    if checksum.combine([bytes.fromhex(d) for d in chunks]) != digest:
+        raise bad(f"{what}: its chunks do not make up its digest {digest[:12]}…")

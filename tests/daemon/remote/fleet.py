@@ -1,0 +1,85 @@
+"""Two nodes and a bucket: gpusnapd daemons with separate stores sharing one remote store on the real
+Ceph RADOS Gateway of the session (``ceph_gateway`` in tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.config import Config
+
+from tests import ceph_rgw
+from tests.conftest import DaemonProc, start_daemon, stop_daemon
+
+
+class Fleet:
+    def __init__(self, gw: ceph_rgw.Gateway, tmp: Path):
+        self.gw = gw
+        self.tmp = tmp
+        self.bucket = f"fleet-{secrets.token_hex(6)}"
+        self.prefix = "gpusnap/test"
+        self.s3 = boto3.client("s3", endpoint_url=gw.endpoint, region_name=ceph_rgw.REGION,
+                               aws_access_key_id=ceph_rgw.ACCESS_KEY, aws_secret_access_key=ceph_rgw.SECRET_KEY,
+                               config=Config(s3={"addressing_style": "path"}))
+        self.s3.create_bucket(Bucket=self.bucket)
+        self.nodes: list[DaemonProc] = []
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def node(self, name: str, **env: str) -> DaemonProc:
+        """Start (or restart, same store) the daemon of node ``name``; ``env`` adds GPUSNAP_* settings."""
+        (self.tmp / name).mkdir(exist_ok=True)
+        d = start_daemon(self.tmp / name, extra_env={
+            **self.gw.env(), "GPUSNAP_REMOTE": self.url, "GPUSNAP_REMOTE_ENDPOINT": self.gw.endpoint, **env})
+        assert d.alive(), d.log.read_text()
+        self.nodes.append(d)
+        return d
+
+    def kill(self, d: DaemonProc) -> None:
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(timeout=10)
+
+    def keys(self, under: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{self.prefix}/{under}"):
+            for obj in page.get("Contents", []):
+                out[obj["Key"]] = obj["Size"]
+        return out
+
+    def manifest(self, snapshot_id: str) -> dict[str, Any]:
+        body = self.s3.get_object(Bucket=self.bucket, Key=f"{self.prefix}/manifests/{snapshot_id}.json")["Body"]
+        return json.loads(body.read())  # type: ignore[no-any-return]
+
+    def put_manifest(self, snapshot_id: str, doc: dict[str, Any]) -> None:
+        self.s3.put_object(Bucket=self.bucket, Key=f"{self.prefix}/manifests/{snapshot_id}.json",
+                           Body=json.dumps(doc).encode())
+
+    def close(self) -> None:
+        for d in self.nodes:
+            stop_daemon(d)
+        for key in self.keys(""):
+            self.s3.delete_object(Bucket=self.bucket, Key=key)
+        self.s3.delete_bucket(Bucket=self.bucket)
+
+
+@pytest.fixture
+def fleet(ceph_gateway: ceph_rgw.Gateway, tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(ceph_gateway, tmp_path)
+    yield f
+    f.close()
+    for d in f.nodes:
+        log = d.log.read_text()
+        if "Traceback" in log:
+            pytest.fail(f"gpusnapd logged a traceback:\n{log[-4000:]}")
+
+
+def cli_json(d: DaemonProc, *args: str, timeout: float = 300) -> Any:
+    return json.loads(d.cli("-o", "json", *args, check=True, timeout=timeout).stdout)

@@ -1,0 +1,67 @@
+"""Two nodes, one remote store (a real Ceph RADOS Gateway): node A dumps and pushes a real process
+tree, node B pulls and restores it, and the tree carries on with its memory intact."""
+
+from __future__ import annotations
+
+from tests.conftest import Workloads, wait_for
+from tests.daemon.remote.fleet import Fleet, cli_json
+from tests.daemon.test_roundtrip import _check_alive_and_intact
+
+
+def test_a_pushes_b_pulls_and_restores(fleet: Fleet, workloads: Workloads) -> None:
+    a, b = fleet.node("a"), fleet.node("b")
+    w = workloads.start("--mem-mb", "48")
+    dumped = cli_json(a, "dump", str(w.pid), "--name", "tree", "--label", "app=fleet")
+    frozen_at = w.last("parent.log")
+
+    pushed = cli_json(a, "push", "tree")
+    assert pushed["id"] == dumped["id"] and pushed["remote"] == fleet.url
+    assert pushed["transferred_bytes"] + pushed["skipped_bytes"] == dumped["size_bytes"]
+    assert pushed["transferred_bytes"] > 8 << 20, "the tree's memory went up"
+    assert list(pushed["phases"]) == ["preflight", "upload", "publish"]
+    assert set(fleet.keys("manifests/")) == {f"{fleet.prefix}/manifests/{dumped['id']}.json"}
+    chunks = fleet.keys("chunks/")
+    assert sum(chunks.values()) == pushed["transferred_bytes"], "each chunk stored once"
+
+    again = cli_json(a, "push", dumped["id"])
+    assert again["transferred_bytes"] == 0 and again["skipped_bytes"] == dumped["size_bytes"]
+
+    assert cli_json(b, "ls") == []
+    remote = cli_json(b, "ls", "--remote", "--label", "app=fleet")
+    assert [s["id"] for s in remote] == [dumped["id"]] and remote[0]["name"] == "tree"
+
+    pulled = cli_json(b, "pull", "tree")
+    assert pulled["transferred_bytes"] == dumped["size_bytes"]
+    assert list(pulled["phases"]) == ["preflight", "download", "publish"]
+    assert [s["id"] for s in cli_json(b, "ls")] == [dumped["id"]]
+    assert cli_json(b, "pull", "tree")["transferred_bytes"] == 0, "pulled already: nothing moves"
+
+    restored = cli_json(b, "restore", "tree")
+    workloads.adopt(restored["pid"])
+    wait_for(lambda: w.last("parent.log") > frozen_at, 10, "the tree did not carry on on node B")
+    _check_alive_and_intact(w, restored["pid"])
+
+
+def test_restore_of_a_remote_only_snapshot_pulls_it_first(fleet: Fleet, workloads: Workloads) -> None:
+    a, b = fleet.node("a"), fleet.node("b")
+    w = workloads.start("--mem-mb", "8", "--no-listener")
+    dumped = cli_json(a, "dump", str(w.pid), "--push")
+    op = dumped["push_operation"]
+    assert op.startswith("op-")
+    waited = a.cli("wait", op, check=True).stdout
+    assert f"{op} succeeded" in waited
+    restored = cli_json(b, "restore", dumped["id"])
+    workloads.adopt(restored["pid"])
+    assert list(restored["phases"])[:3] == ["preflight", "download", "publish"], restored["phases"]
+    assert "restore" in restored["phases"]
+    frozen = w.last("parent.log")
+    wait_for(lambda: w.last("parent.log") > frozen, 10, "the tree did not carry on on node B")
+
+
+def test_without_a_remote_push_says_how_to_configure_one(daemon, workloads: Workloads) -> None:  # type: ignore[no-untyped-def]
+    w = workloads.start("--mem-mb", "4", "--no-listener", "--no-child")
+    snap = cli_json(daemon, "dump", str(w.pid))["id"]
+    res = daemon.cli("push", snap)
+    assert res.returncode == 4 and "--remote s3://BUCKET/PREFIX" in res.stderr, res.stderr
+    res = daemon.cli("ls", "--remote")
+    assert res.returncode == 4 and "no remote store" in res.stderr, res.stderr
