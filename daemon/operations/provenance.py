@@ -8,10 +8,10 @@ import json
 from datetime import UTC, datetime
 
 from gpusnap.daemon.api.types import Snapshot
-from gpusnap.daemon.remote import compat
-from gpusnap.daemon.remote.layout import Provenance
 from gpusnap.daemon.operations.checkpoint import host_facts
 from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.remote import compat
+from gpusnap.daemon.remote.layout import Provenance
 
 
 def _major(driver: str) -> str:

@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon._proto import operations_pb2
+from gpusnap.daemon.api.errors import GpusnapError
 from tests.conftest import DaemonProc, Workloads, wait_for
 from tests.daemon.remote.fleet import Fleet, cli_json
 
