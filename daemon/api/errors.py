@@ -86,6 +86,10 @@ _ACTION_BY_REASON: dict[str, Action] = {
     "NOT_SUSPENDED": Action.FIX,
     "SUSPENDED_TREE_UNKNOWN": Action.FIX,
     "AGENT_ATTACHED": Action.FIX,
+    "REMOTE_NOT_CONFIGURED": Action.FIX,
+    "REMOTE_NO_BUCKET": Action.FIX,
+    # a chunk a remote manifest names is gone: that snapshot cannot be pulled
+    "REMOTE_NOT_FOUND": Action.FALL_BACK,
     # the worker went away or broke mid-operation: the same call again may work
     "AGENT_LOST": Action.RETRY,
     "CRIU_DIED": Action.RETRY,
