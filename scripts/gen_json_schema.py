@@ -114,14 +114,27 @@ def schema() -> dict[str, Any]:
     ident = {"type": "string", "pattern": "^snap-[a-z2-7]{26}$"}
     op_id = {"type": "string", "pattern": "^op-[a-z2-7]{26}$"}
     pid = {"type": "integer", "minimum": 1}
+    count = {"type": "integer", "minimum": 0}
+    transfer = {
+        "type": "object",
+        "properties": {"id": ident, "remote": {"type": "string", "pattern": "^s3://"}, "operation": op_id,
+                       "transferred_bytes": count, "skipped_bytes": count, "transferred_chunks": count,
+                       "skipped_chunks": count, "buffer_transferred_bytes": count, "phases": PHASES_BY_NAME},
+        "required": ["id", "remote", "operation", "transferred_bytes", "skipped_bytes", "transferred_chunks",
+                     "skipped_chunks", "buffer_transferred_bytes", "phases"],
+        "additionalProperties": False,
+    }
     commands = {
         "dump": {
             "type": "object",
             "properties": {"id": ident, "name": {"type": "string"}, "operation": op_id,
                            "size_bytes": {"type": "integer", "minimum": 0},
-                           "buffer_bytes": {"type": "integer", "minimum": 0}, "phases": PHASES_BY_NAME},
+                           "buffer_bytes": {"type": "integer", "minimum": 0}, "phases": PHASES_BY_NAME,
+                           "push_operation": op_id},
             "required": ["id", "name", "operation", "size_bytes", "buffer_bytes", "phases"],
         },
+        "push": transfer,
+        "pull": transfer,
         "restore": {
             "type": "object",
             "properties": {"pid": pid, "pids": {"type": "array", "items": pid},

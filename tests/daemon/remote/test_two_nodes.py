@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tests.conftest import Workloads, wait_for
 from tests.daemon.remote.fleet import Fleet, cli_json
+from tests.daemon.test_json_schema import check
 from tests.daemon.test_roundtrip import _check_alive_and_intact
 
 
@@ -15,6 +16,7 @@ def test_a_pushes_b_pulls_and_restores(fleet: Fleet, workloads: Workloads) -> No
     frozen_at = w.last("parent.log")
 
     pushed = cli_json(a, "push", "tree")
+    check("push", pushed)
     assert pushed["id"] == dumped["id"] and pushed["remote"] == fleet.url
     assert pushed["transferred_bytes"] + pushed["skipped_bytes"] == dumped["size_bytes"]
     assert pushed["transferred_bytes"] > 8 << 20, "the tree's memory went up"
@@ -28,9 +30,11 @@ def test_a_pushes_b_pulls_and_restores(fleet: Fleet, workloads: Workloads) -> No
 
     assert cli_json(b, "ls") == []
     remote = cli_json(b, "ls", "--remote", "--label", "app=fleet")
+    check("ls", remote)
     assert [s["id"] for s in remote] == [dumped["id"]] and remote[0]["name"] == "tree"
 
     pulled = cli_json(b, "pull", "tree")
+    check("pull", pulled)
     assert pulled["transferred_bytes"] == dumped["size_bytes"]
     assert list(pulled["phases"]) == ["preflight", "download", "publish"]
     assert [s["id"] for s in cli_json(b, "ls")] == [dumped["id"]]
@@ -46,6 +50,7 @@ def test_restore_of_a_remote_only_snapshot_pulls_it_first(fleet: Fleet, workload
     a, b = fleet.node("a"), fleet.node("b")
     w = workloads.start("--mem-mb", "8", "--no-listener")
     dumped = cli_json(a, "dump", str(w.pid), "--push")
+    check("dump", dumped)
     op = dumped["push_operation"]
     assert op.startswith("op-")
     waited = a.cli("wait", op, check=True).stdout
