@@ -27,7 +27,7 @@ def _docs() -> list[tuple[Path, dict[str, Any]]]:
 def test_every_manifest_validates_strictly() -> None:
     kinds = set()
     for path, doc in _docs():
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True), path
         kinds.add(doc["kind"])
     assert {"Namespace", "ServiceAccount", "ConfigMap", "DaemonSet"} <= kinds
 
