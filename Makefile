@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers bench-remote perf-chart clean help
+.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers bench-overhead bench-remote perf-chart clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -69,6 +69,9 @@ bench-remote: venv criu ## push/pull throughput on a real Ceph RGW (loopback) vs
 	$(PY) -m pip install -q obstore
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) bench/remote_bench.py $(BENCH_ARGS)
 	$(PY) bench/s3_clients.py
+
+bench-overhead: venv criu ## gpusnap's own overhead vs plain CRIU on small CPU trees, CLI start [RUNS=10] -> bench/results/*.json
+	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) bench/overhead_bench.py --runs $(or $(RUNS),10) $(BENCH_ARGS)
 
 perf-chart: venv ## redraw docs/performance-phases.png from bench/results (installs matplotlib into .venv)
 	$(PY) -m pip install -q -e '.[perf]'

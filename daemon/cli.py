@@ -12,23 +12,29 @@ Exit codes (also in ``gpusnap --help`` and the README):
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from gpusnap.daemon import __version__, jsonout
-from gpusnap.daemon._proto import operations_pb2
+from gpusnap.daemon import version
 from gpusnap.daemon.api.errors import Code, GpusnapError
-from gpusnap.daemon.client import DaemonClient, raise_if_failed
 from gpusnap.daemon.config import DEFAULT_SOCKET
+
+# gRPC, protobuf and rich are imported where they are used, not here: every call pays for what it
+# imports at start-up, and `gpusnap --help` or a usage error needs none of them (docs/performance.md).
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gpusnap.daemon._proto import operations_pb2
+    from gpusnap.daemon.client import DaemonClient
 
 EXIT_CODES: dict[Code, int] = {
     Code.INVALID_ARGUMENT: 2,
@@ -64,8 +70,23 @@ class _Seconds(click.ParamType[float]):
 
 
 SECONDS = _Seconds()
-err_console = Console(stderr=True)
-out_console = Console()
+
+
+@functools.cache
+def _console(stderr: bool = False) -> Console:
+    from rich.console import Console
+
+    return Console(stderr=stderr)
+
+
+def _print_table(table: Table) -> None:
+    _console().print(table)
+
+
+def _table(*headers: str, **kw: Any) -> Table:
+    from rich.table import Table
+
+    return Table(*headers, box=None, **kw)
 
 
 class Ctx:
@@ -74,7 +95,26 @@ class Ctx:
         self.output = output
 
     def client(self) -> DaemonClient:
+        from gpusnap.daemon.client import DaemonClient
+
         return DaemonClient(self.socket)
+
+    @property
+    def live(self) -> bool:
+        """Show live phases: table output to a terminal."""
+        return self.output == "table" and _console(stderr=True).is_terminal
+
+
+def version_option(prog_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--version``, printing :func:`gpusnap.daemon.version` (read only when asked for)."""
+
+    def show(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+        if value and not ctx.resilient_parsing:
+            click.echo(f"{prog_name}, version {version()}")
+            ctx.exit()
+
+    return click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=show,
+                        help="Show the version and exit.")
 
 
 def output_option(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -93,6 +133,8 @@ def _fail(err: GpusnapError) -> None:
     ctx = click.get_current_context(silent=True)
     obj = ctx.find_object(Ctx) if ctx else None
     if obj is not None and obj.output == "json":  # scripts get the reason too
+        from gpusnap.daemon import jsonout
+
         click.echo(json.dumps({"error": jsonout.error(err)}, indent=2))
     sys.exit(EXIT_CODES.get(err.code, 1))
 
@@ -107,6 +149,8 @@ def _run(fn: Callable[[], T]) -> T:
 
 def _json(msg: Any, omit: frozenset[str] = frozenset()) -> str:
     """``-o json`` of a message or a list of them (daemon/jsonout.py, docs/schemas/v1/cli.schema.json)."""
+    from gpusnap.daemon import jsonout
+
     if isinstance(msg, list):
         return json.dumps([jsonout.message(m, omit) for m in msg], indent=2)
     return json.dumps(jsonout.message(msg, omit), indent=2)
@@ -147,7 +191,7 @@ def _labels(values: tuple[str, ...]) -> dict[str, str]:
 )
 @click.option("--socket", envvar="GPUSNAP_SOCKET", default=str(DEFAULT_SOCKET), show_default=True, help="gpusnapd socket")
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
-@click.version_option(__version__, prog_name="gpusnap")
+@version_option("gpusnap")
 @click.pass_context
 def main(ctx: click.Context, socket: str, output: str) -> None:
     """Checkpoint and restore GPU inference workers through gpusnapd."""
@@ -160,8 +204,12 @@ def _progress(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationEvent
     if not enabled:
         yield lambda event: None
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from gpusnap.daemon._proto import operations_pb2
+
     columns = (SpinnerColumn(), TextColumn("{task.description:<12}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err_console, transient=False) as progress:
+    with Progress(*columns, console=_console(stderr=True), transient=False) as progress:
         tasks: dict[str, Any] = {}
 
         def show(event: operations_pb2.OperationEvent) -> None:
@@ -181,6 +229,9 @@ def _progress(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationEvent
 
 
 def _follow(client: DaemonClient, op: operations_pb2.Operation, show_progress: bool) -> operations_pb2.Operation:
+    from gpusnap.daemon._proto import operations_pb2
+    from gpusnap.daemon.client import raise_if_failed
+
     try:
         with _progress(show_progress) as show:
             for event in client.watch(op.id):
@@ -199,7 +250,7 @@ def _run_operation(obj: Ctx, start: Callable[[DaemonClient], operations_pb2.Oper
     """Start an operation and follow it to its end (live phases on a terminal); exits on failure."""
     with obj.client() as client:
         op = _run(lambda: start(client))
-        return _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
+        return _run(lambda: _follow(client, op, obj.live))
 
 
 def _phase_summary(op: operations_pb2.Operation) -> str:
@@ -244,7 +295,7 @@ def dump(obj: Ctx, pid: int, name: str, labels: tuple[str, ...], leave_running: 
                 raise click.UsageError("--push needs the dump to finish first; drop --detach, or push later with `gpusnap push`")
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
-        done = _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
+        done = _run(lambda: _follow(client, op, obj.live))
         snap = done.snapshot
         pushing = _run(lambda: client.push(snap.id)).id if push_after else ""
     if obj.output == "json":
@@ -254,10 +305,10 @@ def dump(obj: Ctx, pid: int, name: str, labels: tuple[str, ...], leave_running: 
     else:
         click.echo(snap.id)
         held = f" + {_size(snap.buffer_bytes)} of buffers" if snap.buffer_bytes else ""
-        err_console.print(f"snapshot {snap.id} ({_size(snap.size_bytes)}{held}): {_phase_summary(done)}", highlight=False)
+        _console(stderr=True).print(f"snapshot {snap.id} ({_size(snap.size_bytes)}{held}): {_phase_summary(done)}", highlight=False)
         if pushing:
-            err_console.print(f"pushing in the background as {pushing}; follow it with `gpusnap wait {pushing}`",
-                              highlight=False)
+            _console(stderr=True).print(f"pushing in the background as {pushing}; follow it with `gpusnap wait {pushing}`",
+                                        highlight=False)
 
 
 def _gpu_map(value: str) -> dict[str, str]:
@@ -302,7 +353,7 @@ def restore(obj: Ctx, snapshot: str, host_pidns: bool, private_net: bool, gpu_ma
         if detach:
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
-        done = _run(lambda: _follow(client, op, obj.output == "table" and err_console.is_terminal))
+        done = _run(lambda: _follow(client, op, obj.live))
     res = done.restore
     if obj.output == "json":
         click.echo(json.dumps({"pid": res.pid, "pids": list(res.pids), "namespace_pid": res.namespace_pid,
@@ -310,7 +361,7 @@ def restore(obj: Ctx, snapshot: str, host_pidns: bool, private_net: bool, gpu_ma
                                "phases": {p.phase: p.duration_seconds for p in done.phases}}, indent=2))
     else:
         click.echo(res.pid)
-        err_console.print(f"restored {res.snapshot_id} as PID {res.pid}: {_phase_summary(done)}", highlight=False)
+        _console(stderr=True).print(f"restored {res.snapshot_id} as PID {res.pid}: {_phase_summary(done)}", highlight=False)
 
 
 @main.command()
@@ -355,9 +406,10 @@ def _transfer_done(obj: Ctx, verb: str, done: operations_pb2.Operation) -> None:
                                "phases": {p.phase: p.duration_seconds for p in done.phases}}, indent=2))
         return
     click.echo(t.snapshot_id)
-    err_console.print(f"{verb} {t.snapshot_id} ({t.remote}): {_size(t.transferred_bytes)} in {t.transferred_chunks} chunks, "
-                      f"{_size(t.skipped_bytes)} in {t.skipped_chunks} chunks already there: {_phase_summary(done)}",
-                      highlight=False)
+    _console(stderr=True).print(
+        f"{verb} {t.snapshot_id} ({t.remote}): {_size(t.transferred_bytes)} in {t.transferred_chunks} chunks, "
+        f"{_size(t.skipped_bytes)} in {t.skipped_chunks} chunks already there: {_phase_summary(done)}",
+        highlight=False)
 
 
 @main.command()
@@ -390,13 +442,13 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
     if obj.output == "json":
         click.echo(_json(snaps, LS_OMIT))
         return
-    table = Table("ID", "NAME", "CREATED", "SIZE", "SOURCE", "GPUS", box=None)
+    table = _table("ID", "NAME", "CREATED", "SIZE", "SOURCE", "GPUS")
     table.columns[0].no_wrap = True
     for s in snaps:
         created = s.created.ToDatetime(tzinfo=UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S")
         gpus = len({u for g in s.gpu_processes for u in g.gpu_uuids})
         table.add_row(s.id, s.name or "-", created, _size(s.size_bytes), f"{s.source.pid} {s.source.comm}", str(gpus))
-    out_console.print(table)
+    _print_table(table)
 
 
 @main.command()
@@ -428,10 +480,10 @@ def inspect(obj: Ctx, snapshot: str) -> None:
         rows.append(("driver", f"NVIDIA {snap.host.nvidia_driver_version}, CUDA {snap.host.cuda_driver_version}"))
     for g in snap.gpu_processes:
         rows.append(("gpu", f"PID {g.pid}: {', '.join(g.gpu_uuids)} ({_size(g.gpu_memory_bytes)})"))
-    table = Table(show_header=False, box=None)
+    table = _table(show_header=False)
     for key, value in rows:
         table.add_row(key, value)
-    out_console.print(table)
+    _print_table(table)
 
 
 @main.command()
@@ -452,6 +504,8 @@ def rm(obj: Ctx, snapshots: tuple[str, ...], remote: bool) -> None:
                 click.echo(f"gpusnap: error: {ref}: {err.message}", err=True)
                 failed.append((ref, err))
     if obj.output == "json":
+        from gpusnap.daemon import jsonout
+
         click.echo(json.dumps({"deleted": deleted,
                                "failed": [{"snapshot": ref, "error": jsonout.error(err)} for ref, err in failed]}))
     else:
@@ -471,7 +525,7 @@ def node(obj: Ctx) -> None:
         click.echo(_json(info))
         return
     h = info.host
-    table = Table(show_header=False, box=None)
+    table = _table(show_header=False)
     for key, value in (
         ("host", f"{h.hostname} ({h.machine})"), ("kernel", h.kernel), ("gpusnap", h.gpusnap_version),
         ("criu", f"{h.criu_version} ({info.criu_path})"),
@@ -482,14 +536,14 @@ def node(obj: Ctx) -> None:
         ("cuda checkpoint", "supported" if info.cuda_checkpoint_supported else (info.cuda_unavailable_reason or "-")),
     ):
         table.add_row(key, value)
-    out_console.print(table)
+    _print_table(table)
     if info.gpus:
-        gpus = Table("IDX", "UUID", "NAME", "MEMORY FREE/TOTAL", "PERSISTENCE", "MIG", "PROCESSES", box=None)
+        gpus = _table("IDX", "UUID", "NAME", "MEMORY FREE/TOTAL", "PERSISTENCE", "MIG", "PROCESSES")
         for g in info.gpus:
             gpus.add_row(str(g.index), g.uuid, g.name, f"{_size(g.memory_free_bytes)} / {_size(g.memory_total_bytes)}",
                          "on" if g.persistence_mode else "off", "on" if g.mig_mode else "off",
                          ", ".join(str(p.pid) for p in g.processes) or "-")
-        out_console.print(gpus)
+        _print_table(gpus)
 
 
 @main.command()
@@ -499,7 +553,7 @@ def node(obj: Ctx) -> None:
 def wait(obj: Ctx, operation: str) -> None:
     """Wait for an operation (from --detach) to end; exits with its outcome."""
     with obj.client() as client:
-        op = _run(lambda: _follow(client, client.get_operation(operation), obj.output == "table" and err_console.is_terminal))
+        op = _run(lambda: _follow(client, client.get_operation(operation), obj.live))
     if obj.output == "json":
         click.echo(_json(op))
         return
@@ -518,17 +572,40 @@ def list_operations(obj: Ctx) -> None:
     if obj.output == "json":
         click.echo(_json(ops, frozenset({"snapshot.host.cpu_flags"})))
         return
-    table = Table("ID", "KIND", "STATE", "PHASE", "STARTED", "TARGET", box=None)
+    from gpusnap.daemon._proto import operations_pb2
+
+    table = _table("ID", "KIND", "STATE", "PHASE", "STARTED", "TARGET")
     table.columns[0].no_wrap = True
     for op in ops:
         kind = operations_pb2.OperationKind.Name(op.kind).removeprefix("OPERATION_KIND_").lower()
         state = operations_pb2.OperationState.Name(op.state).removeprefix("OPERATION_STATE_").lower()
         started = op.started.ToDatetime(tzinfo=UTC).astimezone().strftime("%H:%M:%S")
         table.add_row(op.id, kind, state, op.phase, started, op.target_snapshot or str(op.target_pid))
-    out_console.print(table)
+    _print_table(table)
 
 
+
+
+def run() -> None:
+    """The ``gpusnap`` command: :func:`main`, then the process ends without the interpreter's teardown.
+
+    Finalizing the modules gRPC loads takes 0.2–0.3 s on a loaded 2-core host, longer than the call
+    itself (``make bench-overhead``); by then the channel is closed and the output flushed, so there is
+    nothing left to clean up.
+    """
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            click.echo(exc.code, err=True)
+            code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -74,6 +74,7 @@ def build_daemon(config: DaemonConfig) -> Running:
     host.raise_open_file_limit()
     criu = CriuDriver(config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs")
     criu_version = criu.require_supported()
+    criu.keep_spare_helper()
     store = SnapshotStore(config.store, Path(config.buffer_dir) if config.buffer_dir else None)
     store.open()
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
@@ -150,9 +151,11 @@ def build_daemon(config: DaemonConfig) -> Running:
 
 
 def _release(daemon: Daemon) -> None:
-    """Release what :func:`build_daemon` acquired before the servers started (agent socket, store lock)."""
+    """Release what :func:`build_daemon` acquired before the servers started (agent socket, spare CRIU
+    helper, store lock)."""
     daemon.registry.shutdown(wait=True)
     daemon.deps.agents.stop()
+    daemon.deps.criu.close()
     daemon.deps.store.close()
 
 

@@ -30,6 +30,7 @@ never clash with PIDs in use and the tree outlives both the helper and gpusnapd.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import signal
@@ -79,6 +80,27 @@ def _emit(stream: Any, obj: dict[str, Any]) -> None:
     stream.flush()
 
 
+def _pycriu() -> tuple[Any, Any]:
+    """pycriu's RPC client class and its ``rpc_pb2`` module, loaded without ``pycriu/__init__.py``.
+
+    That file also imports ``pycriu.images``, the decoders of every image type: about 0.4 s of protobuf
+    descriptors on a loaded 2-core host (``python -X importtime``), 2/3 of a helper's start, for code
+    a helper never runs. The package is registered with its ``__init__`` unrun, so ``pycriu.criu``'s own
+    ``import pycriu.rpc_pb2`` resolves. pycriu comes from the CRIU prefix (scripts/install-criu.sh).
+
+    Raises:
+        ImportError: pycriu is not on the path.
+    """
+    if "pycriu" not in sys.modules:
+        spec = importlib.util.find_spec("pycriu")
+        if spec is None or spec.submodule_search_locations is None:
+            raise ImportError("pycriu is not importable; install it with `make criu`")
+        sys.modules["pycriu"] = importlib.util.module_from_spec(spec)
+    from pycriu import criu as client, rpc_pb2
+
+    return client.criu, rpc_pb2
+
+
 ASKED_SCRIPTS = frozenset({"post-dump"})
 """CRIU notifications the daemon answers itself; all others are acknowledged here at once."""
 
@@ -92,10 +114,8 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
     pycriu answers one request with one response and has no notification loop, so this loop is
     written here on pycriu's own ``rpc_pb2`` messages and transport.
     """
-    import pycriu  # from the CRIU prefix; see scripts/install-criu.sh
-    from pycriu import rpc_pb2 as rpc
-
-    c = pycriu.criu()
+    criu_class, rpc = _pycriu()
+    c = criu_class()
     c.use_binary(req["criu"])
     images_fd = os.open(req["images_dir"], os.O_DIRECTORY)
     work_fd = os.open(req["work_dir"], os.O_DIRECTORY)
@@ -233,7 +253,7 @@ def _dump_in_ns_of(req: dict[str, Any], out: Any) -> int:
     # Load pycriu while still in gpusnapd's own mount namespace. CRIU itself is then run by path inside
     # the target's, which is safe only because the daemon enters mount namespaces owned by the initial
     # user namespace alone, i.e. made and changeable only by root (checkpoint preflight refuses others).
-    import pycriu  # noqa: F401
+    _pycriu()
     _setns(f"/proc/{host_pid}/ns/pid", CLONE_NEWPID)
     child = os.fork()  # only children enter the PID namespace
     if child == 0:
@@ -249,7 +269,13 @@ def _dump_in_ns_of(req: dict[str, Any], out: Any) -> int:
 
 
 def main() -> int:
-    req = json.loads(sys.stdin.readline())
+    # Load pycriu (and protobuf) before the request: a spare helper started ahead (``CriuDriver.
+    # keep_spare_helper``) has then paid for its imports by the time a request comes.
+    _pycriu()
+    line = sys.stdin.readline()
+    if not line:  # a spare ended without a request
+        return 0
+    req = json.loads(line)
     out = sys.stdout
     if req["action"] == "restore" and req.get("new_pidns"):
         return _restore_in_new_pidns(req, out)
@@ -261,4 +287,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # nothing to clean up: skip the interpreter's teardown (tens of ms of module finalizers)

@@ -8,7 +8,7 @@ import os
 import socket
 from pathlib import Path
 
-from gpusnap.daemon import __version__
+from gpusnap.daemon import version
 
 
 @functools.cache
@@ -47,7 +47,7 @@ def hostname() -> str:
 
 def gpusnap_version() -> str:
     """The running gpusnap's version."""
-    return __version__
+    return version()
 
 
 CAP_SYS_RESOURCE = 24

@@ -159,6 +159,8 @@ def listening_addresses(pids: list[int]) -> list[str]:
 def ports_in_use(addresses: list[str]) -> list[str]:
     """Those of ``addresses`` (``"ip:port"``) on whose port something listens on this host now."""
     wanted = {int(a.rsplit(":", 1)[1]): a for a in addresses}
+    if not wanted:  # psutil.net_connections reads every process's descriptors: skip it when it can find nothing
+        return []
     try:
         conns = psutil.net_connections(kind="tcp")
     except psutil.AccessDenied:

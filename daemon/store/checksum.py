@@ -10,6 +10,7 @@ machine's aggregate hashing speed. Manifests name the scheme (``DIGEST_ALGORITHM
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
@@ -47,12 +48,18 @@ def chunk_count(size: int) -> int:
     return -(-size // CHUNK_BYTES)
 
 
+@functools.cache
+def shared_pool() -> ThreadPoolExecutor:
+    """This process's chunk-hashing pool, one thread per core, started on first use and kept: a pool per
+    call started its threads inside every verify and every dump (``make bench-overhead``). Never wait on
+    it from one of its own tasks."""
+    return ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="gpusnap-digest")
+
+
 def file_digests(paths: Sequence[Path], pool: ThreadPoolExecutor | None = None) -> list[str]:
     """The ``DIGEST_ALGORITHM`` digests of ``paths`` (lowercase hex), every chunk of every file in
-    parallel on ``pool`` (default: a pool with one thread per core)."""
-    if pool is None:
-        with ThreadPoolExecutor(max_workers=_workers()) as own:
-            return file_digests(paths, own)
+    parallel on ``pool`` (default: :func:`shared_pool`)."""
+    pool = pool or shared_pool()
     jobs = [[pool.submit(_hash_chunk, p, off) for off in range(0, p.stat().st_size, CHUNK_BYTES)] for p in paths]
     return [combine([f.result() for f in chunks]) for chunks in jobs]
 

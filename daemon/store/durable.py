@@ -3,13 +3,41 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+FSYNC_THREADS = 16
+"""fsyncs in flight at once. The journal commits of concurrent fsyncs are grouped (ext4's jbd2, XFS's
+log), so 40 small CRIU images sync in about 0.03 s together against 0.15–0.23 s one by one (ext4 on a
+virtual disk; ``make bench-overhead``)."""
 
 
 def fsync_dir(path: Path) -> None:
     """fsync a directory, so the names created or renamed in it survive a crash."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fsync_path(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def fsync_path(path: Path | str, flags: int = os.O_RDONLY) -> None:
+    """fsync the file (or, with ``O_DIRECTORY``, the directory) at ``path``."""
+    fd = os.open(path, flags | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every regular file and every directory under ``root`` (``root`` included), all at once, so
+    the files' data and their names are durable once it returns: one round of journal commits instead
+    of one per file.
+
+    Raises:
+        OSError: the first failed fsync (the others still ran).
+    """
+    files: list[tuple[str, int]] = []
+    for dirpath, _dirs, names in os.walk(root):
+        files.append((dirpath, os.O_RDONLY | os.O_DIRECTORY))
+        files.extend((os.path.join(dirpath, n), os.O_RDONLY) for n in names)
+    with ThreadPoolExecutor(max_workers=min(FSYNC_THREADS, len(files)), thread_name_prefix="gpusnap-fsync") as pool:
+        for done in [pool.submit(fsync_path, path, flags) for path, flags in files]:
+            done.result()

@@ -127,14 +127,16 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
         raise DataLossError(f"manifest is malformed ({type(exc).__name__}: {exc})", reason="MANIFEST_CORRUPT") from exc
 
 
-def write(directory: Path, snapshot: Snapshot) -> None:
-    """Write and fsync ``directory/manifest.json``."""
+def write(directory: Path, snapshot: Snapshot, *, sync: bool = True) -> None:
+    """Write ``directory/manifest.json``; fsync it unless ``sync`` is false (the caller syncs it with
+    the rest of the directory)."""
     path = directory / MANIFEST_NAME
     data = json.dumps(to_json(snapshot), indent=2, sort_keys=True).encode()
     with open(path, "wb") as fh:
         fh.write(data)
         fh.flush()
-        os.fsync(fh.fileno())
+        if sync:
+            os.fsync(fh.fileno())
 
 
 def read(directory: Path) -> Snapshot:

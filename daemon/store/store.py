@@ -38,7 +38,7 @@ from gpusnap.daemon.api.errors import AlreadyExistsError, DataLossError, FailedP
 from gpusnap.daemon.api.types import Snapshot
 from gpusnap.daemon.store import checksum, manifest
 from gpusnap.daemon.store.buffers import BufferStore
-from gpusnap.daemon.store.durable import fsync_dir
+from gpusnap.daemon.store.durable import fsync_dir, fsync_tree
 from gpusnap.daemon.store.index import SnapshotIndex
 
 log = structlog.get_logger(__name__)
@@ -162,8 +162,8 @@ class SnapshotStore:
 
         ``snapshot.files`` must already describe ``staging.images`` (see :func:`checksum.image_files`).
         """
-        manifest.write(staging.path, snapshot)
-        _fsync_tree(staging.path)
+        manifest.write(staging.path, snapshot, sync=False)
+        fsync_tree(staging.path)  # the manifest, the images and their directories in one round
         final = self.snapshots_dir / snapshot.id
         os.rename(staging.path, final)
         fsync_dir(self.snapshots_dir)
@@ -290,14 +290,3 @@ class SnapshotStore:
                 reason="NAME_TAKEN",
                 metadata={"name": name},
             )
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
