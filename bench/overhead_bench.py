@@ -165,7 +165,7 @@ def gpusnap_round(daemon: DaemonProc, kind: str, tmp: Path, i: int) -> dict[str,
     out: dict[str, Any] = {"dump_s": dump_s, "dump_log_s": _criu_log_seconds(snap_dir / "dump.log"),
                            "dump_phases": _phases(op)}
     for key, host_pidns in (("restore_host_pidns", True), ("restore", False)):
-        seconds, rop = _timed(lambda: client.wait(client.restore(snap, host_pid_namespace=host_pidns).id))
+        seconds, rop = _timed(lambda h=host_pidns: client.wait(client.restore(snap, host_pid_namespace=h).id))
         root = rop.restore.pid
         assert Path(f"/proc/{root}").exists(), f"gpusnap {key} left nothing running"
         restored = _tree(root)

@@ -96,7 +96,8 @@ def _pycriu() -> tuple[Any, Any]:
         if spec is None or spec.submodule_search_locations is None:
             raise ImportError("pycriu is not importable; install it with `make criu`")
         sys.modules["pycriu"] = importlib.util.module_from_spec(spec)
-    from pycriu import criu as client, rpc_pb2
+    from pycriu import criu as client
+    from pycriu import rpc_pb2
 
     return client.criu, rpc_pb2
 
