@@ -336,11 +336,14 @@ GPU_MAP_HELP = "move GPU state: OLD=NEW[,OLD=NEW…] (UUIDs or indexes); every c
 @click.option("--set", "values", multiple=True, metavar="KEY=VALUE", help="restore context: identity value for the worker's adapter")
 @click.option("--verify-buffers", is_flag=True,
               help="re-digest the snapshot's buffers (weights) first; by default only their sizes are checked")
+@click.option("--replicas", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="restore N copies, each in its own network namespace; {i} in --env/--set values is the copy's index")
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
 def restore(obj: Ctx, snapshot: str, host_pidns: bool, private_net: bool, gpu_map: str, timeout: float | None, env: tuple[str, ...],
-            unset_env: tuple[str, ...], values: tuple[str, ...], verify_buffers: bool, detach: bool) -> None:
-    """Restore SNAPSHOT (id or name) as a new process tree; prints the restored root's PID.
+            unset_env: tuple[str, ...], values: tuple[str, ...], verify_buffers: bool, replicas: int, detach: bool) -> None:
+    """Restore SNAPSHOT (id or name) as a new process tree; prints the restored root's PID (one per line
+    with --replicas).
 
     Without --gpu-map, GPU state returns to the original GPUs, or to free GPUs of the same model when
     those are busy or absent.
@@ -349,19 +352,23 @@ def restore(obj: Ctx, snapshot: str, host_pidns: bool, private_net: bool, gpu_ma
     with obj.client() as client:
         op = _run(lambda: client.restore(snapshot, host_pid_namespace=host_pidns, gpu_map=mapping, timeout_s=timeout,
                                          env=_pairs(env, "--env"), unset_env=unset_env, values=_pairs(values, "--set"),
-                                         private_network=private_net, verify_buffers=verify_buffers))
+                                         private_network=private_net, verify_buffers=verify_buffers,
+                                         replicas=replicas))
         if detach:
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
         done = _run(lambda: _follow(client, op, obj.live))
     res = done.restore
+    copies = [{"index": r.index, "pid": r.pid, "pids": list(r.pids), "namespace_pid": r.namespace_pid}
+              for r in res.replicas] or [{"index": 0, "pid": res.pid, "pids": list(res.pids), "namespace_pid": res.namespace_pid}]
     if obj.output == "json":
         click.echo(json.dumps({"pid": res.pid, "pids": list(res.pids), "namespace_pid": res.namespace_pid,
-                               "snapshot_id": res.snapshot_id, "operation": done.id,
+                               "snapshot_id": res.snapshot_id, "operation": done.id, "replicas": copies,
                                "phases": {p.phase: p.duration_seconds for p in done.phases}}, indent=2))
     else:
-        click.echo(res.pid)
-        _console(stderr=True).print(f"restored {res.snapshot_id} as PID {res.pid}: {_phase_summary(done)}", highlight=False)
+        click.echo("\n".join(str(c["pid"]) for c in copies))
+        pids = ", ".join(str(c["pid"]) for c in copies)
+        _console(stderr=True).print(f"restored {res.snapshot_id} as PID {pids}: {_phase_summary(done)}", highlight=False)
 
 
 @main.command()

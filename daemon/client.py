@@ -129,10 +129,12 @@ class DaemonClient:
         values: Mapping[str, str] | None = None,
         private_network: bool = False,
         verify_buffers: bool = False,
+        replicas: int = 1,
     ) -> operations_pb2.Operation:
         """Start a restore of ``snapshot`` (id or name); returns the running operation.
 
-        ``env``, ``unset_env`` and ``values`` form the restore context handed to the restored worker.
+        ``env``, ``unset_env`` and ``values`` form the restore context handed to the restored worker;
+        with ``replicas`` > 1, that many copies are restored, ``{i}`` in the context becoming each one's index.
         """
         context = operations_pb2.WorkerContext(env=dict(env or {}), unset_env=list(unset_env), values=dict(values or {}))
         req = operations_pb2.RestoreRequest(
@@ -143,6 +145,7 @@ class DaemonClient:
             context=context,
             private_network=private_network,
             verify_buffers=verify_buffers,
+            replicas=replicas,
         )
         return self._call(self._ops.Restore, req).operation
 

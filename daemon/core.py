@@ -18,7 +18,7 @@ from gpusnap.daemon.operations.checkpoint import host_facts, run_checkpoint
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.drivers.nvml import GpuDevice
-from gpusnap.daemon.operations.restore import check_may_restore, run_restore
+from gpusnap.daemon.operations.restore import check_may_restore, check_replicas, run_restore
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
 from gpusnap.daemon.operations import remote as remote_ops
 
@@ -72,6 +72,7 @@ class Daemon:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, DataLossError (manifest).
         """
         _require_identified(caller)
+        check_replicas(opts)
         try:
             snapshot = self.deps.store.get(opts.snapshot)
         except NotFoundError:

@@ -106,9 +106,10 @@ class Metrics:
         if record.finished is not None:
             self.operation_seconds.labels(kind, result).observe((record.finished - record.started).total_seconds())
         for phase in record.phases:
-            self.phase_seconds.labels(kind, phase.phase).observe(phase.duration_seconds)
+            name = phase.phase.partition("#")[0]  # fan-out copies ("restore#3") share their phase's series
+            self.phase_seconds.labels(kind, name).observe(phase.duration_seconds)
             if phase.bytes:
-                self.bytes_moved.labels(kind, phase.phase).inc(phase.bytes)
+                self.bytes_moved.labels(kind, name).inc(phase.bytes)
 
     def serve(self, listen: str) -> tuple[str, int]:
         """Serve the text format on ``listen`` (``host:port``, ``[v6]:port`` or ``port`` for loopback);

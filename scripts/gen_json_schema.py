@@ -139,8 +139,14 @@ def schema() -> dict[str, Any]:
             "type": "object",
             "properties": {"pid": pid, "pids": {"type": "array", "items": pid},
                            "namespace_pid": {"type": "integer", "minimum": 0}, "snapshot_id": ident,
-                           "operation": op_id, "phases": PHASES_BY_NAME},
-            "required": ["pid", "pids", "namespace_pid", "snapshot_id", "operation", "phases"],
+                           "operation": op_id, "phases": PHASES_BY_NAME,
+                           "replicas": {"type": "array", "minItems": 1, "items": {
+                               "type": "object",
+                               "properties": {"index": {"type": "integer", "minimum": 0}, "pid": pid,
+                                              "pids": {"type": "array", "items": pid},
+                                              "namespace_pid": {"type": "integer", "minimum": 0}},
+                               "required": ["index", "pid", "pids", "namespace_pid"]}}},
+            "required": ["pid", "pids", "namespace_pid", "snapshot_id", "operation", "phases", "replicas"],
         },
         "detached": {"type": "object", "properties": {"operation": op_id}, "required": ["operation"]},
         "rm": {

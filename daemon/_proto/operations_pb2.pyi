@@ -103,6 +103,7 @@ class RestoreResult(_message.Message):
     PIDS_FIELD_NUMBER: _builtins.int
     SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
     NAMESPACE_PID_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     """host PID of the restored tree's root"""
     snapshot_id: _builtins.str
@@ -112,6 +113,10 @@ class RestoreResult(_message.Message):
     def pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """host PIDs of the whole restored tree"""
 
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___RestoredReplica]:
+        """With replicas > 1, every copy in index order (the fields above repeat the first); else empty."""
+
     def __init__(
         self,
         *,
@@ -119,14 +124,45 @@ class RestoreResult(_message.Message):
         pids: _abc.Iterable[_builtins.int] | None = ...,
         snapshot_id: _builtins.str = ...,
         namespace_pid: _builtins.int = ...,
+        replicas: _abc.Iterable[Global___RestoredReplica] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace_pid", b"namespace_pid", "pid", b"pid", "pids", b"pids", "snapshot_id", b"snapshot_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace_pid", b"namespace_pid", "pid", b"pid", "pids", b"pids", "replicas", b"replicas", "snapshot_id", b"snapshot_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RestoreResult: _TypeAlias = RestoreResult  # noqa: Y015
+
+@_typing.final
+class RestoredReplica(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    PIDS_FIELD_NUMBER: _builtins.int
+    NAMESPACE_PID_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """"{i}" of its restore context"""
+    pid: _builtins.int
+    namespace_pid: _builtins.int
+    @_builtins.property
+    def pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        pid: _builtins.int = ...,
+        pids: _abc.Iterable[_builtins.int] | None = ...,
+        namespace_pid: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "namespace_pid", b"namespace_pid", "pid", b"pid", "pids", b"pids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoredReplica: _TypeAlias = RestoredReplica  # noqa: Y015
 
 @_typing.final
 class SuspendResult(_message.Message):
@@ -523,6 +559,7 @@ class RestoreRequest(_message.Message):
     CONTEXT_FIELD_NUMBER: _builtins.int
     PRIVATE_NETWORK_FIELD_NUMBER: _builtins.int
     VERIFY_BUFFERS_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.str
     """snapshot id or name"""
     host_pid_namespace: _builtins.bool
@@ -536,6 +573,11 @@ class RestoreRequest(_message.Message):
     verify_buffers: _builtins.bool
     """Re-digest the snapshot's buffers (weights) before the worker gets them; they were digested when
     written, and restores otherwise check only their sizes.
+    """
+    replicas: _builtins.int
+    """Fan-out: restore this many copies (0 or 1: one). Copies get private network namespaces (so
+    private_network is implied and host_pid_namespace refused); "{i}" in context env and values becomes
+    the copy's index, from 0 (e.g. values {"port": "80{i}"}). Numbered high: other fields come first.
     """
     @_builtins.property
     def gpu_map(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -557,10 +599,11 @@ class RestoreRequest(_message.Message):
         context: Global___WorkerContext | None = ...,
         private_network: _builtins.bool = ...,
         verify_buffers: _builtins.bool = ...,
+        replicas: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "private_network", b"private_network", "snapshot", b"snapshot", "timeout", b"timeout", "verify_buffers", b"verify_buffers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "private_network", b"private_network", "replicas", b"replicas", "snapshot", b"snapshot", "timeout", b"timeout", "verify_buffers", b"verify_buffers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

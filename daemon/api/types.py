@@ -184,6 +184,9 @@ class RestoreOptions:
     private_network: bool = False
     """Restore into a fresh network namespace (loopback only): copies of one snapshot, or a copy and its
     running source, then keep their listening ports and loopback connections to themselves."""
+    replicas: int = 1
+    """Fan-out: copies to restore in one operation, each in its own network namespace; ``{i}`` in ``env``
+    and ``values`` becomes the copy's index (from 0)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +197,8 @@ class RestoreResult:
     pids: tuple[int, ...]
     snapshot_id: str
     namespace_pid: int
+    replicas: tuple[RestoreResult, ...] = ()
+    """With fan-out, every copy in index order (the fields above are the first's); else empty."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,10 +136,22 @@ class PhaseRunner:
         )
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self._open: tuple[str, float, PhaseProgress] | None = None
+        self.phase_suffix = ""
+        """Appended to every phase name (``restore#2``: fan-out copy 2); see :meth:`for_copy`."""
+
+    @contextmanager
+    def for_copy(self, suffix: str) -> Iterator[None]:
+        """Name the phases run inside the block ``<phase><suffix>``."""
+        self.phase_suffix = suffix
+        try:
+            yield
+        finally:
+            self.phase_suffix = ""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[PhaseProgress]:
         """Run the block as phase ``name``; set ``progress.bytes`` to report bytes moved."""
+        name += self.phase_suffix
         self.record.phase = name
         self.record.emit(EventType.PHASE_STARTED, phase=name)
         progress = PhaseProgress(self.record, name)
@@ -163,6 +175,7 @@ class PhaseRunner:
         A phase left open when the operation fails is reported as failed.
         """
         self.close_phase()
+        name += self.phase_suffix
         self.record.phase = name
         self.record.emit(EventType.PHASE_STARTED, phase=name)
         progress = PhaseProgress(self.record, name)

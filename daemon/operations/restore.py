@@ -9,14 +9,18 @@ restored process exists and runs, every CUDA process is RUNNING: CRIU's success 
 checkpoint-restore/criu#2525 and #2993) → [``reload-buffers`` (the worker gets its buffers back, their
 sizes checked, and with ``verify_buffers`` their digests) → ``resume-worker``: the worker's agent resumes
 it with the restore context and its canary must give the capture-time tokens; or ``restore-complete`` in
-its control directory]. A failure releases the GPUs of whatever was restored, kills it (in that order:
+its control directory]. With ``replicas`` > 1 (fan-out) the phases from ``restore`` on run once per copy,
+named ``restore#0``, ``restore#1``…, each copy in its own PID and network namespaces with its own restore
+context (``{i}`` filled in). A failure releases the GPUs of whatever was restored, kills it (in that order:
 cuda-checkpoint#53) and keeps the snapshot.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+from collections.abc import Callable, Mapping
 
 from gpusnap.daemon.api.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, PermissionDeniedError
 from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snapshot, TcpMode
@@ -73,13 +77,14 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                 "--private-net needs the fresh namespaces of a default restore; drop --host-pidns",
                 reason="INVALID_ARGUMENT",
             )
+        check_replicas(opts)
         if (opts.env or opts.unset_env or opts.values) and snapshot.worker is None:
             raise InvalidArgumentError(
                 f"snapshot {snapshot.id} has no worker agent or control directory to hand a restore context to; "
                 "drop --env/--unset-env/--set",
                 reason="CONTEXT_UNEXPECTED",
             )
-        if not opts.private_network:
+        if not opts.private_network and opts.replicas == 1:
             busy = proc.ports_in_use(list(snapshot.source.listening))
             if busy:
                 raise FailedPreconditionError(
@@ -104,13 +109,69 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         if buffers_checked is not None:
             deps.store.raise_damaged(snapshot, buffers_checked.result())
 
+    if opts.replicas == 1:
+        result = _restore_copy(run, deps, snapshot, opts, gpu_map, buffers_verified, timeout)
+    else:  # fan-out: the copies one after the other, each with its own phases (restore#0, …) and context
+        copies = []
+        for index in range(opts.replicas):
+            copy_opts = replica_options(opts, index)
+            with run.for_copy(f"#{index}"):
+                copy_map = gpu_map if index == 0 else _resolve_gpu_map(deps, snapshot, copy_opts)
+                copies.append(_restore_copy(run, deps, snapshot, copy_opts, copy_map, buffers_verified, timeout))
+        result = dataclasses.replace(copies[0], replicas=tuple(copies))
+    if digests:
+        run.drop_undo("unpin-buffers")
+        deps.store.buffers.unpin(snapshot.buffer_uid, digests)
+    return result
+
+
+MAX_REPLICAS = 64
+REPLICA_INDEX = "{i}"
+
+
+def check_replicas(opts: RestoreOptions) -> None:
+    """Fan-out needs fresh namespaces and a sane count.
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_REPLICAS``.
+    """
+    if not 1 <= opts.replicas <= MAX_REPLICAS:
+        raise InvalidArgumentError(
+            f"replicas must be 1 to {MAX_REPLICAS}, not {opts.replicas}", reason="INVALID_REPLICAS",
+            metadata={"replicas": str(opts.replicas)},
+        )
+    if opts.replicas > 1 and opts.host_pid_namespace:
+        raise InvalidArgumentError(
+            "--replicas restores copies side by side, each in fresh PID and network namespaces; drop --host-pidns",
+            reason="INVALID_REPLICAS",
+        )
+
+
+def replica_options(opts: RestoreOptions, index: int) -> RestoreOptions:
+    """Copy ``index``'s options: its own network namespace, ``{i}`` in env and values replaced by ``index``."""
+    def fill(values: Mapping[str, str]) -> dict[str, str]:
+        return {k: v.replace(REPLICA_INDEX, str(index)) for k, v in values.items()}
+
+    return dataclasses.replace(opts, env=fill(opts.env), values=fill(opts.values), private_network=True, replicas=1)
+
+
+def _restore_copy(
+    run: PhaseRunner,
+    deps: Deps,
+    snapshot: Snapshot,
+    opts: RestoreOptions,
+    gpu_map: dict[str, str] | None,
+    buffers_verified: Callable[[], None],
+    timeout: float,
+) -> RestoreResult:
+    """Restore one copy of a checked snapshot: CRIU, GPU, validation, worker resume (module docstring)."""
     with run.phase("restore") as progress:
         orchestrate.before_restore(snapshot)
         shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
         tree = deps.criu.restore(
             images_dir=deps.store.images_dir(snapshot.id),
             work_dir=deps.store.images_dir(snapshot.id).parent,
-            log_name=f"restore-{run.record.id}.log",
+            log_name=f"restore-{run.record.id}{run.phase_suffix.replace('#', '-')}.log",
             new_pidns=not opts.host_pid_namespace,
             tcp=_tcp_mode_of(snapshot),
             timeout_s=timeout,
@@ -149,13 +210,10 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         if len(pids) != expected:
             raise FailedPreconditionError(
                 f"restore of {snapshot.id} brought back {len(pids)} of {expected} processes; "
-                f"see restore-{run.record.id}.log in the snapshot directory",
+                f"see restore-{run.record.id}{run.phase_suffix.replace('#', '-')}.log in the snapshot directory",
                 reason="RESTORE_INCOMPLETE",
             )
     orchestrate.resume_restored(run, deps, snapshot, opts, pids, buffers_verified)
-    if digests:
-        run.drop_undo("unpin-buffers")
-        deps.store.buffers.unpin(snapshot.buffer_uid, digests)
     return RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid)
 
 

@@ -92,6 +92,7 @@ def restore_options(req: operations_pb2.RestoreRequest) -> RestoreOptions:
         values=dict(req.context.values),
         private_network=req.private_network,
         verify_buffers=req.verify_buffers,
+        replicas=max(1, req.replicas),
     )
 
 
@@ -168,7 +169,10 @@ def operation(r: OperationRecord) -> operations_pb2.Operation:
     elif isinstance(r.result, RestoreResult):
         msg.restore.CopyFrom(
             operations_pb2.RestoreResult(
-                pid=r.result.pid, pids=list(r.result.pids), snapshot_id=r.result.snapshot_id, namespace_pid=r.result.namespace_pid
+                pid=r.result.pid, pids=list(r.result.pids), snapshot_id=r.result.snapshot_id,
+                namespace_pid=r.result.namespace_pid,
+                replicas=[operations_pb2.RestoredReplica(index=i, pid=c.pid, pids=list(c.pids), namespace_pid=c.namespace_pid)
+                          for i, c in enumerate(r.result.replicas)],
             )
         )
     elif isinstance(r.result, TransferResult):

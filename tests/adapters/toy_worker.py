@@ -5,7 +5,7 @@
 The engine's "weights" are 32 MiB of random bytes made at start-up, so the tokens it generates can only
 be reproduced from the same memory. Its "KV cache" (64 MiB) is freed by quiesce and rebuilt by resume.
 Each WORKDIR/go-N file makes it generate for N and write WORKDIR/tokens-N. WORKDIR/events logs the adapter
-calls; WORKDIR/context.json gets the restore context.
+calls; WORKDIR/context.json gets the restore context, and WORKDIR/contexts.jsonl one line per restored copy.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ class ToyAdapter(EngineAdapter):
             with open(os.path.join(self.workdir, "context.json"), "w") as fh:
                 json.dump({"values": dict(context.values), "TOY_PORT": os.environ.get("TOY_PORT"),
                            "TOY_GONE": os.environ.get("TOY_GONE")}, fh)
+            with open(os.path.join(self.workdir, "contexts.jsonl"), "a") as fh:  # one line per restored copy
+                fh.write(json.dumps({"values": dict(context.values), "TOY_PORT": os.environ.get("TOY_PORT"),
+                                     "netns": os.stat("/proc/self/ns/net").st_ino, "pid": os.getpid()}) + "\n")
         self.e.kv = bytearray(64 << 20)
         self.e.paused = False
 
