@@ -244,6 +244,16 @@ def _tokens(tokens: list[int]) -> str:
     return ",".join(str(t) for t in tokens)
 
 
+_current: WorkerAgent | None = None
+
+
+def current() -> WorkerAgent | None:
+    """The agent :func:`start_agent` started in this process, if any (the daemon knows one per process)."""
+    return _current
+
+
 def start_agent(adapter: EngineAdapter, *, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any) -> WorkerAgent:
     """Create and start a :class:`WorkerAgent` for ``adapter`` (see the module docstring)."""
-    return WorkerAgent(adapter, loop=loop, **kwargs).start()
+    global _current
+    _current = WorkerAgent(adapter, loop=loop, **kwargs).start()
+    return _current

@@ -487,6 +487,11 @@ def inspect(obj: Ctx, snapshot: str) -> None:
         rows.append(("driver", f"NVIDIA {snap.host.nvidia_driver_version}, CUDA {snap.host.cuda_driver_version}"))
     for g in snap.gpu_processes:
         rows.append(("gpu", f"PID {g.pid}: {', '.join(g.gpu_uuids)} ({_size(g.gpu_memory_bytes)})"))
+    for w in [snap.worker, *snap.agents] if snap.HasField("worker") else []:
+        if w.instance_id:  # one row per agent: its role, process, and where its weights went
+            held = sum(b.size_bytes for b in snap.buffers if (b.agent or snap.worker.instance_id) == w.instance_id)
+            rows.append(("agent", f"{w.role or 'worker'} {w.process or w.engine} PID {w.pid}"
+                                  + (f", {_size(held)} of buffers" if held else "") + (f"; weights {w.weights}" if w.weights else "")))
     table = _table(show_header=False)
     for key, value in rows:
         table.add_row(key, value)

@@ -304,6 +304,9 @@ class WorkerInfo(_message.Message):
     CONTROL_DIR_FIELD_NUMBER: _builtins.int
     UID_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """adapter's engine ("vllm", "torch", …); empty for control-dir workers"""
     instance_id: _builtins.str
@@ -317,6 +320,12 @@ class WorkerInfo(_message.Message):
     """the agent's user"""
     pid: _builtins.int
     """the agent's process at capture (host PID)"""
+    role: _builtins.str
+    """"frontend", "core", "worker"; empty for a single-process worker"""
+    process: _builtins.str
+    """the process's title at capture ("VLLM::Worker", …)"""
+    weights: _builtins.str
+    """where its weights went and why ("offloaded: …", "in image: …")"""
     def __init__(
         self,
         *,
@@ -327,10 +336,13 @@ class WorkerInfo(_message.Message):
         control_dir: _builtins.str = ...,
         uid: _builtins.int = ...,
         pid: _builtins.int = ...,
+        role: _builtins.str = ...,
+        process: _builtins.str = ...,
+        weights: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_tokens", b"canary_tokens", "control_dir", b"control_dir", "engine", b"engine", "instance_id", b"instance_id", "pid", b"pid", "uid", b"uid", "wake_dir", b"wake_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_tokens", b"canary_tokens", "control_dir", b"control_dir", "engine", b"engine", "instance_id", b"instance_id", "pid", b"pid", "process", b"process", "role", b"role", "uid", b"uid", "wake_dir", b"wake_dir", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -377,6 +389,7 @@ class Snapshot(_message.Message):
     WORKER_FIELD_NUMBER: _builtins.int
     BUFFERS_FIELD_NUMBER: _builtins.int
     BUFFER_BYTES_FIELD_NUMBER: _builtins.int
+    AGENTS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"snap-" + 26 lowercase base32 characters"""
     name: _builtins.str
@@ -410,6 +423,10 @@ class Snapshot(_message.Message):
     def buffers(self) -> _containers.RepeatedCompositeFieldContainer[Global___BufferRef]:
         """the worker's named buffers, kept in the buffer store"""
 
+    @_builtins.property
+    def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerInfo]:
+        """the tree's other agents (EngineCore, Workers, …), beside worker"""
+
     def __init__(
         self,
         *,
@@ -428,10 +445,11 @@ class Snapshot(_message.Message):
         worker: Global___WorkerInfo | None = ...,
         buffers: _abc.Iterable[Global___BufferRef] | None = ...,
         buffer_bytes: _builtins.int = ...,
+        agents: _abc.Iterable[Global___WorkerInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "host", b"host", "source", b"source", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "created", b"created", "files", b"files", "gpu_processes", b"gpu_processes", "host", b"host", "id", b"id", "labels", b"labels", "manifest_version", b"manifest_version", "name", b"name", "owner_uid", b"owner_uid", "phases", b"phases", "size_bytes", b"size_bytes", "source", b"source", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "created", b"created", "files", b"files", "gpu_processes", b"gpu_processes", "host", b"host", "id", b"id", "labels", b"labels", "manifest_version", b"manifest_version", "name", b"name", "owner_uid", b"owner_uid", "phases", b"phases", "size_bytes", b"size_bytes", "source", b"source", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -446,20 +464,24 @@ class BufferRef(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     size_bytes: _builtins.int
     sha256: _builtins.str
     """digest (same scheme as ImageFile.sha256) and the blob's name"""
+    agent: _builtins.str
+    """instance id of the agent holding it; empty: Snapshot.worker"""
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         size_bytes: _builtins.int = ...,
         sha256: _builtins.str = ...,
+        agent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "name", b"name", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

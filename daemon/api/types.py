@@ -84,6 +84,8 @@ class BufferRef:
     size_bytes: int
     sha256: str
     """Digest of the blob (``checksum.DIGEST_ALGORITHM``), which is also its name in the buffer store."""
+    agent: str = ""
+    """Instance id of the agent whose process holds it (empty: the snapshot's ``worker``, as before agents)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +104,17 @@ class WorkerInfo:
     """The agent's user (its wake file is created in a directory of that user's or root's)."""
     pid: int = 0
     """The agent's process at capture (host PID)."""
+    role: str = ""
+    """``frontend`` (quiesced first, resumed last, gives the canary), ``core`` or ``worker``; empty for a
+    single-process worker, which counts as a front end."""
+    process: str = ""
+    """The process's title at capture (``VLLM::Worker``…), for messages."""
+    weights: str = ""
+    """Where the process's weights went, and why (``offloaded: …`` or ``in image: …``), from its adapter."""
+
+    @property
+    def is_front(self) -> bool:
+        return self.role in ("", "frontend")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +133,20 @@ class Snapshot:
     gpu_processes: tuple[GpuProcess, ...] = ()
     worker: WorkerInfo | None = None
     buffers: tuple[BufferRef, ...] = ()
-    """The worker's named buffers (weights), in the buffer store; reloaded into the worker on restore."""
+    """The named buffers (weights) of every agent, in the buffer store; reloaded into their processes on
+    restore (``BufferRef.agent`` says whose)."""
+    agents: tuple[WorkerInfo, ...] = ()
+    """The tree's other agents (EngineCore, Workers, more front ends), beside ``worker``."""
+
+    @property
+    def all_workers(self) -> tuple[WorkerInfo, ...]:
+        """``worker`` and ``agents``."""
+        return ((self.worker,) if self.worker else ()) + self.agents
+
+    def buffers_of(self, worker: WorkerInfo) -> tuple[BufferRef, ...]:
+        """The buffers that ``worker``'s process holds."""
+        primary = self.worker.instance_id if self.worker else ""
+        return tuple(b for b in self.buffers if (b.agent or primary) == worker.instance_id)
 
     @property
     def size_bytes(self) -> int:

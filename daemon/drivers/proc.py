@@ -221,6 +221,15 @@ def _status(pid: int) -> dict[str, str]:
     return out
 
 
+def title(pid: int) -> str:
+    """``pid``'s title for messages: the first word of its command line (``VLLM::Worker``…), or ``""``."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.split(b"\0")[0].decode(errors="replace")[:80]
+
+
 def namespace_pid(pid: int) -> int:
     """``pid``'s PID inside its innermost PID namespace (last NSpid field)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -283,6 +283,6 @@ class PhaseProgress:
     phase: str
     bytes: int = 0
 
-    def report(self, done: int, total: int) -> None:
-        """Emit a ``PROGRESS`` event: ``done`` of ``total`` bytes."""
-        self.record.emit(EventType.PROGRESS, phase=self.phase, bytes=done, total_bytes=total)
+    def report(self, done: int, total: int, message: str = "") -> None:
+        """Emit a ``PROGRESS`` event: ``done`` of ``total`` bytes (``message``: e.g. which process, how long)."""
+        self.record.emit(EventType.PROGRESS, phase=self.phase, bytes=done, total_bytes=total, message=message)

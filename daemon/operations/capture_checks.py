@@ -14,6 +14,7 @@ from gpusnap.daemon.drivers import host, proc
 
 _PIPE = re.compile(r"^pipe:\[(\d+)\]$")
 _TTY_PREFIXES = ("/dev/pts/", "/dev/tty", "/dev/console")
+_IO_URING = "anon_inode:[io_uring]"
 
 
 def check_tree(opts: CheckpointOptions, facts: ProcessFacts) -> None:
@@ -21,7 +22,7 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts) -> None:
 
     Raises:
         FailedPreconditionError: reasons ``TCP_ESTABLISHED``, ``CAPABILITY_MISSING``, ``USER_NAMESPACE``,
-            ``PID_NAMESPACE_INIT``, ``TERMINAL``, ``EXTERNAL_PIPE``.
+            ``PID_NAMESPACE_INIT``, ``TERMINAL``, ``EXTERNAL_PIPE``, ``IO_URING``.
     """
     pids = list(facts.tree_pids)
     if opts.tcp is TcpMode.REFUSE:
@@ -57,6 +58,16 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts) -> None:
             f"process {ttys[0][0]} has a terminal open ({ttys[0][1]}); a restored tree cannot get its terminal back. "
             "Start the worker with stdin/stdout/stderr on files or /dev/null, under setsid (as a service does)",
             reason="TERMINAL",
+        )
+    rings = [(p, fd) for p in pids for fd, target in _fds(p) if target == _IO_URING]
+    if rings:
+        pid, fd = rings[0]
+        raise FailedPreconditionError(
+            f"fd {fd} of process {pid} is an io_uring instance, which CRIU cannot checkpoint (libuv's event loops, "
+            "e.g. uvloop under vLLM's API server, create one); install gpusnap into the worker's Python environment and "
+            "start it with GPUSNAP_AGENT_SOCKET set (gpusnap's vLLM plugin blocks io_uring), or make io_uring "
+            "unavailable before starting it (sysctl kernel.io_uring_disabled=2)",
+            reason="IO_URING",
         )
     outside = _external_pipes(pids)
     if outside:

@@ -1,7 +1,7 @@
 """Checkpoint: capture a live process tree into a new snapshot.
 
-Phases: ``preflight`` → [``warm-up`` → ``quiesce`` → ``offload`` with a worker agent, or ``wait-ready``
-with a control directory] → [``gpu-lock`` → ``gpu-checkpoint``] → ``dump`` (CRIU freezes the tree and
+Phases: ``preflight`` → [``warm-up`` → ``quiesce`` → ``offload`` with worker agents (one in each engine
+process: ``gpusnap.daemon.operations.workers``), or ``wait-ready`` with a control directory] → [``gpu-lock`` → ``gpu-checkpoint``] → ``dump`` (CRIU freezes the tree and
 writes images) → ``checksum`` → ``publish`` → ``finish`` (CRIU kills the source, or resumes it with
 ``leave_running``) → [``gpu-resume`` with ``leave_running``].
 
@@ -25,11 +25,10 @@ from datetime import UTC, datetime
 
 from gpusnap.daemon.api.types import CheckpointOptions, HostFacts, Snapshot, TcpMode
 from gpusnap.daemon.drivers import host, proc
-from gpusnap.daemon.operations import capture_checks
+from gpusnap.daemon.operations import capture_checks, workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.checksum import image_files
-from gpusnap.daemon.workers import orchestrate
 
 
 DEV_SHM_DIR = "dev-shm"
@@ -69,7 +68,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             deps.gpu.check_capture(gpu_tree, facts.tree_pids, deps.agents.capture_env(facts.tree_pids))
 
     run.on_failure("resume-source", lambda: _resume_source(list(facts.tree_pids)))
-    capture = orchestrate.prepare_capture(run, deps, opts, facts.tree_pids, owner_uid)
+    capture = workers.prepare_capture(run, deps, opts, facts.tree_pids, owner_uid)
     worker = capture.worker
     if worker and gpu_tree:
         gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))  # the quiesced worker released memory
@@ -96,7 +95,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             with run.phase("checksum") as progress:
                 files = image_files(staging.images)
                 progress.bytes = sum(f.size_bytes for f in files)
-                buffers = tuple(capture.staged.commit()) if capture.staged else ()
+                buffers = capture.commit()
             with run.phase("publish"):
                 snapshot = Snapshot(
                     id=staging.snapshot_id,
@@ -110,6 +109,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                     owner_uid=owner_uid,
                     gpu_processes=gpu_tree.processes if gpu_tree else (),
                     worker=worker,
+                    agents=capture.agents,
                     buffers=buffers,
                 )
                 deps.store.publish(staging, snapshot)
@@ -139,7 +139,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             ctl.rollback_to_running(gpu_tree.cuda_pids).raise_for_problems()
     run.drop_undo("gpu-rollback")
     run.drop_undo("resume-worker")
-    orchestrate.finish_capture(deps, opts, capture, owner_uid)
+    workers.finish_capture(deps, opts, capture, owner_uid)
     run.drop_undo("unpublish")
     return published[0]
 

@@ -30,7 +30,7 @@ from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.operations import provenance
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
-from gpusnap.daemon.workers import orchestrate
+from gpusnap.daemon.operations import workers
 from gpusnap.daemon.operations.deps import Deps
 
 
@@ -166,7 +166,7 @@ def _restore_copy(
 ) -> RestoreResult:
     """Restore one copy of a checked snapshot: CRIU, GPU, validation, worker resume (module docstring)."""
     with run.phase("restore") as progress:
-        orchestrate.before_restore(snapshot)
+        workers.before_restore(snapshot)
         shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
         tree = deps.criu.restore(
             images_dir=deps.store.images_dir(snapshot.id),
@@ -213,7 +213,7 @@ def _restore_copy(
                 f"see restore-{run.record.id}{run.phase_suffix.replace('#', '-')}.log in the snapshot directory",
                 reason="RESTORE_INCOMPLETE",
             )
-    orchestrate.resume_restored(run, deps, snapshot, opts, pids, buffers_verified)
+    workers.resume_restored(run, deps, snapshot, opts, pids, buffers_verified)
     return RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid)
 
 

@@ -135,13 +135,14 @@ def snapshot(s: Snapshot) -> types_pb2.Snapshot:
         host=host(s.host),
         files=[types_pb2.ImageFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in s.files],
         size_bytes=s.size_bytes,
-        buffers=[types_pb2.BufferRef(name=b.name, size_bytes=b.size_bytes, sha256=b.sha256) for b in s.buffers],
+        buffers=[types_pb2.BufferRef(name=b.name, size_bytes=b.size_bytes, sha256=b.sha256, agent=b.agent) for b in s.buffers],
         buffer_bytes=s.buffer_bytes,
         phases=[phase(p) for p in s.phases],
         owner_uid=s.owner_uid,
         manifest_version=manifest.MANIFEST_VERSION,
         gpu_processes=[gpu_process(g) for g in s.gpu_processes],
         worker=types_pb2.WorkerInfo(**dataclasses.asdict(s.worker)) if s.worker else None,
+        agents=[types_pb2.WorkerInfo(**dataclasses.asdict(w)) for w in s.agents],
     )
 
 

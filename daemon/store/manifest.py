@@ -1,6 +1,6 @@
 """A snapshot's manifest: versioned JSON written beside its images.
 
-Schema (``manifest_version`` 2; version 1 lacks ``buffers`` and is still read)::
+Schema (``manifest_version`` 3; version 1 lacks ``buffers``, version 2 ``agents``, and both are still read)::
 
     {"manifest_version": 2, "id": "snap-…", "name": "", "created": "2026-11-29T19:40:00+00:00",
      "labels": {}, "owner_uid": 0,
@@ -12,10 +12,12 @@ Schema (``manifest_version`` 2; version 1 lacks ``buffers`` and is still read)::
      "phases": [{"phase": "dump", "duration_seconds": 1.2, "bytes": 0}],
      "gpu_processes": [{"pid": 1234, "gpu_uuids": ["GPU-…"], "gpu_memory_bytes": 0}],
      "worker": {…} or null,
-     "buffers": [{"name": "model.embed_tokens.weight", "size_bytes": 1050673152, "sha256": "…"}]}
+     "agents": [{…}],
+     "buffers": [{"name": "model.embed_tokens.weight", "size_bytes": 1050673152, "sha256": "…", "agent": "…"}]}
 
 ``buffers`` name blobs of the buffer store (``gpusnap.daemon.store.buffers``) by digest. A daemon that
-does not know version 2 would restore such a snapshot without its weights, so the version was raised.
+does not know version 2 would restore such a snapshot without its weights, so the version was raised;
+likewise version 3 for ``agents`` (an engine's other processes, each woken and resumed at restore).
 
 ``files[].sha256`` is computed with ``digest_algorithm`` (see ``gpusnap.daemon.store.checksum``).
 Readers refuse versions and digest algorithms they do not know instead of guessing.
@@ -43,8 +45,8 @@ from gpusnap.daemon.api.types import (
     WorkerInfo,
 )
 
-MANIFEST_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+MANIFEST_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 
 
@@ -64,6 +66,7 @@ def to_json(snapshot: Snapshot) -> dict[str, Any]:
         "phases": [_fields(p) for p in snapshot.phases],
         "gpu_processes": [_fields(g) for g in snapshot.gpu_processes],
         "worker": _fields(snapshot.worker) if snapshot.worker else None,
+        "agents": [_fields(w) for w in snapshot.agents],
         "buffers": [_fields(b) for b in snapshot.buffers],
     }
 
@@ -120,7 +123,9 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
                 for g in doc.get("gpu_processes", [])
             ),
             worker=WorkerInfo(**doc["worker"]) if doc.get("worker") else None,
-            buffers=tuple(BufferRef(name=str(b["name"]), size_bytes=int(b["size_bytes"]), sha256=str(b["sha256"]))
+            agents=tuple(WorkerInfo(**w) for w in doc.get("agents", [])),
+            buffers=tuple(BufferRef(name=str(b["name"]), size_bytes=int(b["size_bytes"]), sha256=str(b["sha256"]),
+                                    agent=str(b.get("agent", "")))
                           for b in doc.get("buffers", [])),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -42,6 +42,22 @@ class AgentInfo:
     resumed: bool
     info: dict[str, str]
 
+    @property
+    def role(self) -> str:
+        """``frontend``, ``core``, ``worker``, or empty (a single-process worker, treated as a front end)."""
+        return self.info.get("role", "")
+
+    @property
+    def label(self) -> str:
+        """The agent's process for messages: engine, title and PID."""
+        title = self.info.get("process", "")
+        return f"{self.engine} {'process ' + title if title else 'worker'} (PID {self.pid})"
+
+    @property
+    def expect_pids(self) -> list[int]:
+        """Engine processes this one started (PIDs in its own namespace), each of which needs an agent."""
+        return [int(p) for p in self.info.get("expect_pids", "").split(",") if p.strip().isdigit()]
+
 
 class AgentSession:
     """One connected agent."""
@@ -75,14 +91,14 @@ class AgentSession:
             except TimeoutError as exc:
                 self.close()
                 raise DeadlineExceededError(
-                    f"the {self.info.engine} worker (PID {self.info.pid}) did not finish {what} within {timeout_s:g} s; "
+                    f"the {self.info.label} did not finish {what} within {timeout_s:g} s; "
                     "raise the timeout or check the worker's log",
                     reason="AGENT_TIMEOUT",
                 ) from exc
             except (wire.ChannelClosed, OSError) as exc:
                 self.close()
                 raise FailedPreconditionError(
-                    f"the {self.info.engine} worker's agent (PID {self.info.pid}) went away during {what}: {exc}",
+                    f"the agent of the {self.info.label} went away during {what}: {exc}",
                     reason="AGENT_LOST",
                 ) from exc
             finally:
@@ -91,7 +107,7 @@ class AgentSession:
         result = reply.result
         if not result.ok:
             raise FailedPreconditionError(
-                f"the {self.info.engine} worker (PID {self.info.pid}) could not {what}: {result.error}",
+                f"the {self.info.label} could not {what}: {result.error}",
                 reason="AGENT_COMMAND_FAILED",
                 metadata={"pid": str(self.info.pid)},
             )
@@ -172,12 +188,14 @@ class AgentRegistry:
 
     def find(self, pids: Collection[int]) -> AgentSession | None:
         """The live session of an agent in one of ``pids``, if any."""
+        found = self.find_all(pids)
+        return found[0] if found else None
+
+    def find_all(self, pids: Collection[int]) -> list[AgentSession]:
+        """The live sessions of agents in ``pids``, in the order of ``pids``."""
         with self._cond:
-            for pid in pids:
-                session = self._sessions.get(pid)
-                if session is not None and not session.closed and _peer_open(session.sock):
-                    return session
-        return None
+            sessions = [self._sessions.get(pid) for pid in pids]
+            return [s for s in sessions if s is not None and not s.closed and _peer_open(s.sock)]
 
     def capture_env(self, pids: Collection[int]) -> dict[int, dict[str, str]]:
         """Capture settings each live agent among ``pids`` reported in its hello (its process's environment as

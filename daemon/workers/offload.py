@@ -14,10 +14,9 @@ from collections.abc import Sequence
 import structlog
 
 from gpusnap.adapters import wire
-from gpusnap.adapters._proto import agent_pb2
 from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.store.buffers import BufferStore, StagedBuffers
-from gpusnap.daemon.workers.agents import AgentSession
+from gpusnap.daemon.workers.client import AgentClient, Announced
 
 log = structlog.get_logger(__name__)
 
@@ -32,7 +31,7 @@ MAX_BUFFERS = 16384
 """Buffers one worker may announce: each holds a staged file (and descriptor) open during its capture."""
 
 
-def stage(session: AgentSession, store: BufferStore, announced: Sequence[agent_pb2.BufferInfo]) -> StagedBuffers:
+def stage(agent: AgentClient, store: BufferStore, announced: Sequence[Announced]) -> StagedBuffers:
     """Staged files for the buffers the worker announced (see :meth:`BufferStore.stage`).
 
     The caller owns the result: it hands it to a rollback's :func:`reload` if the capture fails, and
@@ -53,11 +52,11 @@ def stage(session: AgentSession, store: BufferStore, announced: Sequence[agent_p
     )
     if problem:
         raise FailedPreconditionError(
-            f"the {session.info.engine} worker (PID {session.info.pid}) announced {problem}; fix its adapter's "
+            f"the {agent.info.label} announced {problem}; fix its adapter's "
             "buffers() or checkpoint with --no-offload",
             reason="BAD_BUFFERS",
         )
-    return store.stage(session.info.uid, names, [b.size_bytes for b in announced])
+    return store.stage(agent.info.uid, names, [b.size_bytes for b in announced])
 
 
 def batch_timeout(timeout_s: float, nbytes: int) -> float:
@@ -66,7 +65,7 @@ def batch_timeout(timeout_s: float, nbytes: int) -> float:
     return timeout_s + nbytes / SLOWEST_STORE_BYTES_PER_S
 
 
-def offload(session: AgentSession, staged: StagedBuffers, timeout_s: float) -> None:
+def offload(agent: AgentClient, staged: StagedBuffers, timeout_s: float) -> float:
     """Have the worker write its buffers into ``staged`` and free them, in batches; digests start at once.
 
     A failure part-way leaves some buffers out of the worker: the capture's rollback reads them back from
@@ -75,30 +74,35 @@ def offload(session: AgentSession, staged: StagedBuffers, timeout_s: float) -> N
     Raises:
         FailedPreconditionError, DeadlineExceededError: see :meth:`AgentSession.call`.
         DataLossError: the worker wrote a different size than it announced (``BUFFER_SIZE``).
+
+    Returns:
+        Seconds the worker spent (its own measure, summed over batches).
     """
     batches = _batches(len(staged.names))
+    spent = 0.0
     for i, batch in enumerate(batches):
-        msg = agent_pb2.DaemonMessage(
-            offload=agent_pb2.Offload(names=[staged.names[j] for j in batch], last=i == len(batches) - 1)
-        )
         nbytes = sum(staged.sizes[j] for j in batch)
-        done = session.call(msg, batch_timeout(timeout_s, nbytes), "write its buffers out",
-                            fds=[staged.fds[j] for j in batch])
-        log.info("buffers.written", pid=session.info.pid, buffers=len(batch), worker_s=round(done.duration_seconds, 3),
+        done = agent.offload([staged.names[j] for j in batch], [staged.fds[j] for j in batch], i == len(batches) - 1,
+                             batch_timeout(timeout_s, nbytes))
+        spent += done.seconds
+        log.info("buffers.written", pid=agent.info.pid, buffers=len(batch), worker_s=round(done.seconds, 3),
                  bytes=nbytes, **dict(done.details))
     staged.start_digests()
+    return spent
 
 
-def reload(session: AgentSession, names: Sequence[str], fds: Sequence[int], timeout_s: float) -> None:
-    """Hand the worker its buffers back (``fds``: read-only, one per name; closed here)."""
+def reload(agent: AgentClient, names: Sequence[str], fds: Sequence[int], timeout_s: float) -> float:
+    """Hand the worker its buffers back (``fds``: read-only, one per name; closed here); returns the seconds
+    the worker spent."""
+    spent = 0.0
     try:
         for batch in _batches(len(names)):
-            msg = agent_pb2.DaemonMessage(reload=agent_pb2.Reload(names=[names[j] for j in batch]))
             nbytes = sum(os.fstat(fds[j]).st_size for j in batch)
-            done = session.call(msg, batch_timeout(timeout_s, nbytes), "read its buffers back",
-                                fds=[fds[j] for j in batch])
-            log.info("buffers.read", pid=session.info.pid, buffers=len(batch), worker_s=round(done.duration_seconds, 3),
+            done = agent.reload([names[j] for j in batch], [fds[j] for j in batch], batch_timeout(timeout_s, nbytes))
+            spent += done.seconds
+            log.info("buffers.read", pid=agent.info.pid, buffers=len(batch), worker_s=round(done.seconds, 3),
                      **dict(done.details))
     finally:
         for fd in fds:
             os.close(fd)
+    return spent

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 from tests.conftest import DaemonProc, criu_killed, kill_tree, wait_for
 
 WORKER = Path(__file__).resolve().parent / "toy_worker.py"
@@ -133,3 +135,16 @@ def test_quiesce_timeout_still_resumes_the_worker(tmp_path: Path) -> None:
     finally:
         kill_tree(toy.proc.pid)
         stop_daemon(d)
+
+
+def test_engine_process_without_agent_is_refused_by_name(daemon: DaemonProc, tmp_path: Path) -> None:
+    toy = _start(daemon, tmp_path, "--child-without-agent")
+    try:
+        child = psutil.Process(toy.proc.pid).children()[0].pid
+        res = daemon.cli("dump", str(toy.proc.pid), "--name", "toy")
+        assert res.returncode == 4, res.stderr
+        assert f"PID {child} (" in res.stderr and "has no gpusnap agent" in res.stderr, res.stderr
+        assert not (toy.workdir / "events").exists(), "refused before anything was touched"
+        assert isinstance(toy.generate(), list), "the worker serves on"
+    finally:
+        kill_tree(toy.proc.pid)

@@ -42,6 +42,11 @@ def worker_env(daemon: DaemonProc, tmp: Path, **extra: str) -> dict[str, str]:
     }
 
 
+def plugin_env(daemon: DaemonProc, tmp: Path, target: Path, **extra: str) -> dict[str, str]:
+    """Environment of an engine with gpusnap installed at ``target`` (its vLLM plugin active)."""
+    return {**worker_env(daemon, tmp, **extra), "PYTHONPATH": str(target)}
+
+
 def start(script: Path, args: list[str], env: dict[str, str], log: str | Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([str(PYTHON), str(script), *args], env=env, stdin=subprocess.DEVNULL,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,11 +1,13 @@
 """A worker with a toy "engine" and the gpusnap agent, for agent round trips without an inference engine.
 
-    python toy_worker.py WORKDIR [--fail-quiesce]
+    python toy_worker.py WORKDIR [--fail-quiesce] [--child-without-agent]
 
 The engine's "weights" are 32 MiB of random bytes made at start-up, so the tokens it generates can only
 be reproduced from the same memory. Its "KV cache" (64 MiB) is freed by quiesce and rebuilt by resume.
 Each WORKDIR/go-N file makes it generate for N and write WORKDIR/tokens-N. WORKDIR/events logs the adapter
 calls; WORKDIR/context.json gets the restore context, and WORKDIR/contexts.jsonl one line per restored copy.
+With ``--child-without-agent`` it starts a child process and names it as one of its engine's processes
+(``expect_pids``), without giving it an agent.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -37,11 +40,16 @@ class ToyEngine:
 class ToyAdapter(EngineAdapter):
     engine = "toy"
 
-    def __init__(self, engine: ToyEngine, workdir: str, fail_quiesce: bool, slow_quiesce: float = 0.0):
+    def __init__(self, engine: ToyEngine, workdir: str, fail_quiesce: bool, slow_quiesce: float = 0.0,
+                 expect_pids: tuple[int, ...] = ()):
+        self.expect_pids = expect_pids
         self.e = engine
         self.workdir = workdir
         self.fail_quiesce = fail_quiesce
         self.slow_quiesce = slow_quiesce
+
+    def info(self) -> dict[str, str]:
+        return {"expect_pids": ",".join(map(str, self.expect_pids))} if self.expect_pids else {}
 
     def log(self, what: str) -> None:
         with open(os.path.join(self.workdir, "events"), "a") as fh:
@@ -77,9 +85,14 @@ def main() -> int:
     ap.add_argument("workdir")
     ap.add_argument("--fail-quiesce", action="store_true")
     ap.add_argument("--slow-quiesce", type=float, default=0.0, help="seconds quiesce takes")
+    ap.add_argument("--child-without-agent", action="store_true")
     args = ap.parse_args()
     engine = ToyEngine()
-    agent = start_agent(ToyAdapter(engine, args.workdir, args.fail_quiesce, args.slow_quiesce))
+    children: tuple[int, ...] = ()
+    if args.child_without_agent:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], stdin=subprocess.DEVNULL)
+        children = (child.pid,)
+    agent = start_agent(ToyAdapter(engine, args.workdir, args.fail_quiesce, args.slow_quiesce, children))
     agent.wait_attached(30)
     with open(os.path.join(args.workdir, "ready"), "w") as fh:
         fh.write(str(os.getpid()))

