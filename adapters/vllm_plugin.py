@@ -8,8 +8,11 @@ once and changes nothing. With it set, it:
 
 1. blocks io_uring in the process and its future children (:func:`gpusnap.adapters.io_uring.block_io_uring`;
    the API server's uvloop would otherwise create one, which CRIU cannot dump);
-2. applies the capture environment defaults (:func:`gpusnap.adapters.configure_capture_env`) for the
-   processes this one starts;
+2. applies the capture settings (``gpusnap.adapters.capture_settings``, the table preflight checks):
+   the environment defaults at once, for this process and those it starts; and, once the engine's
+   arguments are final (``EngineArgs.create_engine_config``), the tensor-parallel rows when
+   ``tensor_parallel_size > 1`` (their variables, and engine arguments such as
+   ``disable_custom_all_reduce``);
 3. hooks where vLLM finishes building each part, and starts the process's one agent there, with a
    :class:`~gpusnap.adapters.vllm_process.VllmProcessAdapter`:
 
@@ -62,7 +65,8 @@ def register() -> None:
     from gpusnap.adapters.io_uring import block_io_uring
 
     block_io_uring()
-    configure_capture_env()
+    configure_capture_env(engine="vllm")
+    _when_imported("vllm.engine.arg_utils", _patch_engine_args)
     _when_imported("vllm.v1.engine.async_llm", _patch_async_llm)
     _when_imported("vllm.entrypoints.llm", _patch_llm)
     _when_imported("vllm.v1.engine.core", _patch_core)
@@ -136,6 +140,24 @@ def _before(cls: type, name: str, hook: Callable[..., None]) -> None:
 
     wrapper._gpusnap = True  # type: ignore[attr-defined]
     setattr(cls, name, wrapper)
+
+
+def _apply_tensor_parallel_settings(args: Any) -> None:
+    from gpusnap.adapters.capture_settings import engine_args
+    from gpusnap.adapters.env import configure_capture_env
+
+    tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
+    if tp <= 1:
+        return
+    configure_capture_env(tensor_parallel=tp, engine="vllm")
+    for field, flag in engine_args("vllm", tensor_parallel=tp).items():
+        if hasattr(args, field) and not getattr(args, field):
+            setattr(args, field, True)
+            log.info("gpusnap: %s set for a capturable tensor-parallel engine", flag)
+
+
+def _patch_engine_args(module: ModuleType) -> None:
+    _before(module.EngineArgs, "create_engine_config", _apply_tensor_parallel_settings)
 
 
 def _on_engine(engine: Any, *, is_async: bool) -> None:

@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 from packaging.requirements import Requirement
 
 from tests.adapters import torch_venv
@@ -80,3 +82,20 @@ def test_installing_gpusnap_moves_no_engine_version() -> None:
             checked += 1
             assert dep.specifier.contains(have, prereleases=True), f"{dep} would replace the engine's {dep.name} {have}"
     assert checked >= 2, "protobuf and grpcio at least are shared with vLLM"
+
+
+def test_plugin_applies_tensor_parallel_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At ``tensor_parallel_size > 1`` the plugin sets the table's tensor-parallel rows (variables and engine
+    arguments) before vLLM builds its config; the user's own settings are kept."""
+    from gpusnap.adapters import vllm_plugin
+
+    for name in ("VLLM_ALLREDUCE_USE_SYMM_MEM", "NCCL_P2P_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NCCL_SHM_DISABLE", "1")
+    single = SimpleNamespace(tensor_parallel_size=1, disable_custom_all_reduce=False)
+    vllm_plugin._apply_tensor_parallel_settings(single)
+    assert not single.disable_custom_all_reduce and "VLLM_ALLREDUCE_USE_SYMM_MEM" not in os.environ
+    tp = SimpleNamespace(tensor_parallel_size=2, disable_custom_all_reduce=False)
+    vllm_plugin._apply_tensor_parallel_settings(tp)
+    assert tp.disable_custom_all_reduce is True
+    assert os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0" and os.environ["NCCL_P2P_DISABLE"] == "1"

@@ -60,7 +60,7 @@ class Server:
         cmd = [str(torch_venv.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
                "--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
-               "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0"]
+               "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0", "--served-model-name", "m"]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=open(self.log, "wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
