@@ -67,6 +67,9 @@ _ACTION_BY_REASON: dict[str, Action] = {
     "GPU_NOT_FOUND": Action.FALL_BACK,
     # failed preconditions that a changed request or set-up cures
     "ADDRESS_IN_USE": Action.FIX,
+    "AGENT_MISSING": Action.FIX,  # an engine process without an agent: install gpusnap into the engine
+    "AGENT_USERS": Action.FIX,
+    "IO_URING": Action.FIX,
     "STORE_LOCKED": Action.FIX,
     "SOCKET_IN_USE": Action.FIX,
     "METRICS_ADDRESS_IN_USE": Action.FIX,
