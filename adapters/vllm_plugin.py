@@ -111,35 +111,31 @@ def _guarded(what: str, fn: Callable[[], None]) -> None:
 # -- patches ----------------------------------------------------------------------------------------
 
 
-def _after(cls: type, name: str, hook: Callable[..., None]) -> None:
-    """Wrap ``cls.name`` so that ``hook(self)`` runs after it returns."""
+def _wrap(cls: type, name: str, hook: Callable[..., None], *, after: bool) -> None:
+    """Wrap ``cls.name`` so that ``hook(self)`` runs before it (``after``: once it returned)."""
     original = cls.__dict__[name]
     if getattr(original, "_gpusnap", False):
         return
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not after:
+            _guarded(f"attach to {cls.__name__}", lambda: hook(self))
         result = original(self, *args, **kwargs)
-        _guarded(f"attach to {cls.__name__}", lambda: hook(self))
+        if after:
+            _guarded(f"attach to {cls.__name__}", lambda: hook(self))
         return result
 
     wrapper._gpusnap = True  # type: ignore[attr-defined]
     setattr(cls, name, wrapper)
 
 
+def _after(cls: type, name: str, hook: Callable[..., None]) -> None:
+    _wrap(cls, name, hook, after=True)
+
+
 def _before(cls: type, name: str, hook: Callable[..., None]) -> None:
-    """Wrap ``cls.name`` so that ``hook(self)`` runs before it."""
-    original = cls.__dict__[name]
-    if getattr(original, "_gpusnap", False):
-        return
-
-    @functools.wraps(original)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _guarded(f"attach to {cls.__name__}", lambda: hook(self))
-        return original(self, *args, **kwargs)
-
-    wrapper._gpusnap = True  # type: ignore[attr-defined]
-    setattr(cls, name, wrapper)
+    _wrap(cls, name, hook, after=False)
 
 
 def _apply_tensor_parallel_settings(args: Any) -> None:

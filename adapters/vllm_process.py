@@ -49,9 +49,11 @@ def memory_plan(vllm_config: Any, device_type: str) -> MemoryPlan:
     - CUDA without CUDA graphs (``--enforce-eager``): the same; storages come back at new addresses, which
       eager kernels read at each call.
     - CUDA with CUDA graphs: graphs captured at start read both at their addresses, so both stay in the
-      image (the CUDA checkpoint copies them). Freeing them would need address-stable memory (vLLM's
-      sleep-mode allocator, ``--enable-sleep-mode``, over the CUDA VMM; gpusnap's ``adapters/vmm.py``);
-      until then restart with ``--enforce-eager`` to move the weights out.
+      image (the CUDA checkpoint copies them) rather than the capture being refused. Freeing them needs
+      address-stable memory: ``gpusnap.adapters.vmm.stabilize`` before vLLM captures its graphs, or vLLM's
+      sleep-mode allocator (``--enable-sleep-mode``); neither is wired into vLLM's workers yet. Until
+      then ``--enforce-eager`` moves the weights out. (With sleep mode the front end's
+      ``release_kv_cache_memory`` frees the KV cache at the same addresses.)
     """
     if device_type != "cuda":
         return MemoryPlan(True, True, f"offloaded: {device_type} worker, no CUDA graphs")
