@@ -145,11 +145,12 @@ def test_stock_vllm_serve(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Pa
         # -- server B: an offload that fails inside the Worker, then a capture that adds no blob ---------
         blobs = _blob_bytes(daemon)
         worker_pid = b.worker_pid()
-        resource.prlimit(worker_pid, resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # its weight files stop at 1 MiB
+        limit = resource.prlimit(worker_pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(worker_pid, resource.RLIMIT_FSIZE, (1 << 20, limit[1]))  # its weight files stop at 1 MiB
         failed = daemon.cli("dump", str(b.proc.pid), "--name", "b-fail", timeout=900)
         assert failed.returncode == 4, failed.stderr
         assert "VLLM::Worker" in failed.stderr and "File too large" in failed.stderr, failed.stderr
-        resource.prlimit(worker_pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        resource.prlimit(worker_pid, resource.RLIMIT_FSIZE, limit)
         assert b.proc.poll() is None
         assert b.complete(PROMPT) == before, "every process resumed: the source keeps serving"
         assert daemon.cli("inspect", "b-fail").returncode == 3, "no half-written snapshot is listed"
