@@ -122,17 +122,17 @@ def test_stock_vllm_serve(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Pa
         assert a.complete(PROMPT) == before, "serving again after --leave-running"
         off = _dump(daemon, a.proc.pid, "a-off")
         snap = _inspect(daemon, "a-off")
-        weights = int(snap["bufferBytes"])
+        weights = int(snap["buffer_bytes"])
         assert weights >= 64 << 20, "the embeddings and the LM head are named"
         assert full["size_bytes"] - off["size_bytes"] >= 0.9 * weights, (full["size_bytes"], off["size_bytes"], weights)
         for ref in snap["buffers"]:  # dummy weights of one shape have the same bytes: stored once
-            blob = daemon.store / "buffers" / "sha256" / str(snap["worker"].get("uid", 0)) / ref["sha256"]
-            assert blob.stat().st_size == int(ref["sizeBytes"]), "the buffer store holds the weights"
+            blob = daemon.store / "buffers" / "sha256" / str(snap["worker"]["uid"]) / ref["sha256"]
+            assert blob.stat().st_size == int(ref["size_bytes"]), "the buffer store holds the weights"
         workers = [snap["worker"], *snap.get("agents", [])]
         assert sorted(w["role"] for w in workers) == ["core", "frontend", "worker"], workers
         worker = next(w for w in workers if w["role"] == "worker")
         assert worker["process"] == "VLLM::Worker" and worker["weights"].startswith("offloaded"), worker
-        assert {b["agent"] for b in snap["buffers"]} == {worker["instanceId"]}, "the weights are the Worker's"
+        assert {b["agent"] for b in snap["buffers"]} == {worker["instance_id"]}, "the weights are the Worker's"
         assert "offload" in off["phases"]
         assert a.proc.wait(timeout=60) == -9
 
