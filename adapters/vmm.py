@@ -20,6 +20,12 @@ Use :func:`stabilize` once the model is built and before any CUDA graph is captu
 The buffers path (:mod:`gpusnap.adapters.buffers`) recognises arena-backed storages: it copies them out
 and back as usual, and releases/re-maps the arena instead of resizing the storages.
 
+In an engine's worker process (e.g. vLLM's ``Worker``, ``engine-apis.md``): call :func:`stabilize` on the
+model's parameters once they are loaded and post-processed (after ``Worker.load_model``) and before the
+engine captures its graphs (``Worker.compile_or_warm_up_model``); then have the adapter's ``buffers()``
+name those same tensors, and only tensors for which :func:`is_stable` holds, since a plain storage that a
+graph reads would come back elsewhere.
+
 Why not torch's own facilities (torch 2.11): expandable segments use VMM inside the caching allocator but
 map and unmap at the allocator's will, with no API to release a tensor's memory and keep its address;
 ``torch.cuda.MemPool`` with ``CUDAPluggableAllocator`` needs a compiled allocator library (vLLM ships one
