@@ -72,14 +72,22 @@ class _Seconds(click.ParamType[float]):
 SECONDS = _Seconds()
 
 
+TABLE_WIDTH = 80
+"""Width of tables when the output is not a terminal (pipes, files, CI logs); $COLUMNS overrides it."""
+
+
 @functools.cache
 def _console(stderr: bool = False) -> Console:
     from rich.console import Console
 
-    return Console(stderr=stderr)
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else int(os.environ.get("COLUMNS") or TABLE_WIDTH)
+    return Console(stderr=stderr, width=width)
 
 
 def _print_table(table: Table) -> None:
+    for column in table.columns:  # narrow output wraps values onto more lines, never cuts them with "…"
+        column.overflow = "fold"
     _console().print(table)
 
 
@@ -204,28 +212,37 @@ def _progress(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationEvent
     if not enabled:
         yield lambda event: None
         return
-    from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from gpusnap.daemon._proto import operations_pb2
 
-    columns = (SpinnerColumn(), TextColumn("{task.description:<12}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+    columns = (SpinnerColumn(), TextColumn("{task.description:<12}"), BarColumn(), TextColumn("{task.fields[moved]}"),
+               TimeElapsedColumn())
     with Progress(*columns, console=_console(stderr=True), transient=False) as progress:
         tasks: dict[str, Any] = {}
 
         def show(event: operations_pb2.OperationEvent) -> None:
             E = operations_pb2.OperationEvent
             if event.type == E.TYPE_PHASE_STARTED:
-                tasks[event.phase] = progress.add_task(event.phase, total=None)
+                tasks[event.phase] = progress.add_task(event.phase, total=None, moved="")
             elif event.type == E.TYPE_PROGRESS and event.phase in tasks:
-                progress.update(tasks[event.phase], completed=event.bytes, total=event.total_bytes or None)
+                progress.update(tasks[event.phase], completed=event.bytes, total=event.total_bytes or None,
+                                moved=moved(event.bytes, event.total_bytes))
             elif event.type in (E.TYPE_PHASE_FINISHED, E.TYPE_PHASE_FAILED) and event.phase in tasks:
                 mark = "" if event.type == E.TYPE_PHASE_FINISHED else " [red]failed[/red]"
-                total = event.bytes or 1
-                progress.update(tasks[event.phase], description=event.phase + mark, completed=total, total=total)
+                progress.update(tasks[event.phase], description=event.phase + mark, completed=1, total=1,
+                                moved=moved(event.bytes, event.bytes))
             elif event.type == E.TYPE_ROLLBACK:
                 progress.console.print(f"[yellow]rollback[/yellow] {event.phase}: {event.message}")
 
         yield show
+
+
+def moved(done: int, total: int) -> str:
+    """The bytes column of the phase display: empty for phases that move no bytes (no "1/1 bytes")."""
+    if not total:
+        return _size(done) if done else ""
+    return _size(done) if done == total else f"{_size(done)}/{_size(total)}"
 
 
 def _follow(client: DaemonClient, op: operations_pb2.Operation, show_progress: bool) -> operations_pb2.Operation:

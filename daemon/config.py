@@ -56,7 +56,8 @@ class DaemonConfig:
     """Host RAM the GPU preflight may count on, bytes; 0 = MemAvailable. Set it on VMs whose memory
     grows on use (MemAvailable then understates what a checkpoint can stage)."""
     agent_socket: Path = Path("/run/gpusnap/agent.sock")
-    """Where worker agents connect (mode 0666); workers find it through GPUSNAP_AGENT_SOCKET."""
+    """Where worker agents connect (mode 0666); workers find it through GPUSNAP_AGENT_SOCKET. Unset, it is
+    ``agent.sock`` beside ``socket``."""
     warmup_timeout: float = 600.0
     quiesce_timeout: float = 300.0
     resume_timeout: float = 600.0
@@ -108,6 +109,8 @@ class DaemonConfig:
             if key in env:
                 values[name] = env[key]
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        if "socket" in values and "agent_socket" not in values:  # the agent socket goes beside the API socket
+            values["agent_socket"] = Path(values["socket"]).parent / "agent.sock"
         unknown = sorted(set(values) - set(fields))
         if unknown:
             raise InvalidArgumentError(f"unknown config keys: {', '.join(unknown)}", reason="BAD_CONFIG")

@@ -77,6 +77,15 @@ def make_own_dir(path: Path, mode: int) -> None:
         safefs.trust_shared_dir(path)
 
 
+def remove_if_empty(path: Path) -> None:
+    """Remove the directory ``path`` if it is a real, empty directory (the wake directory at stop)."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            os.rmdir(path)
+    except OSError:  # gone, not empty (a worker still waits on it) or not ours to remove
+        pass
+
+
 def socket_answers(path: Path) -> bool:
     """Whether something accepts connections on the Unix socket ``path``."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:

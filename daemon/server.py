@@ -61,6 +61,7 @@ class Running:
         # Running operations finish (and roll back if they fail) before the store and the agent channel
         # close: a quiesced worker must still be able to reconnect and be resumed.
         _release(self.daemon)
+        rundirs.remove_if_empty(wake_dir(self.daemon.deps.config))
 
 
 def build_daemon(config: DaemonConfig) -> Running:
@@ -84,7 +85,7 @@ def build_daemon(config: DaemonConfig) -> Running:
     agents = AgentRegistry(config.agent_socket)
     agents.start()
     # The agents' default GPUSNAP_WAKE_DIR, like /tmp.
-    rundirs.make_own_dir(config.agent_socket.parent / "wake", 0o1777)
+    rundirs.make_own_dir(wake_dir(config), 0o1777)
     deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents,
                 remote=_remote(config))
     metrics = None
@@ -148,6 +149,11 @@ def build_daemon(config: DaemonConfig) -> Running:
         gpu_reason=gpu.reason or None,
     )
     return Running(server=server, proxy=proxy, daemon=daemon, health=health_servicer, metrics=metrics)
+
+
+def wake_dir(config: DaemonConfig) -> Path:
+    """The agents' default GPUSNAP_WAKE_DIR: ``wake`` beside the agent socket (mode 1777, like /tmp)."""
+    return config.agent_socket.parent / "wake"
 
 
 def _release(daemon: Daemon) -> None:

@@ -47,11 +47,14 @@ class DaemonProc:
         self.clients.append(c)
         return c
 
-    def cli(self, *args: str, user: int | None = None, check: bool = False, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, user: int | None = None, check: bool = False, timeout: float = 120,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run the CLI; ``env`` entries are added to (or, set to "", removed from) its environment."""
         cmd = [*self.cli_argv, "--socket", str(self.socket), *args]
         if user is not None:
             cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env or _cli_env())
+        full = {k: v for k, v in {**(self.env or _cli_env()), **(env or {})}.items() if v != ""}
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full)
         if check and res.returncode != 0:
             raise AssertionError(f"{args} exited {res.returncode}: {res.stderr}")
         return res

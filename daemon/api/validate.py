@@ -54,7 +54,11 @@ def operation_id(op_id: str) -> str:
         InvalidArgumentError: reason ``INVALID_OPERATION_ID``.
     """
     if not OPERATION_ID_RE.fullmatch(op_id):
-        raise InvalidArgumentError(f"invalid operation id {op_id!r}", reason="INVALID_OPERATION_ID")
+        raise InvalidArgumentError(
+            f"invalid operation id {op_id!r}: an operation id is op- and 26 characters a-z and 2-7 "
+            "(op-a4xk…), as `dump --detach`, `restore --detach` and `gpusnap ops` print it",
+            reason="INVALID_OPERATION_ID",
+        )
     return op_id
 
 

@@ -1,0 +1,91 @@
+"""What the CLI prints for people: tables that fit 80 columns off a terminal, truthful phases and errors,
+and a daemon whose agent socket follows --socket (or --agent-socket) and cleans up after itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from gpusnap.daemon.cli import moved
+from tests.conftest import DaemonProc, Workloads, _cli_env, _healthy, criu_prefix, wait_for
+
+LONG_NAME = "a-rather-long-snapshot-name-for-a-warmed-up-inference-worker-01"
+
+
+def _widest(text: str) -> int:
+    return max((len(line) for line in text.splitlines()), default=0)
+
+
+def test_tables_fit_80_columns_off_a_terminal(daemon: DaemonProc, workloads: Workloads) -> None:
+    w = workloads.start("--mem-mb", "4", "--no-listener")
+    daemon.cli("dump", str(w.pid), "--name", LONG_NAME, "--label", "model=llama-3.1-8b-instruct",
+               "--label", "team=inference-platform", "--leave-running", check=True)
+    for args in (["ls"], ["inspect", LONG_NAME], ["ops"], ["node"]):
+        out = daemon.cli(*args, check=True, env={"COLUMNS": ""}).stdout  # no $COLUMNS, not a terminal
+        assert out.strip() and _widest(out) <= 80, f"{args}: {_widest(out)} columns:\n{out}"
+        assert "…" not in out and "..." not in out, f"{args}: a value was cut:\n{out}"
+        wide = daemon.cli(*args, check=True, env={"COLUMNS": "200"}).stdout
+        assert _widest(wide) <= 200
+    listed = daemon.cli("ls", check=True, env={"COLUMNS": "200"}).stdout
+    assert LONG_NAME in listed, "with room, the name is shown whole"
+
+
+def test_phase_bytes_column() -> None:
+    assert moved(0, 0) == "", "a phase that moves no bytes shows none (not '1/1 bytes')"
+    assert moved(2048, 2048) == "2.0 KiB"
+    assert moved(512, 2048) == "512 B/2.0 KiB"
+    assert moved(3 << 20, 0) == "3.0 MiB"
+
+
+def test_wait_on_a_malformed_id_says_what_an_id_looks_like(daemon: DaemonProc) -> None:
+    res = daemon.cli("wait", "12345")
+    assert res.returncode == 2
+    assert "invalid operation id '12345'" in res.stderr and "op- and 26 characters a-z and 2-7" in res.stderr
+    assert res.stderr.count("\n") == 1
+
+
+def _gpusnapd(tmp: Path, *flags: str) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in _cli_env().items() if k != "GPUSNAP_AGENT_SOCKET"}
+    prefix = criu_prefix()
+    cmd = [sys.executable, "-m", "gpusnap.daemon.main", "--store", str(tmp / "store"), "--criu",
+           str(prefix / "bin" / "criu"), "--pycriu-path", str(prefix / "python"), "--log-format", "json", *flags]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(tmp / "log", "ab"), stderr=subprocess.STDOUT,
+                            env=env)
+
+
+def test_agent_socket_follows_socket_and_the_flag(tmp_path: Path) -> None:
+    default_agent = Path("/run/gpusnap/agent.sock")
+    existed = default_agent.exists()
+    run_dir = Path(tempfile.mkdtemp(prefix="gpusnap-run-"))
+    os.chmod(run_dir, 0o755)
+    socket = run_dir / "api.sock"
+    proc = _gpusnapd(tmp_path, "--socket", str(socket))
+    try:
+        wait_for(lambda: (socket.exists() and _healthy(socket)) or proc.poll() is not None, 60, "did not start")
+        assert proc.poll() is None, (tmp_path / "log").read_text()
+        assert (run_dir / "agent.sock").is_socket(), "the agent socket goes beside --socket"
+        assert (run_dir / "wake").is_dir()
+        assert default_agent.exists() == existed, "nothing bound in /run/gpusnap"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert not (run_dir / "agent.sock").exists() and not (run_dir / "wake").exists(), "nothing left behind"
+
+    agent_dir = Path(tempfile.mkdtemp(prefix="gpusnap-agent-"))
+    os.chmod(agent_dir, 0o755)
+    proc = _gpusnapd(tmp_path, "--socket", str(socket), "--agent-socket", str(agent_dir / "a.sock"))
+    try:
+        wait_for(lambda: (socket.exists() and _healthy(socket)) or proc.poll() is not None, 60, "did not start")
+        assert proc.poll() is None, (tmp_path / "log").read_text()
+        assert (agent_dir / "a.sock").is_socket() and not (run_dir / "agent.sock").exists()
+        started = [json.loads(x) for x in (tmp_path / "log").read_text().splitlines() if '"daemon.started"' in x]
+        assert started[-1]["agent_socket"] == str(agent_dir / "a.sock")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert not (agent_dir / "wake").exists()
