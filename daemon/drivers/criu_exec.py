@@ -3,7 +3,8 @@
 gpusnapd never forks CRIU from its own (multi-threaded) process. It starts
 ``python -m gpusnap.daemon.drivers.criu_exec``, writes one JSON request on its stdin and reads JSON
 lines from its stdout. The helper is single-threaded, so it may safely fork, enter namespaces and
-let pycriu spawn ``criu swrk``.
+let pycriu spawn ``criu swrk``. It loads pycriu before it reads its request, so gpusnapd can start it
+ahead of need (``CriuDriver.keep_spare_helper``); one that reads end of file instead exits at once.
 
 Request (one JSON object)::
 
