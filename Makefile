@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP) ## create .venv with gpusnap (editable) and the dev tools
 
-criu: ## install CRIU >= 4.1 + pycriu into .criu (Debian 13 packages on older systems)
+criu: ## install CRIU >= 4.2 + pycriu into .criu (Debian forky packages where the system's criu is older)
 	scripts/install-criu.sh $(CRIU_PREFIX)
 
 run: venv criu ## run gpusnapd in the foreground (socket build/run/gpusnapd.sock, store build/store)

