@@ -91,6 +91,22 @@ def _print_table(table: Table) -> None:
     _console().print(table)
 
 
+def _safe(text: str) -> str:
+    """``text`` with control characters (C0, DEL, C1, bidi overrides...) written as escapes.
+
+    Names, labels, command lines and messages come from the daemon and, through it, from other users'
+    processes: an inspecting root's terminal must not run their escape sequences.
+    """
+    return "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in text)
+
+
+def _row(table: Table, *cells: str) -> None:
+    """Add a row of plain-text cells: no rich markup is read from them (``[bold]``, ``[link=...]``)."""
+    from rich.text import Text
+
+    table.add_row(*(Text(_safe(c)) for c in cells))
+
+
 def _table(*headers: str, **kw: Any) -> Table:
     from rich.table import Table
 
@@ -137,7 +153,7 @@ def output_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _fail(err: GpusnapError) -> None:
-    click.echo(f"gpusnap: error: {err.message}", err=True)
+    click.echo(f"gpusnap: error: {_safe(err.message)}", err=True)
     ctx = click.get_current_context(silent=True)
     obj = ctx.find_object(Ctx) if ctx else None
     if obj is not None and obj.output == "json":  # scripts get the reason too
@@ -233,7 +249,9 @@ def _progress(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationEvent
                 progress.update(tasks[event.phase], description=event.phase + mark, completed=1, total=1,
                                 moved=moved(event.bytes, event.bytes))
             elif event.type == E.TYPE_ROLLBACK:
-                progress.console.print(f"[yellow]rollback[/yellow] {event.phase}: {event.message}")
+                from rich.markup import escape
+
+                progress.console.print(f"[yellow]rollback[/yellow] {escape(_safe(f'{event.phase}: {event.message}'))}")
 
         yield show
 
@@ -471,7 +489,7 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
     for s in snaps:
         created = s.created.ToDatetime(tzinfo=UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S")
         gpus = len({u for g in s.gpu_processes for u in g.gpu_uuids})
-        table.add_row(s.id, s.name or "-", created, _size(s.size_bytes), f"{s.source.pid} {s.source.comm}", str(gpus))
+        _row(table, s.id, s.name or "-", created, _size(s.size_bytes), f"{s.source.pid} {s.source.comm}", str(gpus))
     _print_table(table)
 
 
@@ -511,7 +529,7 @@ def inspect(obj: Ctx, snapshot: str) -> None:
                                   + (f", {_size(held)} of buffers" if held else "") + (f"; weights {w.weights}" if w.weights else "")))
     table = _table(show_header=False)
     for key, value in rows:
-        table.add_row(key, value)
+        _row(table, key, value)
     _print_table(table)
 
 
@@ -530,7 +548,7 @@ def rm(obj: Ctx, snapshots: tuple[str, ...], remote: bool) -> None:
             try:
                 deleted.append(client.delete_snapshot(ref, remote=remote))
             except GpusnapError as err:
-                click.echo(f"gpusnap: error: {ref}: {err.message}", err=True)
+                click.echo(f"gpusnap: error: {_safe(ref)}: {_safe(err.message)}", err=True)
                 failed.append((ref, err))
     if obj.output == "json":
         from gpusnap.daemon import jsonout
@@ -564,12 +582,12 @@ def node(obj: Ctx) -> None:
         ("nvidia driver", h.nvidia_driver_version or "-"),
         ("cuda checkpoint", "supported" if info.cuda_checkpoint_supported else (info.cuda_unavailable_reason or "-")),
     ):
-        table.add_row(key, value)
+        _row(table, key, value)
     _print_table(table)
     if info.gpus:
         gpus = _table("IDX", "UUID", "NAME", "MEMORY FREE/TOTAL", "PERSISTENCE", "MIG", "PROCESSES")
         for g in info.gpus:
-            gpus.add_row(str(g.index), g.uuid, g.name, f"{_size(g.memory_free_bytes)} / {_size(g.memory_total_bytes)}",
+            _row(gpus, str(g.index), g.uuid, g.name, f"{_size(g.memory_free_bytes)} / {_size(g.memory_total_bytes)}",
                          "on" if g.persistence_mode else "off", "on" if g.mig_mode else "off",
                          ", ".join(str(p.pid) for p in g.processes) or "-")
         _print_table(gpus)
@@ -609,7 +627,7 @@ def list_operations(obj: Ctx) -> None:
         kind = operations_pb2.OperationKind.Name(op.kind).removeprefix("OPERATION_KIND_").lower()
         state = operations_pb2.OperationState.Name(op.state).removeprefix("OPERATION_STATE_").lower()
         started = op.started.ToDatetime(tzinfo=UTC).astimezone().strftime("%H:%M:%S")
-        table.add_row(op.id, kind, state, op.phase, started, op.target_snapshot or str(op.target_pid))
+        _row(table, op.id, kind, state, op.phase, started, op.target_snapshot or str(op.target_pid))
     _print_table(table)
 
 

@@ -16,6 +16,11 @@ RESERVED_LABEL_PREFIX = "gpusnap.dev/"
 MAX_LABELS = 64
 
 
+def _shown(value: str) -> str:
+    """``value`` quoted for an error message, cut to 100 characters (callers may send megabytes)."""
+    return repr(value) if len(value) <= 100 else repr(value[:100]) + "…"
+
+
 def snapshot_name(name: str) -> str:
     """Return ``name`` if valid (``[a-z0-9][a-z0-9._-]{0,62}``, not a snapshot id); raise otherwise.
 
@@ -24,7 +29,7 @@ def snapshot_name(name: str) -> str:
     """
     if not NAME_RE.fullmatch(name) or SNAPSHOT_ID_RE.fullmatch(name):
         raise InvalidArgumentError(
-            f"invalid snapshot name {name!r}: use 1-63 characters of a-z, 0-9, '.', '_', '-', "
+            f"invalid snapshot name {_shown(name)}: use 1-63 characters of a-z, 0-9, '.', '_', '-', "
             "starting with a letter or digit (and not of the form snap-…)",
             reason="INVALID_NAME",
             metadata={"name": name[:100]},
@@ -41,7 +46,7 @@ def snapshot_ref(ref: str) -> str:
     if SNAPSHOT_ID_RE.fullmatch(ref) or NAME_RE.fullmatch(ref):
         return ref
     raise InvalidArgumentError(
-        f"{ref!r} is neither a snapshot id (snap-…) nor a valid snapshot name; list snapshots with `gpusnap ls`",
+        f"{_shown(ref)} is neither a snapshot id (snap-…) nor a valid snapshot name; list snapshots with `gpusnap ls`",
         reason="INVALID_SNAPSHOT_REF",
         metadata={"snapshot": ref[:100]},
     )
@@ -55,7 +60,7 @@ def operation_id(op_id: str) -> str:
     """
     if not OPERATION_ID_RE.fullmatch(op_id):
         raise InvalidArgumentError(
-            f"invalid operation id {op_id!r}: an operation id is op- and 26 characters a-z and 2-7 "
+            f"invalid operation id {_shown(op_id)}: an operation id is op- and 26 characters a-z and 2-7 "
             "(op-a4xk…), as `dump --detach`, `restore --detach` and `gpusnap ops` print it",
             reason="INVALID_OPERATION_ID",
         )
@@ -73,17 +78,17 @@ def labels(value: Mapping[str, str]) -> dict[str, str]:
     for key, val in value.items():
         if key.startswith(RESERVED_LABEL_PREFIX):
             raise InvalidArgumentError(
-                f"label key {key!r} uses the prefix {RESERVED_LABEL_PREFIX!r}, which gpusnap reserves for itself",
+                f"label key {_shown(key)} uses the prefix {RESERVED_LABEL_PREFIX!r}, which gpusnap reserves for itself",
                 reason="INVALID_LABEL",
             )
         if not LABEL_KEY_RE.fullmatch(key):
             raise InvalidArgumentError(
-                f"invalid label key {key!r}: 1-128 characters of letters, digits, '.', '_', '/', '-'",
+                f"invalid label key {_shown(key)}: 1-128 characters of letters, digits, '.', '_', '/', '-'",
                 reason="INVALID_LABEL",
             )
-        if len(val) > MAX_LABEL_VALUE or any(ord(c) < 32 for c in val):
+        if len(val) > MAX_LABEL_VALUE or not val.replace(" ", "").isprintable():  # no C0/C1 controls, DEL, bidi
             raise InvalidArgumentError(
-                f"invalid value for label {key!r}: at most {MAX_LABEL_VALUE} printable characters",
+                f"invalid value for label {_shown(key)}: at most {MAX_LABEL_VALUE} printable characters",
                 reason="INVALID_LABEL",
             )
     return dict(value)

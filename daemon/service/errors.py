@@ -18,15 +18,24 @@ from grpc_status import rpc_status
 from gpusnap.daemon.api.errors import Code, GpusnapError, error_for_code
 
 DOMAIN = "gpusnap.dev"
+MAX_MESSAGE = 1024
+MAX_METADATA_VALUE = 256
+"""Characters kept of a message and of each metadata value. gRPC sends the status as trailing metadata,
+which clients cut at 8-16 KiB (grpc.max_metadata_size): an error echoing a 100 kB argument would
+otherwise reach the caller as RESOURCE_EXHAUSTED ("Stream removed") instead of itself."""
+
+
+def _cap(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def to_status_proto(err: GpusnapError) -> status_pb2.Status:
     """``err`` as a ``google.rpc.Status`` (used for RPC errors and for failed operations)."""
-    metadata = {**err.metadata, "action": err.action.value}
+    metadata = {k: _cap(v, MAX_METADATA_VALUE) for k, v in err.metadata.items()} | {"action": err.action.value}
     info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    return status_pb2.Status(code=int(err.code), message=err.message, details=[detail])
+    return status_pb2.Status(code=int(err.code), message=_cap(err.message, MAX_MESSAGE), details=[detail])
 
 
 def abort(context: grpc.ServicerContext, err: GpusnapError) -> None:

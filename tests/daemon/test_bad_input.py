@@ -41,6 +41,9 @@ def _snapshot(daemon: DaemonProc, workloads: Workloads, name: str) -> dict[str, 
         (["restore", "../../etc/passwd"], 2, "neither a snapshot id", "INVALID_SNAPSHOT_REF", "fix"),
         (["inspect", "UPPER"], 2, "neither a snapshot id", "INVALID_SNAPSHOT_REF", "fix"),
         (["wait", "op-zzz"], 2, "invalid operation id", "INVALID_OPERATION_ID", "fix"),
+        # echoed arguments are cut: a 100 kB one must not push the status past gRPC's metadata limit
+        (["inspect", "A" * 100_000], 2, "neither a snapshot id", "INVALID_SNAPSHOT_REF", "fix"),
+        (["wait", "op-" + "a" * 100_000], 2, "invalid operation id", "INVALID_OPERATION_ID", "fix"),
     ],
 )
 def test_bad_references(daemon: DaemonProc, args: list[str], code: int, words: str, reason: str, action: str) -> None:
@@ -87,6 +90,9 @@ def test_invalid_label(daemon: DaemonProc, workloads: Workloads) -> None:
     assert res.returncode == 2 and "invalid label key" in res.stderr
     assert _error(res)["reason"] == "INVALID_LABEL"
     assert daemon.cli("dump", str(w.pid), "--label", "novalue").returncode == 2
+    for control in ("\x1b[31m", "\x7f", "\x9b31m", "\u202e"):  # ESC, DEL, 8-bit CSI, bidi override
+        res = daemon.cli("-o", "json", "dump", str(w.pid), "--label", f"k=a{control}b")
+        assert res.returncode == 2 and _error(res)["reason"] == "INVALID_LABEL", control
 
 
 def test_duplicate_name_is_refused(daemon: DaemonProc, workloads: Workloads) -> None:
