@@ -278,6 +278,8 @@ SLOW_MODULES = frozenset({
     "tests.test_packaging", "tests.daemon.test_tls", "tests.daemon.test_faults", "tests.systemd.test_unit",
     "tests.adapters.test_vllm_cpu", "tests.adapters.test_buffers_cpu", "tests.adapters.test_agent_roundtrip",
     "tests.adapters.test_controldir", "tests.daemon.service.test_lists", "tests.daemon.security.test_dirs",
+    "tests.daemon.test_metrics", "tests.daemon.remote.test_faults", "tests.adapters.test_vllm_plugin",
+    "tests.adapters.test_vmm",
 })
 
 

@@ -11,6 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from gpusnap.daemon.cli import moved
 from tests.conftest import DaemonProc, Workloads, _cli_env, _healthy, criu_prefix, wait_for
 
@@ -58,6 +60,7 @@ def _gpusnapd(tmp: Path, *flags: str) -> subprocess.Popen[bytes]:
                             env=env)
 
 
+@pytest.mark.slow
 def test_agent_socket_follows_socket_and_the_flag(tmp_path: Path) -> None:
     default_agent = Path("/run/gpusnap/agent.sock")
     existed = default_agent.exists()
