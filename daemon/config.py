@@ -28,6 +28,12 @@ class DaemonConfig:
     buffer_dir: str = ""
     """Buffer store (workers' named buffers, e.g. weights, shared by snapshots); empty = ``<store>/buffers``.
     A tmpfs here is a RAM tier: restores read weights from memory, but they do not survive a reboot."""
+    ram_tier_bytes: int = 0
+    """Budget of the RAM tier (``buffer_dir``), bytes; 0 = none. Over it, least recently used buffers that
+    no operation uses move to the disk tier (``<store>/buffers``)."""
+    disk_tier_bytes: int = 0
+    """Budget of the disk tier (``<store>/buffers``), bytes; 0 = none. A capture whose buffers exceed every
+    tier's budget is refused."""
     socket_group: str = "gpusnap"
     """Group that may use the socket; ignored when it does not exist."""
     listen: str = ""

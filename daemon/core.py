@@ -21,6 +21,7 @@ from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.operations.restore import check_may_restore, check_replicas, run_restore
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
 from gpusnap.daemon.operations import remote as remote_ops
+from gpusnap.daemon.store.tiers import Tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,8 @@ class NodeInfo:
     cuda_checkpoint_supported: bool = False
     cuda_unavailable_reason: str = ""
     remote: str = ""
+    tiers: tuple[tuple[Tier, int, int], ...] = ()
+    """(tier, used bytes, blobs), fastest first."""
 
 
 class Daemon:
@@ -215,6 +218,7 @@ class Daemon:
             cuda_checkpoint_supported=self.deps.gpu.available,
             cuda_unavailable_reason=self.deps.gpu.reason,
             remote=str(self.deps.remote or ""),
+            tiers=tuple((t, t.used_bytes(), sum(1 for _ in t.blob_files())) for t in self.deps.store.buffers.tiers),
         )
 
 

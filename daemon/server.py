@@ -76,7 +76,8 @@ def build_daemon(config: DaemonConfig) -> Running:
     criu = CriuDriver(config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs")
     criu_version = criu.require_supported()
     criu.keep_spare_helper()
-    store = SnapshotStore(config.store, Path(config.buffer_dir) if config.buffer_dir else None)
+    store = SnapshotStore(config.store, Path(config.buffer_dir) if config.buffer_dir else None,
+                          config.ram_tier_bytes, config.disk_tier_bytes)
     store.open()
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
     for sock_dir in {config.socket.parent, config.agent_socket.parent}:

@@ -133,6 +133,13 @@ def schema() -> dict[str, Any]:
                            "push_operation": op_id},
             "required": ["id", "name", "operation", "size_bytes", "buffer_bytes", "phases"],
         },
+        "store": {
+            "type": "object",
+            "properties": {"store_path": {"type": "string"}, "snapshot_count": count, "store_used_bytes": count,
+                           "remote": {"type": "string"}, "tiers": {"type": "array", "items": {"$ref": "#/$defs/StoreTier"}}},
+            "required": ["store_path", "snapshot_count", "store_used_bytes", "remote", "tiers"],
+            "additionalProperties": False,
+        },
         "push": transfer,
         "pull": transfer,
         "restore": {

@@ -47,6 +47,7 @@ class NodeInfo(_message.Message):
     CUDA_UNAVAILABLE_REASON_FIELD_NUMBER: _builtins.int
     CRIU_PATH_FIELD_NUMBER: _builtins.int
     REMOTE_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
     store_path: _builtins.str
     store_used_bytes: _builtins.int
     snapshot_count: _builtins.int
@@ -61,6 +62,10 @@ class NodeInfo(_message.Message):
     def host(self) -> _types_pb2.HostFacts: ...
     @_builtins.property
     def gpus(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.GpuInfo]: ...
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoreTier]:
+        """the buffer store's tiers, fastest first"""
+
     def __init__(
         self,
         *,
@@ -73,14 +78,54 @@ class NodeInfo(_message.Message):
         cuda_unavailable_reason: _builtins.str = ...,
         criu_path: _builtins.str = ...,
         remote: _builtins.str = ...,
+        tiers: _abc.Iterable[Global___StoreTier] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["host", b"host"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["criu_path", b"criu_path", "cuda_checkpoint_supported", b"cuda_checkpoint_supported", "cuda_unavailable_reason", b"cuda_unavailable_reason", "gpus", b"gpus", "host", b"host", "remote", b"remote", "snapshot_count", b"snapshot_count", "store_path", b"store_path", "store_used_bytes", b"store_used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["criu_path", b"criu_path", "cuda_checkpoint_supported", b"cuda_checkpoint_supported", "cuda_unavailable_reason", b"cuda_unavailable_reason", "gpus", b"gpus", "host", b"host", "remote", b"remote", "snapshot_count", b"snapshot_count", "store_path", b"store_path", "store_used_bytes", b"store_used_bytes", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeInfo: _TypeAlias = NodeInfo  # noqa: Y015
+
+@_typing.final
+class StoreTier(_message.Message):
+    """One tier of the buffer store (workers' weights): RAM (buffer_dir on tmpfs) or disk (<store>/buffers)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    FREE_BYTES_FIELD_NUMBER: _builtins.int
+    BLOBS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"ram" or "disk" """
+    path: _builtins.str
+    used_bytes: _builtins.int
+    budget_bytes: _builtins.int
+    """0: no budget (free space bounds it)"""
+    free_bytes: _builtins.int
+    """free space of its file system"""
+    blobs: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        used_bytes: _builtins.int = ...,
+        budget_bytes: _builtins.int = ...,
+        free_bytes: _builtins.int = ...,
+        blobs: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blobs", b"blobs", "budget_bytes", b"budget_bytes", "free_bytes", b"free_bytes", "name", b"name", "path", b"path", "used_bytes", b"used_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoreTier: _TypeAlias = StoreTier  # noqa: Y015
 
 @_typing.final
 class GetNodeInfoResponse(_message.Message):

@@ -90,6 +90,7 @@ _ACTION_BY_REASON: dict[str, Action] = {
     "SUSPENDED_TREE_UNKNOWN": Action.FIX,
     "AGENT_ATTACHED": Action.FIX,
     "REMOTE_NOT_CONFIGURED": Action.FIX,
+    "BUFFER_BUDGET": Action.FIX,
     "REMOTE_NO_BUCKET": Action.FIX,
     # a chunk a remote manifest names is gone: that snapshot cannot be pulled
     "REMOTE_NOT_FOUND": Action.FALL_BACK,

@@ -140,6 +140,8 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
         finally:
             store.buffers.unpin(uid, digests)
         shutil.rmtree(blob_work, ignore_errors=True)
+        if blobs:
+            store.buffers.schedule_budgets()
     return _result(snap.id, remote, tally)
 
 

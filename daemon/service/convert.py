@@ -222,6 +222,8 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
         cuda_checkpoint_supported=n.cuda_checkpoint_supported,
         cuda_unavailable_reason=n.cuda_unavailable_reason,
         remote=n.remote,
+        tiers=[node_pb2.StoreTier(name=t.name, path=str(t.root), used_bytes=used, budget_bytes=t.budget_bytes,
+                                  free_bytes=t.free_bytes(), blobs=count) for t, used, count in n.tiers],
     )
 
 

@@ -1,7 +1,8 @@
 """BufferStore: content-addressed files holding workers' named buffers (weights), shared by snapshots.
 
 Layout under its root (default ``<store>/buffers``; ``--buffer-dir`` puts it elsewhere, e.g. on tmpfs
-for a RAM tier; mode 0700)::
+for a RAM tier, and ``<store>/buffers`` becomes the disk tier below it: ``gpusnap.daemon.store.tiers``;
+mode 0700)::
 
     sha256/<uid>/<digest>   one buffer's bytes, mode 0400, named by its digest (``checksum.DIGEST_ALGORITHM``),
                             under the uid of the worker that wrote it
@@ -39,6 +40,7 @@ from gpusnap.daemon.api.errors import DataLossError, FailedPreconditionError, Re
 from gpusnap.daemon.api.types import BufferRef
 from gpusnap.daemon.store import checksum
 from gpusnap.daemon.store.durable import fsync_dir
+from gpusnap.daemon.store.tiers import Tier, eviction_order, mark_used, move
 
 log = structlog.get_logger(__name__)
 
@@ -50,12 +52,13 @@ class StagedBuffers:
     worker its buffers back (:meth:`read_fds`).
     """
 
-    def __init__(self, store: BufferStore, uid: int, names: Sequence[str], sizes: Sequence[int]):
+    def __init__(self, store: BufferStore, uid: int, names: Sequence[str], sizes: Sequence[int], tier: Tier):
         self.store = store
         self.uid = uid
         self.names = list(names)
         self.sizes = list(sizes)
-        self.paths = [store.incoming / f"{secrets.token_hex(8)}" for _ in self.names]
+        self.tier = tier
+        self.paths = [tier.incoming / f"{secrets.token_hex(8)}" for _ in self.names]
         self.fds: list[int] = []
         self._digests: Future[list[str]] | None = None
         self.refs: list[BufferRef] = []
@@ -95,9 +98,9 @@ class StagedBuffers:
         self.store.pin(self.uid, digests)
         self.refs = refs
         for path, fd, digest in zip(self.paths, self.fds, digests, strict=True):
-            self.store.adopt(path, fd, self.uid, digest)
-        fsync_dir(self.store.blobs / str(self.uid))
-        fsync_dir(self.store.blobs)
+            self.store.adopt(path, fd, self.uid, digest, self.tier)
+        fsync_dir(self.tier.blobs / str(self.uid))
+        fsync_dir(self.tier.blobs)
         return refs
 
     def read_fds(self) -> list[int]:
@@ -115,14 +118,19 @@ class StagedBuffers:
             except FileNotFoundError:
                 pass
         self.store.unpin(self.uid, [r.sha256 for r in self.refs])
+        if self.refs:
+            self.store.schedule_budgets()  # spill to slower tiers off the capture's path
         self.refs = []
 
 
 class BufferStore:
     """Content-addressed buffer files under ``root`` (see the module docstring)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, disk: Path | None = None, ram_budget_bytes: int = 0, disk_budget_bytes: int = 0):
         self.root = root
+        self.tiers = ([Tier("ram", root, ram_budget_bytes), Tier("disk", disk, disk_budget_bytes)]
+                      if disk is not None and disk != root else [Tier("disk", root, disk_budget_bytes)])
+        """Fastest first (``gpusnap.daemon.store.tiers``)."""
         self.blobs = root / "sha256"
         self.incoming = root / "incoming"
         self.pulling = root / "pulling"
@@ -132,6 +140,7 @@ class BufferStore:
         self._lock = threading.Lock()
         self._pins: dict[str, int] = {}
         self._lock_fd: int | None = None
+        self._budget_pass: Future[int] | None = None
 
     def close(self) -> None:
         """Release the buffer store's lock."""
@@ -147,9 +156,10 @@ class BufferStore:
                 collection would delete the other daemon's blobs.
             OSError: the directory cannot be created or written.
         """
-        for d in (self.root, self.blobs, self.incoming, self.pulling):
+        for d in (self.pulling, *(p for t in self.tiers for p in (t.root, t.blobs, t.incoming))):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
+        for t in self.tiers:
+            os.chmod(t.root, 0o700)
         fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -160,7 +170,7 @@ class BufferStore:
                 reason="STORE_LOCKED",
             ) from None
         self._lock_fd = fd
-        for leftover in self.incoming.iterdir():
+        for leftover in (p for t in self.tiers for p in t.incoming.iterdir()):
             log.warning("buffers.incoming_removed", path=str(leftover))
             if leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -171,19 +181,27 @@ class BufferStore:
         """Staged files for the buffers of a worker of user ``uid``, after checking the store has room.
 
         Raises:
-            ResourceExhaustedError: fewer free bytes than the buffers need (``BUFFER_STORE_FULL``).
+            ResourceExhaustedError: fewer free bytes than the buffers need (``BUFFER_STORE_FULL``), or more
+                bytes than every tier's budget (``BUFFER_BUDGET``).
         """
         need = sum(sizes)
-        st = os.statvfs(self.root)
-        free = st.f_bavail * st.f_frsize
-        if need > free:
+        for tier in self.tiers:
+            if tier.room_for(need):
+                return StagedBuffers(self, uid, names, sizes, tier)
+        if all(t.budget_bytes and need > t.budget_bytes for t in self.tiers):
+            shown = ", ".join(f"{t.name} {t.budget_bytes / 2**20:.0f} MiB" for t in self.tiers)
             raise ResourceExhaustedError(
-                f"the worker's buffers need {need / 2**30:.1f} GiB but the buffer store {self.root} has "
-                f"{free / 2**30:.1f} GiB free; delete snapshots (`gpusnap rm`), give gpusnapd a larger --buffer-dir, "
-                "or checkpoint without offload (--no-offload)",
-                reason="BUFFER_STORE_FULL",
+                f"the worker's buffers need {need / 2**20:.0f} MiB, more than every buffer tier's budget ({shown}); "
+                "raise ram_tier_bytes or disk_tier_bytes, or checkpoint without offload (--no-offload)",
+                reason="BUFFER_BUDGET",
             )
-        return StagedBuffers(self, uid, names, sizes)
+        free = max(t.free_bytes() for t in self.tiers)
+        raise ResourceExhaustedError(
+            f"the worker's buffers need {need / 2**30:.1f} GiB but the buffer store {self.root} has "
+            f"{free / 2**30:.1f} GiB free; delete snapshots (`gpusnap rm`), give gpusnapd a larger --buffer-dir, "
+            "or checkpoint without offload (--no-offload)",
+            reason="BUFFER_STORE_FULL",
+        )
 
     @staticmethod
     def key(uid: int, digest: str) -> str:
@@ -191,15 +209,22 @@ class BufferStore:
         return f"{uid}/{digest}"
 
     def path(self, uid: int, digest: str) -> Path:
-        return self.blobs / self.key(uid, digest)
+        """Where blob ``digest`` of ``uid`` is read: the fastest tier holding it (else where the fastest
+        tier would hold it)."""
+        key = self.key(uid, digest)
+        for tier in self.tiers:
+            if (tier.blobs / key).exists():
+                return tier.blobs / key
+        return self.tiers[0].blobs / key
 
-    def adopt(self, path: Path, fd: int, uid: int, digest: str) -> None:
-        """Make the staged file ``path`` the blob ``digest`` of ``uid`` unless that blob exists already."""
-        target = self.path(uid, digest)
+    def adopt(self, path: Path, fd: int, uid: int, digest: str, tier: Tier | None = None) -> None:
+        """Make the staged file ``path`` the blob ``digest`` of ``uid`` in ``tier`` (default: the fastest)
+        unless that blob exists already in some tier."""
+        target = (tier or self.tiers[0]).blobs / self.key(uid, digest)
         os.fsync(fd)
         os.fchmod(fd, 0o400)
         with self._lock:  # the garbage collector removes empty user directories
-            if target.exists():
+            if self.path(uid, digest).exists():
                 path.unlink()
                 return
             target.parent.mkdir(mode=0o700, exist_ok=True)
@@ -243,7 +268,9 @@ class BufferStore:
         fds: list[int] = []
         try:
             for ref in refs:
-                fds.append(os.open(self.path(uid, ref.sha256), os.O_RDONLY | os.O_CLOEXEC))
+                path = self.path(uid, ref.sha256)
+                fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+                mark_used(path)
         except OSError:
             for fd in fds:
                 os.close(fd)
@@ -265,16 +292,51 @@ class BufferStore:
         freed = 0
         with self._lock:
             keep = referenced() | set(self._pins)
-            for user_dir in self.blobs.iterdir():
-                for blob in user_dir.iterdir():
-                    if f"{user_dir.name}/{blob.name}" not in keep:
+            for tier in self.tiers:
+                for key, blob in list(tier.blob_files()):
+                    if key not in keep:
                         freed += blob.stat().st_size
                         blob.unlink()
-                if not any(user_dir.iterdir()):
-                    user_dir.rmdir()
+                for user_dir in tier.blobs.iterdir():
+                    if not any(user_dir.iterdir()):
+                        user_dir.rmdir()
         if freed:
             log.info("buffers.collected", bytes=freed)
         return freed
 
     def used_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.blobs.rglob("*") if p.is_file())
+        return sum(t.used_bytes() for t in self.tiers)
+
+    def schedule_budgets(self) -> None:
+        """Run :meth:`enforce_budgets` in the background (after a capture or pull added blobs)."""
+        self._budget_pass = self.jobs.submit(self.enforce_budgets)
+
+    def settle(self) -> None:
+        """Wait for the last background budget pass (tests, shutdown)."""
+        if self._budget_pass is not None:
+            self._budget_pass.result()
+
+    def enforce_budgets(self) -> int:
+        """Move least recently used, unpinned blobs of each tier over its budget to the next tier;
+        returns the bytes moved. The slowest tier's budget is enforced at staging only (its blobs have
+        nowhere safer to go)."""
+        moved = 0
+        for tier, slower in zip(self.tiers, self.tiers[1:]):
+            if not tier.budget_bytes:
+                continue
+            used = tier.used_bytes()
+            if used <= tier.budget_bytes:
+                continue
+            with self._lock:
+                pinned = set(self._pins)
+            for key, path, size in eviction_order(tier, pinned):
+                if used <= tier.budget_bytes:
+                    break
+                if move(key, path, slower):
+                    used -= size
+                    moved += size
+                    log.info("buffers.evicted", blob=key, bytes=size, src=tier.name, dst=slower.name)
+            if used > tier.budget_bytes:
+                log.warning("buffers.over_budget", tier=tier.name, used=used, budget=tier.budget_bytes,
+                            why="the rest is pinned by operations in flight")
+        return moved

@@ -69,12 +69,14 @@ class SnapshotStore:
 
     Args:
         root: store directory; created (mode 0700) if missing.
-        buffer_dir: the buffer store's directory (default ``root/buffers``).
+        buffer_dir: the buffer store's directory (default ``root/buffers``); when set, its RAM tier above
+            the disk tier ``root/buffers``.
+        ram_tier_bytes, disk_tier_bytes: budgets of the buffer tiers (0: none; ``store.tiers``).
     """
 
-    def __init__(self, root: Path, buffer_dir: Path | None = None):
+    def __init__(self, root: Path, buffer_dir: Path | None = None, ram_tier_bytes: int = 0, disk_tier_bytes: int = 0):
         self.root = root
-        self.buffers = BufferStore(buffer_dir or root / "buffers")
+        self.buffers = BufferStore(buffer_dir or root / "buffers", root / "buffers", ram_tier_bytes, disk_tier_bytes)
         self.snapshots_dir = root / "snapshots"
         self.staging_dir = root / "staging"
         self.pulls_dir = root / "pulls"
@@ -124,6 +126,7 @@ class SnapshotStore:
             ) from exc
         self._index.load(self.snapshots_dir)
         self.collect_buffers()
+        self.buffers.enforce_budgets()
 
     def close(self) -> None:
         """Release the store's locks."""

@@ -1,0 +1,100 @@
+"""Tiers of the buffer store: where a blob lives, how full each place is, and LRU eviction downwards.
+
+With ``--buffer-dir`` on a tmpfs, the buffer store has two tiers: the RAM tier (``buffer_dir``) and the
+disk tier (``<store>/buffers``); without it, the disk tier alone. Each tier has the same layout
+(``sha256/<uid>/<digest>``, ``incoming/``) and an optional byte budget (``ram_tier_bytes``,
+``disk_tier_bytes``; 0 = bounded by free space only). New blobs go to the fastest tier whose budget
+they fit; when a tier is over its budget, its least recently used blobs that no operation has pinned
+move to the next tier (copied and fsynced there before the faster copy goes, so a reader always finds
+one). Reads use the fastest tier holding a blob; a restore marks the blobs it reads as used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import structlog
+
+from gpusnap.daemon.store.durable import fsync_dir
+
+log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """One place blobs live. ``budget_bytes`` 0 means no budget (free space bounds it)."""
+
+    name: str
+    root: Path
+    budget_bytes: int = 0
+
+    @property
+    def blobs(self) -> Path:
+        return self.root / "sha256"
+
+    @property
+    def incoming(self) -> Path:
+        return self.root / "incoming"
+
+    def blob_files(self) -> Iterator[tuple[str, Path]]:
+        """(``<uid>/<digest>``, path) of every blob in this tier."""
+        for user_dir in self.blobs.iterdir():
+            for blob in user_dir.iterdir():
+                yield f"{user_dir.name}/{blob.name}", blob
+
+    def used_bytes(self) -> int:
+        return sum(p.stat().st_size for _, p in self.blob_files())
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    def room_for(self, need: int) -> bool:
+        """Whether ``need`` more bytes fit this tier's budget (eviction may have to make the room) and
+        its file system."""
+        return (self.budget_bytes == 0 or need <= self.budget_bytes) and need <= self.free_bytes()
+
+
+def move(key: str, src: Path, dst_tier: Tier) -> bool:
+    """Copy blob ``key`` from ``src`` into ``dst_tier`` (fsynced, renamed into place), then remove ``src``.
+    Returns False when the source went away meanwhile (collected)."""
+    target = dst_tier.blobs / key
+    if not target.exists():
+        tmp = dst_tier.incoming / f"evict-{secrets.token_hex(8)}"
+        try:
+            with open(src, "rb") as fi, open(tmp, "xb") as fo:
+                shutil.copyfileobj(fi, fo, 16 << 20)
+                fo.flush()
+                os.fsync(fo.fileno())
+        except FileNotFoundError:
+            tmp.unlink(missing_ok=True)
+            return False
+        os.chmod(tmp, 0o400)
+        target.parent.mkdir(mode=0o700, exist_ok=True)
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+    src.unlink(missing_ok=True)
+    return True
+
+
+def eviction_order(tier: Tier, pinned: set[str]) -> list[tuple[str, Path, int]]:
+    """Unpinned blobs of ``tier``, least recently used first: (key, path, size)."""
+    found = []
+    for key, path in tier.blob_files():
+        if key not in pinned:
+            st = path.stat()
+            found.append((st.st_mtime, key, path, st.st_size))
+    return [(k, p, s) for _, k, p, s in sorted(found)]
+
+
+def mark_used(path: Path) -> None:
+    """Record a read for LRU order (the modification time; tmpfs and ``relatime`` make atime unreliable)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass

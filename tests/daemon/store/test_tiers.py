@@ -1,0 +1,80 @@
+"""The buffer store's tiers on real directories: new blobs go to the RAM tier, the least recently used
+unpinned ones move to the disk tier when the RAM tier is over its budget, reads find the fastest copy,
+and buffers bigger than every budget are refused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon.api.errors import ResourceExhaustedError
+from gpusnap.daemon.store.buffers import BufferStore
+
+MIB = 1 << 20
+
+
+def _store(tmp: Path, ram: int, disk: int = 0) -> BufferStore:
+    s = BufferStore(tmp / "ram", tmp / "disk", ram, disk)
+    s.open()
+    return s
+
+
+def _capture(s: BufferStore, fill: int, size: int = 4 * MIB) -> str:
+    staged = s.stage(0, ["w"], [size])
+    os.pwrite(staged.fds[0], bytes([fill]) * size, 0)
+    (ref,) = staged.commit()
+    staged.close()
+    s.settle()  # the budget pass that close queued has run
+    return ref.sha256
+
+
+def _tier_of(s: BufferStore, digest: str) -> str:
+    return next(t.name for t in s.tiers if (t.blobs / s.key(0, digest)).exists())
+
+
+def test_lru_blobs_spill_to_disk_and_reads_find_them(tmp_path: Path) -> None:
+    s = _store(tmp_path, ram=9 * MIB)
+    try:
+        a, b = _capture(s, 1), _capture(s, 2)
+        assert [_tier_of(s, d) for d in (a, b)] == ["ram", "ram"]
+        os.utime(s.path(0, a), (1, 1))  # a was used long ago
+        c = _capture(s, 3)
+        assert [_tier_of(s, d) for d in (a, b, c)] == ["disk", "ram", "ram"]
+        assert s.tiers[0].used_bytes() <= 9 * MIB
+        assert s.path(0, a) == s.tiers[1].blobs / s.key(0, a), "read from the tier that holds it"
+        assert oct(s.path(0, a).stat().st_mode & 0o777) == "0o400"
+        with open(s.path(0, a), "rb") as fh:
+            assert fh.read() == bytes([1]) * 4 * MIB
+        assert s.used_bytes() == 12 * MIB
+    finally:
+        s.close()
+
+
+def test_pinned_blobs_stay_in_ram(tmp_path: Path) -> None:
+    s = _store(tmp_path, ram=5 * MIB)
+    try:
+        a = _capture(s, 1)
+        s.pin(0, [a])  # a restore reads it
+        os.utime(s.path(0, a), (1, 1))
+        b = _capture(s, 2)
+        assert _tier_of(s, a) == "ram" and _tier_of(s, b) == "disk", "the unpinned, newer one had to go"
+        s.unpin(0, [a])
+        s.collect_garbage(lambda: {s.key(0, b)})
+        assert not s.path(0, a).exists() and _tier_of(s, b) == "disk", "garbage collection covers every tier"
+    finally:
+        s.close()
+
+
+def test_buffers_bigger_than_every_budget_are_refused(tmp_path: Path) -> None:
+    s = _store(tmp_path, ram=2 * MIB, disk=3 * MIB)
+    try:
+        with pytest.raises(ResourceExhaustedError) as err:
+            s.stage(0, ["w"], [4 * MIB])
+        assert err.value.reason == "BUFFER_BUDGET" and "ram 2 MiB, disk 3 MiB" in err.value.message
+        staged = s.stage(0, ["w"], [3 * MIB])  # fits the disk tier only: staged there
+        assert staged.tier.name == "disk"
+        staged.close()
+    finally:
+        s.close()
