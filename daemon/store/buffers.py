@@ -321,7 +321,7 @@ class BufferStore:
         returns the bytes moved. The slowest tier's budget is enforced at staging only (its blobs have
         nowhere safer to go)."""
         moved = 0
-        for tier, slower in zip(self.tiers, self.tiers[1:]):
+        for tier, slower in zip(self.tiers, self.tiers[1:], strict=False):
             if not tier.budget_bytes:
                 continue
             used = tier.used_bytes()

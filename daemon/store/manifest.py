@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.api.errors import DataLossError
-from gpusnap.daemon.store.checksum import DIGEST_ALGORITHM
 from gpusnap.daemon.api.types import (
     BufferRef,
     GpuProcess,
@@ -44,6 +43,7 @@ from gpusnap.daemon.api.types import (
     Snapshot,
     WorkerInfo,
 )
+from gpusnap.daemon.store.checksum import DIGEST_ALGORITHM
 
 MANIFEST_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
