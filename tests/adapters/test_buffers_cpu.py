@@ -154,7 +154,9 @@ def test_a_full_buffer_store_refuses_the_capture_and_the_worker_serves_on(tmp_pa
     small.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)]).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here")
-    d = start_daemon(tmp_path, extra_env={"GPUSNAP_BUFFER_DIR": str(small / "buffers"), "GPUSNAP_RESUME_TIMEOUT": "30"})
+    # The disk tier below the RAM tier would take the weights: a budget keeps it from doing so.
+    d = start_daemon(tmp_path, extra_env={"GPUSNAP_BUFFER_DIR": str(small / "buffers"), "GPUSNAP_RESUME_TIMEOUT": "30",
+                                          "GPUSNAP_DISK_TIER_BYTES": str(32 << 20)})
     w = Worker(d, tmp_path, "w")
     try:
         before = w.generate()
