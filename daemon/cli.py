@@ -601,17 +601,19 @@ def store(obj: Ctx) -> None:
     with obj.client() as client:
         info = _run(client.node_info)
     if obj.output == "json":
+        from gpusnap.daemon import jsonout
+
         click.echo(json.dumps({"store_path": info.store_path, "snapshot_count": info.snapshot_count,
                                "store_used_bytes": info.store_used_bytes, "remote": info.remote,
                                "tiers": [jsonout.message(t) for t in info.tiers]}, indent=2))
         return
     click.echo(f"store {info.store_path}: {info.snapshot_count} snapshots, {_size(info.store_used_bytes)}"
                f"; remote {info.remote or '-'}")
-    table = Table("TIER", "PATH", "USED", "BUDGET", "FREE", "BLOBS", box=None)
+    table = _table("TIER", "PATH", "USED", "BUDGET", "FREE", "BLOBS")
     for t in info.tiers:
         table.add_row(t.name, t.path, _size(t.used_bytes), _size(t.budget_bytes) if t.budget_bytes else "-",
                       _size(t.free_bytes), str(t.blobs))
-    out_console.print(table)
+    _print_table(table)
 
 
 @main.command()
