@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from gpusnap.daemon import version
-from gpusnap.daemon.api.errors import Code, GpusnapError
+from gpusnap.daemon.api.errors import CancelledError, Code, GpusnapError
 from gpusnap.daemon.config import DEFAULT_SOCKET
 
 # gRPC, protobuf and rich are imported where they are used, not here: every call pays for what it
@@ -49,6 +49,7 @@ EXIT_CODES: dict[Code, int] = {
     Code.UNAVAILABLE: 7,
     Code.DEADLINE_EXCEEDED: 8,
     Code.RESOURCE_EXHAUSTED: 9,
+    Code.CANCELLED: 130,
 }
 
 T = TypeVar("T")
@@ -276,8 +277,17 @@ def _follow(client: DaemonClient, op: operations_pb2.Operation, show_progress: b
                     return event.operation
         return client.wait(op.id)
     except KeyboardInterrupt:
-        click.echo(f"gpusnap: interrupted; operation {op.id} goes on in gpusnapd: follow it with `gpusnap wait {op.id}`",
-                   err=True)
+        return _cancel(client, op)
+
+
+def _cancel(client: DaemonClient, op: operations_pb2.Operation) -> operations_pb2.Operation:
+    """Ctrl-C: cancel the operation and wait for its rollback; a second Ctrl-C leaves it to gpusnapd."""
+    try:
+        client.cancel(op.id)
+        click.echo(f"gpusnap: interrupted; cancelling {op.id} and rolling back (Ctrl-C again to stop waiting)", err=True)
+        return client.wait(op.id)  # raises CancelledError once rolled back (exit 130)
+    except KeyboardInterrupt:
+        click.echo(f"gpusnap: operation {op.id} goes on in gpusnapd: follow it with `gpusnap wait {op.id}`", err=True)
         sys.exit(130)
 
 
@@ -630,6 +640,26 @@ def wait(obj: Ctx, operation: str) -> None:
     outcome = {"snapshot": f"snapshot {op.snapshot.id}", "restore": f"restored as PID {op.restore.pid}"}
     what = outcome.get(op.WhichOneof("result") or "", "")
     click.echo(f"{op.id} succeeded{': ' + what if what else ''} ({_phase_summary(op)})")
+
+
+@main.command()
+@output_option
+@click.argument("operation")
+@click.pass_obj
+def cancel(obj: Ctx, operation: str) -> None:
+    """Cancel a running operation: it rolls back and ends with CANCELLED."""
+    from gpusnap.daemon._proto import operations_pb2
+
+    with obj.client() as client:
+        op = _run(lambda: client.cancel(operation))
+        try:
+            client.wait(op.id)
+        except CancelledError:
+            click.echo(f"{op.id} cancelled; what it had done was rolled back")
+            return
+        except GpusnapError as err:
+            _fail(err)
+    click.echo(f"{op.id} had finished before it could be cancelled")
 
 
 @main.command("ops")

@@ -8,6 +8,8 @@ by :meth:`DaemonClient.wait`.
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +24,7 @@ from gpusnap.daemon.config import DEFAULT_SOCKET
 from gpusnap.daemon.service.errors import from_rpc_error, from_status_proto
 
 R = TypeVar("R")
+START_RETRY_S = 15.0
 
 TCP_MODES = {
     "refuse": operations_pb2.TCP_MODE_UNSPECIFIED,
@@ -71,6 +74,20 @@ class DaemonClient:
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 
+    def _start(self, method: Callable[..., Any], request: Any) -> operations_pb2.Operation:
+        """Start an operation; while the daemon is unreachable (restarting), retry with the same idempotency
+        key for up to ``START_RETRY_S``: the daemon then returns the operation the first attempt started."""
+        deadline = time.monotonic() + START_RETRY_S
+        delay = 0.2
+        while True:
+            try:
+                return self._call(method, request).operation  # type: ignore[no-any-return]
+            except UnavailableError:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     def _error(self, exc: grpc.RpcError) -> GpusnapError:
         err = from_rpc_error(exc)
         path = self.target.removeprefix("unix:")
@@ -101,8 +118,10 @@ class DaemonClient:
         control_dir: str = "",
         quiesce: bool = True,
         offload: bool = True,
+        request_id: str = "",
     ) -> operations_pb2.Operation:
-        """Start a checkpoint of the tree rooted at ``pid``; returns the running operation."""
+        """Start a checkpoint of the tree rooted at ``pid``; returns the running operation (for a
+        ``request_id`` used before: that operation)."""
         req = operations_pb2.CheckpointRequest(
             pid=pid,
             name=name,
@@ -114,8 +133,9 @@ class DaemonClient:
             control_dir=control_dir,
             no_quiesce=not quiesce,
             no_offload=not offload,
+            request_id=request_id or str(uuid.uuid4()),
         )
-        return self._call(self._ops.Checkpoint, req).operation
+        return self._start(self._ops.Checkpoint, req)
 
     def restore(
         self,
@@ -130,6 +150,7 @@ class DaemonClient:
         private_network: bool = False,
         verify_buffers: bool = False,
         replicas: int = 1,
+        request_id: str = "",
     ) -> operations_pb2.Operation:
         """Start a restore of ``snapshot`` (id or name); returns the running operation.
 
@@ -146,8 +167,9 @@ class DaemonClient:
             private_network=private_network,
             verify_buffers=verify_buffers,
             replicas=replicas,
+            request_id=request_id or str(uuid.uuid4()),
         )
-        return self._call(self._ops.Restore, req).operation
+        return self._start(self._ops.Restore, req)
 
     def suspend(self, pid: int, *, gpu_lock_timeout_s: float | None = None) -> operations_pb2.Operation:
         """Start suspending the GPU state of the tree rooted at ``pid`` in place."""
@@ -165,6 +187,10 @@ class DaemonClient:
     def pull(self, snapshot: str) -> operations_pb2.Operation:
         """Start pulling a snapshot (id or name) of the daemon's remote store into its local store."""
         return self._call(self._ops.Pull, operations_pb2.PullRequest(snapshot=snapshot)).operation
+
+    def cancel(self, op_id: str) -> operations_pb2.Operation:
+        """Ask the operation to stop and roll back; returns it as it is now."""
+        return self._call(self._ops.CancelOperation, operations_pb2.CancelOperationRequest(id=op_id)).operation
 
     def get_operation(self, op_id: str) -> operations_pb2.Operation:
         return self._call(self._ops.GetOperation, operations_pb2.GetOperationRequest(id=op_id)).operation

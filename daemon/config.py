@@ -71,6 +71,15 @@ class DaemonConfig:
     ready_timeout: float = 600.0
     """Bound on a control-directory worker writing ready-for-snapshot."""
     max_operations: int = 8
+    """Operations doing work at once (waiting phases, such as wait-ready or an agent's warm-up, hold no slot)."""
+    max_operations_per_caller: int = 16
+    """Operations one uid may have running (waiting ones included); root's too."""
+    max_running_operations: int = 256
+    """Operations the daemon keeps running at once, waiting ones included (one thread each)."""
+    max_calls_per_caller: int = 4
+    """Unary RPCs of one uid running at once on the server's 32 threads; more wait, without a thread."""
+    max_streams_per_caller: int = 64
+    """WaitOperation/WatchOperation streams one uid may hold open (they hold no thread)."""
     remote: str = ""
     """Remote store for push and pull, ``s3://BUCKET/PREFIX``; empty = none. Credentials come from the AWS
     SDK's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance roles)."""

@@ -53,28 +53,36 @@ class Daemon:
         self.deps = deps
         self.registry = registry
 
-    def checkpoint(self, opts: CheckpointOptions, caller: Caller) -> OperationRecord:
-        """Validate and start a checkpoint.
+    def checkpoint(self, opts: CheckpointOptions, caller: Caller, request_id: str = "") -> OperationRecord:
+        """Validate and start a checkpoint (or, for a ``request_id`` the caller used before, return that
+        operation: a retry).
 
         Raises:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, AlreadyExistsError,
             AbortedError (tree busy).
         """
+        earlier = self._earlier(caller, request_id)
+        if earlier is not None:
+            return earlier
         if opts.name:
             validate.snapshot_name(opts.name)
             self.deps.store.check_name_free(opts.name)
         validate.labels(opts.labels)
         return self._start_on_tree(
-            OperationKind.CHECKPOINT, opts.pid, caller, lambda run: run_checkpoint(run, self.deps, opts, caller.uid)
+            OperationKind.CHECKPOINT, opts.pid, caller, lambda run: run_checkpoint(run, self.deps, opts, caller.uid),
+            request_id,
         )
 
-    def restore(self, opts: RestoreOptions, caller: Caller) -> OperationRecord:
-        """Validate and start a restore.
+    def restore(self, opts: RestoreOptions, caller: Caller, request_id: str = "") -> OperationRecord:
+        """Validate and start a restore (a known ``request_id``: the earlier operation).
 
         Raises:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, DataLossError (manifest).
         """
         _require_identified(caller)
+        earlier = self._earlier(caller, request_id)
+        if earlier is not None:
+            return earlier
         check_replicas(opts)
         try:
             snapshot = self.deps.store.get(opts.snapshot)
@@ -85,11 +93,13 @@ class Daemon:
             snapshot = remote_ops.require_remote(self.deps).find(opts.snapshot).snapshot
             check_may_restore(snapshot, caller)
             here = dataclasses.replace(opts, snapshot=snapshot.id)
-            record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid)
+            record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid,
+                                     request_id=request_id)
             return self.registry.start(record, (), lambda run: (
                 remote_ops.run_pull(run, self.deps, snapshot.id, caller), run_restore(run, self.deps, here, caller))[1])
         check_may_restore(snapshot, caller)
-        record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid)
+        record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid,
+                                 request_id=request_id)
         return self.registry.start(record, (), lambda run: run_restore(run, self.deps, opts, caller))
 
     def push(self, ref: str, caller: Caller) -> OperationRecord:
@@ -158,14 +168,34 @@ class Daemon:
         )
 
     def _start_on_tree(
-        self, kind: OperationKind, pid: int, caller: Caller, body: Callable[[PhaseRunner], object]
+        self, kind: OperationKind, pid: int, caller: Caller, body: Callable[[PhaseRunner], object], request_id: str = ""
     ) -> OperationRecord:
         """Validate ``pid`` and the caller's right to it, then start ``body`` holding the whole tree."""
         _require_identified(caller)
         validate.pid(pid)
         tree = proc.check_may_checkpoint(pid, caller)
-        record = OperationRecord(kind, target_pid=pid, owner_uid=caller.uid)
+        record = OperationRecord(kind, target_pid=pid, owner_uid=caller.uid, request_id=request_id)
         return self.registry.start(record, tree, body)
+
+    def _earlier(self, caller: Caller, request_id: str) -> OperationRecord | None:
+        """The operation this caller started with idempotency key ``request_id`` (validated), if any."""
+        if not request_id:
+            return None
+        validate.request_id(request_id)
+        return self.registry.find_request(caller.uid, request_id)
+
+    def cancel(self, op_id: str, caller: Caller) -> OperationRecord:
+        """Ask a running operation to stop and roll back; it does at its next phase boundary or wait.
+
+        Raises:
+            NotFoundError: as :meth:`operation`.
+            PermissionDeniedError: an anonymous caller.
+        """
+        _require_identified(caller)
+        record = self.operation(op_id, caller)
+        if not record.done:
+            record.cancel_requested.set()
+        return record
 
     def operation(self, op_id: str, caller: Caller) -> OperationRecord:
         """An operation the caller may see (its own, or any for root)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,18 @@ from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.operations.base import OperationKind
 from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.service import reflection
+from gpusnap.daemon.service.aio import AioServer, AsyncServicer, OperationStreams
+from gpusnap.daemon.service.limits import CallerLimits
 from gpusnap.daemon.service.peercred import PeerCredProxy
 from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, SnapshotServicer
 from gpusnap.daemon.store import SnapshotStore
 from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.remote.transfer import TransferLimits
+from gpusnap.daemon.store.journal import JOURNAL, Journal
 from gpusnap.daemon.workers.agents import AgentRegistry
 
 log = structlog.get_logger(__name__)
@@ -40,21 +43,25 @@ SERVICE_NAMES = (
     node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
 )
 
+RPC_THREADS = 32
+"""Threads for unary calls, shared by all callers (each holds at most ``max_calls_per_caller``)."""
+MAX_QUEUED_PER_CALLER = 256
+"""Unary calls of one caller that may wait for a turn; more fail with RESOURCE_EXHAUSTED."""
+
 
 @dataclasses.dataclass
 class Running:
     """A started daemon; :meth:`stop` shuts it down."""
 
-    server: grpc.Server
+    server: AioServer
     proxy: PeerCredProxy
     daemon: Daemon
-    health: health.HealthServicer
+    health: health.aio.HealthServicer
     metrics: Any  # gpusnap.daemon.metrics.Metrics, or None when metrics_listen is empty
 
     def stop(self, grace: float = 5.0) -> None:
-        for name in ("", *SERVICE_NAMES):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.server.stop(grace).wait()
+        self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.server.stop(grace)
         self.proxy.stop()
         if self.metrics is not None:
             self.metrics.stop()
@@ -62,6 +69,10 @@ class Running:
         # close: a quiesced worker must still be able to reconnect and be resumed.
         _release(self.daemon)
         rundirs.remove_if_empty(wake_dir(self.daemon.deps.config))
+
+    def set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        for name in ("", *SERVICE_NAMES):
+            self.server.run(self.health.set(name, status))
 
 
 def build_daemon(config: DaemonConfig) -> Running:
@@ -98,7 +109,14 @@ def build_daemon(config: DaemonConfig) -> Running:
         metrics.set_versions(gpusnap_version=__version__, criu_version=criu_version,
                              nvidia_driver_version=driver, cuda_driver_version=cuda)
     observe = metrics.observe if metrics is not None else None
-    daemon = Daemon(deps, OperationRegistry(max_workers=config.max_operations, on_finished=observe))
+    journal = Journal(config.store / JOURNAL)
+    journal.open()
+    registry = OperationRegistry(
+        max_workers=config.max_operations, max_per_caller=config.max_operations_per_caller,
+        max_running=config.max_running_operations, journal=journal, on_finished=observe,
+    )
+    recovery.recover(deps, journal, registry)  # before anyone can reach the trees it touches
+    daemon = Daemon(deps, registry)
 
     private_dir = config.socket.parent / ".gpusnapd-private"
     rundirs.make_own_dir(private_dir, 0o700)
@@ -108,16 +126,27 @@ def build_daemon(config: DaemonConfig) -> Running:
     if private.exists():
         private.unlink()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="gpusnap-rpc"))
-    operations_pb2_grpc.add_OperationServiceServicer_to_server(OperationServicer(daemon, proxy), server)
-    snapshots_pb2_grpc.add_SnapshotServiceServicer_to_server(SnapshotServicer(daemon, proxy), server)
-    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(daemon, proxy), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable((*SERVICE_NAMES, health.SERVICE_NAME), server)
-    server.add_insecure_port(f"unix:{private}")
-    if config.listen:
-        server.add_secure_port(config.listen, _tls_credentials(config))
+    server = AioServer(threads=RPC_THREADS)
+    limits = CallerLimits(calls=config.max_calls_per_caller, queued=MAX_QUEUED_PER_CALLER,
+                          streams=config.max_streams_per_caller)
+    ops = OperationServicer(daemon, proxy)
+    health_servicer = health.aio.HealthServicer()
+
+    async def setup() -> None:  # on the server's loop
+        aio = server.server
+        streams = OperationStreams(ops, limits).handlers()
+        operations_pb2_grpc.add_OperationServiceServicer_to_server(AsyncServicer(ops, server, limits, streams), aio)  # type: ignore[arg-type]
+        snapshots_pb2_grpc.add_SnapshotServiceServicer_to_server(
+            AsyncServicer(SnapshotServicer(daemon, proxy), server, limits), aio  # type: ignore[arg-type]
+        )
+        node_pb2_grpc.add_NodeServiceServicer_to_server(AsyncServicer(NodeServicer(daemon, proxy), server, limits), aio)  # type: ignore[arg-type]
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, aio)
+        reflection.enable((*SERVICE_NAMES, health.SERVICE_NAME), aio)
+        aio.add_insecure_port(f"unix:{private}")
+        if config.listen:
+            aio.add_secure_port(config.listen, _tls_credentials(config))
+
+    server.run(setup())
     server.start()
     proxy.start()
     metrics_at = None
@@ -135,8 +164,8 @@ def build_daemon(config: DaemonConfig) -> Running:
                 reason="METRICS_ADDRESS_IN_USE",
                 metadata={"listen": config.metrics_listen},
             ) from exc
-    for name in ("", *SERVICE_NAMES):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    running = Running(server=server, proxy=proxy, daemon=daemon, health=health_servicer, metrics=metrics)
+    running.set_health(health_pb2.HealthCheckResponse.SERVING)
     log.info(
         "daemon.started",
         socket=str(config.socket),
@@ -149,7 +178,7 @@ def build_daemon(config: DaemonConfig) -> Running:
         gpu=gpu.available,
         gpu_reason=gpu.reason or None,
     )
-    return Running(server=server, proxy=proxy, daemon=daemon, health=health_servicer, metrics=metrics)
+    return running
 
 
 def wake_dir(config: DaemonConfig) -> Path:

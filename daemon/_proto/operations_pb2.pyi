@@ -463,6 +463,7 @@ class CheckpointRequest(_message.Message):
     CONTROL_DIR_FIELD_NUMBER: _builtins.int
     NO_QUIESCE_FIELD_NUMBER: _builtins.int
     NO_OFFLOAD_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     """root of the process tree to capture (host PID)"""
     name: _builtins.str
@@ -476,6 +477,10 @@ class CheckpointRequest(_message.Message):
     """Capture without warm-up and quiesce even when a worker agent is attached."""
     no_offload: _builtins.bool
     """Keep the worker's named buffers (weights) inside the images instead of the buffer store."""
+    request_id: _builtins.str
+    """Idempotency key (1-128 of [A-Za-z0-9._:-], e.g. a UUID): a request with a key this caller used before
+    returns that operation instead of starting another, also after a daemon restart.
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
@@ -499,10 +504,11 @@ class CheckpointRequest(_message.Message):
         control_dir: _builtins.str = ...,
         no_quiesce: _builtins.bool = ...,
         no_offload: _builtins.bool = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpu_lock_timeout", b"gpu_lock_timeout", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_dir", b"control_dir", "gpu_lock_timeout", b"gpu_lock_timeout", "labels", b"labels", "leave_running", b"leave_running", "name", b"name", "no_offload", b"no_offload", "no_quiesce", b"no_quiesce", "pid", b"pid", "tcp", b"tcp", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_dir", b"control_dir", "gpu_lock_timeout", b"gpu_lock_timeout", "labels", b"labels", "leave_running", b"leave_running", "name", b"name", "no_offload", b"no_offload", "no_quiesce", b"no_quiesce", "pid", b"pid", "request_id", b"request_id", "tcp", b"tcp", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -559,6 +565,7 @@ class RestoreRequest(_message.Message):
     CONTEXT_FIELD_NUMBER: _builtins.int
     PRIVATE_NETWORK_FIELD_NUMBER: _builtins.int
     VERIFY_BUFFERS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.str
     """snapshot id or name"""
@@ -574,6 +581,8 @@ class RestoreRequest(_message.Message):
     """Re-digest the snapshot's buffers (weights) before the worker gets them; they were digested when
     written, and restores otherwise check only their sizes.
     """
+    request_id: _builtins.str
+    """idempotency key, as CheckpointRequest.request_id"""
     replicas: _builtins.int
     """Fan-out: restore this many copies (0 or 1: one). Copies get private network namespaces (so
     private_network is implied and host_pid_namespace refused); "{i}" in context env and values becomes
@@ -599,11 +608,12 @@ class RestoreRequest(_message.Message):
         context: Global___WorkerContext | None = ...,
         private_network: _builtins.bool = ...,
         verify_buffers: _builtins.bool = ...,
+        request_id: _builtins.str = ...,
         replicas: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "private_network", b"private_network", "replicas", b"replicas", "snapshot", b"snapshot", "timeout", b"timeout", "verify_buffers", b"verify_buffers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "private_network", b"private_network", "replicas", b"replicas", "request_id", b"request_id", "snapshot", b"snapshot", "timeout", b"timeout", "verify_buffers", b"verify_buffers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1005,6 +1015,45 @@ class WatchOperationResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchOperationResponse: _TypeAlias = WatchOperationResponse  # noqa: Y015
+
+@_typing.final
+class CancelOperationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelOperationRequest: _TypeAlias = CancelOperationRequest  # noqa: Y015
+
+@_typing.final
+class CancelOperationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPERATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def operation(self) -> Global___Operation: ...
+    def __init__(
+        self,
+        *,
+        operation: Global___Operation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelOperationResponse: _TypeAlias = CancelOperationResponse  # noqa: Y015
 
 @_typing.final
 class ListOperationsRequest(_message.Message):

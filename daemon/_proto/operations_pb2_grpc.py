@@ -84,6 +84,11 @@ class OperationServiceStub:
                 request_serializer=gpusnap_dot_v1_dot_operations__pb2.PullRequest.SerializeToString,
                 response_deserializer=gpusnap_dot_v1_dot_operations__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.CancelOperation = channel.unary_unary(
+                '/gpusnap.v1.OperationService/CancelOperation',
+                request_serializer=gpusnap_dot_v1_dot_operations__pb2.CancelOperationRequest.SerializeToString,
+                response_deserializer=gpusnap_dot_v1_dot_operations__pb2.CancelOperationResponse.FromString,
+                _registered_method=True)
 
 
 class OperationServiceServicer:
@@ -157,6 +162,15 @@ class OperationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelOperation(self, request, context):
+        """Ask a running operation to stop: it rolls back at its next phase boundary (or wait) and ends FAILED
+        with CANCELLED. Once its snapshot is published (or its restored tree validated) it runs to its end.
+        Returns the operation as it is now; follow it with WaitOperation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OperationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -209,6 +223,11 @@ def add_OperationServiceServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=gpusnap_dot_v1_dot_operations__pb2.PullRequest.FromString,
                     response_serializer=gpusnap_dot_v1_dot_operations__pb2.PullResponse.SerializeToString,
+            ),
+            'CancelOperation': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelOperation,
+                    request_deserializer=gpusnap_dot_v1_dot_operations__pb2.CancelOperationRequest.FromString,
+                    response_serializer=gpusnap_dot_v1_dot_operations__pb2.CancelOperationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -481,6 +500,33 @@ class OperationService:
             '/gpusnap.v1.OperationService/Pull',
             gpusnap_dot_v1_dot_operations__pb2.PullRequest.SerializeToString,
             gpusnap_dot_v1_dot_operations__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelOperation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpusnap.v1.OperationService/CancelOperation',
+            gpusnap_dot_v1_dot_operations__pb2.CancelOperationRequest.SerializeToString,
+            gpusnap_dot_v1_dot_operations__pb2.CancelOperationResponse.FromString,
             options,
             channel_credentials,
             insecure,

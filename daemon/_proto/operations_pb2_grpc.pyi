@@ -51,6 +51,11 @@ class OperationServiceStub:
     """Upload a local snapshot to the remote store (content-addressed chunks first, manifest last)."""
     Pull: _grpc.UnaryUnaryMultiCallable[_operations_pb2.PullRequest, _operations_pb2.PullResponse]
     """Download a remote snapshot into the local store (digests checked as chunks arrive)."""
+    CancelOperation: _grpc.UnaryUnaryMultiCallable[_operations_pb2.CancelOperationRequest, _operations_pb2.CancelOperationResponse]
+    """Ask a running operation to stop: it rolls back at its next phase boundary (or wait) and ends FAILED
+    with CANCELLED. Once its snapshot is published (or its restored tree validated) it runs to its end.
+    Returns the operation as it is now; follow it with WaitOperation.
+    """
 
 @_typing.type_check_only
 class OperationServiceAsyncStub(OperationServiceStub):
@@ -73,6 +78,11 @@ class OperationServiceAsyncStub(OperationServiceStub):
     """Upload a local snapshot to the remote store (content-addressed chunks first, manifest last)."""
     Pull: _aio.UnaryUnaryMultiCallable[_operations_pb2.PullRequest, _operations_pb2.PullResponse]  # type: ignore[assignment]
     """Download a remote snapshot into the local store (digests checked as chunks arrive)."""
+    CancelOperation: _aio.UnaryUnaryMultiCallable[_operations_pb2.CancelOperationRequest, _operations_pb2.CancelOperationResponse]  # type: ignore[assignment]
+    """Ask a running operation to stop: it rolls back at its next phase boundary (or wait) and ends FAILED
+    with CANCELLED. Once its snapshot is published (or its restored tree validated) it runs to its end.
+    Returns the operation as it is now; follow it with WaitOperation.
+    """
 
 class OperationServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -152,5 +162,16 @@ class OperationServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_operations_pb2.PullResponse, _abc.Awaitable[_operations_pb2.PullResponse]]:
         """Download a remote snapshot into the local store (digests checked as chunks arrive)."""
+
+    @_abc_1.abstractmethod
+    def CancelOperation(
+        self,
+        request: _operations_pb2.CancelOperationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_operations_pb2.CancelOperationResponse, _abc.Awaitable[_operations_pb2.CancelOperationResponse]]:
+        """Ask a running operation to stop: it rolls back at its next phase boundary (or wait) and ends FAILED
+        with CANCELLED. Once its snapshot is published (or its restored tree validated) it runs to its end.
+        Returns the operation as it is now; follow it with WaitOperation.
+        """
 
 def add_OperationServiceServicer_to_server(servicer: OperationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

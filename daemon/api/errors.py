@@ -209,6 +209,13 @@ class InternalError(GpusnapError):
     default_reason = "INTERNAL"
 
 
+class CancelledError(GpusnapError):
+    """The caller cancelled the operation (``Cancel``, Ctrl-C in the CLI); it was rolled back."""
+
+    code = Code.CANCELLED
+    default_reason = "CANCELLED"
+
+
 class DataLossError(GpusnapError):
     """Snapshot images are corrupt or missing (checksum mismatch, truncated file)."""
 
@@ -231,6 +238,7 @@ _BY_CODE: dict[Code, type[GpusnapError]] = {
         InternalError,
         DataLossError,
         UnauthenticatedError,
+        CancelledError,
     )
 }
 

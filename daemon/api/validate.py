@@ -110,3 +110,20 @@ def pid(value: int) -> int:
     if not 1 < value <= 4194304:
         raise InvalidArgumentError(f"{value} is not a valid PID", reason="INVALID_PID", metadata={"pid": str(value)})
     return value
+
+
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+def request_id(value: str) -> str:
+    """An idempotency key: 1-128 characters of ``[A-Za-z0-9._:-]`` (a UUID fits).
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_REQUEST_ID`` (the value itself is not echoed).
+    """
+    if not REQUEST_ID_RE.fullmatch(value):
+        raise InvalidArgumentError(
+            "request_id must be 1-128 characters of letters, digits, '.', '_', ':' or '-' (a UUID, say)",
+            reason="INVALID_REQUEST_ID",
+        )
+    return value

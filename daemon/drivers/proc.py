@@ -208,6 +208,15 @@ def same_user_namespace(pid: int) -> bool:
         return False
 
 
+def start_time(pid: int) -> float:
+    """When ``pid`` started (seconds since the epoch, as psutil reports it); 0 if it is gone. With the PID,
+    it names one process even after the PID is reused."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return 0.0
+
+
 def _status(pid: int) -> dict[str, str]:
     """``/proc/<pid>/status`` as a dict (first word of each value); empty when unreadable."""
     try:

@@ -23,8 +23,10 @@ from typing import Any
 
 import structlog
 
-from gpusnap.daemon.api.errors import GpusnapError, InternalError, ResourceExhaustedError
-from gpusnap.daemon.api.types import PhaseTiming
+from gpusnap.daemon.api.errors import CancelledError, GpusnapError, InternalError, ResourceExhaustedError
+from gpusnap.daemon.api.types import PhaseTiming, RestoreResult, Snapshot
+from gpusnap.daemon.operations import failpoints
+from gpusnap.daemon.store.journal import Journal
 
 
 class OperationKind(enum.Enum):
@@ -73,8 +75,14 @@ def new_operation_id() -> str:
 class OperationRecord:
     """The state of one operation, shared between its worker thread and any number of watchers."""
 
-    def __init__(self, kind: OperationKind, *, target_pid: int = 0, target_snapshot: str = "", owner_uid: int = 0):
+    def __init__(self, kind: OperationKind, *, target_pid: int = 0, target_snapshot: str = "", owner_uid: int = 0,
+                 request_id: str = "", journal: Journal | None = None):
         self.id = new_operation_id()
+        self.request_id = request_id
+        self.journal = journal
+        self.facts: dict[str, Any] = {}
+        """What recovery needs after a daemon crash (PIDs frozen or locked, the tree restored, …)."""
+        self.cancel_requested = threading.Event()
         self.kind = kind
         self.target_pid = target_pid
         self.target_snapshot = target_snapshot
@@ -88,6 +96,7 @@ class OperationRecord:
         self.error: GpusnapError | None = None
         self.events: list[OperationEvent] = []
         self._cond = threading.Condition()
+        self._listeners: list[Callable[[], None]] = []
 
     @property
     def done(self) -> bool:
@@ -99,15 +108,55 @@ class OperationRecord:
             event = OperationEvent(sequence=len(self.events), type=type, time=datetime.now(UTC), **fields)
             self.events.append(event)
             self._cond.notify_all()
-            return event
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+        return event
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (from the emitting thread; it must not block) after every new event."""
+        with self._cond:
+            self._listeners.append(listener)
+
+    def unsubscribe(self, listener: Callable[[], None]) -> None:
+        with self._cond:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def note(self, **facts: Any) -> None:
+        """Add ``facts`` for recovery and make them durable before returning."""
+        self.facts.update(facts)
+        self.save()
+
+    def save(self) -> None:
+        """Write this operation's journal entry (see ``gpusnap.daemon.store.journal``), if it has a journal."""
+        if self.journal is not None:
+            self.journal.write(self.to_entry())
+
+    def to_entry(self) -> dict[str, Any]:
+        """The journal entry of this operation."""
+        error = None
+        if self.error is not None:
+            error = {"code": int(self.error.code), "reason": self.error.reason, "message": self.error.message}
+        return {
+            "id": self.id, "kind": self.kind.value, "owner_uid": self.owner_uid, "request_id": self.request_id,
+            "started": self.started.isoformat(), "finished": self.finished.isoformat() if self.finished else "",
+            "state": self.state.value, "phase": self.phase, "target_pid": self.target_pid,
+            "target_snapshot": self.target_snapshot, "facts": self.facts, "error": error,
+            "result": result_json(self.result),
+        }
 
     def finish(self, *, result: Any = None, error: GpusnapError | None = None) -> None:
-        """Record the outcome and emit the final event."""
+        """Record the outcome (durably, when journaled) and emit the final event."""
         with self._cond:
             self.result = result
             self.error = error
             self.finished = datetime.now(UTC)
             self.state = OperationState.FAILED if error else OperationState.SUCCEEDED
+        try:
+            self.save()
+        except OSError as exc:  # the outcome stands; recovery redoes the safe part after a restart
+            structlog.get_logger(__name__).warning("journal.write_failed", operation_id=self.id, error=str(exc))
         self.emit(EventType.OPERATION_FINISHED, phase=self.phase, message=str(error) if error else "")
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -122,15 +171,29 @@ class OperationRecord:
             return self.events[sequence + 1 :]
 
 
+def result_json(result: Any) -> dict[str, Any] | None:
+    """An operation's result as journal JSON: a snapshot by id, a restore's PIDs, a resume's GPU map."""
+    if isinstance(result, Snapshot):
+        return {"snapshot_id": result.id}
+    if isinstance(result, RestoreResult):
+        return {"restore": {**dataclasses.asdict(result), "pids": list(result.pids)}}
+    if isinstance(result, dict):
+        return {"gpu_map": dict(result)}
+    return None
+
+
 class PhaseRunner:
     """Runs an operation's phases, times them and keeps the undo stack.
 
     Args:
         record: the operation's record; phases and events are written to it.
+        slots: the daemon's work slots; the operation holds one from start to end except inside
+            :meth:`waiting` (none: no bound).
     """
 
-    def __init__(self, record: OperationRecord):
+    def __init__(self, record: OperationRecord, slots: threading.BoundedSemaphore | None = None):
         self.record = record
+        self._slots = slots
         self.log = structlog.get_logger("gpusnap.operation").bind(
             operation_id=record.id, kind=record.kind.value
         )
@@ -150,9 +213,16 @@ class PhaseRunner:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[PhaseProgress]:
-        """Run the block as phase ``name``; set ``progress.bytes`` to report bytes moved."""
+        """Run the block as phase ``name``; set ``progress.bytes`` to report bytes moved.
+
+        Before the block runs, the operation's journal entry names the phase (durably), and a requested
+        cancellation ends the operation (``CancelledError``, then rollback).
+        """
+        self.check_cancelled()
         name += self.phase_suffix
         self.record.phase = name
+        self.record.save()
+        failpoints.hit(self.record.kind.value, name)
         self.record.emit(EventType.PHASE_STARTED, phase=name)
         progress = PhaseProgress(self.record, name)
         start = time.monotonic()
@@ -175,8 +245,11 @@ class PhaseRunner:
         A phase left open when the operation fails is reported as failed.
         """
         self.close_phase()
+        self.check_cancelled()
         name += self.phase_suffix
         self.record.phase = name
+        self.record.save()
+        failpoints.hit(self.record.kind.value, name)
         self.record.emit(EventType.PHASE_STARTED, phase=name)
         progress = PhaseProgress(self.record, name)
         self._open = (name, time.monotonic(), progress)
@@ -201,6 +274,28 @@ class PhaseRunner:
         elapsed = time.monotonic() - start
         self.record.emit(EventType.PHASE_FAILED, phase=name, duration_seconds=elapsed, message=str(exc))
         self.log.warning("phase.failed", phase=name, duration_s=round(elapsed, 4), error=str(exc))
+
+    def check_cancelled(self) -> None:
+        """Raise ``CancelledError`` if the operation's cancellation was requested."""
+        if self.record.cancel_requested.is_set():
+            raise CancelledError(
+                f"operation {self.record.id} was cancelled before {self.record.phase or 'it started'} ended; "
+                "what it had done was rolled back",
+                reason="CANCELLED",
+            )
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """A block that waits on something outside the daemon (a worker, a control directory): the
+        operation's work slot is free for others meanwhile, and taken again after."""
+        if self._slots is None:
+            yield
+            return
+        self._slots.release()
+        try:
+            yield
+        finally:
+            self._slots.acquire()
 
     def on_failure(self, name: str, undo: Callable[[], None]) -> None:
         """Register ``undo`` to run (in reverse order of registration) if the operation fails."""
@@ -228,8 +323,18 @@ class PhaseRunner:
         return failures
 
     def run(self, body: Callable[[PhaseRunner], Any]) -> None:
-        """Run ``body``; on failure roll back, then record the outcome on the operation."""
+        """Run ``body`` holding a work slot; on failure roll back, then record the outcome on the operation."""
+        if self._slots is not None:
+            self._slots.acquire()
         try:
+            self._run(body)
+        finally:
+            if self._slots is not None:
+                self._slots.release()
+
+    def _run(self, body: Callable[[PhaseRunner], Any]) -> None:
+        try:
+            self.record.save()  # durable before anything with side effects
             result = body(self)
             self.close_phase()
         except GpusnapError as exc:
@@ -242,7 +347,7 @@ class PhaseRunner:
         except OSError as exc:  # the host said no: name the resource, not a bug
             self._fail_open_phase(exc)
             failures = self.rollback()
-            err = _os_error(exc, self.record.phase)
+            err = os_error(exc, self.record.phase)
             if failures:
                 err.message += "; rollback also failed: " + "; ".join(failures)
             self.record.finish(error=err)
@@ -264,7 +369,7 @@ class PhaseRunner:
         )
 
 
-def _os_error(exc: OSError, phase: str) -> GpusnapError:
+def os_error(exc: OSError, phase: str) -> GpusnapError:
     """A host-level failure as a domain error: out of space or quota is RESOURCE_EXHAUSTED."""
     where = f" during {phase}" if phase else ""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):

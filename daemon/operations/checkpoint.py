@@ -67,6 +67,8 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
         if gpu_tree:
             deps.gpu.check_capture(gpu_tree, facts.tree_pids, deps.agents.capture_env(facts.tree_pids))
 
+    run.record.note(tree_pids=list(facts.tree_pids), starts=[proc.start_time(p) for p in facts.tree_pids],
+                    leave_running=opts.leave_running)
     run.on_failure("resume-source", lambda: _resume_source(list(facts.tree_pids)))
     capture = workers.prepare_capture(run, deps, opts, facts.tree_pids, owner_uid)
     worker = capture.worker
@@ -76,6 +78,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
     if gpu_tree:
         ctl = deps.gpu.controller(gpu_tree.gpu_bytes)
         lock_timeout_s = opts.gpu_lock_timeout_s or deps.config.gpu_lock_timeout
+        run.record.note(cuda_pids=list(gpu_tree.cuda_pids))
         with run.phase("gpu-lock"):
             ctl.lock_all(gpu_tree.cuda_pids, int(lock_timeout_s * 1000))
         run.on_failure("gpu-rollback", lambda: ctl.rollback_to_running(gpu_tree.cuda_pids).raise_for_problems())
@@ -85,6 +88,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             progress.bytes = gpu_tree.gpu_bytes
     with deps.store.stage(opts.name) as staging:
         published: list[Snapshot] = []
+        run.record.note(staging=staging.snapshot_id)
 
         def publish() -> None:  # CRIU's post-dump: images complete, tree still frozen
             run.close_phase()
@@ -114,6 +118,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                 )
                 deps.store.publish(staging, snapshot)
             published.append(snapshot)
+            run.record.note(snapshot_id=snapshot.id)
             run.on_failure("unpublish", lambda: _unpublish(deps, snapshot.id))
             run.open_phase("finish")
 

@@ -1,17 +1,22 @@
-"""OperationRegistry: starts operations on a bounded executor, finds them, and keeps one operation
-per process tree at a time."""
+"""OperationRegistry: starts operations, finds them, and keeps one operation per process tree at a time.
+
+Each operation runs on its own thread. Work is bounded by ``max_workers`` slots: an operation holds one
+while it works and gives it back while it waits on something outside the daemon (a control directory, a
+worker's agent: :meth:`PhaseRunner.waiting`), so waiting operations never keep others from working.
+Callers are bounded too: at most ``max_per_caller`` operations of one uid, ``max_running`` in all.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
 from gpusnap.daemon.api import validate
-from gpusnap.daemon.api.errors import AbortedError, NotFoundError
-from gpusnap.daemon.operations.base import OperationRecord, PhaseRunner
+from gpusnap.daemon.api.errors import AbortedError, NotFoundError, ResourceExhaustedError
+from gpusnap.daemon.operations.base import OperationRecord, PhaseRunner, os_error
+from gpusnap.daemon.store.journal import Journal
 
 KEEP_FINISHED = 256
 log = structlog.get_logger(__name__)
@@ -21,25 +26,46 @@ class OperationRegistry:
     """All operations of this daemon's lifetime (the last ``KEEP_FINISHED`` finished ones are kept).
 
     Args:
-        max_workers: operations that may run at once.
+        max_workers: operations that may do work at once (waiting ones excluded).
+        max_per_caller: running operations of one uid.
+        max_running: running operations in all, waiting ones included.
+        journal: where operations are journaled (none: not at all).
         on_finished: called with each record once it has finished (metrics); its exceptions are logged.
     """
 
-    def __init__(self, max_workers: int = 8, on_finished: Callable[[OperationRecord], None] | None = None):
+    def __init__(self, max_workers: int = 8, max_per_caller: int = 16, max_running: int = 256,
+                 journal: Journal | None = None, on_finished: Callable[[OperationRecord], None] | None = None):
+        self.journal = journal
         self._on_finished = on_finished
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="gpusnap-op")
+        self._slots = threading.BoundedSemaphore(max_workers)
+        self.max_per_caller, self.max_running = max_per_caller, max_running
+        self._threads: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
         self._ops: dict[str, OperationRecord] = {}
         self._claimed: dict[int, str] = {}
+        self._by_request: dict[tuple[int, str], str] = {}
 
     def start(self, record: OperationRecord, pids: Iterable[int], body: Callable[[PhaseRunner], object]) -> OperationRecord:
-        """Claim ``pids`` for ``record`` and run ``body`` in the background.
+        """Claim ``pids`` for ``record`` and run ``body`` in the background; a record whose idempotency key
+        (``request_id``) this caller used before gets the earlier operation instead.
 
         Raises:
             AbortedError: another running operation holds one of ``pids`` (reason ``TREE_BUSY``).
+            ResourceExhaustedError: the caller has ``max_per_caller`` operations running, or the daemon
+                ``max_running`` (reason ``TOO_MANY_OPERATIONS``).
         """
         pids = list(pids)
+        record.journal = self.journal
         with self._lock:
+            if record.request_id and (record.owner_uid, record.request_id) in self._by_request:
+                earlier = self._ops.get(self._by_request[(record.owner_uid, record.request_id)])
+                if earlier is not None:  # a retry: the original operation
+                    return earlier
+            self._check_room(record.owner_uid)
+            try:
+                record.save()  # durable, with its idempotency key, before the caller hears of it
+            except OSError as exc:
+                raise os_error(exc, "") from exc
             busy = {p: self._claimed[p] for p in pids if p in self._claimed}
             if busy:
                 pid, other = next(iter(busy.items()))
@@ -51,12 +77,41 @@ class OperationRegistry:
                 )
             for p in pids:
                 self._claimed[p] = record.id
-            self._ops[record.id] = record
-            self._trim()
+            self._add(record)
+        self._run(record, pids, body)
+        return record
 
+    def find_request(self, owner_uid: int, request_id: str) -> OperationRecord | None:
+        """The operation ``owner_uid`` started with idempotency key ``request_id``, if this daemon (or its
+        journal) knows it."""
+        with self._lock:
+            op_id = self._by_request.get((owner_uid, request_id))
+            return self._ops.get(op_id) if op_id else None
+
+    def adopt(self, record: OperationRecord) -> None:
+        """Know ``record`` (an operation recovered from the journal) without running anything."""
+        with self._lock:
+            self._add(record)
+
+    def resume(self, record: OperationRecord, pids: Iterable[int], body: Callable[[PhaseRunner], object]) -> None:
+        """Run ``body`` as the rest of the recovered, unfinished ``record`` (claiming ``pids``)."""
+        pids = list(pids)
+        with self._lock:
+            for p in pids:
+                self._claimed[p] = record.id
+            self._add(record)
+        self._run(record, pids, body)
+
+    def _add(self, record: OperationRecord) -> None:
+        self._ops[record.id] = record
+        if record.request_id:
+            self._by_request[(record.owner_uid, record.request_id)] = record.id
+        self._trim()
+
+    def _run(self, record: OperationRecord, pids: list[int], body: Callable[[PhaseRunner], object]) -> None:
         def run() -> None:
             try:
-                PhaseRunner(record).run(body)
+                PhaseRunner(record, self._slots).run(body)
                 if self._on_finished is not None:
                     try:
                         self._on_finished(record)
@@ -67,9 +122,27 @@ class OperationRegistry:
                     for p in pids:
                         if self._claimed.get(p) == record.id:
                             del self._claimed[p]
+                    self._threads.pop(record.id, None)
 
-        self._executor.submit(run)
-        return record
+        thread = threading.Thread(target=run, name=f"gpusnap-{record.id[:11]}")
+        with self._lock:
+            self._threads[record.id] = thread
+        thread.start()
+
+    def _check_room(self, uid: int) -> None:
+        running = [r for r in self._ops.values() if not r.done]
+        mine = sum(1 for r in running if r.owner_uid == uid)
+        if mine >= self.max_per_caller:
+            raise ResourceExhaustedError(
+                f"uid {uid} already has {mine} operations running (the limit is {self.max_per_caller}); wait for "
+                "one to end (`gpusnap ops`)",
+                reason="TOO_MANY_OPERATIONS",
+            )
+        if len(running) >= self.max_running:
+            raise ResourceExhaustedError(
+                f"gpusnapd already runs {len(running)} operations (the limit is {self.max_running}); try again later",
+                reason="TOO_MANY_OPERATIONS",
+            )
 
     def get(self, op_id: str) -> OperationRecord:
         """The operation ``op_id``.
@@ -91,10 +164,16 @@ class OperationRegistry:
             return sorted(self._ops.values(), key=lambda r: (r.started, r.id))
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop accepting work; with ``wait`` let running operations finish."""
-        self._executor.shutdown(wait=wait, cancel_futures=False)
+        """With ``wait``, let running operations finish (and roll back if they fail)."""
+        if wait:
+            with self._lock:
+                threads = list(self._threads.values())
+            for thread in threads:
+                thread.join()
 
     def _trim(self) -> None:
         finished = [r for r in self._ops.values() if r.done]
         for record in sorted(finished, key=lambda r: r.started)[: max(0, len(finished) - KEEP_FINISHED)]:
             del self._ops[record.id]
+            if self._by_request.get((record.owner_uid, record.request_id)) == record.id:
+                del self._by_request[(record.owner_uid, record.request_id)]

@@ -165,6 +165,10 @@ def _restore_copy(
     timeout: float,
 ) -> RestoreResult:
     """Restore one copy of a checked snapshot: CRIU, GPU, validation, worker resume (module docstring)."""
+    earlier = run.record.facts.pop("tree", None)
+    if earlier is not None:  # a fan-out's earlier copy: recovery must find every copy's tree
+        run.record.facts.setdefault("earlier_trees", []).append(earlier)
+    run.record.note(snapshot_id=snapshot.id, env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values))
     with run.phase("restore") as progress:
         workers.before_restore(snapshot)
         shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
@@ -181,7 +185,9 @@ def _restore_copy(
         progress.bytes = snapshot.size_bytes
         # Without a namespace init, ns_pid is the host PID; register before anything else can fail.
         run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, tree.ns_pid))
+        _note_tree(run, init_pid=tree.init_pid, ns_pid=tree.ns_pid, init_start=proc.start_time(tree.init_pid or tree.ns_pid))
         root = _host_root_pid(tree.init_pid, tree.ns_pid)
+        _note_tree(run, root=root, root_start=proc.start_time(root))
     ctl: GpuTreeController | None = None
     cuda_pids: list[int] = []
     if gpu_map is not None:
@@ -192,6 +198,7 @@ def _restore_copy(
                 f"restore of {snapshot.id} lacks CUDA processes {[g.pid for g in snapshot.gpu_processes]}",
                 reason="RESTORE_INCOMPLETE",
             )
+        _note_tree(run, cuda_pids=cuda_pids)
         ctl = deps.gpu.controller(sum(g.gpu_memory_bytes for g in snapshot.gpu_processes))
         lock_ms = int(deps.config.gpu_lock_timeout * 1000)
         release = ctl.release_gpus_for_kill
@@ -213,8 +220,15 @@ def _restore_copy(
                 f"see restore-{run.record.id}{run.phase_suffix.replace('#', '-')}.log in the snapshot directory",
                 reason="RESTORE_INCOMPLETE",
             )
+    _note_tree(run, validated=True, pids=pids)
     workers.resume_restored(run, deps, snapshot, opts, pids, buffers_verified)
     return RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid)
+
+
+def _note_tree(run: PhaseRunner, **facts: object) -> None:
+    """Journal what recovery needs of the tree being restored (durable before returning)."""
+    run.record.facts.setdefault("tree", {}).update(facts)
+    run.record.save()
 
 
 def _tcp_mode_of(snapshot: Snapshot) -> TcpMode:

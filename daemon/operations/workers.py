@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gpusnap.daemon.api.errors import FailedPreconditionError
+from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
 from gpusnap.daemon.api.types import BufferRef, CheckpointOptions, RestoreOptions, Snapshot, WorkerInfo
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.operations.base import PhaseProgress, PhaseRunner
@@ -151,9 +151,16 @@ def prepare_capture(
     cfg = deps.config
     if opts.control_dir:
         cdir = controldir.check_dir(opts.control_dir, owner_uid)
+        run.record.note(control_dir=str(cdir))
         with run.phase("wait-ready"):
             controldir.clear(cdir, owner_uid, controldir.RESTORE_COMPLETE, controldir.SNAPSHOT_COMPLETE)
-            controldir.wait_ready(cdir, min(cfg.ready_timeout, opts.timeout_s or cfg.ready_timeout), lambda: proc.alive(opts.pid))
+            with run.waiting():
+                try:
+                    controldir.wait_ready(cdir, min(cfg.ready_timeout, opts.timeout_s or cfg.ready_timeout),
+                                          lambda: proc.alive(opts.pid) and not run.record.cancel_requested.is_set())
+                except DeadlineExceededError:
+                    run.check_cancelled()  # cancelled, rather than not ready
+                    raise
         run.on_failure("resume-worker", lambda: controldir.signal_file(cdir, owner_uid, controldir.RESTORE_COMPLETE))
         return Capture(WorkerInfo(control_dir=str(cdir)))
     sessions = deps.agents.find_all(tree_pids)
@@ -172,11 +179,12 @@ def prepare_capture(
     _check_agents(fronts, capture.parts)
     for part in capture.parts:
         AgentRegistry.unwake(part.info.wake_dir, part.info.instance_id, part.info.uid)
-    with run.phase("warm-up"):
+    with run.phase("warm-up"), run.waiting():
         for part in fronts:
             part.canary = part.client.warm_up(cfg.warmup_timeout)
     run.on_failure("resume-worker", lambda: _undo(deps, capture, tree_pids))
-    with run.phase("quiesce"):
+    run.record.note(agents=[dataclasses.asdict(p.info) for p in capture.parts])  # recovery resumes them
+    with run.phase("quiesce"), run.waiting():
         for part in fronts:  # the front ends stop work first: then nothing runs in the other processes
             _quiesce(part, opts.offload, cfg.quiesce_timeout)
         _in_parallel([lambda p=p: _quiesce(p, opts.offload, cfg.quiesce_timeout) for p in others])  # type: ignore[misc]
@@ -310,7 +318,8 @@ def resume_restored(
 
     if snapshot.buffers:
         with run.phase("reload-buffers") as progress:
-            _in_parallel([lambda w=w: connect(w) for w in workers])  # type: ignore[misc]
+            with run.waiting():
+                _in_parallel([lambda w=w: connect(w) for w in workers])  # type: ignore[misc]
             buffers_verified()
             _in_parallel([lambda w=w: _reload(deps, snapshot, w, clients[w.instance_id], progress)  # type: ignore[misc]
                           for w in workers if snapshot.buffers_of(w)])
@@ -323,7 +332,7 @@ def resume_restored(
         tokens[w.instance_id] = clients[w.instance_id].resume(
             deps.config.resume_timeout, restored=True, env=opts.env, unset_env=opts.unset_env, values=opts.values)
 
-    with run.phase("resume-worker"):
+    with run.phase("resume-worker"), run.waiting():
         _in_parallel([lambda w=w: resume(w) for w in workers if not w.is_front])  # type: ignore[misc]
         for w in workers:
             if w.is_front:

@@ -53,7 +53,7 @@ V1Request: Any = message_factory.GetMessageClass(V1_DESCRIPTOR.message_types_by_
 V1Response: Any = message_factory.GetMessageClass(V1_DESCRIPTOR.message_types_by_name["ServerReflectionResponse"])
 
 
-def enable(service_names: tuple[str, ...], server: grpc.Server) -> None:
+def enable(service_names: tuple[str, ...], server: grpc.Server | grpc.aio.Server) -> None:
     """Serve reflection for ``service_names`` (plus both reflection services) on ``server``.
 
     Both paths run grpcio-reflection's servicer; ``v1`` requests are decoded as ``v1alpha`` messages,
@@ -61,7 +61,9 @@ def enable(service_names: tuple[str, ...], server: grpc.Server) -> None:
     """
     names = (*service_names, V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    servicer = reflection.ReflectionServicer(names)
+    servicer: Any = (
+        reflection.aio.ReflectionServicer(names) if isinstance(server, grpc.aio.Server) else reflection.ReflectionServicer(names)
+    )
     handler = grpc.method_handlers_generic_handler(
         V1_SERVICE_NAME,
         {

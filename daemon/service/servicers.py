@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -21,8 +21,6 @@ from gpusnap.daemon.service.peercred import PeerCredProxy
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = structlog.get_logger(__name__)
-
-WATCH_POLL_S = 1.0
 
 
 def _rpc(method: F) -> F:
@@ -61,12 +59,12 @@ class _Base:
 class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
     @_rpc
     def Checkpoint(self, request: operations_pb2.CheckpointRequest, context: grpc.ServicerContext) -> operations_pb2.CheckpointResponse:
-        record = self.daemon.checkpoint(convert.checkpoint_options(request), self.caller(context))
+        record = self.daemon.checkpoint(convert.checkpoint_options(request), self.caller(context), request.request_id)
         return operations_pb2.CheckpointResponse(operation=convert.operation(record))
 
     @_rpc
     def Restore(self, request: operations_pb2.RestoreRequest, context: grpc.ServicerContext) -> operations_pb2.RestoreResponse:
-        record = self.daemon.restore(convert.restore_options(request), self.caller(context))
+        record = self.daemon.restore(convert.restore_options(request), self.caller(context), request.request_id)
         return operations_pb2.RestoreResponse(operation=convert.operation(record))
 
     @_rpc
@@ -95,26 +93,18 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
         record = self.daemon.operation(request.id, self.caller(context))
         return operations_pb2.GetOperationResponse(operation=convert.operation(record))
 
-    @_rpc
-    def WaitOperation(self, request: operations_pb2.WaitOperationRequest, context: grpc.ServicerContext) -> operations_pb2.WaitOperationResponse:
-        record = self.daemon.operation(request.id, self.caller(context))
-        while context.is_active() and not record.wait(timeout=WATCH_POLL_S):
-            pass
-        return operations_pb2.WaitOperationResponse(operation=convert.operation(record))
+    # WaitOperation and WatchOperation are served by coroutines (gpusnap.daemon.service.aio.OperationStreams),
+    # which hold no thread while they wait; the server never routes them here.
+    def WaitOperation(self, request: Any, context: grpc.ServicerContext) -> Any:
+        raise NotImplementedError("served by gpusnap.daemon.service.aio.OperationStreams")
+
+    def WatchOperation(self, request: Any, context: grpc.ServicerContext) -> Any:
+        raise NotImplementedError("served by gpusnap.daemon.service.aio.OperationStreams")
 
     @_rpc
-    def WatchOperation(self, request: operations_pb2.WatchOperationRequest, context: grpc.ServicerContext) -> Iterator[operations_pb2.WatchOperationResponse]:
-        record = self.daemon.operation(request.id, self.caller(context))
-        return self._watch(record, context)
-
-    def _watch(self, record: Any, context: grpc.ServicerContext) -> Iterator[operations_pb2.WatchOperationResponse]:
-        last = -1
-        while context.is_active():
-            for event in record.events_after(last, timeout=WATCH_POLL_S):
-                last = event.sequence
-                yield operations_pb2.WatchOperationResponse(event=convert.event(record, event))
-                if event.type.value == "operation_finished":
-                    return
+    def CancelOperation(self, request: operations_pb2.CancelOperationRequest, context: grpc.ServicerContext) -> operations_pb2.CancelOperationResponse:
+        record = self.daemon.cancel(request.id, self.caller(context))
+        return operations_pb2.CancelOperationResponse(operation=convert.operation(record))
 
     @_rpc
     def ListOperations(self, request: operations_pb2.ListOperationsRequest, context: grpc.ServicerContext) -> operations_pb2.ListOperationsResponse:

@@ -1,0 +1,242 @@
+"""Recovery at start: finish every operation a crashed daemon left half-done, from its journal entry.
+
+- checkpoint: the source comes back. Stopped processes of its tree are continued, CUDA processes are
+  restored and unlocked (``rollback_to_running``), a quiesced worker is woken and resumed, a control-directory
+  worker gets ``restore-complete``; staging was removed when the store opened. A snapshot published before
+  the crash is complete and durable and stays listed: the operation then succeeded, with its source left
+  running instead of stopped.
+- restore: a tree that CRIU brought back and ``validate`` accepted is adopted: its worker is resumed in a
+  new run reported under the original operation id. A tree that had not passed ``validate`` has its GPUs
+  released and is killed. The operation's message says which.
+- Finally, every CUDA process of the journal's trees that is found LOCKED or CHECKPOINTED (and that no
+  successful suspend left so on purpose) is restored and unlocked.
+
+Finished entries become finished operations again, so ``GetOperation`` and retries of an idempotency key
+get the original outcome across the restart.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpusnap.daemon.api.errors import AbortedError, Code, GpusnapError, error_for_code
+from gpusnap.daemon.api.types import RestoreOptions, RestoreResult
+from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.drivers.cuda import ProcessState
+from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState, PhaseRunner
+from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.store.journal import Journal
+from gpusnap.daemon.operations import workers
+from gpusnap.daemon.workers import controldir
+from gpusnap.daemon.workers.agents import AgentInfo
+
+log = structlog.get_logger(__name__)
+
+
+def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[OperationRecord]:
+    """Recover every unfinished journal entry and re-register the finished ones; returns the recovered."""
+    recovered = []
+    suspended: set[int] = set()
+    stray_cuda: set[int] = set()
+    for entry in journal.entries():
+        kind = OperationKind(entry["kind"])
+        if entry.get("state") != "running":
+            record = _record(entry)
+            _restore_result(deps, record, entry)
+            registry.adopt(record)
+            if kind is OperationKind.SUSPEND and record.state is OperationState.SUCCEEDED:
+                suspended.add(record.target_pid)
+            elif kind is OperationKind.RESUME and record.state is OperationState.SUCCEEDED:
+                suspended.discard(record.target_pid)
+            continue
+        facts = entry.get("facts", {})
+        for tree in (*facts.get("earlier_trees", []), facts.get("tree", {}), facts):
+            stray_cuda.update(_alive(tree.get("cuda_pids", []), None))
+        record = _record(entry)
+        record.journal = journal
+        log.warning("recovery.operation", operation_id=record.id, kind=kind.value, phase=record.phase)
+        try:
+            if kind is OperationKind.RESTORE:
+                _recover_restore(deps, registry, record, facts)
+            elif kind in (OperationKind.CHECKPOINT, OperationKind.SUSPEND, OperationKind.RESUME):
+                _recover_capture(deps, record, facts)
+            else:  # a transfer: it changed no process; a half-written local copy was removed with staging
+                record.finish(error=_restarted(
+                    f"gpusnapd restarted during {record.phase or 'the start'} of this {kind.value}; run it again"
+                ))
+        except Exception as exc:  # recovery goes on with the next entry
+            log.exception("recovery.failed", operation_id=record.id)
+            record.finish(error=_restarted(f"recovery after a gpusnapd restart failed: {type(exc).__name__}: {exc}"))
+        if record.done:
+            registry.adopt(record)
+            log.warning("recovery.finished", operation_id=record.id, state=record.state.value,
+                        message=str(record.error or record.facts.get("recovery", "")))
+        recovered.append(record)
+    _unlock_strays(deps, sorted(stray_cuda - suspended))
+    journal.trim()
+    return recovered
+
+
+def _record(entry: dict[str, Any]) -> OperationRecord:
+    record = OperationRecord(
+        OperationKind(entry["kind"]), target_pid=int(entry.get("target_pid", 0)),
+        target_snapshot=str(entry.get("target_snapshot", "")), owner_uid=int(entry["owner_uid"]),
+        request_id=str(entry.get("request_id", "")),
+    )
+    record.id = entry["id"]
+    record.started = datetime.fromisoformat(entry["started"])
+    record.phase = str(entry.get("phase", ""))
+    record.facts = dict(entry.get("facts", {}))
+    if entry.get("state") != "running":
+        record.state = OperationState(entry["state"])
+        record.finished = datetime.fromisoformat(entry["finished"]) if entry.get("finished") else datetime.now(UTC)
+        err = entry.get("error")
+        if err:
+            record.error = error_for_code(Code(int(err["code"])), str(err["message"]), reason=str(err["reason"]))
+    return record
+
+
+def _restore_result(deps: Deps, record: OperationRecord, entry: dict[str, Any]) -> None:
+    result = entry.get("result") or {}
+    if "snapshot_id" in result:
+        try:
+            record.result = deps.store.get(result["snapshot_id"])
+        except GpusnapError:
+            record.result = None  # deleted since
+    elif "restore" in result:
+        r = result["restore"]
+        record.result = RestoreResult(pid=r["pid"], pids=tuple(r["pids"]), snapshot_id=r["snapshot_id"],
+                                      namespace_pid=r["namespace_pid"])
+    elif "gpu_map" in result:
+        record.result = dict(result["gpu_map"])
+
+
+def _restarted(message: str) -> AbortedError:
+    return AbortedError(message, reason="DAEMON_RESTARTED")
+
+
+def _alive(pids: list[int], starts: list[float] | None) -> list[int]:
+    """The PIDs that still name the processes of the journal (same start time when it is known)."""
+    out = []
+    for n, pid in enumerate(pids):
+        start = proc.start_time(pid)
+        if start and (starts is None or n >= len(starts) or abs(start - starts[n]) < 0.01):
+            out.append(pid)
+    return out
+
+
+def _recover_capture(deps: Deps, record: OperationRecord, facts: dict[str, Any]) -> None:
+    tree = _alive(facts.get("tree_pids", []), facts.get("starts"))
+    done: list[str] = []
+    thawed = proc.ensure_no_frozen(tree)
+    if thawed:
+        done.append(f"continued stopped PIDs {thawed}")
+    cuda = _alive(facts.get("cuda_pids", []), None)
+    if cuda and deps.gpu.available:
+        deps.gpu.controller().rollback_to_running(cuda).raise_for_problems()
+        done.append(f"restored and unlocked the CUDA state of PIDs {cuda}")
+    for agent in (AgentInfo(**a) for a in facts.get("agents", [])):
+        if proc.alive(agent.pid):
+            workers.resume_source(deps, agent)
+            done.append(f"resumed the worker (PID {agent.pid})")
+    if facts.get("control_dir") and tree:
+        controldir.signal_file(Path(facts["control_dir"]), record.owner_uid, controldir.RESTORE_COMPLETE)
+        done.append("signalled restore-complete to the control-directory worker")
+    what = "; ".join(done) or "nothing of the source needed undoing"
+    snapshot_id = facts.get("snapshot_id")
+    if snapshot_id:
+        try:
+            snapshot = deps.store.get(snapshot_id)
+        except GpusnapError:
+            snapshot = None
+        if snapshot is not None:  # complete and durable: the capture succeeded, its source kept running
+            record.facts["recovery"] = (f"snapshot {snapshot_id} was durable before gpusnapd restarted; the source "
+                                        f"was left running ({what})")
+            record.finish(result=snapshot)
+            return
+    record.finish(error=_restarted(
+        f"gpusnapd restarted during {record.phase or 'the start'} of this {record.kind.value}; no snapshot was "
+        f"published and the process keeps running ({what}); run it again"
+    ))
+
+
+def _recover_restore(deps: Deps, registry: OperationRegistry, record: OperationRecord, facts: dict[str, Any]) -> None:
+    earlier: list[dict[str, Any]] = list(facts.get("earlier_trees", []))
+    tree_facts: dict[str, Any] = dict(facts.get("tree", {}))
+    init_pid, root = int(tree_facts.get("init_pid", 0)), int(tree_facts.get("root", 0))
+    init_alive = bool(init_pid) and bool(_alive([init_pid], [tree_facts.get("init_start", 0.0)]))
+    root_alive = bool(root) and bool(_alive([root], [tree_facts.get("root_start", 0.0)]))
+    if tree_facts.get("validated") and root_alive and not earlier:  # fan-outs are not adopted: all or none
+        snapshot = deps.store.get(facts["snapshot_id"])
+        opts = RestoreOptions(snapshot=snapshot.id, env=facts.get("env", {}), unset_env=tuple(facts.get("unset_env", [])),
+                              values=facts.get("values", {}))
+        pids = [int(p) for p in tree_facts.get("pids", [root])]
+        result = RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id,
+                               namespace_pid=int(tree_facts.get("ns_pid", root)))
+        record.facts["recovery"] = "adopted"
+
+        def resume(run: PhaseRunner) -> RestoreResult:
+            run.on_failure("kill-restored", lambda: _kill(init_pid if init_alive else 0, pids))
+            workers.resume_restored(run, deps, snapshot, opts, pids)
+            return result
+
+        registry.resume(record, pids, resume)
+        log.warning("recovery.restore_adopted", operation_id=record.id, pid=root)
+        return
+    killed: list[int] = []
+    for tree in [*earlier, tree_facts]:
+        killed += _kill_restored(deps, tree)
+    record.facts["recovery"] = "killed" if killed else "nothing restored"
+    what = f"the half-restored tree (PIDs {killed}) was killed" if killed else "no restored process was found"
+    record.finish(error=_restarted(
+        f"gpusnapd restarted during {record.phase or 'the start'} of this restore; {what}; the snapshot is kept: "
+        "restore it again"
+    ))
+
+
+def _kill_restored(deps: Deps, tree: dict[str, Any]) -> list[int]:
+    """Release the GPU state of a journaled restored tree, then kill it; the PIDs killed."""
+    init_pid, root = int(tree.get("init_pid", 0)), int(tree.get("root", 0))
+    init_alive = bool(init_pid) and bool(_alive([init_pid], [tree.get("init_start", 0.0)]))
+    root_alive = bool(root) and bool(_alive([root], [tree.get("root_start", 0.0)]))
+    cuda = _alive(tree.get("cuda_pids", []), None)
+    if cuda and deps.gpu.available:  # killing a process with GPU state hangs hosts (cuda-checkpoint#53)
+        deps.gpu.controller().release_gpus_for_kill(cuda, lock_timeout_ms=int(deps.config.gpu_lock_timeout * 1000))
+    if not (init_alive or root_alive):
+        return []
+    pids = proc.tree_pids_or_empty(root) if root_alive else []
+    _kill(init_pid if init_alive else 0, pids)
+    return [init_pid] if init_alive else pids
+
+
+def _kill(init_pid: int, pids: list[int]) -> None:
+    if init_pid:
+        try:
+            os.kill(init_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.kill_tree(pids)
+
+
+def _unlock_strays(deps: Deps, pids: list[int]) -> None:
+    """Restore and unlock CUDA processes left LOCKED or CHECKPOINTED by a crashed operation."""
+    if not pids or not deps.gpu.available or deps.gpu.cuda is None:
+        return
+    stuck = []
+    for pid in pids:
+        try:
+            if deps.gpu.cuda.get_state(pid) in (ProcessState.LOCKED, ProcessState.CHECKPOINTED):
+                stuck.append(pid)
+        except GpusnapError:
+            continue
+    if stuck:
+        log.warning("recovery.cuda_unlocked", pids=stuck)
+        deps.gpu.controller().rollback_to_running(stuck)
+

@@ -1,0 +1,88 @@
+"""Fault matrix, GPU rows: gpusnapd dies right after a GPU phase; recovery from the journal brings the
+source's CUDA state back to RUNNING, or releases and kills a half-restored tree.
+
+In process, with the fake CUDA driver (its state must survive the "crash", so the daemon cannot be a
+separate process here): the crash is a ``BaseException`` raised at the next phase boundary, which skips
+rollback and the operation's end just as a SIGKILL does; the journal on disk is all recovery gets.
+Real CRIU, real store and processes.
+"""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from gpusnap.daemon.api.types import ROOT_CALLER, CheckpointOptions, RestoreOptions
+from gpusnap.daemon.drivers.cuda import ProcessState
+from gpusnap.daemon.operations import failpoints, recovery
+from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState, PhaseRunner
+from gpusnap.daemon.operations.checkpoint import run_checkpoint
+from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.operations.restore import run_restore
+from gpusnap.daemon.store.journal import Journal
+from tests.conftest import wait_for
+from tests.daemon.operations.conftest import NCCL_ENV, GpuNode
+
+
+class Crash(BaseException):
+    """gpusnapd dying at a phase boundary: nothing after it runs, rollback included."""
+
+
+def _crash_at(monkeypatch: pytest.MonkeyPatch, kind: str, phase: str) -> None:
+    def hit(k: str, p: str) -> None:
+        if (k, p) == (kind, phase):
+            raise Crash(phase)
+
+    monkeypatch.setattr(failpoints, "hit", hit)
+
+
+def _crashed(node: GpuNode, kind: OperationKind, body: object, **kw: object) -> Journal:
+    journal = Journal(node.tmp / "journal")
+    journal.open()
+    record = OperationRecord(kind, journal=journal, **kw)  # type: ignore[arg-type]
+    with pytest.raises(Crash):
+        PhaseRunner(record).run(body)  # type: ignore[arg-type]
+    assert not record.done
+    return journal
+
+
+@pytest.mark.parametrize("phase", ["gpu-checkpoint", "dump", "checksum"])
+def test_capture_crash_after_gpu_phases(node: GpuNode, monkeypatch: pytest.MonkeyPatch, phase: str) -> None:
+    """After gpu-lock (LOCKED), after gpu-checkpoint (CHECKPOINTED), and with the tree frozen by CRIU."""
+    tree = node.start(cuda=("root", "child"), env=NCCL_ENV)
+    _crash_at(monkeypatch, "checkpoint", phase)
+    opts = CheckpointOptions(pid=tree.root)
+    journal = _crashed(node, OperationKind.CHECKPOINT, lambda run: run_checkpoint(run, node.deps, opts, 0),
+                       target_pid=tree.root)
+    locked = {node.cuda.get_state(p) for p in (tree.root, tree.child)}
+    assert locked & {ProcessState.LOCKED, ProcessState.CHECKPOINTED}, "the crash left GPU state to recover"
+    monkeypatch.undo()
+    [record] = recovery.recover(node.deps, journal, OperationRegistry(journal=journal))
+    assert record.state is OperationState.FAILED and record.error is not None
+    assert record.error.reason == "DAEMON_RESTARTED" and "keeps running" in record.error.message
+    assert {node.cuda.get_state(p) for p in (tree.root, tree.child)} == {ProcessState.RUNNING}
+    tree.assert_progressing()
+    assert node.listed() == []
+    assert journal.entries()[0]["state"] == "failed", "the outcome is durable"
+
+
+@pytest.mark.parametrize("phase", ["gpu-unlock", "validate"])
+def test_restore_crash_after_gpu_phases(node: GpuNode, monkeypatch: pytest.MonkeyPatch, phase: str) -> None:
+    """A restored tree that had not passed validate: GPUs released (cuda-checkpoint#53), then killed."""
+    tree = node.start(cuda=("root",), child=False)
+    snap = node.checkpoint_ok(tree.root)
+    _crash_at(monkeypatch, "restore", phase)
+    opts = RestoreOptions(snapshot=snap.id)
+    journal = _crashed(node, OperationKind.RESTORE, lambda run: run_restore(run, node.deps, opts, ROOT_CALLER))
+    restored = node.criu.restored[-1]
+    assert psutil.pid_exists(restored.init_pid)
+    monkeypatch.undo()
+    [record] = recovery.recover(node.deps, journal, OperationRegistry(journal=journal))
+    assert record.state is OperationState.FAILED and record.error is not None
+    assert "was killed" in record.error.message and record.facts["recovery"] == "killed"
+    wait_for(lambda: not psutil.pid_exists(restored.init_pid) or psutil.Process(restored.init_pid).status() == "zombie",
+             15, "the half-restored tree still runs")
+    gpu_pids = [p for p in record.facts["tree"].get("cuda_pids", [])]
+    assert all(node.cuda.get_state(p) in (ProcessState.CHECKPOINTED, ProcessState.FAILED) for p in gpu_pids
+               if p in node.cuda.usage()), "GPU state released before the kill"
+    assert node.listed() == [snap.id], "the snapshot is kept"

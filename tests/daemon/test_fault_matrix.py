@@ -1,0 +1,210 @@
+"""The fault matrix: every phase boundary of capture and restore x {gpusnapd SIGKILL, CRIU SIGKILL, ENOSPC}.
+
+Real gpusnapd, real CRIU, real process trees. Faults come from the daemon's failpoint
+(``GPUSNAP_FAILPOINT=<kind>:<phase>:kill|enospc``, gpusnap.daemon.operations.failpoints) or, for CRIU, from
+killing ``criu swrk`` mid-run. After a daemon SIGKILL the daemon is started again on the same store and
+recovers from its journal. Every cell asserts the same three things:
+
+- nothing half-written is listed (every listed snapshot's images match its manifest; staging is empty);
+- the source is never left stopped, or killed before its snapshot is durable;
+- no restored tree is left untracked (every running copy of the workload is a tree the daemon reports);
+
+plus: the operation is known after the restart (from the journal) and a retry of its idempotency key gets
+the same operation. GPU phases (gpu-lock … gpu-unlock) are covered with the fake CUDA driver in
+tests/daemon/operations/test_recovery_gpu.py; agent hang and death in tests/adapters (warm-up, quiesce and
+resume timeouts) and tests/daemon/operations (agent death). Set-up is shared where honest: restore cells
+restore copies (hard links) of one snapshot made once per module.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpusnap.daemon import client as client_module
+from gpusnap.daemon._proto import operations_pb2
+from gpusnap.daemon.api.errors import GpusnapError, UnavailableError
+from gpusnap.daemon.client import DaemonClient
+from gpusnap.daemon.store import checksum, manifest
+from tests.conftest import DaemonProc, Workload, Workloads, criu_killed, kill_tree, start_daemon, stop_daemon, wait_for
+
+CAPTURE = ["preflight", "dump", "checksum", "publish", "finish"]
+RESTORE = ["preflight", "verify", "restore", "validate"]
+FAILED, SUCCEEDED = operations_pb2.OPERATION_STATE_FAILED, operations_pb2.OPERATION_STATE_SUCCEEDED
+
+
+def _faulty_daemon(tmp: Path, spec: str) -> DaemonProc:
+    d = start_daemon(tmp, extra_env={"GPUSNAP_FAILPOINT": spec} if spec else None)
+    assert d.alive(), d.log.read_text()
+    return d
+
+
+def _nothing_half_written(d: DaemonProc) -> list[str]:
+    """Every listed snapshot is complete; staging is empty. Returns the listed ids."""
+    listed = [s.id for s in d.client().list_snapshots()]
+    for snap_id in listed:
+        snap = manifest.read(d.store / "snapshots" / snap_id)
+        assert checksum.mismatches(d.store / "snapshots" / snap_id / "images", snap.files) == [], snap_id
+    assert list((d.store / "staging").iterdir()) == [], "staging left behind"
+    return listed
+
+
+def _source_ok(w: Workload, durable: bool) -> None:
+    """Alive and running unless its snapshot is durable (then it may have been stopped by design)."""
+    try:
+        status = psutil.Process(w.pid).status()
+    except psutil.NoSuchProcess:
+        assert durable, "the source was killed before its snapshot was durable"
+        return
+    if status == psutil.STATUS_ZOMBIE:
+        assert durable, "the source was killed before its snapshot was durable"
+        return
+    assert status not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP), "the source was left stopped"
+    before = w.last("parent.log")
+    wait_for(lambda: w.last("parent.log") > before + 2, 20, "the source does not run")
+
+
+def _copies(workdir: Path) -> set[int]:
+    """PIDs of every running process of a tree.py workload of ``workdir`` (source or restored copies)."""
+    out = set()
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if str(workdir) in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.add(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _short_start_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client retries a start while the daemon is unreachable; here the daemon stays dead until restarted."""
+    monkeypatch.setattr(client_module, "START_RETRY_S", 0.5)
+
+
+def _start(d: DaemonProc, start: Callable[[DaemonClient], operations_pb2.Operation]) -> str:
+    """Start the operation; "" when gpusnapd died before it answered."""
+    try:
+        return start(d.client()).id
+    except UnavailableError:
+        return ""
+
+
+def _after_crash(d: DaemonProc, tmp: Path, op_id: str,
+                 retry: Callable[[DaemonClient], operations_pb2.Operation]) -> tuple[DaemonProc, operations_pb2.Operation]:
+    """Wait for the SIGKILLed daemon to be gone and start it again on the same store; a retry with the same
+    idempotency key must get the original operation, finished by recovery."""
+    assert d.proc.wait(timeout=60) == -9, "the failpoint did not kill gpusnapd"
+    stop_daemon(d)
+    d2 = _faulty_daemon(tmp, "")
+    again = retry(d2.client())
+    assert not op_id or again.id == op_id, "a retry gets the original operation"
+    try:
+        d2.client().wait(again.id, timeout_s=60)
+    except GpusnapError:
+        pass
+    op = d2.client().get_operation(again.id)
+    assert op.state in (FAILED, SUCCEEDED), "a recovered operation is finished"
+    return d2, op
+
+
+@pytest.mark.parametrize("fault", ["kill", "enospc"])
+@pytest.mark.parametrize("phase", CAPTURE)
+def test_capture_cell(tmp_path: Path, workloads: Workloads, phase: str, fault: str) -> None:
+    w = workloads.start("--mem-mb", "8", "--no-listener")
+    d = _faulty_daemon(tmp_path, f"checkpoint:{phase}:{fault}")
+    key = str(uuid.uuid4())
+
+    def start(c: DaemonClient) -> operations_pb2.Operation:
+        return c.checkpoint(w.pid, name="cell", request_id=key)
+
+    try:
+        op_id = _start(d, start)
+        if fault == "kill":
+            d, done = _after_crash(d, tmp_path, op_id, start)
+        else:
+            with pytest.raises(GpusnapError) as err:
+                d.client().wait(op_id)
+            assert err.value.reason == "STORE_FULL", err.value.message
+            done = d.client().get_operation(op_id)
+        listed = _nothing_half_written(d)
+        durable = done.state == SUCCEEDED
+        assert listed == ([done.snapshot.id] if durable else []), "listed iff the operation succeeded"
+        _source_ok(w, durable)
+    finally:
+        stop_daemon(d)
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """A store holding one snapshot of a workload whose source is gone; (store, workdir)."""
+    tmp = tmp_path_factory.mktemp("template")
+    ws = Workloads(tmp)
+    d = start_daemon(tmp)
+    try:
+        w = ws.start("--mem-mb", "8", "--no-listener")
+        d.client().wait(d.client().checkpoint(w.pid, name="base").id)
+    finally:
+        stop_daemon(d)
+        ws.cleanup()
+    yield d.store, w.workdir
+
+
+def _store_copy(template: Path, tmp: Path) -> None:
+    shutil.copytree(template, tmp / "store", copy_function=os.link, ignore=shutil.ignore_patterns(".lock", "journal"))
+
+
+@pytest.mark.parametrize("fault", ["kill", "enospc"])
+@pytest.mark.parametrize("phase", RESTORE)
+def test_restore_cell(tmp_path: Path, template: tuple[Path, Path], phase: str, fault: str) -> None:
+    store, workdir = template
+    _store_copy(store, tmp_path)
+    d = _faulty_daemon(tmp_path, f"restore:{phase}:{fault}")
+    key = str(uuid.uuid4())
+    tracked: set[int] = set()
+
+    def start(c: DaemonClient) -> operations_pb2.Operation:
+        return c.restore("base", request_id=key)
+
+    try:
+        op_id = _start(d, start)
+        if fault == "kill":
+            d, done = _after_crash(d, tmp_path, op_id, start)
+        else:
+            with pytest.raises(GpusnapError) as err:
+                d.client().wait(op_id)
+            assert err.value.reason == "STORE_FULL", err.value.message
+            done = d.client().get_operation(op_id)
+        assert _nothing_half_written(d) == [s.id for s in d.client().list_snapshots()] != [], "the snapshot is kept"
+        if done.state == SUCCEEDED:
+            tracked = set(done.restore.pids)
+            assert tracked and all(psutil.pid_exists(p) for p in tracked), "an adopted tree runs"
+        time.sleep(0.5)
+        assert _copies(workdir) <= tracked, "a restored tree runs untracked"
+    finally:
+        kill_tree(*tracked)
+        stop_daemon(d)
+
+
+def test_criu_killed_mid_restore(tmp_path: Path, template: tuple[Path, Path]) -> None:
+    store, workdir = template
+    _store_copy(store, tmp_path)
+    d = _faulty_daemon(tmp_path, "")
+    try:
+        with criu_killed(d.proc.pid, delay_s=0.05) as killed:
+            op = d.client().restore("base")
+            with pytest.raises(GpusnapError):
+                d.client().wait(op.id)
+        assert killed, "CRIU was never seen running"
+        assert d.client().get_operation(op.id).state == FAILED
+        _nothing_half_written(d)
+        wait_for(lambda: not _copies(workdir), 15, "a half-restored tree was left running")
+    finally:
+        stop_daemon(d)
