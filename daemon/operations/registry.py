@@ -19,6 +19,8 @@ from gpusnap.daemon.operations.base import OperationRecord, PhaseRunner, os_erro
 from gpusnap.daemon.store.journal import Journal
 
 KEEP_FINISHED = 256
+JOURNAL_TRIM_EVERY = 64
+"""Finished operations between two trims of the journal to its newest entries."""
 log = structlog.get_logger(__name__)
 
 
@@ -44,6 +46,7 @@ class OperationRegistry:
         self._ops: dict[str, OperationRecord] = {}
         self._claimed: dict[int, str] = {}
         self._by_request: dict[tuple[int, str], str] = {}
+        self._finished_count = 0
 
     def start(self, record: OperationRecord, pids: Iterable[int], body: Callable[[PhaseRunner], object]) -> OperationRecord:
         """Claim ``pids`` for ``record`` and run ``body`` in the background; a record whose idempotency key
@@ -123,6 +126,10 @@ class OperationRegistry:
                         if self._claimed.get(p) == record.id:
                             del self._claimed[p]
                     self._threads.pop(record.id, None)
+                    self._finished_count += 1
+                    trim = self.journal is not None and self._finished_count % JOURNAL_TRIM_EVERY == 0
+                if trim and self.journal is not None:
+                    self.journal.trim()
 
         thread = threading.Thread(target=run, name=f"gpusnap-{record.id[:11]}")
         with self._lock:

@@ -33,6 +33,7 @@ from gpusnap.daemon._proto import operations_pb2
 from gpusnap.daemon.api.errors import GpusnapError, UnavailableError
 from gpusnap.daemon.client import DaemonClient
 from gpusnap.daemon.store import checksum, manifest
+from tests.adapters.test_agent_roundtrip import Toy
 from tests.conftest import DaemonProc, Workload, Workloads, criu_killed, kill_tree, start_daemon, stop_daemon, wait_for
 
 CAPTURE = ["preflight", "dump", "checksum", "publish", "finish"]
@@ -102,8 +103,10 @@ def _after_crash(d: DaemonProc, tmp: Path, op_id: str,
     """Wait for the SIGKILLed daemon to be gone and start it again on the same store; a retry with the same
     idempotency key must get the original operation, finished by recovery."""
     assert d.proc.wait(timeout=60) == -9, "the failpoint did not kill gpusnapd"
-    stop_daemon(d)
-    d2 = _faulty_daemon(tmp, "")
+    for c in d.clients:
+        c.close()
+    d2 = start_daemon(tmp, socket_dir=d.socket.parent)  # same sockets: workers' agents find it again
+    assert d2.alive(), d2.log.read_text()
     again = retry(d2.client())
     assert not op_id or again.id == op_id, "a retry gets the original operation"
     try:
@@ -207,4 +210,48 @@ def test_criu_killed_mid_restore(tmp_path: Path, template: tuple[Path, Path]) ->
         _nothing_half_written(d)
         wait_for(lambda: not _copies(workdir), 15, "a half-restored tree was left running")
     finally:
+        stop_daemon(d)
+
+
+def _toy(d: DaemonProc, tmp: Path, *args: str) -> Toy:
+    from tests.adapters.test_agent_roundtrip import _start as start_toy  # the same toy worker as there
+
+    return start_toy(d, tmp, *args)
+
+
+def test_agent_death_mid_quiesce(tmp_path: Path) -> None:
+    """The worker dies while it quiesces: the capture fails, nothing is listed, the daemon serves on."""
+    d = _faulty_daemon(tmp_path, "")
+    toy = _toy(d, tmp_path, "--slow-quiesce", "30")
+    try:
+        op = d.client().checkpoint(toy.proc.pid)
+        wait_for(lambda: "quiesce" in toy.events(), 30, "the worker never started to quiesce")
+        toy.proc.kill()
+        with pytest.raises(GpusnapError):
+            d.client().wait(op.id, timeout_s=60)
+        assert _nothing_half_written(d) == []
+        d.client().node_info()
+    finally:
+        kill_tree(toy.proc.pid)
+        stop_daemon(d)
+
+
+def test_daemon_killed_with_a_quiesced_worker(tmp_path: Path) -> None:
+    """gpusnapd dies after the worker quiesced (at the `dump` boundary): recovery wakes and resumes it."""
+    d = _faulty_daemon(tmp_path, "checkpoint:dump:kill")
+    toy = _toy(d, tmp_path)
+    try:
+        before = toy.generate()
+        key = str(uuid.uuid4())
+
+        def start(c: DaemonClient) -> operations_pb2.Operation:
+            return c.checkpoint(toy.proc.pid, offload=False, request_id=key)
+
+        d, done = _after_crash(d, tmp_path, _start(d, start), start)
+        assert done.state == FAILED and "resumed the worker" in done.error.message, done.error.message
+        assert toy.events()[-2:] == ["quiesce", "resume restored=False"], toy.events()
+        assert toy.generate() == before, "the worker serves again"
+        assert _nothing_half_written(d) == []
+    finally:
+        kill_tree(toy.proc.pid)
         stop_daemon(d)

@@ -1,0 +1,65 @@
+"""CancelOperation and Ctrl-C in the CLI: the operation rolls back and ends CANCELLED; idempotency keys."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpusnap.daemon._proto import operations_pb2
+from gpusnap.daemon.api.errors import CancelledError, InvalidArgumentError
+from tests.conftest import DaemonProc, Workloads, _cli_env, wait_for
+
+
+def _waiting(daemon: DaemonProc, workloads: Workloads, tmp_path: Path) -> tuple[int, Path]:
+    cdir = tmp_path / "ctl"
+    cdir.mkdir()
+    return workloads.start("--mem-mb", "1", "--no-listener", "--no-child").pid, cdir
+
+
+def test_cancel_rolls_back_a_waiting_checkpoint(daemon: DaemonProc, workloads: Workloads, tmp_path: Path) -> None:
+    pid, cdir = _waiting(daemon, workloads, tmp_path)
+    client = daemon.client()
+    op = client.checkpoint(pid, control_dir=str(cdir), name="never")
+    wait_for(lambda: client.get_operation(op.id).phase == "wait-ready", 30, "not waiting")
+    res = daemon.cli("cancel", op.id)
+    assert res.returncode == 0 and "cancelled" in res.stdout, res.stderr
+    with pytest.raises(CancelledError):
+        client.wait(op.id)
+    assert client.get_operation(op.id).error.code == 1  # CANCELLED
+    assert client.list_snapshots() == [] and psutil.Process(pid).status() != psutil.STATUS_STOPPED
+    assert "had finished" in daemon.cli("cancel", op.id).stdout
+
+
+def test_ctrl_c_cancels(daemon: DaemonProc, workloads: Workloads, tmp_path: Path) -> None:
+    pid, cdir = _waiting(daemon, workloads, tmp_path)
+    cli = subprocess.Popen([sys.executable, "-m", "gpusnap.daemon.cli", "--socket", str(daemon.socket), "dump", str(pid),
+                            "--control-dir", str(cdir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=_cli_env())
+    wait_for(lambda: any(o.phase == "wait-ready" for o in daemon.client().list_operations()), 30, "not waiting")
+    cli.send_signal(signal.SIGINT)
+    _, err = cli.communicate(timeout=60)
+    assert cli.returncode == 130 and "cancelling" in err, err
+    [op] = daemon.client().list_operations()
+    assert op.state == operations_pb2.OPERATION_STATE_FAILED and op.error.code == 1
+
+
+def test_idempotency_key(daemon: DaemonProc, workloads: Workloads) -> None:
+    w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
+    client = daemon.client()
+    first = client.checkpoint(w.pid, request_id="job-42")
+    snap = client.wait(first.id).snapshot
+    time.sleep(0.2)
+    again = client.checkpoint(w.pid, request_id="job-42")  # the source is gone: only the key answers
+    assert again.id == first.id and client.wait(again.id).snapshot.id == snap.id
+    assert len(client.list_snapshots()) == 1
+    with pytest.raises(InvalidArgumentError) as err:
+        client.checkpoint(w.pid, request_id="bad key/../" + "x" * 300)
+    assert err.value.reason == "INVALID_REQUEST_ID" and "x" * 50 not in err.value.message
+    assert json.loads(daemon.cli("-o", "json", "ops", check=True).stdout)[0]["id"] == first.id
