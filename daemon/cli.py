@@ -652,6 +652,10 @@ def cancel(obj: Ctx, operation: str) -> None:
 
     with obj.client() as client:
         op = _run(lambda: client.cancel(operation))
+        if op.state != operations_pb2.OPERATION_STATE_RUNNING:
+            state = operations_pb2.OperationState.Name(op.state).removeprefix("OPERATION_STATE_").lower()
+            click.echo(f"{op.id} had already ended ({state})")
+            return
         try:
             client.wait(op.id)
         except CancelledError:
