@@ -20,7 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpusnap.daemon.api.errors import FailedPreconditionError, InternalError, UnavailableError
+from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError, InternalError, UnavailableError
+from gpusnap.daemon.drivers.deadline import call_with_deadline
+
+CALL_TIMEOUT_S = 30.0
+"""Bound on one public NVML query (all the library calls it makes); NVML answers in milliseconds."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class NvmlDriver:
         retry_interval_s: after a failed ``nvmlInit``, how long to report the cached failure before trying
             again (the driver may be loaded after gpusnapd starts).
         clock: monotonic clock in seconds (tests).
+        call_timeout_s: bound on ``nvmlInit`` and on each public query (:func:`call_with_deadline`); a hung
+            NVML raises ``UnavailableError`` (reason ``NVML_TIMEOUT``).
     """
 
     def __init__(
@@ -71,8 +77,10 @@ class NvmlDriver:
         *,
         retry_interval_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        call_timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
         self._nvml = nvml
+        self._call_timeout_s = call_timeout_s
         self._retry_interval_s = retry_interval_s
         self._clock = clock
         self._lock = threading.RLock()
@@ -96,7 +104,7 @@ class NvmlDriver:
                 return False
             try:
                 nvml = self._module()
-                nvml.nvmlInit()
+                call_with_deadline(nvml.nvmlInit, timeout_s=self._call_timeout_s, what="nvmlInit")
             except Exception as exc:  # noqa: BLE001 - turned into a reason
                 self._reason = self._describe_init_failure(exc)
                 self._failed_at = self._clock()
@@ -134,7 +142,8 @@ class NvmlDriver:
             UnavailableError / InternalError: the NVML call failed.
         """
         nvml = self._ready()
-        return _text(self._call("nvmlSystemGetDriverVersion", nvml.nvmlSystemGetDriverVersion))
+        name = "nvmlSystemGetDriverVersion"
+        return _text(self._bounded(name, lambda: self._call(name, nvml.nvmlSystemGetDriverVersion)))
 
     def cuda_driver_version(self) -> str:
         """Newest CUDA version the driver supports.
@@ -147,7 +156,8 @@ class NvmlDriver:
             UnavailableError / InternalError: the NVML call failed.
         """
         nvml = self._ready()
-        value = int(self._call("nvmlSystemGetCudaDriverVersion_v2", nvml.nvmlSystemGetCudaDriverVersion_v2))
+        name = "nvmlSystemGetCudaDriverVersion_v2"
+        value = int(self._bounded(name, lambda: self._call(name, nvml.nvmlSystemGetCudaDriverVersion_v2)))
         return f"{value // 1000}.{(value % 1000) // 10}"
 
     def gpus(self) -> list[GpuDevice]:
@@ -162,9 +172,14 @@ class NvmlDriver:
             InternalError: any other NVML failure; the message names the call and GPU index.
         """
         nvml = self._ready()
-        with self._lock:
-            count = int(self._call("nvmlDeviceGetCount", nvml.nvmlDeviceGetCount))
-            return [self._device(nvml, index) for index in range(count)]
+
+        def query() -> list[GpuDevice]:
+            with self._lock:
+                count = int(self._call("nvmlDeviceGetCount", nvml.nvmlDeviceGetCount))
+                return [self._device(nvml, index) for index in range(count)]
+
+        devices: list[GpuDevice] = self._bounded("the GPU query", query)
+        return devices
 
     def processes_by_pid(self) -> dict[int, list[tuple[str, int]]]:
         """Compute processes across all GPUs, grouped by PID.
@@ -212,6 +227,18 @@ class NvmlDriver:
         if kind == "NVMLError_NoPermission":
             return f"no permission to open the NVIDIA devices ({exc}); run gpusnapd as root"
         return f"nvmlInit failed: {kind}: {exc}"
+
+    def _bounded(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (which may make several NVML calls through :meth:`_call`) within ``call_timeout_s``."""
+        try:
+            return call_with_deadline(fn, timeout_s=self._call_timeout_s, what=what)
+        except DeadlineExceededError as exc:
+            raise UnavailableError(
+                f"NVML did not answer {what} within {self._call_timeout_s:g} s; the driver may be hung: check "
+                "`nvidia-smi` and dmesg",
+                reason="NVML_TIMEOUT",
+                metadata={"call": what},
+            ) from exc
 
     def _call(self, name: str, fn: Callable[..., Any], *args: Any, where: str = "") -> Any:
         try:

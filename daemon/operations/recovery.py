@@ -46,9 +46,13 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
     suspended: set[int] = set()
     stray_cuda: set[int] = set()
     for entry in journal.entries():
-        kind = OperationKind(entry["kind"])
-        if entry.get("state") != "running":
+        try:
+            kind = OperationKind(entry["kind"])
             record = _record(entry)
+        except (KeyError, TypeError, ValueError) as exc:  # an entry this daemon cannot read: say so, go on
+            log.error("recovery.entry_unreadable", operation_id=entry.get("id"), error=str(exc))
+            continue
+        if entry.get("state") != "running":
             _restore_result(deps, record, entry)
             registry.adopt(record)
             if kind is OperationKind.SUSPEND and record.state is OperationState.SUCCEEDED:
@@ -56,10 +60,9 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
             elif kind is OperationKind.RESUME and record.state is OperationState.SUCCEEDED:
                 suspended.discard(record.target_pid)
             continue
-        facts = entry.get("facts", {})
+        facts = record.facts
         for tree in (*facts.get("earlier_trees", []), facts.get("tree", {}), facts):
             stray_cuda.update(_alive(tree.get("cuda_pids", []), None))
-        record = _record(entry)
         record.journal = journal
         log.warning("recovery.operation", operation_id=record.id, kind=kind.value, phase=record.phase)
         try:
@@ -79,7 +82,10 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
             log.warning("recovery.finished", operation_id=record.id, state=record.state.value,
                         message=str(record.error or record.facts.get("recovery", "")))
         recovered.append(record)
-    _unlock_strays(deps, sorted(stray_cuda - suspended))
+    try:
+        _unlock_strays(deps, sorted(stray_cuda - suspended))
+    except Exception:  # the daemon must still start; the processes are named in the log
+        log.exception("recovery.cuda_unlock_failed", pids=sorted(stray_cuda - suspended))
     journal.trim()
     return recovered
 

@@ -175,3 +175,19 @@ def test_real_pynvml_reports_reason_without_gpu() -> None:
     else:  # a GPU host
         pynvml.nvmlShutdown()
         assert nvml.available()
+
+
+def test_hung_nvml_is_bounded() -> None:
+    """A query NVML never answers fails within call_timeout_s instead of blocking the daemon."""
+    import threading
+    import time
+
+    fake = FakeNvml()
+    release = threading.Event()
+    fake.nvmlDeviceGetCount = lambda: release.wait(60) and 0  # type: ignore[method-assign, assignment]
+    nvml = NvmlDriver(fake, call_timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(UnavailableError) as e:
+        nvml.gpus()
+    release.set()
+    assert e.value.reason == "NVML_TIMEOUT" and time.monotonic() - start < 5
