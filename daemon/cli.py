@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from gpusnap.daemon import version
-from gpusnap.daemon.api.errors import CancelledError, Code, GpusnapError
+from gpusnap.daemon.api.errors import Code, GpusnapError
 from gpusnap.daemon.config import DEFAULT_SOCKET
 
 # gRPC, protobuf and rich are imported where they are used, not here: every call pays for what it
@@ -652,18 +652,19 @@ def cancel(obj: Ctx, operation: str) -> None:
 
     with obj.client() as client:
         op = _run(lambda: client.cancel(operation))
-        if op.state != operations_pb2.OPERATION_STATE_RUNNING:
-            state = operations_pb2.OperationState.Name(op.state).removeprefix("OPERATION_STATE_").lower()
-            click.echo(f"{op.id} had already ended ({state})")
-            return
-        try:
-            client.wait(op.id)
-        except CancelledError:
-            click.echo(f"{op.id} cancelled; what it had done was rolled back")
-            return
-        except GpusnapError as err:
-            _fail(err)
-    click.echo(f"{op.id} had finished before it could be cancelled")
+        if op.state == operations_pb2.OPERATION_STATE_RUNNING:
+            try:
+                client.wait(op.id)
+            except GpusnapError:
+                pass  # the outcome is read below
+            op = _run(lambda: client.get_operation(operation))
+    if obj.output == "json":
+        click.echo(_json(op))
+    elif op.state == operations_pb2.OPERATION_STATE_FAILED and op.error.code == Code.CANCELLED:
+        click.echo(f"{op.id} cancelled; what it had done was rolled back")
+    else:
+        state = operations_pb2.OperationState.Name(op.state).removeprefix("OPERATION_STATE_").lower()
+        click.echo(f"{op.id} had ended ({state}) before it could be cancelled")
 
 
 @main.command("ops")

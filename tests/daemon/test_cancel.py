@@ -34,7 +34,7 @@ def test_cancel_rolls_back_a_waiting_checkpoint(daemon: DaemonProc, workloads: W
         client.wait(op.id)
     assert client.get_operation(op.id).error.code == 1  # CANCELLED
     assert client.list_snapshots() == [] and psutil.Process(pid).status() != psutil.STATUS_STOPPED
-    assert "had already ended (failed)" in daemon.cli("cancel", op.id).stdout
+    assert "had ended (failed)" in daemon.cli("cancel", op.id).stdout
 
 
 def test_ctrl_c_cancels(daemon: DaemonProc, workloads: Workloads, tmp_path: Path) -> None:
