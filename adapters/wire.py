@@ -80,7 +80,9 @@ def _read_exactly(sock: socket.socket, n: int, fds: list[int]) -> bytes:
     while len(buf) < n:
         chunk, received, flags, _ = socket.recv_fds(sock, n - len(buf), MAX_FDS, socket.MSG_CMSG_CLOEXEC)
         fds.extend(received)
-        if flags & socket.MSG_CTRUNC:
+        # the limit is per frame, not per read: a peer that trickles a frame in 1-byte pieces, 200
+        # descriptors each, would otherwise fill the daemon's descriptor table from one connection
+        if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
             raise ChannelClosed(f"more than {MAX_FDS} descriptors in one frame")
         if not chunk:
             raise ChannelClosed("peer closed the channel")
