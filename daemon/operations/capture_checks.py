@@ -17,23 +17,22 @@ _TTY_PREFIXES = ("/dev/pts/", "/dev/tty", "/dev/console")
 _IO_URING = "anon_inode:[io_uring]"
 
 
-def check_tree(opts: CheckpointOptions, facts: ProcessFacts) -> None:
+def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool = False) -> None:
     """Every tree-level capture precondition.
+
+    Args:
+        opts: the capture's options.
+        facts: the tree.
+        defer_tcp: leave the established-TCP check to :func:`check_tcp` after the worker's quiesce (its
+            adapter may close connections there, as ranks tearing down their process groups do).
 
     Raises:
         FailedPreconditionError: reasons ``TCP_ESTABLISHED``, ``CAPABILITY_MISSING``, ``USER_NAMESPACE``,
             ``PID_NAMESPACE_INIT``, ``TERMINAL``, ``EXTERNAL_PIPE``, ``IO_URING``.
     """
     pids = list(facts.tree_pids)
-    if opts.tcp is TcpMode.REFUSE:
-        conns = proc.established_tcp(pids)
-        if conns:
-            raise FailedPreconditionError(
-                f"the tree has established TCP connections ({'; '.join(conns[:3])}); "
-                "close them first, or pass --tcp close (restored closed) or --tcp established (needs the same "
-                "addresses at restore)",
-                reason="TCP_ESTABLISHED",
-            )
+    if not defer_tcp:
+        check_tcp(opts, pids)
     if facts.uid != os.geteuid() and not host.has_capability(host.CAP_SYS_RESOURCE):
         raise FailedPreconditionError(
             f"PID {opts.pid} belongs to uid {facts.uid}, and gpusnapd lacks CAP_SYS_RESOURCE, without which CRIU "
@@ -77,6 +76,26 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts) -> None:
             "after a restore that end would be gone. Send the worker's output to a file (e.g. `>> worker.log`) "
             "instead of a pipe",
             reason="EXTERNAL_PIPE",
+        )
+
+
+def check_tcp(opts: CheckpointOptions, pids: Sequence[int], *, after_quiesce: bool = False) -> None:
+    """With ``--tcp refuse`` (the default), no process of the tree has an established TCP connection.
+
+    Raises:
+        FailedPreconditionError: reason ``TCP_ESTABLISHED``, naming up to three connections.
+    """
+    if opts.tcp is not TcpMode.REFUSE:
+        return
+    conns = proc.established_tcp(list(pids))
+    if conns:
+        when = " after the worker's quiesce" if after_quiesce else ""
+        raise FailedPreconditionError(
+            f"the tree has established TCP connections{when} ({'; '.join(conns[:3])}); "
+            "close them first (a tensor-parallel worker tears down its process groups at quiesce: "
+            "gpusnap.adapters.distributed), or pass --tcp close (restored closed) or --tcp established (needs the "
+            "same addresses at restore)",
+            reason="TCP_ESTABLISHED",
         )
 
 

@@ -59,7 +59,8 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
     timeout = opts.timeout_s or deps.config.checkpoint_timeout
     with run.phase("preflight"):
         facts = proc.facts(opts.pid)
-        capture_checks.check_tree(opts, facts)
+        agent_quiesces = opts.control_dir == "" and deps.agents.find(facts.tree_pids) is not None
+        capture_checks.check_tree(opts, facts, defer_tcp=agent_quiesces)
         facts_host = host_facts(deps)
         ns_pid = proc.namespace_pid(opts.pid)
         enter_ns_of = opts.pid if ns_pid != opts.pid else 0
@@ -72,6 +73,8 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
     run.on_failure("resume-source", lambda: _resume_source(list(facts.tree_pids)))
     capture = workers.prepare_capture(run, deps, opts, facts.tree_pids, owner_uid)
     worker = capture.worker
+    if agent_quiesces:
+        capture_checks.check_tcp(opts, facts.tree_pids, after_quiesce=True)
     if worker and gpu_tree:
         gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))  # the quiesced worker released memory
     ctl = None
