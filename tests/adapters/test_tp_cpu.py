@@ -21,7 +21,7 @@ import pytest
 from tests.adapters import torch_venv
 from tests.conftest import DaemonProc, criu_killed, kill_tree, wait_for
 
-WORKER = Path(__file__).resolve().parent / "tp_cpu_worker.py"
+WORKER = Path(__file__).resolve().parent / "tp_worker.py"
 WORLD = 2
 
 pytestmark = torch_venv.needs_venv
