@@ -28,12 +28,12 @@ pytestmark = torch_venv.needs_venv
 
 
 class TpWorker:
-    def __init__(self, daemon: DaemonProc, tmp: Path, name: str = "tp"):
+    def __init__(self, daemon: DaemonProc, tmp: Path, name: str = "tp", *args: str):
         self.wd = tmp / name
         self.wd.mkdir()
         env = torch_venv.worker_env(daemon, tmp)
         self.proc: subprocess.Popen[bytes] = torch_venv.start(
-            WORKER, [str(self.wd), "--world", str(WORLD)], env, self.wd / "out"
+            WORKER, [str(self.wd), "--world", str(WORLD), *args], env, self.wd / "out"
         )
         wait_for(lambda: (self.wd / "ready").exists() or self.proc.poll() is not None, 180, "TP worker did not start")
         assert self.proc.poll() is None, (self.wd / "out").read_text()[-3000:]
@@ -95,3 +95,19 @@ def test_failed_capture_brings_the_groups_back(daemon: DaemonProc, worker: TpWor
     assert worker.proc.poll() is None
     assert worker.events()[-2] == "resume restored=False True,True", worker.events()
     assert _check(worker.generate()) == before, "the source's ranks serve again over re-created groups"
+
+
+def test_groups_left_up_are_refused_after_quiesce_and_the_source_resumes(daemon: DaemonProc, tmp_path: Path) -> None:
+    """The established-TCP check of a capture with an agent runs after quiesce; connections still open then
+    are refused by name, and the worker is resumed."""
+    w = TpWorker(daemon, tmp_path, "keep", "--mode", "keep")
+    try:
+        before = _check(w.generate())
+        res = daemon.cli("dump", str(w.proc.pid), timeout=600)
+        assert res.returncode == 4, res.stderr
+        assert "established TCP connections after the worker's quiesce" in res.stderr, res.stderr
+        assert w.proc.poll() is None
+        assert w.events()[-3:-1] == ["quiesce keep:True,keep:True", "resume restored=False True,True"], w.events()
+        assert _check(w.generate()) == before
+    finally:
+        kill_tree(w.proc.pid)

@@ -187,7 +187,7 @@ def rank_main(args: argparse.Namespace) -> None:
         decode, reference = llama_model(rank, world, args.seed, args.size), None
     else:
         decode, reference = mlp_model(rank, world, args.seed)
-    groups = ProcessGroups(init, mode=args.mode, timeout_s=300)
+    groups = ProcessGroups(init, mode="recreate" if args.mode == "keep" else args.mode, timeout_s=300)
     version = nccl_version() if cuda else None
     hello = {"pid": os.getpid(), "nccl": list(version) if version else None,
              "can_suspend": nccl_supports_suspend(version)}
@@ -204,7 +204,8 @@ def rank_main(args: argparse.Namespace) -> None:
                 if reference is not None:
                     reply["reference"] = reference()
             elif cmd == "suspend":
-                reply = {"mode": groups.suspend(), "initialized": dist.is_initialized()}
+                mode = groups.suspend() if args.mode != "keep" else "keep"
+                reply = {"mode": mode, "initialized": dist.is_initialized()}
             elif cmd == "resume":
                 pending["rdzv"] = arg
                 t0 = time.perf_counter()
@@ -327,7 +328,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--size", choices=("mlp", *LLAMA), default="mlp")
-    ap.add_argument("--mode", choices=("auto", "recreate", "suspend"), default="recreate")
+    ap.add_argument("--mode", choices=("auto", "recreate", "suspend", "keep"), default="recreate",
+                    help="keep: leave the process groups up at quiesce (a worker that forgets to)")
     ap.add_argument("--rank", type=int, default=-1)
     ap.add_argument("--rdzv", default="")
     ap.add_argument("--reply-fd", type=int, default=-1)
