@@ -36,7 +36,7 @@ def test_vllm_tp2_round_trip(daemon: DaemonProc, tmp_path: Path) -> None:
         dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), "--name", "tp2", "--tcp", "established",
                                        check=True, timeout=600).stdout)
         snap = json.loads(daemon.cli("-o", "json", "inspect", "tp2", check=True).stdout)
-        assert len(snap["source"]["treePids"]) >= 4, "front end, EngineCore and both Workers are captured"
+        assert len(snap["source"]["tree_pids"]) >= 4, "front end, EngineCore and both Workers are captured"
         assert proc.wait(timeout=30) == -9
         restored = json.loads(daemon.cli("-o", "json", "restore", "tp2", check=True, timeout=600).stdout)
         restored_pid = restored["pid"]
