@@ -39,19 +39,20 @@ def send(sock: socket.socket, message: Message, fds: Sequence[int] = ()) -> None
         sock.sendall(frame[sent:])
 
 
-def recv(sock: socket.socket, message: M) -> M:
-    """Read one framed message into ``message`` and return it; descriptors sent with it are closed.
+def recv(sock: socket.socket, message: M, max_frame: int = MAX_FRAME) -> M:
+    """Read one framed message (at most ``max_frame`` bytes) into ``message`` and return it; descriptors
+    sent with it are closed.
 
     Raises:
         ChannelClosed: end of stream, an oversized frame or bytes that do not parse.
     """
-    message, fds = recv_with_fds(sock, message)
+    message, fds = recv_with_fds(sock, message, max_frame)
     for fd in fds:
         os.close(fd)
     return message
 
 
-def recv_with_fds(sock: socket.socket, message: M) -> tuple[M, list[int]]:
+def recv_with_fds(sock: socket.socket, message: M, max_frame: int = MAX_FRAME) -> tuple[M, list[int]]:
     """Read one framed message into ``message``; returns it and the descriptors that came with it (the
     caller owns them, opened close-on-exec).
 
@@ -61,8 +62,8 @@ def recv_with_fds(sock: socket.socket, message: M) -> tuple[M, list[int]]:
     fds: list[int] = []
     try:
         (size,) = struct.unpack(">I", _read_exactly(sock, 4, fds))
-        if size > MAX_FRAME:
-            raise ChannelClosed(f"frame of {size} bytes exceeds {MAX_FRAME}")
+        if size > max_frame:
+            raise ChannelClosed(f"frame of {size} bytes exceeds {max_frame}")
         body = _read_exactly(sock, size, fds)
         try:
             message.ParseFromString(body)

@@ -46,6 +46,9 @@ class DaemonConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     """When set, TCP clients must present a certificate signed by this CA (mutual TLS)."""
+    tls_client_identities: str = ""
+    """Rights of mutual-TLS clients: ``CN:UID`` pairs, comma-separated (``orchestrator:0`` acts as root,
+    ``ci:1000`` as uid 1000). A certificate whose common name is not listed has no rights (anonymous)."""
     criu_binary: str = "criu"
     """``criu`` executable; ``make criu`` installs one under ``.criu/bin/criu``."""
     pycriu_path: str = ""
@@ -149,8 +152,26 @@ class DaemonConfig:
         if self.remote_threads < 1 or self.remote_memory_bytes < 1 or self.remote_gc_grace < 0:
             raise InvalidArgumentError("remote_threads and remote_memory_bytes must be positive, remote_gc_grace not "
                                        "negative", reason="BAD_CONFIG")
+        self.client_identities()
         if self.log_format not in ("auto", "json", "console"):
             raise InvalidArgumentError(f"log_format must be auto, json or console, not {self.log_format!r}", reason="BAD_CONFIG")
+
+
+    def client_identities(self) -> dict[str, int]:
+        """``tls_client_identities`` as common name -> uid.
+
+        Raises:
+            InvalidArgumentError: a malformed pair (reason ``BAD_CONFIG``).
+        """
+        out: dict[str, int] = {}
+        for pair in (p.strip() for p in self.tls_client_identities.split(",") if p.strip()):
+            cn, sep, uid = pair.rpartition(":")
+            if not sep or not cn or not uid.isdigit():
+                raise InvalidArgumentError(
+                    f"tls_client_identities: {pair!r} is not CN:UID (e.g. orchestrator:0)", reason="BAD_CONFIG"
+                )
+            out[cn] = int(uid)
+        return out
 
 
 def _coerce(name: str, typ: Any, value: Any) -> Any:

@@ -66,7 +66,7 @@ class Daemon:
             return earlier
         if opts.name:
             validate.snapshot_name(opts.name)
-            self.deps.store.check_name_free(opts.name)
+            self.deps.store.check_name_free(opts.name, caller.uid)
         validate.labels(opts.labels)
         return self._start_on_tree(
             OperationKind.CHECKPOINT, opts.pid, caller, lambda run: run_checkpoint(run, self.deps, opts, caller.uid),
@@ -85,12 +85,12 @@ class Daemon:
             return earlier
         check_replicas(opts)
         try:
-            snapshot = self.deps.store.get(opts.snapshot)
+            snapshot = self.deps.store.get(opts.snapshot, caller.uid)
         except NotFoundError:
             if self.deps.remote is None:
                 raise
             # Only in the remote store: pull it first, in the same operation (pull phases, then restore's).
-            snapshot = remote_ops.require_remote(self.deps).find(opts.snapshot).snapshot
+            snapshot = remote_ops.require_remote(self.deps).find(opts.snapshot, caller.uid).snapshot
             check_may_restore(snapshot, caller)
             here = dataclasses.replace(opts, snapshot=snapshot.id)
             record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid,
@@ -110,7 +110,7 @@ class Daemon:
         """
         _require_identified(caller)
         remote_ops.require_remote(self.deps)
-        snapshot = self.deps.store.get(ref)
+        snapshot = self.deps.store.get(ref, caller.uid)
         check_may_restore(snapshot, caller)
         record = OperationRecord(OperationKind.PUSH, target_snapshot=snapshot.id, owner_uid=caller.uid)
         return self.registry.start(record, (), lambda run: remote_ops.run_push(run, self.deps, snapshot.id, caller))
@@ -123,7 +123,7 @@ class Daemon:
             UnavailableError (remote unreachable).
         """
         _require_identified(caller)
-        doc = remote_ops.require_remote(self.deps).find(ref)
+        doc = remote_ops.require_remote(self.deps).find(ref, caller.uid)
         check_may_restore(doc.snapshot, caller)
         record = OperationRecord(OperationKind.PULL, target_snapshot=doc.snapshot.id, owner_uid=caller.uid)
         return self.registry.start(record, (), lambda run: remote_ops.run_pull(run, self.deps, doc.snapshot.id, caller))
@@ -141,7 +141,7 @@ class Daemon:
         """Delete a snapshot's remote manifest, then collect unreferenced chunks past the grace period."""
         _require_identified(caller)
         remote = remote_ops.require_remote(self.deps)
-        snapshot = remote.find(ref).snapshot
+        snapshot = remote.find(ref, caller.uid).snapshot
         check_may_restore(snapshot, caller)
         remote.delete(snapshot.id)
         remote.collect_garbage(self.deps.config.remote_gc_grace)
@@ -218,7 +218,7 @@ class Daemon:
         return paging.paginate(snaps, snapshot_key, paging.page_size(page_size), page_token)
 
     def snapshot(self, ref: str, caller: Caller) -> Snapshot:
-        snapshot = self.deps.store.get(ref)
+        snapshot = self.deps.store.get(ref, caller.uid)
         check_may_restore(snapshot, caller)
         return snapshot
 
@@ -227,14 +227,14 @@ class Daemon:
         _require_identified(caller)
         if not caller.is_root:
             self.snapshot(ref, caller)
-        snapshot_id = self.deps.store.path_of(ref).name
+        snapshot_id = self.deps.store.path_of(ref, caller.uid).name
         busy = [r.id for r in self.registry.list() if not r.done and r.target_snapshot == snapshot_id]
         if busy:
             raise AbortedError(
                 f"snapshot {snapshot_id} is in use by operation {busy[0]}; wait for it (`gpusnap wait {busy[0]}`)",
                 reason="SNAPSHOT_BUSY",
             )
-        return self.deps.store.delete(ref)
+        return self.deps.store.delete(snapshot_id)
 
     def node_info(self) -> NodeInfo:
         snapshots = self.deps.store.list()

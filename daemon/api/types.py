@@ -118,6 +118,31 @@ class WorkerInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class HeldFile:
+    """A file a process of the tree held when it was frozen, which CRIU reopens by its path on restore
+    (an open file, a mapped file, the cwd, the root or the exe): where it was and which inode it was."""
+
+    pid: int
+    """The holder (host PID at dump)."""
+    what: str
+    """``fd 3``, ``map 7f1c2a000000``, ``cwd``, ``root`` or ``exe``."""
+    path: str
+    dev: int
+    ino: int
+    access: int
+    """What the holder needs of it: ``os.R_OK | os.W_OK | os.X_OK`` bits (0: only that it resolves)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Creds:
+    """A process's real uid, gid and supplementary groups (``/proc/<pid>/status``)."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Snapshot:
     """A complete, published snapshot."""
 
@@ -137,6 +162,10 @@ class Snapshot:
     restore (``BufferRef.agent`` says whose)."""
     agents: tuple[WorkerInfo, ...] = ()
     """The tree's other agents (EngineCore, Workers, more front ends), beside ``worker``."""
+    held_files: tuple[HeldFile, ...] = ()
+    """Files reopened by path on restore; checked against the owner's rights first (``file_rights``)."""
+    owner_creds: Creds | None = None
+    """The root process's credentials at dump (``None`` in snapshots of older gpusnap)."""
 
     @property
     def all_workers(self) -> tuple[WorkerInfo, ...]:

@@ -21,6 +21,13 @@ def _shown(value: str) -> str:
     return repr(value) if len(value) <= 100 else repr(value[:100]) + "…"
 
 
+shown = _shown
+
+
+OWNED_REF_RE = re.compile(r"^(0|[1-9][0-9]{0,9})/([a-z0-9][a-z0-9._-]{0,62})$")
+"""``UID/NAME``: the snapshot named NAME of user UID."""
+
+
 def snapshot_name(name: str) -> str:
     """Return ``name`` if valid (``[a-z0-9][a-z0-9._-]{0,62}``, not a snapshot id); raise otherwise.
 
@@ -38,18 +45,25 @@ def snapshot_name(name: str) -> str:
 
 
 def snapshot_ref(ref: str) -> str:
-    """Return ``ref`` if it can name a snapshot (an id or a valid name).
+    """Return ``ref`` if it can name a snapshot: an id (global), a name (the caller's own snapshot of that
+    name: names are per owner) or ``UID/NAME`` (user UID's snapshot NAME; for root, or UID itself).
 
     Raises:
         InvalidArgumentError: reason ``INVALID_SNAPSHOT_REF``.
     """
-    if SNAPSHOT_ID_RE.fullmatch(ref) or NAME_RE.fullmatch(ref):
+    if SNAPSHOT_ID_RE.fullmatch(ref) or NAME_RE.fullmatch(ref) or OWNED_REF_RE.fullmatch(ref):
         return ref
     raise InvalidArgumentError(
-        f"{_shown(ref)} is neither a snapshot id (snap-…) nor a valid snapshot name; list snapshots with `gpusnap ls`",
+        f"{_shown(ref)} is neither a snapshot id (snap-…), a snapshot name nor UID/NAME; list snapshots with `gpusnap ls`",
         reason="INVALID_SNAPSHOT_REF",
         metadata={"snapshot": ref[:100]},
     )
+
+
+def split_snapshot_ref(ref: str, owner_uid: int) -> tuple[int, str]:
+    """``(uid, name)`` of a name reference: ``UID/NAME``, or ``NAME`` of ``owner_uid``."""
+    m = OWNED_REF_RE.fullmatch(ref)
+    return (int(m.group(1)), m.group(2)) if m else (owner_uid, ref)
 
 
 def operation_id(op_id: str) -> str:

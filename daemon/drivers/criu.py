@@ -217,7 +217,8 @@ class CriuDriver:
         req: dict[str, Any] = {"action": "dump", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts}
         if enter_ns_of:
             req["enter_ns_of"] = enter_ns_of
-        self._run(req, work_dir / "dump.log", timeout_s, on_start=on_start, on_notify=_notify_handler(on_post_dump))
+        handler = _NotifyHandler({"post-dump": lambda _event, _events: on_post_dump()}) if on_post_dump else None
+        self._run(req, work_dir / "dump.log", timeout_s, on_start=on_start, on_notify=handler)
 
     def restore(
         self,
@@ -230,8 +231,18 @@ class CriuDriver:
         timeout_s: float,
         new_netns: bool = False,
         shm_dir: Path | None = None,
+        before_resume: Callable[[RestoredTree], None] | None = None,
+        private_log: bool = False,
     ) -> RestoredTree:
         """Restore the tree dumped in ``images_dir``; the log goes to ``work_dir/<log_name>``.
+
+        Args:
+            before_resume: called at CRIU's ``pre-resume`` notification: every task is restored, with its
+                credentials, and stopped before running an instruction of its own (CRIU's
+                ``finalize_restore``). If it raises, it must have killed the tree (CRIU does not stop
+                there); the exception is re-raised here.
+            private_log: keep CRIU's log lines out of the error (for callers who may not see what CRIU
+                saw as root, e.g. the size of a file they cannot stat); the log stays for root.
 
         Raises:
             CriuError: CRIU refused or died; nothing of the tree is left running.
@@ -256,7 +267,14 @@ class CriuDriver:
             "action": "restore", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts,
             "new_pidns": new_pidns, "new_netns": new_netns, "shm_dir": str(shm_dir) if shm_dir else "",
         }
-        events = self._run(req, work_dir / log_name, timeout_s)
+        handler = None
+        if before_resume:
+            def pre_resume(_event: dict[str, Any], events: list[dict[str, Any]]) -> None:
+                init = next((e["pid"] for e in events if e.get("event") == "init"), 0)
+                root = next(e["pid"] for e in events if e.get("event") == "notify" and e["script"] == "post-restore")
+                before_resume(RestoredTree(init_pid=int(init), ns_pid=int(root)))
+            handler = _NotifyHandler({"pre-resume": pre_resume})
+        events = self._run(req, work_dir / log_name, timeout_s, on_notify=handler, private_log=private_log)
         init_pid = next((e["pid"] for e in events if e.get("event") == "init"), 0)
         result = events[-1]
         return RestoredTree(init_pid=init_pid, ns_pid=int(result["pid"]))
@@ -276,6 +294,7 @@ class CriuDriver:
         timeout_s: float,
         on_start: Callable[[int], None] | None = None,
         on_notify: _NotifyHandler | None = None,
+        private_log: bool = False,
     ) -> list[dict[str, Any]]:
         req = {**req, "criu": self.binary}
         action = req["action"]
@@ -287,7 +306,14 @@ class CriuDriver:
             _end_helper(proc)
             proc = self._spawn()
             _send(proc, line)
-        return self._exchange(proc, action, log_path, timeout_s, on_start, on_notify)
+        try:  # a failed request must not leave the helper's pipes open in the daemon
+            return self._exchange(proc, action, log_path, timeout_s, on_start, on_notify, private_log)
+        finally:
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            if proc.poll() is None:
+                self._kill(proc, [])
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -331,6 +357,7 @@ class CriuDriver:
         timeout_s: float,
         on_start: Callable[[int], None] | None,
         on_notify: _NotifyHandler | None,
+        private_log: bool = False,
     ) -> list[dict[str, Any]]:
         if on_start:
             on_start(proc.pid)
@@ -364,7 +391,7 @@ class CriuDriver:
                         buf = b""
                         break
                     if event.get("event") == "notify":
-                        ok = on_notify.handle(event["script"]) if on_notify else True
+                        ok = on_notify.handle(event, events) if on_notify else True
                         proc.stdin.write(json.dumps({"ok": ok}).encode() + b"\n")
                         proc.stdin.flush()
                         if ok and event["script"] == "post-dump":
@@ -381,6 +408,8 @@ class CriuDriver:
         stderr = "" if result else proc.stderr.read().decode(errors="replace").strip()
         proc.stderr.close()
         proc.stdout.close()
+        if on_notify and on_notify.error and action == "restore":  # the callback killed the tree
+            raise on_notify.error
         if result is None:
             lines = log_lines(log_path)
             raise CriuError(
@@ -402,8 +431,12 @@ class CriuDriver:
             hint = next((h for pattern, h in LOG_HINTS if any(pattern in ln for ln in lines)), "")
             if hint:
                 headline = f"{headline} ({hint})"
+            details = f"{_joined(lines)} (full log: {log_path})"
+            if private_log:
+                headline = hint or "see the log"
+                details = f"(the log, {log_path.name}, is kept for root)"
             raise CriuError(
-                f"CRIU {action} failed: {headline}. {_joined(lines)} (full log: {log_path})",
+                f"CRIU {action} failed: {headline}. {details}",
                 code_cls=AbortedError if died else FailedPreconditionError,
                 reason="CRIU_DIED" if died else f"CRIU_{action.upper()}_FAILED",
                 log_lines=lines,
@@ -457,26 +490,27 @@ def _end_helper(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-class _NotifyHandler:
-    """Answers CRIU's ``post-dump`` notification by calling back; keeps the callback's exception."""
+_Callback = Callable[[dict[str, Any], list[dict[str, Any]]], None]
 
-    def __init__(self, on_post_dump: Callable[[], None]):
-        self.on_post_dump = on_post_dump
+
+class _NotifyHandler:
+    """Answers CRIU's notifications by calling back (script name -> callback, given the notify event
+    and the events so far); keeps a callback's exception."""
+
+    def __init__(self, callbacks: dict[str, _Callback]):
+        self.callbacks = callbacks
         self.error: BaseException | None = None
 
-    def handle(self, script: str) -> bool:
-        if script != "post-dump":
+    def handle(self, event: dict[str, Any], events: list[dict[str, Any]]) -> bool:
+        callback = self.callbacks.get(event["script"])
+        if callback is None:
             return True
         try:
-            self.on_post_dump()
-        except BaseException as exc:  # re-raised by _run once CRIU has resumed the tree
+            callback(event, events)
+        except BaseException as exc:  # re-raised by _run once CRIU has resumed (or killed) the tree
             self.error = exc
             return False
         return True
-
-
-def _notify_handler(on_post_dump: Callable[[], None] | None) -> _NotifyHandler | None:
-    return _NotifyHandler(on_post_dump) if on_post_dump else None
 
 
 KEPT_LOGS = 50

@@ -103,7 +103,7 @@ def _pycriu() -> tuple[Any, Any]:
     return client.criu, rpc_pb2
 
 
-ASKED_SCRIPTS = frozenset({"post-dump"})
+ASKED_SCRIPTS = frozenset({"post-dump", "post-restore", "pre-resume"})
 """CRIU notifications the daemon answers itself; all others are acknowledged here at once."""
 
 
@@ -111,8 +111,11 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
     """Run the request's CRIU action in this process; returns the result event.
 
     CRIU's notifications (``notify_scripts``) are relayed: for ``post-dump`` (images complete, tree
-    still frozen) the helper emits ``{"event": "notify", "script": "post-dump"}`` and waits for a line
-    ``{"ok": true|false}`` on stdin; ``false`` makes CRIU fail the dump and resume the tree.
+    still frozen), ``post-restore`` (tree restored; ``pid`` is the root's PID as CRIU sees it) and
+    ``pre-resume`` (every task restored with its credentials and stopped before its first instruction)
+    the helper emits ``{"event": "notify", "script": …, "pid": …}`` and waits for a line
+    ``{"ok": true|false}`` on stdin; ``false`` makes CRIU fail the dump and resume the tree, or kill the
+    restored tree (at ``post-restore``; at ``pre-resume`` CRIU only logs it, so the daemon kills the tree).
     pycriu answers one request with one response and has no notification loop, so this loop is
     written here on pycriu's own ``rpc_pb2`` messages and transport.
     """
@@ -143,7 +146,7 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
                     break
                 ok = True
                 if resp.notify.script in ASKED_SCRIPTS:
-                    _emit(sys.stdout, {"event": "notify", "script": resp.notify.script})
+                    _emit(sys.stdout, {"event": "notify", "script": resp.notify.script, "pid": resp.notify.pid})
                     answer = sys.stdin.readline()
                     ok = bool(answer) and bool(json.loads(answer).get("ok"))
                 ack = rpc.criu_req()

@@ -38,7 +38,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from gpusnap.daemon.api.errors import FailedPreconditionError, InternalError, InvalidArgumentError
+from gpusnap.daemon.api.errors import Code, FailedPreconditionError, InternalError, InvalidArgumentError
 from gpusnap.daemon.drivers import custom_storage
 from gpusnap.daemon.drivers.custom_storage import CustomStorage
 
@@ -204,6 +204,25 @@ class CudaError(InternalError):
         if pid is not None:
             metadata["pid"] = str(pid)
         super().__init__(message, reason=self.result_name, metadata=metadata)
+        self.code = _CODES.get(self.result, Code.INTERNAL)
+
+
+_CODES: dict[int, Code] = {
+    CudaResult.CUDA_ERROR_TIMEOUT: Code.DEADLINE_EXCEEDED,  # e.g. cuCheckpointProcessLock's timeoutMs ran out
+    CudaResult.CUDA_ERROR_NOT_READY: Code.UNAVAILABLE,
+    CudaResult.CUDA_ERROR_ILLEGAL_STATE: Code.FAILED_PRECONDITION,
+    CudaResult.CUDA_ERROR_NOT_SUPPORTED: Code.FAILED_PRECONDITION,
+    CudaResult.CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE: Code.FAILED_PRECONDITION,
+    CudaResult.CUDA_ERROR_SYSTEM_DRIVER_MISMATCH: Code.FAILED_PRECONDITION,
+    CudaResult.CUDA_ERROR_NOT_INITIALIZED: Code.FAILED_PRECONDITION,
+    CudaResult.CUDA_ERROR_DEINITIALIZED: Code.FAILED_PRECONDITION,
+    CudaResult.CUDA_ERROR_NO_DEVICE: Code.FAILED_PRECONDITION,
+    CudaResult.CUDA_ERROR_INVALID_DEVICE: Code.FAILED_PRECONDITION,
+    CudaResult.CUDA_ERROR_NOT_PERMITTED: Code.FAILED_PRECONDITION,
+    CudaResult.CUDA_ERROR_OUT_OF_MEMORY: Code.RESOURCE_EXHAUSTED,
+}
+"""gRPC code of each CUresult a client can act on; the rest (INVALID_VALUE: gpusnap's bug, UNKNOWN,
+OPERATING_SYSTEM) stay INTERNAL."""
 
 
 @runtime_checkable

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 
 from gpusnap.daemon.api.types import CheckpointOptions, HostFacts, Snapshot, TcpMode
 from gpusnap.daemon.drivers import host, proc
-from gpusnap.daemon.operations import capture_checks, workers
+from gpusnap.daemon.operations import capture_checks, file_rights, workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.checksum import image_files
@@ -89,12 +89,14 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             ctl.checkpoint_all(gpu_tree.cuda_pids)
             ctl.assert_ready_for_dump(gpu_tree.cuda_pids, facts.tree_pids)
             progress.bytes = gpu_tree.gpu_bytes
-    with deps.store.stage(opts.name) as staging:
+    with deps.store.stage(opts.name, owner_uid) as staging:
         published: list[Snapshot] = []
         run.record.note(staging=staging.snapshot_id)
 
         def publish() -> None:  # CRIU's post-dump: images complete, tree still frozen
             run.close_phase()
+            frozen = list(dict.fromkeys([*facts.tree_pids, *proc.tree_pids_or_empty(opts.pid)]))
+            held, creds = file_rights.record(frozen)
             shm_files = proc.dev_shm_files(list(facts.tree_pids))
             if shm_files:
                 with run.phase("dev-shm") as progress:  # CRIU keeps only names and sizes of these
@@ -118,6 +120,8 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                     worker=worker,
                     agents=capture.agents,
                     buffers=buffers,
+                    held_files=held,
+                    owner_creds=creds,
                 )
                 deps.store.publish(staging, snapshot)
             published.append(snapshot)

@@ -69,7 +69,7 @@ def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
     remote = require_remote(deps)
     store = deps.store
     with run.phase("preflight"):
-        snap = store.get(ref)
+        snap = store.get(ref, caller.uid)
         check_may_restore(snap, caller)
         uid = snap.buffer_uid
         store.buffers.check_present(snap.id, uid, snap.buffers)
@@ -100,7 +100,7 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
     remote = require_remote(deps)
     store = deps.store
     with run.phase("preflight"):
-        doc = remote.find(ref)
+        doc = remote.find(ref, caller.uid)
         snap = doc.snapshot
         run.record.target_snapshot = snap.id
         check_may_restore(snap, caller)

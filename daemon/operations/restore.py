@@ -3,7 +3,8 @@
 Phases: ``preflight`` (snapshot readable, caller allowed, host compatible, buffers present with their
 sizes, GPU map resolved and GPU preconditions met) → ``verify`` (image sizes and digests; with
 ``verify_buffers`` the buffers' digests too, in the background, overlapped with the next phases) →
-``restore`` (CRIU, by default into a fresh PID namespace) → [``gpu-restore``
+``restore`` (CRIU, by default into a fresh PID namespace; a non-root snapshot's files are checked against
+its owner's rights before CRIU runs and again before any restored task runs, see ``file_rights``) → [``gpu-restore``
 (``cuCheckpointProcessRestore``, with ``gpuPairs`` when remapping) → ``gpu-unlock``] → ``validate`` (every
 restored process exists and runs, every CUDA process is RUNNING: CRIU's success alone is not trusted, see
 checkpoint-restore/criu#2525 and #2993) → [``reload-buffers`` (the worker gets its buffers back, their
@@ -25,9 +26,11 @@ from collections.abc import Callable, Mapping
 from gpusnap.daemon.api.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, PermissionDeniedError
 from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import host, proc
+from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap, preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.operations import provenance
+from gpusnap.daemon.operations import file_rights
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
 from gpusnap.daemon.operations import workers
@@ -67,7 +70,7 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
     """The body of a restore operation (see the module docstring)."""
     timeout = opts.timeout_s or deps.config.restore_timeout
     with run.phase("preflight"):
-        snapshot = deps.store.get(opts.snapshot)
+        snapshot = deps.store.get(opts.snapshot, caller.uid)
         run.record.target_snapshot = snapshot.id
         check_may_restore(snapshot, caller)
         check_host_compatible(snapshot)
@@ -97,6 +100,9 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
             deps.store.buffers.pin(snapshot.buffer_uid, digests)
             run.on_failure("unpin-buffers", lambda: deps.store.buffers.unpin(snapshot.buffer_uid, digests))
         deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
+        shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
+        private_shm = shm_dir.is_dir() and not opts.host_pid_namespace
+        file_rights.check_before_restore(snapshot, private_shm)
         gpu_map = _resolve_gpu_map(deps, snapshot, opts)
     with run.phase("verify") as progress:
         deps.store.verify(snapshot)
@@ -172,6 +178,20 @@ def _restore_copy(
     with run.phase("restore") as progress:
         workers.before_restore(snapshot)
         shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
+        private_shm = shm_dir.is_dir() and not opts.host_pid_namespace
+
+        def restored_files_permitted(t: RestoredTree) -> None:  # CRIU's pre-resume: no task runs yet
+            # The root is still CRIU's child here, not yet the namespace init's: look under the init.
+            found = [p for p in proc.tree_pids(t.init_pid) if proc.namespace_pid(p) == t.ns_pid] if t.init_pid else [t.ns_pid]
+            try:
+                if not found:
+                    raise FailedPreconditionError(f"CRIU's restored PID {t.ns_pid} is not in its namespace",
+                                                  reason="RESTORE_INCOMPLETE")
+                file_rights.check_restored(snapshot, found[0])
+            except BaseException:
+                _kill_tree(t.init_pid, found[0] if found else t.ns_pid)
+                raise
+
         tree = deps.criu.restore(
             images_dir=deps.store.images_dir(snapshot.id),
             work_dir=deps.store.images_dir(snapshot.id).parent,
@@ -180,7 +200,9 @@ def _restore_copy(
             tcp=_tcp_mode_of(snapshot),
             timeout_s=timeout,
             new_netns=opts.private_network,
-            shm_dir=shm_dir if shm_dir.is_dir() and not opts.host_pid_namespace else None,
+            shm_dir=shm_dir if private_shm else None,
+            before_resume=restored_files_permitted if snapshot.owner_uid != 0 else None,
+            private_log=snapshot.owner_uid != 0,
         )
         progress.bytes = snapshot.size_bytes
         # Without a namespace init, ns_pid is the host PID; register before anything else can fail.

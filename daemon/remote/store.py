@@ -70,8 +70,9 @@ class RemoteStore:
             found = [m for m in pool.map(one, list(self.ids())) if m is not None]
         return sorted(found, key=lambda m: (m.snapshot.created, m.snapshot.id))
 
-    def find(self, ref: str) -> RemoteManifest:
-        """The published snapshot with id or name ``ref`` (the newest of that name).
+    def find(self, ref: str, owner_uid: int = 0) -> RemoteManifest:
+        """The published snapshot with id or name ``ref`` (the newest of that name); names are per owner,
+        as in the local store: ``NAME`` among ``owner_uid``'s snapshots, ``UID/NAME`` among UID's.
 
         Raises:
             InvalidArgumentError, NotFoundError, DataLossError, UnavailableError.
@@ -79,7 +80,8 @@ class RemoteStore:
         validate.snapshot_ref(ref)
         if validate.SNAPSHOT_ID_RE.fullmatch(ref):
             return self.manifest(ref)
-        named = [m for m in self.list() if m.snapshot.name == ref]
+        uid, name = validate.split_snapshot_ref(ref, owner_uid)
+        named = [m for m in self.list() if m.snapshot.name == name and m.snapshot.owner_uid == uid]
         if not named:
             raise self._not_found(ref)
         return named[-1]

@@ -59,11 +59,35 @@ def timestamp(value: datetime) -> timestamp_pb2.Timestamp:
     return ts
 
 
+MAX_TIMEOUT_S = 7 * 86400
+"""Longest timeout a request may ask for (a week); longer ones are refused, not overflowed."""
+
+
 def seconds(field: str, value: duration_pb2.Duration) -> float:
-    seconds = value.ToTimedelta().total_seconds()
-    if seconds <= 0:
-        raise InvalidArgumentError(f"{field} must be a positive duration, not {seconds:g} s", reason="INVALID_TIMEOUT")
-    return seconds
+    """A request's Duration as seconds: a valid Duration (google/protobuf/duration.proto: nanos within
+    +-999999999 with the sign of seconds), positive, at most ``MAX_TIMEOUT_S``.
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_TIMEOUT``.
+    """
+    secs, nanos = value.seconds, value.nanos
+    if abs(nanos) > 999_999_999 or (secs > 0 and nanos < 0) or (secs < 0 and nanos > 0):
+        raise InvalidArgumentError(f"{field} is not a valid Duration (seconds {secs}, nanos {nanos})",
+                                   reason="INVALID_TIMEOUT")
+    total = secs + nanos / 1e9
+    if total <= 0 or total > MAX_TIMEOUT_S:
+        raise InvalidArgumentError(
+            f"{field} must be a positive duration of at most {MAX_TIMEOUT_S} s, not {total:g} s", reason="INVALID_TIMEOUT"
+        )
+    return total
+
+
+def _tcp(value: operations_pb2.TcpMode.ValueType) -> TcpMode:
+    mode = _TCP.get(value)
+    if mode is None:
+        raise InvalidArgumentError(f"unknown tcp mode {int(value)}; use one of {', '.join(str(int(v)) for v in _TCP)}",
+                                   reason="INVALID_ARGUMENT")
+    return mode
 
 
 def checkpoint_options(req: operations_pb2.CheckpointRequest) -> CheckpointOptions:
@@ -72,7 +96,7 @@ def checkpoint_options(req: operations_pb2.CheckpointRequest) -> CheckpointOptio
         name=req.name,
         labels=dict(req.labels),
         leave_running=req.leave_running,
-        tcp=_TCP.get(req.tcp, TcpMode.REFUSE),
+        tcp=_tcp(req.tcp),
         timeout_s=seconds("timeout", req.timeout) if req.HasField("timeout") else None,
         gpu_lock_timeout_s=seconds("gpu_lock_timeout", req.gpu_lock_timeout) if req.HasField("gpu_lock_timeout") else None,
         control_dir=req.control_dir,

@@ -50,9 +50,15 @@ class _Base:
     def caller(self, context: grpc.ServicerContext) -> Caller:
         peer = context.peer()
         if peer.startswith(("ipv4:", "ipv6:")):
-            # TCP listener: a client certificate verified against tls_client_ca (mutual TLS) grants full
-            # access; TLS without a client certificate only encrypts, so such callers are anonymous.
-            return ROOT_CALLER if context.auth_context().get("x509_common_name") else ANONYMOUS_CALLER
+            # TCP listener: a client certificate verified against tls_client_ca (mutual TLS) gets the uid its
+            # common name is mapped to in tls_client_identities, and nothing without a mapping; TLS without
+            # a client certificate only encrypts. Unmapped callers are anonymous.
+            found: bytes | list[bytes] = context.auth_context().get("x509_common_name") or []
+            names = [found] if isinstance(found, bytes) else list(found)
+            uid = self.daemon.deps.config.client_identities().get(names[0].decode(errors="replace")) if len(names) == 1 else None
+            if uid is None:
+                return ANONYMOUS_CALLER
+            return ROOT_CALLER if uid == 0 else Caller(pid=0, uid=uid, gid=uid)
         return self.proxy.caller_for(peer)
 
 

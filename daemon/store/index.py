@@ -59,13 +59,12 @@ class SnapshotIndex:
         out = [s for s in candidates if all(s.labels.get(k) == v for k, v in label_selector.items())]
         return sorted(out, key=lambda s: (s.created, s.id))
 
-    def by_name(self, name: str) -> Snapshot | None:
-        """The snapshot named ``name``, if any."""
+    def by_name(self, name: str, owner_uid: int) -> Snapshot | None:
+        """The snapshot of ``owner_uid`` named ``name``, if any (names are per owner)."""
         with self._lock:
-            for snaps in self._by_owner.values():
-                for snap in snaps.values():
-                    if snap.name == name:
-                        return snap
+            for snap in self._by_owner.get(owner_uid, {}).values():
+                if snap.name == name:
+                    return snap
         return None
 
     def __len__(self) -> int:

@@ -13,7 +13,12 @@ Schema (``manifest_version`` 3; version 1 lacks ``buffers``, version 2 ``agents`
      "gpu_processes": [{"pid": 1234, "gpu_uuids": ["GPU-…"], "gpu_memory_bytes": 0}],
      "worker": {…} or null,
      "agents": [{…}],
-     "buffers": [{"name": "model.embed_tokens.weight", "size_bytes": 1050673152, "sha256": "…", "agent": "…"}]}
+     "buffers": [{"name": "model.embed_tokens.weight", "size_bytes": 1050673152, "sha256": "…", "agent": "…"}],
+     "held_files": [{"pid": 1234, "what": "fd 3", "path": "/home/u/log", "dev": 2049, "ino": 131, "access": 2}],
+     "owner_creds": {"uid": 1000, "gid": 1000, "groups": [1000, 27]}}
+
+``held_files`` and ``owner_creds`` (optional, absent in older manifests) let a restore check that the
+snapshot's owner may still open every file CRIU reopens by path (``gpusnap.daemon.operations.file_rights``).
 
 ``buffers`` name blobs of the buffer store (``gpusnap.daemon.store.buffers``) by digest. A daemon that
 does not know version 2 would restore such a snapshot without its weights, so the version was raised;
@@ -35,7 +40,9 @@ from typing import Any
 from gpusnap.daemon.api.errors import DataLossError
 from gpusnap.daemon.api.types import (
     BufferRef,
+    Creds,
     GpuProcess,
+    HeldFile,
     HostFacts,
     ImageFile,
     PhaseTiming,
@@ -68,6 +75,8 @@ def to_json(snapshot: Snapshot) -> dict[str, Any]:
         "worker": _fields(snapshot.worker) if snapshot.worker else None,
         "agents": [_fields(w) for w in snapshot.agents],
         "buffers": [_fields(b) for b in snapshot.buffers],
+        "held_files": [_fields(h) for h in snapshot.held_files],
+        "owner_creds": _fields(snapshot.owner_creds) if snapshot.owner_creds else None,
     }
 
 
@@ -127,6 +136,9 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
             buffers=tuple(BufferRef(name=str(b["name"]), size_bytes=int(b["size_bytes"]), sha256=str(b["sha256"]),
                                     agent=str(b.get("agent", "")))
                           for b in doc.get("buffers", [])),
+            held_files=tuple(HeldFile(**h) for h in doc.get("held_files", [])),
+            owner_creds=(Creds(**{**doc["owner_creds"], "groups": tuple(doc["owner_creds"]["groups"])})
+                         if doc.get("owner_creds") else None),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DataLossError(f"manifest is malformed ({type(exc).__name__}: {exc})", reason="MANIFEST_CORRUPT") from exc

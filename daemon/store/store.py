@@ -81,7 +81,8 @@ class SnapshotStore:
         self.staging_dir = root / "staging"
         self.pulls_dir = root / "pulls"
         self._lock = threading.Lock()
-        self._reserved_names: dict[str, str] = {}
+        self._reserved_names: dict[tuple[int, str], str] = {}
+        """(owner uid, name) -> id of the snapshot being written under that name."""
         self._lock_fd: int | None = None
         self._index = SnapshotIndex()
 
@@ -136,27 +137,27 @@ class SnapshotStore:
             self._lock_fd = None
 
     @contextmanager
-    def stage(self, name: str = "") -> Iterator[StagingDir]:
+    def stage(self, name: str = "", owner_uid: int = 0) -> Iterator[StagingDir]:
         """Create a staging directory (and reserve ``name``) for a new snapshot.
 
         The directory is removed when the block exits without :meth:`publish` having moved it.
 
         Raises:
-            AlreadyExistsError: ``name`` is taken or being written (reason ``NAME_TAKEN``).
+            AlreadyExistsError: ``owner_uid`` has a snapshot ``name`` or is writing one (reason ``NAME_TAKEN``).
         """
         snapshot_id = new_snapshot_id()
         with self._lock:
             if name:
-                self._check_name_free_locked(name)
-                self._reserved_names[name] = snapshot_id
+                self._check_name_free_locked(name, owner_uid)
+                self._reserved_names[(owner_uid, name)] = snapshot_id
         staging = StagingDir(snapshot_id, self.staging_dir / snapshot_id)
         staging.images.mkdir(parents=True, mode=0o700)
         try:
             yield staging
         finally:
             with self._lock:
-                if name and self._reserved_names.get(name) == snapshot_id:
-                    del self._reserved_names[name]
+                if name and self._reserved_names.get((owner_uid, name)) == snapshot_id:
+                    del self._reserved_names[(owner_uid, name)]
             if staging.path.exists():
                 shutil.rmtree(staging.path, ignore_errors=True)
 
@@ -186,7 +187,7 @@ class SnapshotStore:
                 raise AlreadyExistsError(f"snapshot {snapshot.id} is on this node already", reason="SNAPSHOT_EXISTS",
                                          metadata={"snapshot": snapshot.id})
             if snapshot.name:
-                self._check_name_free_locked(snapshot.name)
+                self._check_name_free_locked(snapshot.name, snapshot.owner_uid)
             return self.publish(StagingDir(snapshot.id, directory), snapshot)
 
     def provenance(self, snapshot_id: str) -> bytes | None:
@@ -201,22 +202,23 @@ class SnapshotStore:
         damaged ones are left out."""
         return self._index.list(owner_uid, label_selector or {})
 
-    def get(self, ref: str) -> Snapshot:
-        """The snapshot with id or name ``ref``.
+    def get(self, ref: str, owner_uid: int = 0) -> Snapshot:
+        """The snapshot with id or name ``ref``; a name is looked up among ``owner_uid``'s snapshots
+        (``UID/NAME`` among UID's), see :func:`validate.snapshot_ref`.
 
         Raises:
             InvalidArgumentError: malformed ref.
             NotFoundError: no such snapshot (reason ``SNAPSHOT_NOT_FOUND``).
             DataLossError: its manifest is damaged.
         """
-        path = self.path_of(ref)
+        path = self.path_of(ref, owner_uid)
         try:
             return manifest.read(path)
         except DataLossError:
             self._index.discard(path.name)  # damaged since it was indexed: no longer listed
             raise
 
-    def path_of(self, ref: str) -> Path:
+    def path_of(self, ref: str, owner_uid: int = 0) -> Path:
         """Directory of the snapshot with id or name ``ref`` (raises as :meth:`get`)."""
         validate.snapshot_ref(ref)
         if validate.SNAPSHOT_ID_RE.fullmatch(ref):
@@ -224,11 +226,12 @@ class SnapshotStore:
             if path.is_dir():
                 return path
         else:
-            found = self._index.by_name(ref)
+            uid, name = validate.split_snapshot_ref(ref, owner_uid)
+            found = self._index.by_name(name, uid)
             if found is not None:
                 return self.snapshots_dir / found.id
         raise NotFoundError(
-            f"no snapshot {ref!r} in {self.root}; list snapshots with `gpusnap ls`",
+            f"no snapshot {validate.shown(ref)} in {self.root}; list snapshots with `gpusnap ls`",
             reason="SNAPSHOT_NOT_FOUND",
             metadata={"snapshot": ref},
         )
@@ -254,9 +257,9 @@ class SnapshotStore:
                           "damaged_count": str(len(bad))},
             )
 
-    def delete(self, ref: str) -> str:
+    def delete(self, ref: str, owner_uid: int = 0) -> str:
         """Delete a snapshot (damaged ones too); returns its id. Raises as :meth:`get`."""
-        path = self.path_of(ref)
+        path = self.path_of(ref, owner_uid)
         # Rename first so a half-deleted snapshot is never listed.
         doomed = self.staging_dir / f"{path.name}.deleting"
         os.rename(path, doomed)
@@ -281,13 +284,13 @@ class SnapshotStore:
         """Bytes used by published snapshots and the buffer store (each blob once)."""
         return sum(p.stat().st_size for p in self.snapshots_dir.rglob("*") if p.is_file()) + self.buffers.used_bytes()
 
-    def check_name_free(self, name: str) -> None:
-        """Raise AlreadyExistsError (reason ``NAME_TAKEN``) if ``name`` is used or being written."""
+    def check_name_free(self, name: str, owner_uid: int = 0) -> None:
+        """Raise AlreadyExistsError (reason ``NAME_TAKEN``) if ``owner_uid`` uses ``name`` or is writing it."""
         with self._lock:
-            self._check_name_free_locked(name)
+            self._check_name_free_locked(name, owner_uid)
 
-    def _check_name_free_locked(self, name: str) -> None:
-        if name in self._reserved_names or self._index.by_name(name) is not None:
+    def _check_name_free_locked(self, name: str, owner_uid: int) -> None:
+        if (owner_uid, name) in self._reserved_names or self._index.by_name(name, owner_uid) is not None:
             raise AlreadyExistsError(
                 f"a snapshot named {name!r} already exists; choose another name or delete it with `gpusnap rm {name}`",
                 reason="NAME_TAKEN",

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import itertools
-import re
 import os
+import re
+import selectors
 import socket
 import struct
 import threading
@@ -85,7 +86,7 @@ class AgentSession:
             try:
                 wire.send(self.sock, message, fds)
                 while True:
-                    reply = wire.recv(self.sock, agent_pb2.AgentMessage())
+                    reply = wire.recv(self.sock, agent_pb2.AgentMessage(), AGENT_MAX_FRAME)
                     if reply.WhichOneof("message") == "result" and reply.result.command_id == message.command_id:
                         break
             except TimeoutError as exc:
@@ -132,6 +133,16 @@ def _peer_open(sock: socket.socket) -> bool:
 
 
 INSTANCE_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+MAX_AGENTS_PER_UID = 64
+"""Connections (attached or saying hello) one user may hold; more are closed at once."""
+MAX_PENDING = 256
+"""Connections of all users still saying hello (each buffers at most ``HELLO_MAX_FRAME``)."""
+HELLO_MAX_FRAME = 64 << 10
+"""Largest hello frame, bytes."""
+HELLO_TIMEOUT_S = 10.0
+"""A connection that has not said hello by then is closed."""
+AGENT_MAX_FRAME = 1 << 20
+"""Largest frame from an attached agent (command results), bytes."""
 
 
 class AgentRegistry:
@@ -140,6 +151,11 @@ class AgentRegistry:
     Args:
         socket_path: the agent socket (mode 0666: any local worker may attach; a session only ever acts on
             the process it comes from, found by SO_PEERCRED).
+
+    The socket is open to every local user, so one thread accepts and reads hellos for all connections
+    (no thread per connection), each user may hold ``MAX_AGENTS_PER_UID`` connections, a hello is at most
+    ``HELLO_MAX_FRAME`` bytes and must arrive within ``HELLO_TIMEOUT_S``, and an attached agent's frames
+    are capped at ``AGENT_MAX_FRAME``: the memory all connections can make the daemon hold is bounded.
     """
 
     def __init__(self, socket_path: Path):
@@ -148,6 +164,8 @@ class AgentRegistry:
         self._cond = threading.Condition()
         self._listener: socket.socket | None = None
         self._bound: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
 
     def start(self) -> None:
         """Bind the socket and accept agents in a background thread.
@@ -170,9 +188,14 @@ class AgentRegistry:
         self._bound = (st.st_dev, st.st_ino)
         os.chmod(self.socket_path, 0o666)
         self._listener.listen(64)
-        threading.Thread(target=self._accept, name="gpusnap-agents", daemon=True).start()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="gpusnap-agents", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
+        self._stopping = True
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         if self._listener is not None:
             self._listener.close()
         with self._cond:
@@ -248,31 +271,93 @@ class AgentRegistry:
         with safefs.open_dir(wake_dir, uid, shared_ok=True) as fd:
             safefs.remove(fd, instance_id)
 
-    def _accept(self) -> None:
+    def _serve(self) -> None:
+        """Accept agents and read their hellos in this one thread (no thread per connection)."""
         assert self._listener is not None
+        listener = self._listener
+        listener.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(listener, selectors.EVENT_READ, None)
+        pending: dict[socket.socket, _Pending] = {}
+        try:
+            while not self._stopping:
+                for key, _ in sel.select(timeout=0.5):
+                    if key.data is None:
+                        self._accept_ready(listener, sel, pending)
+                    else:
+                        self._read_hello(key.fileobj, key.data, sel, pending)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for conn, p in [(c, p) for c, p in pending.items() if p.deadline < now]:
+                    log.warning("agent.refused", pid=p.pid, reason=f"no hello within {HELLO_TIMEOUT_S:g} s")
+                    self._drop(conn, sel, pending)
+        finally:
+            for conn in list(pending):
+                self._drop(conn, sel, pending)
+            sel.close()
+
+    def _accept_ready(self, listener: socket.socket, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
+            except BlockingIOError:
+                return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     log.warning("agent.accept_failed", error=str(exc))
-                    time.sleep(0.5)
-                    continue
-                return  # the listener was closed
-            try:
-                threading.Thread(target=self._hello, args=(conn,), daemon=True).start()
-            except RuntimeError:  # cannot start a thread: drop this one, keep accepting
+                    time.sleep(0.1)
+                return  # or the listener was closed
+            pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            with self._cond:
+                attached = sum(1 for s in self._sessions.values() if s.info.uid == uid and not s.closed)
+            waiting = sum(1 for p in pending.values() if p.uid == uid)
+            if attached + waiting >= MAX_AGENTS_PER_UID or len(pending) >= MAX_PENDING:
+                log.warning("agent.refused", pid=pid, uid=uid, reason="too many agent connections")
                 conn.close()
+                continue
+            conn.setblocking(False)
+            p = _Pending(pid=pid, uid=uid, deadline=time.monotonic() + HELLO_TIMEOUT_S)
+            pending[conn] = p
+            sel.register(conn, selectors.EVENT_READ, p)
 
-    def _hello(self, conn: socket.socket) -> None:
-        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        conn.settimeout(10)
+    @staticmethod
+    def _drop(conn: socket.socket, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]) -> None:
+        pending.pop(conn, None)
         try:
-            msg = wire.recv(conn, agent_pb2.AgentMessage())
-        except (wire.ChannelClosed, OSError) as exc:
-            log.warning("agent.bad_hello", pid=pid, error=str(exc))
-            conn.close()
+            sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _read_hello(self, conn: socket.socket, p: _Pending, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]) -> None:
+        try:
+            chunk = conn.recv(p.need())
+        except BlockingIOError:
             return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(conn, sel, pending)
+            return
+        p.buf += chunk
+        if len(p.buf) >= 4 and p.size is None:
+            (p.size,) = struct.unpack(">I", p.buf[:4])
+            if p.size > HELLO_MAX_FRAME:
+                log.warning("agent.refused", pid=p.pid, reason=f"hello of {p.size} bytes exceeds {HELLO_MAX_FRAME}")
+                self._drop(conn, sel, pending)
+                return
+        if p.size is None or len(p.buf) < 4 + p.size:
+            return
+        sel.unregister(conn)
+        pending.pop(conn, None)
+        msg = agent_pb2.AgentMessage()
+        try:
+            msg.ParseFromString(bytes(p.buf[4:]))
+        except Exception:  # protobuf's DecodeError
+            msg = agent_pb2.AgentMessage()
+        conn.setblocking(True)
+        self._hello(conn, p.pid, p.uid, msg)
+
+    def _hello(self, conn: socket.socket, pid: int, uid: int, msg: agent_pb2.AgentMessage) -> None:
         if msg.WhichOneof("message") != "hello" or msg.hello.protocol_version != wire.PROTOCOL_VERSION:
             log.warning("agent.refused", pid=pid, reason="not a protocol-1 hello")
             conn.close()
@@ -284,7 +369,6 @@ class AgentRegistry:
             return
         info = AgentInfo(pid=pid, uid=uid, engine=h.engine, instance_id=h.instance_id, wake_dir=h.wake_dir,
                          resumed=h.resumed, info=dict(h.info))
-        conn.settimeout(None)
         with self._cond:
             for stale in [p for p, s in self._sessions.items() if s.closed or not _peer_open(s.sock)]:
                 self._sessions.pop(stale).close()
@@ -294,3 +378,17 @@ class AgentRegistry:
             self._sessions[pid] = AgentSession(conn, info)
             self._cond.notify_all()
         log.info("agent.attached", pid=pid, engine=info.engine, instance=info.instance_id[:8], resumed=info.resumed)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A connection whose hello is still being read."""
+
+    pid: int
+    uid: int
+    deadline: float
+    buf: bytearray = dataclasses.field(default_factory=bytearray)
+    size: int | None = None
+
+    def need(self) -> int:
+        return 4 - len(self.buf) if self.size is None else 4 + self.size - len(self.buf)

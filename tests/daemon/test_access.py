@@ -47,8 +47,11 @@ def test_unprivileged_caller_may_only_touch_its_own(open_daemon: DaemonProc, wor
 
     root_snap = json.loads(open_daemon.cli("-o", "json", "dump", str(root_tree.pid), "--name", "roots", check=True).stdout)
     res = open_daemon.cli("restore", "roots", user=NOBODY)
+    assert res.returncode == 3 and "no snapshot" in res.stderr, "names are per owner: nobody has no 'roots'"
+    res = open_daemon.cli("restore", root_snap["id"], user=NOBODY)
     assert res.returncode == 6 and "only its owner or root" in res.stderr
-    assert open_daemon.cli("rm", "roots", user=NOBODY).returncode == 6
+    assert open_daemon.cli("rm", root_snap["id"], user=NOBODY).returncode == 6
+    assert open_daemon.cli("restore", "0/roots", user=NOBODY).returncode == 6
     assert open_daemon.cli("inspect", root_snap["id"], user=NOBODY).returncode == 6
 
 

@@ -24,7 +24,7 @@ def _openssl(*args: str) -> None:
 def _pki(d: Path) -> None:
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=gpusnap-test-ca",
              "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
-    for name, cn in (("server", "localhost"), ("client", "orchestrator")):
+    for name, cn in (("server", "localhost"), ("client", "orchestrator"), ("stranger", "stranger")):
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", str(d / f"{name}.key"),
                  "-out", str(d / f"{name}.csr"))
         ext = d / f"{name}.ext"
@@ -43,18 +43,30 @@ def test_mutual_tls_listener(tmp_path: Path) -> None:
     _pki(tmp_path)
     port = _free_port()
     env = {"GPUSNAP_LISTEN": f"127.0.0.1:{port}", "GPUSNAP_TLS_CERT": str(tmp_path / "server.pem"),
-           "GPUSNAP_TLS_KEY": str(tmp_path / "server.key"), "GPUSNAP_TLS_CLIENT_CA": str(tmp_path / "ca.pem")}
+           "GPUSNAP_TLS_KEY": str(tmp_path / "server.key"), "GPUSNAP_TLS_CLIENT_CA": str(tmp_path / "ca.pem"),
+           "GPUSNAP_TLS_CLIENT_IDENTITIES": "orchestrator:0"}
     d = start_daemon(tmp_path, extra_env=env)
+    sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
         assert d.alive(), d.log.read_text()
         ca = (tmp_path / "ca.pem").read_bytes()
         good = grpc.ssl_channel_credentials(ca, (tmp_path / "client.key").read_bytes(), (tmp_path / "client.pem").read_bytes())
         with DaemonClient(f"localhost:{port}", credentials=good) as client:
             assert client.node_info().host.criu_version.startswith("4.")
+        # Signed by the same CA but not mapped to any rights: anonymous, not root.
+        stranger = grpc.ssl_channel_credentials(ca, (tmp_path / "stranger.key").read_bytes(),
+                                                (tmp_path / "stranger.pem").read_bytes())
+        with DaemonClient(f"localhost:{port}", credentials=stranger) as client:
+            with pytest.raises(PermissionDeniedError) as err:
+                client.checkpoint(sleeper.pid)
+            assert err.value.reason == "ANONYMOUS"
+            assert client.list_snapshots() == []
         no_cert = grpc.ssl_channel_credentials(ca)  # refused by the TLS handshake: a client CA is set
         with DaemonClient(f"localhost:{port}", credentials=no_cert) as client, pytest.raises(UnavailableError):
             client.node_info()
     finally:
+        sleeper.kill()
+        sleeper.wait()
         stop_daemon(d)
 
 
