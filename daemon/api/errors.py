@@ -83,6 +83,7 @@ _ACTION_BY_REASON: dict[str, Action] = {
     "BAD_DIRECTORY": Action.FIX,
     "TERMINAL": Action.FIX,
     "EXTERNAL_PIPE": Action.FIX,
+    "CRIU_UNSUPPORTED": Action.FIX,
     "TCP_ESTABLISHED": Action.FIX,
     "USER_NAMESPACE": Action.FIX,
     "PID_NAMESPACE_INIT": Action.FIX,

@@ -11,10 +11,11 @@ from pathlib import Path
 from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.api.types import CheckpointOptions, ProcessFacts, TcpMode
 from gpusnap.daemon.drivers import host, proc
+from gpusnap.daemon.operations import criu_limits
 
 _PIPE = re.compile(r"^pipe:\[(\d+)\]$")
-_TTY_PREFIXES = ("/dev/pts/", "/dev/tty", "/dev/console")
 _IO_URING = "anon_inode:[io_uring]"
+_PTMX = ("/dev/ptmx", "/dev/pts/ptmx")
 
 
 def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool = False) -> None:
@@ -27,15 +28,18 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool 
             adapter may close connections there, as ranks tearing down their process groups do).
 
     Raises:
-        FailedPreconditionError: reasons ``TCP_ESTABLISHED``, ``CAPABILITY_MISSING``, ``USER_NAMESPACE``,
-            ``PID_NAMESPACE_INIT``, ``TERMINAL``, ``EXTERNAL_PIPE``, ``IO_URING``.
+        FailedPreconditionError: reasons ``TCP_ESTABLISHED``, ``CAPABILITY_MISSING`` (any process of the tree
+            of another user), ``USER_NAMESPACE``, ``PID_NAMESPACE_INIT``, ``TERMINAL`` (one whose other side is
+            outside the tree), ``IO_URING``, ``CRIU_UNSUPPORTED`` (see ``criu_limits``), ``EXTERNAL_PIPE``.
     """
     pids = list(facts.tree_pids)
     if not defer_tcp:
         check_tcp(opts, pids)
-    if facts.uid != os.geteuid() and not host.has_capability(host.CAP_SYS_RESOURCE):
+    foreign = next(((p, uid) for p in pids for uid in [_foreign_uid(p)] if uid is not None), None)
+    if foreign is not None and not host.has_capability(host.CAP_SYS_RESOURCE):
+        pid, uid = foreign
         raise FailedPreconditionError(
-            f"PID {opts.pid} belongs to uid {facts.uid}, and gpusnapd lacks CAP_SYS_RESOURCE, without which CRIU "
+            f"process {pid} of the tree runs as uid {uid}, and gpusnapd lacks CAP_SYS_RESOURCE, without which CRIU "
             "cannot read another user's resource limits; run gpusnapd as root with its full capability set",
             reason="CAPABILITY_MISSING",
         )
@@ -51,13 +55,9 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool 
             "it creates itself; checkpoint the process the init runs instead (its child)",
             reason="PID_NAMESPACE_INIT",
         )
-    ttys = _terminal_users(pids)
-    if ttys:
-        raise FailedPreconditionError(
-            f"process {ttys[0][0]} has a terminal open ({ttys[0][1]}); a restored tree cannot get its terminal back. "
-            "Start the worker with stdin/stdout/stderr on files or /dev/null, under setsid (as a service does)",
-            reason="TERMINAL",
-        )
+    tty = _outside_terminal(pids)
+    if tty:
+        raise FailedPreconditionError(tty, reason="TERMINAL")
     rings = [(p, fd) for p in pids for fd, target in _fds(p) if target == _IO_URING]
     if rings:
         pid, fd = rings[0]
@@ -68,6 +68,11 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool 
             "unavailable before starting it (sysctl kernel.io_uring_disabled=2)",
             reason="IO_URING",
         )
+    unsupported = criu_limits.find(pids)
+    if unsupported:
+        more = f" (and {len(unsupported) - 1} more)" if len(unsupported) > 1 else ""
+        raise FailedPreconditionError(f"{unsupported[0]}{more}", reason="CRIU_UNSUPPORTED",
+                                      metadata={"pid": str(unsupported[0].pid)})
     outside = _external_pipes(pids)
     if outside:
         pid, fd, other = outside[0]
@@ -114,8 +119,73 @@ def _fds(pid: int) -> list[tuple[int, str]]:
     return out
 
 
-def _terminal_users(pids: Sequence[int]) -> list[tuple[int, str]]:
-    return [(p, target) for p in pids for _, target in _fds(p) if target.startswith(_TTY_PREFIXES)]
+def _foreign_uid(pid: int) -> int | None:
+    """A uid of ``pid`` (real, effective, saved or filesystem) other than gpusnapd's, if any."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return next((int(u) for u in line.split()[1:] if int(u) != os.geteuid()), None)
+    except OSError:
+        pass
+    return None
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name: state, ppid, pgrp, session, tty_nr, …"""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _pty_index(pid: int, fd: int) -> int | None:
+    """The pty a ``/dev/ptmx`` master fd controls (``tty-index`` in fdinfo, Linux >= 4.14)."""
+    try:
+        for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+            if line.startswith("tty-index:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _outside_terminal(pids: Sequence[int]) -> str:
+    """Why the tree's terminal cannot come back, or ``""``.
+
+    CRIU restores a pty whose master and slave are both in the tree, and a controlling terminal of a
+    session led inside the tree (CRIU's tty.c); what it cannot bring back is a terminal whose other side
+    (terminal emulator, sshd, tmux) stays outside: a controlling terminal of a session led outside the
+    tree, or a ``/dev/pts/N`` whose master no process of the tree holds.
+    """
+    tree = set(pids)
+    masters = {i for p in pids for fd, target in _fds(p) if target in _PTMX for i in [_pty_index(p, fd)] if i is not None}
+    for p in pids:
+        fields = _stat_fields(p)
+        if len(fields) > 4 and int(fields[4]) != 0 and int(fields[3]) not in tree:
+            return (f"process {p} has a controlling terminal of session {fields[3]}, which is led outside the tree; a "
+                    "restore cannot give it back. Start the worker in its own session (setsid) with stdin, stdout and "
+                    "stderr on files or /dev/null")
+        for fd, target in _fds(p):
+            if target.startswith("/dev/pts/") and target.removeprefix("/dev/pts/").isdigit():
+                if int(target.removeprefix("/dev/pts/")) not in masters:
+                    return (f"fd {fd} of process {p} is the terminal {target}, whose master side (a terminal emulator, "
+                            "sshd, tmux) is outside the tree; a restore cannot give it back. Point that fd at a file "
+                            "or /dev/null (e.g. `>> worker.log 2>&1 < /dev/null`)")
+    return ""
+
+
+def _descends_from(pid: int, tree: set[int]) -> bool:
+    """Whether ``pid``'s parent chain reaches a process of ``tree``."""
+    seen = 0
+    while pid > 1 and seen < 4096:
+        fields = _stat_fields(pid)
+        if len(fields) < 2:
+            return False
+        pid = int(fields[1])
+        if pid in tree:
+            return True
+        seen += 1
+    return False
 
 
 def _external_pipes(pids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -130,8 +200,8 @@ def _external_pipes(pids: Sequence[int]) -> list[tuple[int, int, int]]:
     tree = set(pids)
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in tree:
-            continue
+        if not entry.isdigit() or int(entry) in tree or _descends_from(int(entry), tree):
+            continue  # a child forked since the tree was listed is part of the tree CRIU freezes
         for _, target in _fds(int(entry)):
             if target in inside:
                 pid, fd = inside.pop(target)

@@ -21,6 +21,7 @@ the source instead. A failure anywhere leaves the source running and nothing lis
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 
 from gpusnap.daemon.api.types import CheckpointOptions, HostFacts, Snapshot, TcpMode
@@ -95,7 +96,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
 
         def publish() -> None:  # CRIU's post-dump: images complete, tree still frozen
             run.close_phase()
-            frozen = list(dict.fromkeys([*facts.tree_pids, *proc.tree_pids_or_empty(opts.pid)]))
+            frozen = proc.tree_pids_or_empty(opts.pid) or list(facts.tree_pids)  # the tree as CRIU froze it
             held, creds = file_rights.record(frozen)
             shm_files = proc.dev_shm_files(list(facts.tree_pids))
             if shm_files:
@@ -111,7 +112,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                     name=opts.name,
                     created=datetime.now(UTC),
                     labels=_labels(opts),
-                    source=facts,
+                    source=dataclasses.replace(facts, tree_pids=tuple(frozen)),  # the tree as CRIU froze it
                     host=facts_host,
                     files=files,
                     phases=tuple(run.record.phases),

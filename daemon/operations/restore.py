@@ -5,8 +5,8 @@ sizes, GPU map resolved and GPU preconditions met) → ``verify`` (image sizes a
 ``verify_buffers`` the buffers' digests too, in the background, overlapped with the next phases) →
 ``restore`` (CRIU, by default into a fresh PID namespace; a non-root snapshot's files are checked against
 its owner's rights before CRIU runs and again before any restored task runs, see ``file_rights``) → [``gpu-restore``
-(``cuCheckpointProcessRestore``, with ``gpuPairs`` when remapping) → ``gpu-unlock``] → ``validate`` (every
-restored process exists and runs, every CUDA process is RUNNING: CRIU's success alone is not trusted, see
+(``cuCheckpointProcessRestore``, with ``gpuPairs`` when remapping) → ``gpu-unlock``] → ``validate`` (CRIU
+restored as many processes as were frozen, counted before any ran, the root runs, every CUDA process is RUNNING: CRIU's success alone is not trusted, see
 checkpoint-restore/criu#2525 and #2993) → [``reload-buffers`` (the worker gets its buffers back, their
 sizes checked, and with ``verify_buffers`` their digests) → ``resume-worker``: the worker's agent resumes
 it with the restore context and its canary must give the capture-time tokens; or ``restore-complete`` in
@@ -180,13 +180,16 @@ def _restore_copy(
         shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
         private_shm = shm_dir.is_dir() and not opts.host_pid_namespace
 
-        def restored_files_permitted(t: RestoredTree) -> None:  # CRIU's pre-resume: no task runs yet
+        restored: list[int] = []
+
+        def before_resume(t: RestoredTree) -> None:  # CRIU's pre-resume: every task restored, none running
             # The root is still CRIU's child here, not yet the namespace init's: look under the init.
             found = [p for p in proc.tree_pids(t.init_pid) if proc.namespace_pid(p) == t.ns_pid] if t.init_pid else [t.ns_pid]
             try:
                 if not found:
                     raise FailedPreconditionError(f"CRIU's restored PID {t.ns_pid} is not in its namespace",
                                                   reason="RESTORE_INCOMPLETE")
+                restored.extend(proc.tree_pids(found[0]))  # what CRIU restored, before any task can fork or exit
                 file_rights.check_restored(snapshot, found[0])
             except BaseException:
                 _kill_tree(t.init_pid, found[0] if found else t.ns_pid)
@@ -201,7 +204,7 @@ def _restore_copy(
             timeout_s=timeout,
             new_netns=opts.private_network,
             shm_dir=shm_dir if private_shm else None,
-            before_resume=restored_files_permitted if snapshot.owner_uid != 0 else None,
+            before_resume=before_resume,
             private_log=snapshot.owner_uid != 0,
         )
         progress.bytes = snapshot.size_bytes
@@ -234,14 +237,17 @@ def _restore_copy(
     with run.phase("validate"):
         if ctl is not None:
             ctl.verify_running(cuda_pids)
-        pids = proc.tree_pids(root)
+        # Counted at CRIU's pre-resume against the tree as it was frozen: a live count now would also see
+        # what the resumed tree forked or reaped since (zdtm transition/fork).
         expected = len(snapshot.source.tree_pids)
-        if len(pids) != expected:
+        if len(restored) < expected or not proc.alive(root):  # more: CRIU's session/group helpers, not yet gone
             raise FailedPreconditionError(
-                f"restore of {snapshot.id} brought back {len(pids)} of {expected} processes; "
+                f"restore of {snapshot.id} brought back {len(restored)} of {expected} processes"
+                f"{'' if proc.alive(root) else ' and its root is gone'}; "
                 f"see restore-{run.record.id}{run.phase_suffix.replace('#', '-')}.log in the snapshot directory",
                 reason="RESTORE_INCOMPLETE",
             )
+        pids = proc.tree_pids(root)
     _note_tree(run, validated=True, pids=pids)
     workers.resume_restored(run, deps, snapshot, opts, pids, buffers_verified)
     return RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid)

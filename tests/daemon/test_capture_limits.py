@@ -1,0 +1,117 @@
+"""What CRIU can and cannot bring back, decided before anything is frozen (issue 10's findings from
+CRIU's zdtm suite run through gpusnap; docs/criu-limits.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpusnap.daemon.drivers import host
+from gpusnap.daemon.operations import capture_checks
+from tests.conftest import WORKLOADS, DaemonProc, Workloads, wait_for
+from tests.users import User
+
+
+def _hold(tmp_path: Path, workloads: Workloads, kind: str, *, prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    ready = tmp_path / f"{kind}.ready"
+    p = subprocess.Popen([*prefix, sys.executable, str(WORKLOADS / "holds.py"), kind, str(ready)], cwd="/",
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    workloads.adopt(p.pid)
+    wait_for(lambda: ready.exists() or p.poll() is not None, 30, f"{kind} holder did not start")
+    assert p.poll() is None, f"{kind} holder exited {p.returncode}"
+    return p
+
+
+@pytest.mark.parametrize(("kind", "words"), [
+    ("vsock", "a socket of a family CRIU does not dump"),
+    ("userfaultfd", "a userfaultfd descriptor"),
+    ("fuse", "the character device /dev/fuse (10:229)"),
+    ("sysv-shm", "a SysV shared-memory segment"),
+])
+def test_what_criu_cannot_dump_is_refused_before_the_freeze(daemon: DaemonProc, workloads: Workloads, tmp_path: Path,
+                                                            kind: str, words: str) -> None:
+    p = _hold(tmp_path, workloads, kind)
+    res = daemon.cli("-o", "json", "dump", str(p.pid))
+    assert res.returncode == 4, res.stderr
+    assert words in res.stderr and f"of process {p.pid}" in res.stderr and "CRIU cannot checkpoint" in res.stderr
+    assert json.loads(res.stdout)["error"]["reason"] == "CRIU_UNSUPPORTED"
+    assert not (daemon.store / "logs").exists() or not list((daemon.store / "logs").iterdir()), "CRIU never ran"
+    assert psutil.Process(p.pid).status() != psutil.STATUS_STOPPED
+
+
+def test_a_traced_process_is_refused(daemon: DaemonProc, workloads: Workloads, tmp_path: Path) -> None:
+    p = _hold(tmp_path, workloads, "eventfd")
+    tracer = subprocess.Popen(["strace", "-f", "-o", "/dev/null", "-p", str(p.pid)], stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: "TracerPid:\t0" not in Path(f"/proc/{p.pid}/status").read_text(), 10, "strace did not attach")
+        res = daemon.cli("dump", str(p.pid))
+        assert res.returncode == 4 and f"traced by process {tracer.pid} (strace)" in res.stderr, res.stderr
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(timeout=10)
+    daemon.cli("dump", str(p.pid), "--name", "untraced", check=True)  # eventfds are fine once detached
+
+
+def test_a_fork_heavy_tree_restores(daemon: DaemonProc, workloads: Workloads, tmp_path: Path) -> None:
+    """zdtm transition/fork: counted against what CRIU restored, not a live count after it resumed."""
+    p = _hold(tmp_path, workloads, "fork-churn")
+    count = tmp_path / "fork-churn.ready.count"
+    wait_for(lambda: count.exists() and int(count.read_text() or 0) > 3, 10, "no churn")
+    daemon.cli("dump", str(p.pid), "--name", "churn", check=True)
+    frozen = int(count.read_text() or 0)
+    restored = json.loads(daemon.cli("-o", "json", "restore", "churn", check=True).stdout)
+    workloads.adopt(restored["pid"])
+    wait_for(lambda: int(count.read_text() or 0) > frozen + 5, 10, "the restored tree does not fork on")
+
+
+def test_a_pty_pair_inside_the_tree_restores(daemon: DaemonProc, workloads: Workloads, tmp_path: Path) -> None:
+    """zdtm pty tests: both ends in the tree, in its own session, stdio on files: CRIU restores it."""
+    p = _hold(tmp_path, workloads, "pty-pair")
+    daemon.cli("dump", str(p.pid), "--name", "pty", check=True)
+    restored = json.loads(daemon.cli("-o", "json", "restore", "pty", check=True).stdout)
+    workloads.adopt(restored["pid"])
+    links = [os.readlink(f"/proc/{restored['pid']}/fd/{fd}") for fd in os.listdir(f"/proc/{restored['pid']}/fd")]
+    assert any(link.startswith("/dev/pts/") for link in links) and any("ptmx" in link for link in links), links
+
+
+def test_a_terminal_whose_master_is_outside_is_refused_with_its_fd(daemon: DaemonProc, workloads: Workloads) -> None:
+    master, slave = os.openpty()
+    try:
+        p = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        workloads.adopt(p.pid)
+        res = daemon.cli("dump", str(p.pid))
+        assert res.returncode == 4 and f"fd 1 of process {p.pid} is the terminal /dev/pts/" in res.stderr, res.stderr
+        assert "master side" in res.stderr and "setsid" not in res.stderr, "names the fd, not a fix the tree has"
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_a_pipe_to_a_child_forked_after_the_listing_is_inside(workloads: Workloads, tmp_path: Path) -> None:
+    """zdtm: a child forked after the preflight's listing is part of the tree CRIU freezes."""
+    w = workloads.start("--mem-mb", "1", "--no-listener")  # parent and child share a pipe
+    assert capture_checks._external_pipes([w.pid]) == [], "the child is a descendant, not an outsider"
+
+
+@pytest.mark.skipif(host.has_capability(host.CAP_SYS_RESOURCE), reason="needs a root without CAP_SYS_RESOURCE")
+def test_a_child_of_another_user_gets_the_capability_message(daemon: DaemonProc, workloads: Workloads,
+                                                             hostile: tuple[User, User]) -> None:
+    a, _ = hostile
+    code = f"import os,time\nif os.fork() == 0:\n    os.setuid({a.uid})\n    time.sleep(600)\ntime.sleep(600)"
+    p = subprocess.Popen([sys.executable, "-c", code], cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    workloads.adopt(p.pid)
+    wait_for(lambda: any(c.uids().real == a.uid for c in psutil.Process(p.pid).children()), 10, "no child of A")
+    child = psutil.Process(p.pid).children()[0].pid
+    res = daemon.cli("dump", str(p.pid))
+    assert res.returncode == 4 and f"process {child} of the tree runs as uid {a.uid}" in res.stderr, res.stderr
+    assert "rlimit" not in res.stderr
