@@ -7,27 +7,17 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-import pytest
 
 from gpusnap.adapters import wire
 from gpusnap.adapters._proto import agent_pb2
 from gpusnap.daemon.workers.agents import MAX_AGENTS_PER_UID
-from tests.conftest import DaemonProc, _cli_env, start_daemon, stop_daemon, wait_for
+from tests.conftest import DaemonProc, _cli_env, wait_for
 from tests.users import User
 
 FLOOD = Path(__file__).with_name("flood_agents.py")
-
-
-@pytest.fixture
-def daemon_d(tmp_path: Path) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path)
-    assert d.alive(), d.log.read_text()
-    yield d
-    stop_daemon(d)
 
 
 def _flood(d: DaemonProc, user: User, mode: str, n: int) -> dict[str, int]:
@@ -37,13 +27,13 @@ def _flood(d: DaemonProc, user: User, mode: str, n: int) -> dict[str, int]:
     return json.loads(res.stdout)  # type: ignore[no-any-return]
 
 
-def test_idle_floods_are_bounded_per_user_and_time(daemon_d: DaemonProc, hostile: tuple[User, User]) -> None:
+def test_idle_floods_are_bounded_per_user_and_time(daemon: DaemonProc, hostile: tuple[User, User]) -> None:
     a, b = hostile
-    threads_before = psutil.Process(daemon_d.proc.pid).num_threads()
-    proc = subprocess.Popen([*a.argv(), sys.executable, str(FLOOD), str(daemon_d.agent_socket), "idle", "300"],
+    threads_before = psutil.Process(daemon.proc.pid).num_threads()
+    proc = subprocess.Popen([*a.argv(), sys.executable, str(FLOOD), str(daemon.agent_socket), "idle", "300"],
                             stdout=subprocess.PIPE, text=True, env=_cli_env())
-    wait_for(lambda: psutil.Process(daemon_d.proc.pid).num_fds() > 40 or proc.poll() is not None, 10, "no flood")
-    assert psutil.Process(daemon_d.proc.pid).num_threads() <= threads_before + 2, "no thread per connection"
+    wait_for(lambda: psutil.Process(daemon.proc.pid).num_fds() > 40 or proc.poll() is not None, 10, "no flood")
+    assert psutil.Process(daemon.proc.pid).num_threads() <= threads_before + 2, "no thread per connection"
     # Another user's agent still gets in while A floods.
     hello = agent_pb2.AgentMessage(hello=agent_pb2.AgentHello(protocol_version=wire.PROTOCOL_VERSION, engine="torch",
                                                              instance_id="ab" * 16, wake_dir="/tmp"))
@@ -51,21 +41,21 @@ def test_idle_floods_are_bounded_per_user_and_time(daemon_d: DaemonProc, hostile
               "s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
               "m=agent_pb2.AgentMessage(); m.ParseFromString(bytes.fromhex(sys.argv[2])); wire.send(s, m);"
               "import time; time.sleep(3)")
-    subprocess.run([*b.argv(), sys.executable, "-c", script, str(daemon_d.agent_socket), hello.SerializeToString().hex()],
+    subprocess.run([*b.argv(), sys.executable, "-c", script, str(daemon.agent_socket), hello.SerializeToString().hex()],
                    check=True, timeout=30, env=_cli_env())
-    assert '"agent.attached"' in daemon_d.log.read_text() or "agent.attached" in daemon_d.log.read_text()
+    assert '"agent.attached"' in daemon.log.read_text() or "agent.attached" in daemon.log.read_text()
     out, _ = proc.communicate(timeout=60)
     stats = json.loads(out)
     assert stats["closed_early"] >= stats["connected"] - MAX_AGENTS_PER_UID, stats
     assert stats["closed_by_15s"] == stats["connected"], "connections that never say hello are closed"
 
 
-def test_oversized_frames_are_refused_before_they_are_read(daemon_d: DaemonProc, hostile: tuple[User, User]) -> None:
+def test_oversized_frames_are_refused_before_they_are_read(daemon: DaemonProc, hostile: tuple[User, User]) -> None:
     a, _ = hostile
-    rss_before = psutil.Process(daemon_d.proc.pid).memory_info().rss
-    stats = _flood(daemon_d, a, "huge", 20)
+    rss_before = psutil.Process(daemon.proc.pid).memory_info().rss
+    stats = _flood(daemon, a, "huge", 20)
     assert stats["closed_early"] == stats["connected"] == 20, stats
-    assert psutil.Process(daemon_d.proc.pid).memory_info().rss < rss_before + (32 << 20)
-    assert daemon_d.alive()
+    assert psutil.Process(daemon.proc.pid).memory_info().rss < rss_before + (32 << 20)
+    assert daemon.alive()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.connect(str(daemon_d.agent_socket))  # the listener still serves
+        s.connect(str(daemon.agent_socket))  # the listener still serves

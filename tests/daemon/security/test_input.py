@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -24,14 +23,6 @@ from tests.users import User
 HOSTILE_COMM = "[/]\x1b[2J"  # rich markup that crashed `gpusnap ls`, then "clear screen" (15 bytes max)
 
 
-@pytest.fixture
-def plain_daemon(tmp_path: Path) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path)
-    assert d.alive(), d.log.read_text()
-    yield d
-    stop_daemon(d)
-
-
 def _named_sleeper(comm: str) -> subprocess.Popen[bytes]:
     code = ("import ctypes,time,sys; ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0);"
             "open(sys.argv[2], 'w').close(); time.sleep(600)")
@@ -39,13 +30,13 @@ def _named_sleeper(comm: str) -> subprocess.Popen[bytes]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def test_hostile_process_names_are_shown_escaped(plain_daemon: DaemonProc, workloads: Workloads) -> None:
+def test_hostile_process_names_are_shown_escaped(daemon: DaemonProc, workloads: Workloads) -> None:
     p = _named_sleeper(HOSTILE_COMM)
     workloads.adopt(p.pid)
     wait_for(lambda: Path(f"/proc/{p.pid}/comm").read_text().startswith("[/]"), 10, "name not set")
-    plain_daemon.cli("dump", str(p.pid), "--name", "odd", check=True)
+    daemon.cli("dump", str(p.pid), "--name", "odd", check=True)
     for args in (["ls"], ["inspect", "odd"]):
-        res = plain_daemon.cli(*args)
+        res = daemon.cli(*args)
         assert res.returncode == 0, res.stderr
         assert "[/]" in res.stdout and "\x1b" not in res.stdout, repr(res.stdout)
         assert "\\x1b[2J" in res.stdout
@@ -67,16 +58,16 @@ def _stub(d: DaemonProc) -> tuple[grpc.Channel, operations_pb2_grpc.OperationSer
         {"name": "x" * 1_000_000},
     ],
 )
-def test_invalid_requests_are_invalid_argument(plain_daemon: DaemonProc, workloads: Workloads,
+def test_invalid_requests_are_invalid_argument(daemon: DaemonProc, workloads: Workloads,
                                                request_fields: dict[str, object]) -> None:
     w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
-    ch, stub = _stub(plain_daemon)
+    ch, stub = _stub(daemon)
     with ch, pytest.raises(grpc.RpcError) as info:
         stub.Checkpoint(operations_pb2.CheckpointRequest(pid=w.pid, **request_fields), timeout=30)  # type: ignore[arg-type]
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert len(info.value.details() or "") < 400, "huge input is not echoed back"
     assert w.proc is not None and w.proc.poll() is None
-    assert plain_daemon.alive()
+    assert daemon.alive()
 
 
 def test_cuda_errors_carry_the_code_a_client_can_act_on() -> None:
@@ -115,14 +106,14 @@ def test_names_are_per_owner(tmp_path: Path, hostile: tuple[User, User], workloa
 
 
 
-def test_failed_criu_operations_leave_no_descriptors_behind(plain_daemon: DaemonProc, workloads: Workloads) -> None:
+def test_failed_criu_operations_leave_no_descriptors_behind(daemon: DaemonProc, workloads: Workloads) -> None:
     """A restore CRIU refuses (the source still holds its PIDs, --host-pidns) keeps no helper pipe open."""
     w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
-    plain_daemon.cli("dump", str(w.pid), "--name", "busy", "--leave-running", check=True)
-    daemon_proc = psutil.Process(plain_daemon.proc.pid)
+    daemon.cli("dump", str(w.pid), "--name", "busy", "--leave-running", check=True)
+    daemon_proc = psutil.Process(daemon.proc.pid)
 
     def fail_once() -> None:
-        res = plain_daemon.cli("restore", "busy", "--host-pidns")
+        res = daemon.cli("restore", "busy", "--host-pidns")
         assert res.returncode != 0 and "CRIU" in res.stderr, res.stderr
 
     fail_once()  # warm-up: the first call opens the daemon's lasting descriptors (logs, channels)
