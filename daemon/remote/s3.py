@@ -18,10 +18,6 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-import boto3
-import botocore.exceptions
-from botocore.config import Config
-
 from gpusnap.daemon.api.errors import (
     FailedPreconditionError,
     GpusnapError,
@@ -32,6 +28,7 @@ from gpusnap.daemon.api.errors import (
 )
 
 if TYPE_CHECKING:
+    import botocore.exceptions
     from mypy_boto3_s3 import S3Client
 
 URL_RE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>[A-Za-z0-9._/-]{0,512}))?$")
@@ -91,6 +88,9 @@ class ObjectStore:
                  timeout_s: float = 30.0):
         self.url = url
         self.endpoint = endpoint
+        import boto3  # here, not at import: a daemon without --remote (and its GPU tests) never loads boto3
+        from botocore.config import Config
+
         config = Config(
             s3={"addressing_style": "path"},  # gateways are reached by address, not by bucket DNS names
             max_pool_connections=connections,
@@ -170,6 +170,8 @@ class ObjectStore:
             PermissionDeniedError: ``REMOTE_DENIED`` (credentials refused or missing).
             UnavailableError: ``REMOTE_UNAVAILABLE`` (the service cannot be reached or failed).
         """
+        import botocore.exceptions
+
         try:
             return fn()
         except botocore.exceptions.ClientError as exc:
