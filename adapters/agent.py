@@ -203,10 +203,15 @@ class WorkerAgent:
         finally:  # what was freed is out, even if freeing one of them failed
             self._out.update(b.name for b in picked if b.out)
         if last:
-            buffers.release_host_cache({b.storage.device for b in self._buffers.values() if b.storage.device.type == "cuda"})
+            buffers.release_host_cache(
+                {b.storage.device for b in self._buffers.values() if b.storage.device.type == "cuda"}
+            )
             buffers.trim_heap()
-            log.info("gpusnap agent: %d buffers (%d bytes) out of memory", len(self._out),
-                     sum(self._buffers[n].nbytes for n in self._out))
+            log.info(
+                "gpusnap agent: %d buffers (%d bytes) out of memory",
+                len(self._out),
+                sum(self._buffers[n].nbytes for n in self._out),
+            )
         return {k: f"{v:.3f}" for k, v in timings.items()}
 
     def _reload(self, names: list[str], fds: list[int]) -> dict[str, str]:
@@ -222,8 +227,9 @@ class WorkerAgent:
             raise RuntimeError(f"{len(self._out)} buffers were not reloaded (e.g. {sorted(self._out)[0]!r})")
         context = None
         if msg.restored:
-            context = RestoreContext(env=dict(msg.context.env), unset_env=list(msg.context.unset_env),
-                                     values=dict(msg.context.values))
+            context = RestoreContext(
+                env=dict(msg.context.env), unset_env=list(msg.context.unset_env), values=dict(msg.context.values)
+            )
             context.apply_env()
         self._call(self.adapter.resume(context))
         if self._buffers:  # the reload's pinned slots, off the path to the first token

@@ -77,8 +77,10 @@ def collect(tensors: Mapping[str, Any]) -> list[Buffer]:
         storage = tensor.untyped_storage()
         arena = vmm.arena_of(storage.data_ptr()) if storage.nbytes() > 0 else None
         if arena is None and not storage.resizable():
-            raise ValueError(f"buffer {name!r} cannot be freed: its storage is not resizable (it wraps memory torch "
-                             "does not own, e.g. from numpy or a memory-mapped file); do not name it")
+            raise ValueError(
+                f"buffer {name!r} cannot be freed: its storage is not resizable (it wraps memory torch "
+                "does not own, e.g. from numpy or a memory-mapped file); do not name it"
+            )
         key = (str(storage.device), storage.data_ptr())
         if storage.nbytes() > 0 and key not in seen:
             seen[key] = Buffer(name, storage, storage.nbytes(), arena, storage.data_ptr())
@@ -106,7 +108,9 @@ def _steps(buffers: Sequence[Buffer], fds: Sequence[int]) -> list[_Step]:
     per_buffer = []
     for buf, fd in zip(buffers, fds, strict=True):
         view = _as_bytes(buf.storage)
-        per_buffer.append([_Step(fd, view, off, min(CHUNK_BYTES, buf.nbytes - off)) for off in range(0, buf.nbytes, CHUNK_BYTES)])
+        per_buffer.append(
+            [_Step(fd, view, off, min(CHUNK_BYTES, buf.nbytes - off)) for off in range(0, buf.nbytes, CHUNK_BYTES)]
+        )
     out: list[_Step] = []
     for round_ in itertools.zip_longest(*per_buffer):
         out.extend(step for step in round_ if step is not None)

@@ -78,34 +78,83 @@ class CaptureSetting:
 _S = CaptureSetting
 CAPTURE_SETTINGS: tuple[CaptureSetting, ...] = (
     # --- every worker ---------------------------------------------------------------------------------
-    _S("NCCL_CUMEM_ENABLE", "0", "NCCL then allocates with cudaMalloc and exports no cuMem handles (file "
-       "descriptors) to peer processes, which is CUDA IPC memory the checkpoint cannot carry", failure_cases=("FC-07",)),
+    _S(
+        "NCCL_CUMEM_ENABLE",
+        "0",
+        "NCCL then allocates with cudaMalloc and exports no cuMem handles (file "
+        "descriptors) to peer processes, which is CUDA IPC memory the checkpoint cannot carry",
+        failure_cases=("FC-07",),
+    ),
     _S("NCCL_IB_DISABLE", "1", "InfiniBand verbs state (/dev/infiniband) cannot enter a CRIU image"),
     _S("NCCL_RAS_ENABLE", "0", "NCCL's RAS thread keeps sockets open between ranks"),
     _S("TORCH_NCCL_ENABLE_MONITORING", "0", "the NCCL watchdog kills processes that were frozen for the dump"),
     _S("TORCH_NCCL_DUMP_ON_TIMEOUT", "0", "same watchdog: no dumps over the gap between capture and restore"),
     _S("HF_HUB_OFFLINE", "1", "no hub connections may be open in the image"),
     _S("HF_HUB_DISABLE_XET", "1", "the Xet client keeps background connections"),
-    _S("VLLM_WORKER_MULTIPROC_METHOD", "spawn", "fork would copy CUDA state and open files into children",
-       engine="vllm"),
+    _S(
+        "VLLM_WORKER_MULTIPROC_METHOD",
+        "spawn",
+        "fork would copy CUDA state and open files into children",
+        engine="vllm",
+    ),
     _S("TORCHINDUCTOR_COMPILE_THREADS", "1", "no compile worker pool processes in the image"),
     # --- several CUDA processes: no transport between processes that the checkpoint cannot carry -------
-    _S("NCCL_P2P_DISABLE", "1", "the P2P transport maps peer GPU memory over CUDA IPC; checkpoint hangs on it and "
-       "IPC memory cannot be restored per process", Scope.MULTI_PROCESS, ("FC-05", "FC-07")),
-    _S("NCCL_NVLS_ENABLE", "0", "NVLink SHARP multicast objects span processes and cannot be checkpointed",
-       Scope.MULTI_PROCESS, ("FC-05",)),
-    _S("NCCL_SHM_DISABLE", "1", "the SHM transport shares host buffers between ranks; checkpoint and restore hang "
-       "on it", Scope.MULTI_PROCESS, ("FC-05", "FC-06")),
-    _S("NCCL_CUMEM_HOST_ENABLE", "0", "cuMem host allocations behind the SHM transport hang restore in "
-       "ncclCheckpointRestore", Scope.MULTI_PROCESS, ("FC-06",)),
+    _S(
+        "NCCL_P2P_DISABLE",
+        "1",
+        "the P2P transport maps peer GPU memory over CUDA IPC; checkpoint hangs on it and "
+        "IPC memory cannot be restored per process",
+        Scope.MULTI_PROCESS,
+        ("FC-05", "FC-07"),
+    ),
+    _S(
+        "NCCL_NVLS_ENABLE",
+        "0",
+        "NVLink SHARP multicast objects span processes and cannot be checkpointed",
+        Scope.MULTI_PROCESS,
+        ("FC-05",),
+    ),
+    _S(
+        "NCCL_SHM_DISABLE",
+        "1",
+        "the SHM transport shares host buffers between ranks; checkpoint and restore hang on it",
+        Scope.MULTI_PROCESS,
+        ("FC-05", "FC-06"),
+    ),
+    _S(
+        "NCCL_CUMEM_HOST_ENABLE",
+        "0",
+        "cuMem host allocations behind the SHM transport hang restore in ncclCheckpointRestore",
+        Scope.MULTI_PROCESS,
+        ("FC-06",),
+    ),
     # --- tensor-parallel groups: engine all-reduce paths over CUDA IPC --------------------------------
-    _S("VLLM_ALLREDUCE_USE_SYMM_MEM", "0", "vLLM's symmetric-memory all-reduce maps peer GPU memory (CUDA IPC, "
-       "multicast)", Scope.TENSOR_PARALLEL, ("FC-05", "FC-07"), engine="vllm"),
-    _S("--disable-custom-all-reduce", "", "vLLM's custom all-reduce shares GPU buffers between ranks over CUDA "
-       "IPC", Scope.TENSOR_PARALLEL, ("FC-05", "FC-07"), engine="vllm", kind=Kind.ENGINE_ARG,
-       engine_field="disable_custom_all_reduce"),
-    _S("TLLM_NCCL_SYMMETRIC_ZERO_COPY", "0", "TensorRT-LLM's NCCL registered windows are peer GPU memory",
-       Scope.TENSOR_PARALLEL, ("FC-05", "FC-07"), engine="trtllm"),
+    _S(
+        "VLLM_ALLREDUCE_USE_SYMM_MEM",
+        "0",
+        "vLLM's symmetric-memory all-reduce maps peer GPU memory (CUDA IPC, multicast)",
+        Scope.TENSOR_PARALLEL,
+        ("FC-05", "FC-07"),
+        engine="vllm",
+    ),
+    _S(
+        "--disable-custom-all-reduce",
+        "",
+        "vLLM's custom all-reduce shares GPU buffers between ranks over CUDA IPC",
+        Scope.TENSOR_PARALLEL,
+        ("FC-05", "FC-07"),
+        engine="vllm",
+        kind=Kind.ENGINE_ARG,
+        engine_field="disable_custom_all_reduce",
+    ),
+    _S(
+        "TLLM_NCCL_SYMMETRIC_ZERO_COPY",
+        "0",
+        "TensorRT-LLM's NCCL registered windows are peer GPU memory",
+        Scope.TENSOR_PARALLEL,
+        ("FC-05", "FC-07"),
+        engine="trtllm",
+    ),
 )
 """Every capture setting, in the order the helper applies them."""
 del _S

@@ -61,15 +61,17 @@ def _insn(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
 def filter_program(audit_arch: int) -> bytes:
     """The classic-BPF program: other architectures and other syscalls are allowed, ``io_uring_setup``
     returns ``ENOSYS``."""
-    return b"".join([
-        _insn(_BPF_LD_W_ABS, _OFFSET_ARCH),
-        _insn(_BPF_JEQ_K, audit_arch, jt=1),
-        _insn(_BPF_RET_K, _SECCOMP_RET_ALLOW),
-        _insn(_BPF_LD_W_ABS, _OFFSET_NR),
-        _insn(_BPF_JEQ_K, _NR_IO_URING_SETUP, jf=1),
-        _insn(_BPF_RET_K, _SECCOMP_RET_ERRNO | errno.ENOSYS),
-        _insn(_BPF_RET_K, _SECCOMP_RET_ALLOW),
-    ])
+    return b"".join(
+        [
+            _insn(_BPF_LD_W_ABS, _OFFSET_ARCH),
+            _insn(_BPF_JEQ_K, audit_arch, jt=1),
+            _insn(_BPF_RET_K, _SECCOMP_RET_ALLOW),
+            _insn(_BPF_LD_W_ABS, _OFFSET_NR),
+            _insn(_BPF_JEQ_K, _NR_IO_URING_SETUP, jf=1),
+            _insn(_BPF_RET_K, _SECCOMP_RET_ERRNO | errno.ENOSYS),
+            _insn(_BPF_RET_K, _SECCOMP_RET_ALLOW),
+        ]
+    )
 
 
 def block_io_uring() -> bool:
@@ -91,12 +93,15 @@ def block_io_uring() -> bool:
     code = filter_program(audit_arch)
     program = ctypes.create_string_buffer(code, len(code))
     fprog = _SockFprog(len(code) // 8, ctypes.cast(program, ctypes.c_void_p))
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.syscall(
-        nr_seccomp, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(fprog)
-    ) != 0:
+    if (
+        libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+        or libc.syscall(nr_seccomp, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(fprog)) != 0
+    ):
         err = ctypes.get_errno()
-        log.warning("gpusnap: cannot block io_uring (seccomp: %s); a capture refuses processes that use it",
-                    errno.errorcode.get(err, str(err)))
+        log.warning(
+            "gpusnap: cannot block io_uring (seccomp: %s); a capture refuses processes that use it",
+            errno.errorcode.get(err, str(err)),
+        )
         return False
     _installed = True
     return True

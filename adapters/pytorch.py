@@ -117,8 +117,10 @@ class TorchAdapter(EngineAdapter):
 
             moving = [n for n, t in named.items() if vmm.movable(t)]
             if moving:
-                raise ValueError(f"{len(moving)} buffers (e.g. {moving[0]!r}) are not address-stable: they were "
-                                 "created after the adapter; a CUDA graph reading them would break at reload")
+                raise ValueError(
+                    f"{len(moving)} buffers (e.g. {moving[0]!r}) are not address-stable: they were "
+                    "created after the adapter; a CUDA graph reading them would break at reload"
+                )
         return named
 
     async def health(self) -> list[int]:

@@ -88,8 +88,12 @@ class SglangAdapter(EngineAdapter):
             raise TypeError("release_tags must be a sequence of tag names, not a string")
         server_dp = getattr(getattr(engine, "server_args", None), "dp_size", None)
         if isinstance(server_dp, int) and server_dp != dp_size:
-            log.warning("gpusnap sglang: dp_size=%d but the engine's server_args.dp_size is %d; the warm-up "
-                        "reaches %d rank(s)", dp_size, server_dp, dp_size)
+            log.warning(
+                "gpusnap sglang: dp_size=%d but the engine's server_args.dp_size is %d; the warm-up reaches %d rank(s)",
+                dp_size,
+                server_dp,
+                dp_size,
+            )
         self.sgl_engine = engine
         self.dp_size = dp_size
         self.release_tags: tuple[str, ...] = tuple(release_tags)
@@ -127,7 +131,8 @@ class SglangAdapter(EngineAdapter):
         try:
             await asyncio.wait_for(tm.pause_generation(PauseGenerationReqInput(mode="abort")), self.drain_timeout_s)
             result = await tm.release_memory_occupation(
-                ReleaseMemoryOccupationReqInput(tags=list(self.release_tags)), None)
+                ReleaseMemoryOccupationReqInput(tags=list(self.release_tags)), None
+            )
             _check(result, "release_memory_occupation")
         except BaseException as exc:
             await self._continue_after_failure(exc)
@@ -171,8 +176,9 @@ class SglangAdapter(EngineAdapter):
                 self.sgl_engine.tokenizer_manager.abort_request(rid=rid)
             except Exception as exc:
                 log.warning("gpusnap sglang: could not abort the timed-out warm-up request %s: %s", rid, exc)
-            raise TimeoutError(f"SGLang warm-up request to DP rank {rank} did not finish within "
-                               f"{self.request_timeout_s:g} s") from None
+            raise TimeoutError(
+                f"SGLang warm-up request to DP rank {rank} did not finish within {self.request_timeout_s:g} s"
+            ) from None
         if not isinstance(out, dict) or "output_ids" not in out:
             raise RuntimeError(f"SGLang warm-up returned no output_ids: {out!r:.200}")
         tokens = [int(t) for t in out["output_ids"]]
@@ -188,8 +194,10 @@ class SglangAdapter(EngineAdapter):
             log.warning("gpusnap sglang: flush_cache after the warm-up failed: %s", exc)
             return
         if getattr(result, "success", True) is False:
-            log.info("gpusnap sglang: flush_cache after the warm-up refused (engine busy): %s",
-                     getattr(result, "error_msg", "") or result)
+            log.info(
+                "gpusnap sglang: flush_cache after the warm-up refused (engine busy): %s",
+                getattr(result, "error_msg", "") or result,
+            )
 
     async def _continue_after_failure(self, cause: BaseException) -> None:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput

@@ -93,16 +93,20 @@ class TrtLlmAdapter(EngineAdapter):
         if isinstance(release_tags, str):
             raise TypeError("release_tags must be a sequence of tag names, not a string")
         if api == "auto":
-            api = "public" if callable(getattr(llm, "release", None)) and callable(getattr(llm, "resume", None)) \
+            api = (
+                "public"
+                if callable(getattr(llm, "release", None)) and callable(getattr(llm, "resume", None))
                 else "collective_rpc"
+            )
         self.llm = llm
         self.end_id = end_id
         self.release_tags: tuple[str, ...] = tuple(release_tags)
         self.api: Api = api
         self.request_timeout_s = request_timeout_s
         self.drain_timeout_s = drain_timeout_s
-        self._can_pause = callable(getattr(llm, "pause_generation", None)) and \
-            callable(getattr(llm, "resume_generation", None))
+        self._can_pause = callable(getattr(llm, "pause_generation", None)) and callable(
+            getattr(llm, "resume_generation", None)
+        )
         self._released = False
         self._paused = False
 
@@ -121,15 +125,23 @@ class TrtLlmAdapter(EngineAdapter):
         """One greedy token-only request: 2 tokens (a prefill and a decode step), EOS ignored."""
         from tensorrt_llm.llmapi import SamplingParams
 
-        params = SamplingParams(max_tokens=WARMUP_MAX_TOKENS, min_tokens=WARMUP_MAX_TOKENS, top_k=1, ignore_eos=True,
-                                detokenize=False, seed=0, end_id=self.end_id)
+        params = SamplingParams(
+            max_tokens=WARMUP_MAX_TOKENS,
+            min_tokens=WARMUP_MAX_TOKENS,
+            top_k=1,
+            ignore_eos=True,
+            detokenize=False,
+            seed=0,
+            end_id=self.end_id,
+        )
         result = self.llm.generate_async(list(WARMUP_PROMPT_TOKEN_IDS), sampling_params=params)
         try:
             done = await asyncio.wait_for(result.aresult(), self.request_timeout_s)
         except TimeoutError:
             _abort(result)
-            raise TimeoutError(f"TensorRT-LLM warm-up request did not finish within {self.request_timeout_s:g} s") \
-                from None
+            raise TimeoutError(
+                f"TensorRT-LLM warm-up request did not finish within {self.request_timeout_s:g} s"
+            ) from None
         tokens = [int(t) for t in done.outputs[0].token_ids]
         if not tokens:
             raise RuntimeError("TensorRT-LLM warm-up request returned no tokens")

@@ -58,7 +58,11 @@ class VllmAdapter(EngineAdapter):
         from vllm import SamplingParams
 
         return SamplingParams(
-            temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, min_tokens=WARMUP_MAX_TOKENS, ignore_eos=True, seed=0,
+            temperature=0.0,
+            max_tokens=WARMUP_MAX_TOKENS,
+            min_tokens=WARMUP_MAX_TOKENS,
+            ignore_eos=True,
+            seed=0,
             detokenize=False,
         )
 
@@ -69,7 +73,9 @@ class VllmAdapter(EngineAdapter):
             for rank in range(self.dp_size):
                 kwargs = {"data_parallel_rank": rank} if self.dp_size > 1 else {}
                 final = None
-                async for out in self.llm.generate(prompt, self._sampling(), f"gpusnap-warmup-{rank}-{uuid.uuid4().hex}", **kwargs):
+                async for out in self.llm.generate(
+                    prompt, self._sampling(), f"gpusnap-warmup-{rank}-{uuid.uuid4().hex}", **kwargs
+                ):
                     final = out
                 assert final is not None
                 tokens.append(list(final.outputs[0].token_ids))

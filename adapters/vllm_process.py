@@ -62,8 +62,12 @@ def memory_plan(vllm_config: Any, device_type: str) -> MemoryPlan:
     eager = bool(getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False))
     if eager or mode == "NONE":
         return MemoryPlan(True, True, "offloaded: no CUDA graphs (--enforce-eager)")
-    return MemoryPlan(False, False, "in image: CUDA graphs captured at start read the weights and KV cache at their "
-                                    "addresses; restart vLLM with --enforce-eager to offload them")
+    return MemoryPlan(
+        False,
+        False,
+        "in image: CUDA graphs captured at start read the weights and KV cache at their "
+        "addresses; restart vLLM with --enforce-eager to offload them",
+    )
 
 
 def _storages(tensors: Iterable[Any]) -> list[Any]:
@@ -107,8 +111,11 @@ class WorkerPart:
         """The model's parameters (name → tensor), prefixed with the worker's rank; empty ones left out
         (vLLM's CPU GEMM dispatch empties linear weights it moved into oneDNN or packed kernels)."""
         model = self.worker.model_runner.get_model()
-        return {f"rank{self.rank}.{name}": p for name, p in model.named_parameters(remove_duplicate=False)
-                if p.untyped_storage().nbytes() > 0}
+        return {
+            f"rank{self.rank}.{name}": p
+            for name, p in model.named_parameters(remove_duplicate=False)
+            if p.untyped_storage().nbytes() > 0
+        }
 
     def release_kv(self) -> int:
         """Free the KV cache's storages (its contents are discardable: the front end's pause aborted every
@@ -150,7 +157,9 @@ class VllmProcessAdapter(EngineAdapter):
 
     def add_engine(self, engine: Any) -> None:
         """The front end: an ``AsyncLLM`` or ``LLM``; the engine processes it started must have agents."""
-        config = getattr(engine, "vllm_config", None) or getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
+        config = getattr(engine, "vllm_config", None) or getattr(
+            getattr(engine, "llm_engine", None), "vllm_config", None
+        )
         dp = getattr(getattr(config, "parallel_config", None), "data_parallel_size", 1)
         sleep_mode = bool(getattr(getattr(config, "model_config", None), "enable_sleep_mode", False))
         # Sleep mode frees the KV cache at the same addresses (vLLM's CuMem allocator), graphs or not.
@@ -240,7 +249,11 @@ def _engine_core_pids(engine: Any) -> list[int]:
 
 def _worker_pids(executor: Any) -> list[int]:
     """PIDs of a ``MultiprocExecutor``'s worker processes (none for the uniprocess executor)."""
-    return [int(h.proc.pid) for h in getattr(executor, "workers", None) or [] if getattr(getattr(h, "proc", None), "pid", None)]
+    return [
+        int(h.proc.pid)
+        for h in getattr(executor, "workers", None) or []
+        if getattr(getattr(h, "proc", None), "pid", None)
+    ]
 
 
 def _title() -> str:

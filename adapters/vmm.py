@@ -52,11 +52,11 @@ CHUNK_BYTES = 1 << 30
 
 _REMEDIES = {
     "CUDA_ERROR_OUT_OF_MEMORY": "the GPU has too little free memory for the arena; free GPU memory (another "
-                                "process may hold it) and retry",
+    "process may hold it) and retry",
     "CUDA_ERROR_NOT_SUPPORTED": "the GPU or driver lacks CUDA virtual memory management (needs a CUDA 10.2+ "
-                                "driver and a GPU with UVA); leave stable addresses off",
+    "driver and a GPU with UVA); leave stable addresses off",
     "CUDA_ERROR_INVALID_VALUE": "an address, size or handle was wrong (a range mapped twice, or a size that is "
-                                "not a multiple of the allocation granularity): a gpusnap bug, please report it",
+    "not a multiple of the allocation granularity): a gpusnap bug, please report it",
     "CUDA_ERROR_NOT_INITIALIZED": "the CUDA driver is not initialised in this process",
 }
 
@@ -75,8 +75,11 @@ class VmmError(RuntimeError):
         self.result = result
         self.result_name = result_name
         remedy = _REMEDIES.get(result_name, "")
-        super().__init__(f"{call} failed with {result_name} ({result})" + (f" {detail}" if detail else "")
-                         + (f"; {remedy}" if remedy else ""))
+        super().__init__(
+            f"{call} failed with {result_name} ({result})"
+            + (f" {detail}" if detail else "")
+            + (f"; {remedy}" if remedy else "")
+        )
 
 
 _driver_lock = threading.Lock()
@@ -152,16 +155,29 @@ class Arena:
         prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = device
         self._prop = prop
-        gran = int(_check(drv, "cuMemGetAllocationGranularity", drv.cuMemGetAllocationGranularity(
-            prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        gran = int(
+            _check(
+                drv,
+                "cuMemGetAllocationGranularity",
+                drv.cuMemGetAllocationGranularity(
+                    prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                ),
+            )
+        )
         self.granularity = gran
         self.size = _round_up(nbytes, gran)
         chunk = max(gran, chunk_bytes // gran * gran)
         self._chunks = [(off, min(chunk, self.size - off)) for off in range(0, self.size, chunk)]
         self._handles: list[Any] = [None] * len(self._chunks)
         self._mapped = [False] * len(self._chunks)
-        self.ptr = int(_check(drv, "cuMemAddressReserve", drv.cuMemAddressReserve(self.size, gran, 0, 0),
-                              f"(reserving {self.size} bytes of address space on GPU {device})"))
+        self.ptr = int(
+            _check(
+                drv,
+                "cuMemAddressReserve",
+                drv.cuMemAddressReserve(self.size, gran, 0, 0),
+                f"(reserving {self.size} bytes of address space on GPU {device})",
+            )
+        )
         self.closed = False
         self._used = 0
         self._spans: dict[int, int] = {}  # start address -> bytes, of storages placed here
@@ -209,12 +225,17 @@ class Arena:
             for i, (off, size) in enumerate(self._chunks):
                 if self._mapped[i]:
                     continue
-                handle = _check(drv, "cuMemCreate", drv.cuMemCreate(size, self._prop, 0),
-                                f"({size} bytes on GPU {self.device})")
+                handle = _check(
+                    drv, "cuMemCreate", drv.cuMemCreate(size, self._prop, 0), f"({size} bytes on GPU {self.device})"
+                )
                 self._handles[i] = handle
                 done.append(i)
-                _check(drv, "cuMemMap", drv.cuMemMap(self.ptr + off, size, 0, handle, 0),
-                       f"(at {self.ptr + off:#x}, {size} bytes)")
+                _check(
+                    drv,
+                    "cuMemMap",
+                    drv.cuMemMap(self.ptr + off, size, 0, handle, 0),
+                    f"(at {self.ptr + off:#x}, {size} bytes)",
+                )
                 self._mapped[i] = True
             access = drv.CUmemAccessDesc()
             access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -297,8 +318,10 @@ class Arena:
             return maker(self, address, nbytes)
         t = torch.as_tensor(_Span(self, address, nbytes))
         if t.data_ptr() != address or t.device != torch.device("cuda", self.device):
-            raise RuntimeError(f"torch placed the arena span at {t.data_ptr():#x} on {t.device}, not at "
-                               f"{address:#x} on cuda:{self.device}")
+            raise RuntimeError(
+                f"torch placed the arena span at {t.data_ptr():#x} on {t.device}, not at "
+                f"{address:#x} on cuda:{self.device}"
+            )
         return t
 
 
@@ -312,8 +335,14 @@ class _Span:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.address, False), "version": 3,
-                "strides": None, "stream": None}
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.address, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
 
 
 def is_stable(tensor: Any) -> bool:
@@ -394,4 +423,3 @@ def stabilize(tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *, driver:
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
     return Stabilized(arenas, moved, total)
-

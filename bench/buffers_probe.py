@@ -30,8 +30,17 @@ def llama8b() -> dict[str, torch.Tensor]:
     h, inter, vocab, kv = 4096, 14336, 128256, 1024
     shapes = {"embed": (vocab, h), "lm_head": (vocab, h), "norm": (h,)}
     for i in range(32):
-        for name, shape in {"q": (h, h), "k": (kv, h), "v": (kv, h), "o": (h, h), "gate": (inter, h), "up": (inter, h),
-                            "down": (h, inter), "ln1": (h,), "ln2": (h,)}.items():
+        for name, shape in {
+            "q": (h, h),
+            "k": (kv, h),
+            "v": (kv, h),
+            "o": (h, h),
+            "gate": (inter, h),
+            "up": (inter, h),
+            "down": (h, inter),
+            "ln1": (h,),
+            "ln2": (h,),
+        }.items():
             shapes[f"l{i}.{name}"] = shape
     return {n: torch.randn(s, dtype=torch.bfloat16, device="cuda") for n, s in shapes.items()}
 
@@ -77,8 +86,16 @@ def run(tensors: dict[str, torch.Tensor], d: Path, threads: int) -> dict[str, fl
         for fd in fds:
             os.close(fd)
     ok = sums == [float(t.float().sum()) for t in tensors.values()]
-    return {"bytes": total, "buffers": len(bufs), "write_s": t1 - t0, "free_s": t2 - t1, "read_s": t3 - t2,
-            "write_gb_s": total / 1e9 / (t1 - t0), "read_gb_s": total / 1e9 / (t3 - t2), "same_bytes": ok}
+    return {
+        "bytes": total,
+        "buffers": len(bufs),
+        "write_s": t1 - t0,
+        "free_s": t2 - t1,
+        "read_s": t3 - t2,
+        "write_gb_s": total / 1e9 / (t1 - t0),
+        "read_gb_s": total / 1e9 / (t3 - t2),
+        "same_bytes": ok,
+    }
 
 
 def main() -> int:
@@ -94,7 +111,9 @@ def main() -> int:
     for layout in args.layouts.split(","):
         tensors = {"chunks16g": chunks16g, "llama8b": llama8b}[layout]()
         for slot in args.slots.split(","):
-            buffers._slot, buffers._release_slot = registered if slot == "registered" else (_pinned_slot, _pinned_release)  # type: ignore[assignment]
+            buffers._slot, buffers._release_slot = (
+                registered if slot == "registered" else (_pinned_slot, _pinned_release)
+            )  # type: ignore[assignment]
             for threads in (int(t) for t in args.threads.split(",")):
                 r = {"layout": layout, "slot": slot, "threads": threads, **run(tensors, Path(args.dir), threads)}
                 print(json.dumps(r), flush=True)
@@ -102,8 +121,14 @@ def main() -> int:
         del tensors
         torch.cuda.empty_cache()
     shutil.rmtree(args.dir, ignore_errors=True)
-    doc = {"benchmark": "buffers-probe", "date": datetime.now(UTC).isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name(), "cpus": os.cpu_count(), "dir": args.dir, "runs": results}
+    doc = {
+        "benchmark": "buffers-probe",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "cpus": os.cpu_count(),
+        "dir": args.dir,
+        "runs": results,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"buffers-probe-{datetime.now(UTC):%Y%m%dT%H%M%S}.json").write_text(json.dumps(doc, indent=2) + "\n")

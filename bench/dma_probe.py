@@ -126,8 +126,11 @@ def probe(directory: Path, n: int, src: torch.Tensor) -> dict[str, object]:
 def huge_tmpfs(n: int) -> Path | None:
     path = Path("/tmp/gpusnap-huge-tmpfs")
     path.mkdir(exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge=always,size={2 * n + (1 << 30)}", "gpusnap-huge", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"huge=always,size={2 * n + (1 << 30)}", "gpusnap-huge", str(path)],
+        capture_output=True,
+        text=True,
+    )
     return path if done.returncode == 0 else None
 
 
@@ -139,9 +142,13 @@ def main() -> int:
     n = int(args.gib * 2**30)
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     kinds: dict[str, Path | None] = {"shm-4k": Path("/dev/shm"), "tmpfs-huge-always": huge_tmpfs(n)}
-    result: dict[str, object] = {"benchmark": "dma-probe", "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                                 "gpu": torch.cuda.get_device_name(), "gib": args.gib,
-                                 "shmem_thp": Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip()}
+    result: dict[str, object] = {
+        "benchmark": "dma-probe",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "gib": args.gib,
+        "shmem_thp": Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip(),
+    }
     for kind, directory in kinds.items():
         if directory is None:
             result[kind] = "could not mount"

@@ -75,10 +75,15 @@ def main() -> int:
                 one_s, one, _ = _restore(client, snap.id, 1)
                 baseline_s += one_s
                 _check_and_kill(one)
-            run = {"replicas": n, "fanout_s": round(fanout_s, 3), "per_replica_s": round(fanout_s / n, 3),
-                   "baseline_s": round(baseline_s, 3), "baseline_per_replica_s": round(baseline_s / n, 3),
-                   "speedup": round(baseline_s / fanout_s, 3),
-                   "phases": {k: round(v, 4) for k, v in phases.items()}}
+            run = {
+                "replicas": n,
+                "fanout_s": round(fanout_s, 3),
+                "per_replica_s": round(fanout_s / n, 3),
+                "baseline_s": round(baseline_s, 3),
+                "baseline_per_replica_s": round(baseline_s / n, 3),
+                "speedup": round(baseline_s / fanout_s, 3),
+                "phases": {k: round(v, 4) for k, v in phases.items()},
+            }
             print(json.dumps(run), flush=True)
             runs.append(run)
     finally:

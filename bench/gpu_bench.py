@@ -46,11 +46,20 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
     second snapshot of the restored copy to show what it adds to the store."""
     wd = tmp / f"{mode}-{gib}"
     wd.mkdir()
-    env = {**os.environ, "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket),  # type: ignore[attr-defined]
-           "GPUSNAP_WAKE_DIR": str(tmp / "wake")}
+    env = {
+        **os.environ,
+        "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket),  # type: ignore[attr-defined]
+        "GPUSNAP_WAKE_DIR": str(tmp / "wake"),
+    }
     extra = ["--agent"] if mode == "offload" else []
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(wd), "--gib", str(gib), *extra], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=open(wd / "stderr", "wb"), env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(wd), "--gib", str(gib), *extra],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=open(wd / "stderr", "wb"),
+        env=env,
+        start_new_session=True,
+    )
     wait_for(lambda: (wd / "ready").exists() or proc.poll() is not None, 600, "worker did not start")
     if proc.poll() is not None:
         raise SystemExit((wd / "stderr").read_text())
@@ -71,8 +80,12 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
     if mode == "offload":
         store_before = _buffer_store_bytes(buffers_root)
         again = json.loads(daemon.cli("-o", "json", "dump", str(restored["pid"]), check=True, timeout=3600).stdout)  # type: ignore[attr-defined]
-        second = {"image_bytes": again["size_bytes"], "buffer_bytes": again["buffer_bytes"],
-                  "buffer_store_growth_bytes": _buffer_store_bytes(buffers_root) - store_before, "phases": again["phases"]}
+        second = {
+            "image_bytes": again["size_bytes"],
+            "buffer_bytes": again["buffer_bytes"],
+            "buffer_store_growth_bytes": _buffer_store_bytes(buffers_root) - store_before,
+            "phases": again["phases"],
+        }
         daemon.cli("rm", again["id"], check=True)  # type: ignore[attr-defined]
     else:
         os.kill(restored["pid"], signal.SIGKILL)
@@ -89,10 +102,18 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
         "buffer_bytes": dumped.get("buffer_bytes", 0),
         "snapshot_over_data": (dumped["size_bytes"] + dumped.get("buffer_bytes", 0)) / (gpu_bytes + rss),
         "verified": verified,
-        "checkpoint": {"phases": dumped["phases"], "total_s": ck_total, "cli_wall_s": dump_wall,
-                       "gb_per_s": gpu_bytes / 1e9 / ck_total},
-        "restore": {"phases": restored["phases"], "total_s": rs_total, "cli_wall_s": restore_wall,
-                    "gb_per_s": gpu_bytes / 1e9 / rs_total},
+        "checkpoint": {
+            "phases": dumped["phases"],
+            "total_s": ck_total,
+            "cli_wall_s": dump_wall,
+            "gb_per_s": gpu_bytes / 1e9 / ck_total,
+        },
+        "restore": {
+            "phases": restored["phases"],
+            "total_s": rs_total,
+            "cli_wall_s": restore_wall,
+            "gb_per_s": gpu_bytes / 1e9 / rs_total,
+        },
         "second_snapshot": second,
     }
 
@@ -112,8 +133,11 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--buffer-dir", default="", help="gpusnapd --buffer-dir (e.g. under /dev/shm: a RAM tier)")
     ap.add_argument("--label", default="", help="tag for the results file name")
-    ap.add_argument("--modes", default="stock,offload",
-                    help="stock (no agent) and/or offload (the worker names its data as buffers), comma separated")
+    ap.add_argument(
+        "--modes",
+        default="stock,offload",
+        help="stock (no agent) and/or offload (the worker names its data as buffers), comma separated",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-bench-", dir=args.store_parent))
     daemon = start_daemon(tmp, extra_env={"GPUSNAP_BUFFER_DIR": args.buffer_dir} if args.buffer_dir else None)
@@ -122,7 +146,9 @@ def main() -> int:
         node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
         for size in (float(s) for s in args.sizes.split(",")):
             for mode in args.modes.split(","):
-                run = run_size(daemon, size, tmp, mode, Path(args.buffer_dir) if args.buffer_dir else daemon.store / "buffers")
+                run = run_size(
+                    daemon, size, tmp, mode, Path(args.buffer_dir) if args.buffer_dir else daemon.store / "buffers"
+                )
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     finally:
@@ -132,9 +158,14 @@ def main() -> int:
     result = {
         "benchmark": "gpu",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": {"kernel": platform.release(), "criu": node["host"]["criu_version"],
-                 "driver": node["host"].get("nvidia_driver_version", ""), "gpu": gpus[0]["name"] if gpus else "",
-                 "gpus": len(gpus), "store": args.store_parent or "disk (temp dir)"},
+        "host": {
+            "kernel": platform.release(),
+            "criu": node["host"]["criu_version"],
+            "driver": node["host"].get("nvidia_driver_version", ""),
+            "gpu": gpus[0]["name"] if gpus else "",
+            "gpus": len(gpus),
+            "store": args.store_parent or "disk (temp dir)",
+        },
         "runs": runs,
     }
     out = Path(args.out)

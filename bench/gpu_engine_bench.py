@@ -44,7 +44,9 @@ def cold_start(daemon: object, wd: Path, size: str, *args: str) -> tuple[subproc
     return proc, json.loads((wd / "ready").read_text())
 
 
-def dump_and_restore(daemon: object, proc: subprocess.Popen[bytes], wd: Path, n: int, *dump_args: str) -> dict[str, object]:
+def dump_and_restore(
+    daemon: object, proc: subprocess.Popen[bytes], wd: Path, n: int, *dump_args: str
+) -> dict[str, object]:
     """Dump ``proc``, restore it, time restore issued → first token (request ``n``, one token), then take
     request ``n + 1`` (16 tokens) for the comparison with the source's answer."""
     cli = daemon.cli  # type: ignore[attr-defined]
@@ -59,11 +61,17 @@ def dump_and_restore(daemon: object, proc: subprocess.Popen[bytes], wd: Path, n:
         raise SystemExit(f"restore failed: {done}")
     restored = {"pid": done.restore.pid, "phases": {p.phase: p.duration_seconds for p in done.phases}}
     snap = json.loads(cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
-    return {"dumped": dumped, "restored": restored, "answer": answer, "to_first_token_s": first["t_done"] - t0,
-            "gpu_memory_at_capture_bytes": sum(int(g["gpu_memory_bytes"]) for g in snap.get("gpu_processes", [])),
-            "source_rss_bytes": int(snap["source"]["rss_bytes"]),
-            "largest_image_files": sorted(((f["path"], int(f["size_bytes"])) for f in snap["files"]),
-                                          key=lambda f: -f[1])[:4]}
+    return {
+        "dumped": dumped,
+        "restored": restored,
+        "answer": answer,
+        "to_first_token_s": first["t_done"] - t0,
+        "gpu_memory_at_capture_bytes": sum(int(g["gpu_memory_bytes"]) for g in snap.get("gpu_processes", [])),
+        "source_rss_bytes": int(snap["source"]["rss_bytes"]),
+        "largest_image_files": sorted(((f["path"], int(f["size_bytes"])) for f in snap["files"]), key=lambda f: -f[1])[
+            :4
+        ],
+    }
 
 
 def main() -> int:
@@ -72,7 +80,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--buffer-dir", default="", help="gpusnapd --buffer-dir (e.g. under /dev/shm: a RAM tier)")
     ap.add_argument("--label", default="")
-    ap.add_argument("--stock", action="store_true", help="also dump and restore with --no-offload (CRIU + CUDA carry the weights)")
+    ap.add_argument(
+        "--stock", action="store_true", help="also dump and restore with --no-offload (CRIU + CUDA carry the weights)"
+    )
     ap.add_argument("--model-parent", default=None, help="where the saved model goes (default: the temp dir)")
     ap.add_argument("--graphs", action="store_true", help="decode with a CUDA graph over address-stable weights")
     args = ap.parse_args()
@@ -80,8 +90,20 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-engine-bench-"))
     model_dir = Path(tempfile.mkdtemp(prefix="model-", dir=args.model_parent or tmp))
     worker = REPO / "tests" / "gpu" / "llm_worker.py"
-    subprocess.run([sys.executable, str(worker), str(tmp), "--size", args.size, "--no-agent", "--model-dir",
-                    str(model_dir), "--save-model"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(worker),
+            str(tmp),
+            "--size",
+            args.size,
+            "--no-agent",
+            "--model-dir",
+            str(model_dir),
+            "--save-model",
+        ],
+        check=True,
+    )
     daemon = start_daemon(tmp, extra_env={"GPUSNAP_BUFFER_DIR": args.buffer_dir} if args.buffer_dir else None)
     stock = None
     try:
@@ -114,15 +136,19 @@ def main() -> int:
     result = {
         "benchmark": "gpu-engine",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": {"kernel": platform.release(), "criu": node["host"]["criu_version"],
-                 "driver": node["host"].get("nvidia_driver_version", ""), "gpu": node["gpus"][0]["name"]},
+        "host": {
+            "kernel": platform.release(),
+            "criu": node["host"]["criu_version"],
+            "driver": node["host"].get("nvidia_driver_version", ""),
+            "gpu": node["gpus"][0]["name"],
+        },
         "model": {"size": args.size, "parameters": ready["params"], "dtype": "bfloat16"},
         "cuda_graphs": args.graphs,
         "worker_gpu_allocated_bytes": ready.get("gpu_allocated_bytes"),
         "graph_matches_eager": ready.get("graph_tokens") == ready.get("eager_tokens") if args.graphs else None,
         "cold_start_to_first_token_s": cold,
         "cold_start_note": "process start -> first token, weights loaded from a local safetensors model directory "
-                           "(page cache warm: it was just written)",
+        "(page cache warm: it was just written)",
         "cold_start_random_init_s": random_init["t_first_token"] - random_init["t_start"],
         "restore_to_first_token_s": fast["to_first_token_s"],
         "speedup": cold / fast["to_first_token_s"],  # type: ignore[operator]
@@ -136,7 +162,9 @@ def main() -> int:
         "image_over_weights_plus_rss": (dumped["size_bytes"] + dumped["buffer_bytes"])  # type: ignore[index]
         / (dumped["buffer_bytes"] + fast["source_rss_bytes"]),  # type: ignore[index,operator]
         "largest_image_files": fast["largest_image_files"],
-        "stock": None if stock is None else {
+        "stock": None
+        if stock is None
+        else {
             "restore_to_first_token_s": stock["to_first_token_s"],
             "over_offload": stock["to_first_token_s"] / fast["to_first_token_s"],  # type: ignore[operator]
             "image_bytes": stock["dumped"]["size_bytes"],  # type: ignore[index]

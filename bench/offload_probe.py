@@ -53,20 +53,20 @@ def main() -> int:
         fh.truncate(nbytes)
     host = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
     res: dict[str, float] = {}
-    res["d2h_to_shm_s"] = timed(lambda: host.copy_(gpu))
+    res["d2h_to_shm_s"] = timed(lambda: host.copy_(gpu))  # noqa: F821 (called at once, before the del below)
     del gpu
     torch.cuda.empty_cache()
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    res["h2d_pageable_1_s"] = timed(lambda: copy_chunks(dst, host, [torch.cuda.Stream()]))
+    res["h2d_pageable_1_s"] = timed(lambda: copy_chunks(dst, host, [torch.cuda.Stream()]))  # noqa: F821 (called at once, before the del below)
     dst.zero_()
-    res["h2d_pageable_4_s"] = timed(lambda: copy_chunks(dst, host, [torch.cuda.Stream() for _ in range(4)]))
+    res["h2d_pageable_4_s"] = timed(lambda: copy_chunks(dst, host, [torch.cuda.Stream() for _ in range(4)]))  # noqa: F821 (called at once, before the del below)
     cudart = torch.cuda.cudart()
     t0 = time.perf_counter()
     err = cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
     res["host_register_s"] = time.perf_counter() - t0
     res["host_register_error"] = int(err)
     dst.zero_()
-    res["h2d_pinned_4_s"] = timed(lambda: copy_chunks(dst, host, [torch.cuda.Stream() for _ in range(4)]))
+    res["h2d_pinned_4_s"] = timed(lambda: copy_chunks(dst, host, [torch.cuda.Stream() for _ in range(4)]))  # noqa: F821 (called at once, before the del below)
     ok = int(dst[:: 1 << 20].sum().item()) == ref
     cudart.cudaHostUnregister(host.data_ptr())
     del host
@@ -79,11 +79,17 @@ def main() -> int:
         "gib": args.gib,
         "data_ok": ok,
         **res,
-        **{k.removesuffix("_s") + "_gb_per_s": gb / v for k, v in res.items() if k.endswith("_s") and k != "host_register_s"},
+        **{
+            k.removesuffix("_s") + "_gb_per_s": gb / v
+            for k, v in res.items()
+            if k.endswith("_s") and k != "host_register_s"
+        },
     }
     print(json.dumps(out, indent=2))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"offload-probe-{datetime.now(UTC):%Y%m%dT%H%M%S}.json").write_text(json.dumps(out, indent=2) + "\n")
+    (Path(args.out) / f"offload-probe-{datetime.now(UTC):%Y%m%dT%H%M%S}.json").write_text(
+        json.dumps(out, indent=2) + "\n"
+    )
     return 0 if ok else 1
 
 

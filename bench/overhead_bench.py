@@ -62,8 +62,9 @@ def _start(kind: str, workdir: Path) -> int:
         cmd = ["sleep", "1000000"]
     else:
         cmd = [sys.executable, str(TREE), str(workdir), "--mem-mb", "4", "--no-listener"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     if kind == "tree":
         wait_for(lambda: (workdir / "ready").exists(), 60, f"workload {workdir} did not start")
     else:
@@ -128,14 +129,35 @@ def plain_criu_round(kind: str, tmp: Path, i: int) -> dict[str, float]:
     pids = _tree(pid)
     images = tmp / f"criu-{kind}-{i}-img"
     images.mkdir()
-    dump_s, _ = _timed(lambda: subprocess.run(
-        [_criu(), "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "--ghost-limit", str(1 << 30),
-         "--timeout", "10", *CRIU_OPTS], check=True, capture_output=True))
+    dump_s, _ = _timed(
+        lambda: subprocess.run(
+            [
+                _criu(),
+                "dump",
+                "-t",
+                str(pid),
+                "-D",
+                str(images),
+                "-o",
+                "dump.log",
+                "--ghost-limit",
+                str(1 << 30),
+                "--timeout",
+                "10",
+                *CRIU_OPTS,
+            ],
+            check=True,
+            capture_output=True,
+        )
+    )
     _reap(pids)
     pidfile = images / "restored.pid"
-    restore_s, res = _timed(lambda: subprocess.run(
-        [_criu(), "restore", "-d", "-D", str(images), "-o", "restore.log", "--pidfile", str(pidfile), *CRIU_OPTS],
-        capture_output=True))
+    restore_s, res = _timed(
+        lambda: subprocess.run(
+            [_criu(), "restore", "-d", "-D", str(images), "-o", "restore.log", "--pidfile", str(pidfile), *CRIU_OPTS],
+            capture_output=True,
+        )
+    )
     if res.returncode != 0:
         errors = [ln for ln in (images / "restore.log").read_text().splitlines() if "Error" in ln]
         raise AssertionError(f"plain CRIU restore failed: {errors[-3:]}")
@@ -143,8 +165,12 @@ def plain_criu_round(kind: str, tmp: Path, i: int) -> dict[str, float]:
     assert Path(f"/proc/{restored}").exists(), "plain CRIU restore left nothing running"
     kill_tree(restored)
     _reap(pids)
-    out = {"dump_s": dump_s, "restore_s": restore_s, "dump_log_s": _criu_log_seconds(images / "dump.log"),
-           "restore_log_s": _criu_log_seconds(images / "restore.log")}
+    out = {
+        "dump_s": dump_s,
+        "restore_s": restore_s,
+        "dump_log_s": _criu_log_seconds(images / "dump.log"),
+        "restore_log_s": _criu_log_seconds(images / "restore.log"),
+    }
     shutil.rmtree(images, ignore_errors=True)
     return out
 
@@ -162,8 +188,11 @@ def gpusnap_round(daemon: DaemonProc, kind: str, tmp: Path, i: int) -> dict[str,
     _reap(pids)
     snap = op.snapshot.id
     snap_dir = daemon.store / "snapshots" / snap
-    out: dict[str, Any] = {"dump_s": dump_s, "dump_log_s": _criu_log_seconds(snap_dir / "dump.log"),
-                           "dump_phases": _phases(op)}
+    out: dict[str, Any] = {
+        "dump_s": dump_s,
+        "dump_log_s": _criu_log_seconds(snap_dir / "dump.log"),
+        "dump_phases": _phases(op),
+    }
     for key, host_pidns in (("restore_host_pidns", True), ("restore", False)):
         seconds, rop = _timed(lambda h=host_pidns: client.wait(client.restore(snap, host_pid_namespace=h).id))
         root = rop.restore.pid
@@ -179,8 +208,11 @@ def gpusnap_round(daemon: DaemonProc, kind: str, tmp: Path, i: int) -> dict[str,
 
 
 def _stats(samples: list[float]) -> dict[str, Any]:
-    return {"min_s": round(min(samples), 4), "median_s": round(statistics.median(samples), 4),
-            "samples_s": [round(s, 4) for s in samples]}
+    return {
+        "min_s": round(min(samples), 4),
+        "median_s": round(statistics.median(samples), 4),
+        "samples_s": [round(s, 4) for s in samples],
+    }
 
 
 def _phase_medians(rounds: list[dict[str, Any]], key: str) -> dict[str, float]:
@@ -208,19 +240,27 @@ def main() -> int:
     ap.add_argument("--workloads", default="sleep,tree", help="comma separated: sleep, tree")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--label", default="", help="tag for the results file name")
-    ap.add_argument("--gap", type=float, default=1.0,
-                    help="seconds of pause before each timed operation, for CRIU and gpusnap alike: gpusnapd's spare "
-                         "CRIU helper needs about 0.3 s to start, so back-to-back requests (--gap 0) pay part of it")
+    ap.add_argument(
+        "--gap",
+        type=float,
+        default=1.0,
+        help="seconds of pause before each timed operation, for CRIU and gpusnap alike: gpusnapd's spare "
+        "CRIU helper needs about 0.3 s to start, so back-to-back requests (--gap 0) pay part of it",
+    )
     ap.add_argument("--no-write", action="store_true", help="print the summary only")
     args = ap.parse_args()
     GAP_S[0] = args.gap
     _become_subreaper()
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-bench-overhead-"))
     daemon = start_daemon(tmp)
-    result: dict[str, Any] = {"benchmark": "overhead", "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                              "host": {"kernel": platform.release(), "cpus": os.cpu_count(),
-                                       "loadavg_start": os.getloadavg()[0]}, "runs": args.runs, "gap_s": args.gap,
-                              "workloads": {}}
+    result: dict[str, Any] = {
+        "benchmark": "overhead",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": {"kernel": platform.release(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0]},
+        "runs": args.runs,
+        "gap_s": args.gap,
+        "workloads": {},
+    }
     try:
         assert daemon.alive(), daemon.log.read_text()
         result["cli"] = cli_times(daemon, args.runs)
@@ -257,8 +297,15 @@ def main() -> int:
     result["cli"]["ls_target_met"] = ls["median_s"] <= TARGET_LS_S
     result["cli"]["ls_vs_python_startup"] = round(ls["median_s"] / result["cli"]["python_startup"]["median_s"], 2)
     result["host"]["loadavg_end"] = os.getloadavg()[0]
-    print(json.dumps({"cli": {k: result["cli"][k] for k in ("ls_target_met", "ls_vs_python_startup")},
-                      "ls_median_s": ls["median_s"], "ls_min_s": ls["min_s"]}))
+    print(
+        json.dumps(
+            {
+                "cli": {k: result["cli"][k] for k in ("ls_target_met", "ls_vs_python_startup")},
+                "ls_median_s": ls["median_s"],
+                "ls_min_s": ls["min_s"],
+            }
+        )
+    )
     if not args.no_write:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -22,29 +22,52 @@ GPU_RAM = "gpu-h200-offload-ramstore-20261129T222235.json"
 GPU_RAM_THP = "gpu-h200-offload-ramstore-thp-20261129T222254.json"
 
 PANELS: list[tuple[str, list[tuple[str, str, Any]]]] = [
-    ("8B Llama-style worker: restore (s)", [
-        ("stock, THP always", ENGINE_THP, lambda d: d["stock"]["restore_phases"]),
-        ("gpusnap, THP madvise", ENGINE, lambda d: d["restore_phases"]),
-        ("gpusnap, THP always", ENGINE_THP, lambda d: d["restore_phases"]),
-    ]),
-    ("8B Llama-style worker: checkpoint (s)", [
-        ("stock, THP always", ENGINE_THP, lambda d: d["stock"]["checkpoint_phases"]),
-        ("gpusnap, THP always", ENGINE_THP, lambda d: d["checkpoint_phases"]),
-    ]),
-    ("16 GiB of GPU data: restore (s)", [
-        ("stock, disk store", GPU_STOCK, lambda d: _mode(d, "stock")["restore"]["phases"]),
-        ("gpusnap, RAM store", GPU_RAM, lambda d: _mode(d, "offload")["restore"]["phases"]),
-        ("gpusnap, RAM store, THP", GPU_RAM_THP, lambda d: _mode(d, "offload")["restore"]["phases"]),
-    ]),
-    ("16 GiB of GPU data: checkpoint (s)", [
-        ("stock, disk store", GPU_STOCK, lambda d: _mode(d, "stock")["checkpoint"]["phases"]),
-        ("gpusnap, RAM store", GPU_RAM, lambda d: _mode(d, "offload")["checkpoint"]["phases"]),
-        ("gpusnap, RAM store, THP", GPU_RAM_THP, lambda d: _mode(d, "offload")["checkpoint"]["phases"]),
-    ]),
+    (
+        "8B Llama-style worker: restore (s)",
+        [
+            ("stock, THP always", ENGINE_THP, lambda d: d["stock"]["restore_phases"]),
+            ("gpusnap, THP madvise", ENGINE, lambda d: d["restore_phases"]),
+            ("gpusnap, THP always", ENGINE_THP, lambda d: d["restore_phases"]),
+        ],
+    ),
+    (
+        "8B Llama-style worker: checkpoint (s)",
+        [
+            ("stock, THP always", ENGINE_THP, lambda d: d["stock"]["checkpoint_phases"]),
+            ("gpusnap, THP always", ENGINE_THP, lambda d: d["checkpoint_phases"]),
+        ],
+    ),
+    (
+        "16 GiB of GPU data: restore (s)",
+        [
+            ("stock, disk store", GPU_STOCK, lambda d: _mode(d, "stock")["restore"]["phases"]),
+            ("gpusnap, RAM store", GPU_RAM, lambda d: _mode(d, "offload")["restore"]["phases"]),
+            ("gpusnap, RAM store, THP", GPU_RAM_THP, lambda d: _mode(d, "offload")["restore"]["phases"]),
+        ],
+    ),
+    (
+        "16 GiB of GPU data: checkpoint (s)",
+        [
+            ("stock, disk store", GPU_STOCK, lambda d: _mode(d, "stock")["checkpoint"]["phases"]),
+            ("gpusnap, RAM store", GPU_RAM, lambda d: _mode(d, "offload")["checkpoint"]["phases"]),
+            ("gpusnap, RAM store, THP", GPU_RAM_THP, lambda d: _mode(d, "offload")["checkpoint"]["phases"]),
+        ],
+    ),
 ]
 
-SHOWN = ["warm-up", "offload", "gpu-checkpoint", "dump", "checksum", "publish", "verify", "restore", "gpu-restore",
-         "reload-buffers", "resume-worker"]
+SHOWN = [
+    "warm-up",
+    "offload",
+    "gpu-checkpoint",
+    "dump",
+    "checksum",
+    "publish",
+    "verify",
+    "restore",
+    "gpu-restore",
+    "reload-buffers",
+    "resume-worker",
+]
 """Phases with a colour of their own; the rest (each well under 0.1 s) are drawn as "other"."""
 
 
@@ -64,7 +87,7 @@ def main() -> int:
     colours = dict(zip(SHOWN + ["other"], plt.get_cmap("tab20").colors, strict=False))
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(11, 2.1 * len(PANELS) + 1.2))
     for ax, (title, bars) in zip(axes, PANELS, strict=True):
-        for row, (label, name, pick) in enumerate(bars):
+        for row, (_label, name, pick) in enumerate(bars):
             phases: dict[str, float] = pick(json.loads((RESULTS / name).read_text()))
             left = 0.0
             for phase, seconds in phases.items():

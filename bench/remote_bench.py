@@ -62,20 +62,42 @@ def main() -> None:
         import boto3
         from botocore.config import Config
 
-        boto3.client("s3", endpoint_url=gw.endpoint, region_name=ceph_rgw.REGION, aws_access_key_id=ceph_rgw.ACCESS_KEY,
-                     aws_secret_access_key=ceph_rgw.SECRET_KEY,
-                     config=Config(s3={"addressing_style": "path"})).create_bucket(Bucket="bench")
-        env = {**gw.env(), "GPUSNAP_REMOTE": "s3://bench/fleet", "GPUSNAP_REMOTE_ENDPOINT": gw.endpoint,
-               "GPUSNAP_REMOTE_THREADS": str(args.threads)}
+        boto3.client(
+            "s3",
+            endpoint_url=gw.endpoint,
+            region_name=ceph_rgw.REGION,
+            aws_access_key_id=ceph_rgw.ACCESS_KEY,
+            aws_secret_access_key=ceph_rgw.SECRET_KEY,
+            config=Config(s3={"addressing_style": "path"}),
+        ).create_bucket(Bucket="bench")
+        env = {
+            **gw.env(),
+            "GPUSNAP_REMOTE": "s3://bench/fleet",
+            "GPUSNAP_REMOTE_ENDPOINT": gw.endpoint,
+            "GPUSNAP_REMOTE_THREADS": str(args.threads),
+        }
         for name in ("a", "b"):
             (tmp / name).mkdir()
             nodes.append(start_daemon(tmp / name, extra_env=env))
         a, b = nodes
         wd = tmp / "tree"
         wd.mkdir()
-        tree = subprocess.Popen([sys.executable, str(WORKLOADS / "tree.py"), str(wd), "--mem-mb", str(args.mib), "--random",
-                                 "--no-listener", "--no-child"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        tree = subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKLOADS / "tree.py"),
+                str(wd),
+                "--mem-mb",
+                str(args.mib),
+                "--random",
+                "--no-listener",
+                "--no-child",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         wait_for(lambda: (wd / "ready").exists(), 120, "tree did not start")
         snap = _cli(a, "dump", str(tree.pid))
         size = snap["size_bytes"]
@@ -95,14 +117,25 @@ def main() -> None:
         mib = size / 2**20
         res = {
             "snapshot_bytes": size,
-            "push": {"seconds": round(push_s, 3), "MiBps": round(mib / push_s, 1), "phases": pushed["phases"],
-                     "upload_MiBps": round(mib / pushed["phases"]["upload"], 1),
-                     "transferred_bytes": pushed["transferred_bytes"]},
-            "pull": {"seconds": round(pull_s, 3), "MiBps": round(mib / pull_s, 1), "phases": pulled["phases"],
-                     "download_MiBps": round(mib / pulled["phases"]["download"], 1),
-                     "transferred_bytes": pulled["transferred_bytes"]},
-            "push_again": {"seconds": round(repush_s, 3), "transferred_bytes": repushed["transferred_bytes"],
-                           "skipped_bytes": repushed["skipped_bytes"]},
+            "push": {
+                "seconds": round(push_s, 3),
+                "MiBps": round(mib / push_s, 1),
+                "phases": pushed["phases"],
+                "upload_MiBps": round(mib / pushed["phases"]["upload"], 1),
+                "transferred_bytes": pushed["transferred_bytes"],
+            },
+            "pull": {
+                "seconds": round(pull_s, 3),
+                "MiBps": round(mib / pull_s, 1),
+                "phases": pulled["phases"],
+                "download_MiBps": round(mib / pulled["phases"]["download"], 1),
+                "transferred_bytes": pulled["transferred_bytes"],
+            },
+            "push_again": {
+                "seconds": round(repush_s, 3),
+                "transferred_bytes": repushed["transferred_bytes"],
+                "skipped_bytes": repushed["skipped_bytes"],
+            },
             "local_disk_copy": {"seconds": round(disk_s, 3), "MiBps": round(mib / disk_s, 1)},
             "upload_vs_disk": round(disk_s / pushed["phases"]["upload"], 3),
             "download_vs_disk": round(disk_s / pulled["phases"]["download"], 3),
@@ -114,9 +147,16 @@ def main() -> None:
             stop_daemon(d)
         gw.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    doc = {"bench": "remote", "when": datetime.now(UTC).isoformat(timespec="seconds"), "mib": args.mib,
-           "threads": args.threads, "server": "Ceph RADOS Gateway 16.2 (Debian 12), memstore OSD, loopback",
-           "cpus": os.cpu_count(), "machine": platform.machine(), "results": res}
+    doc = {
+        "bench": "remote",
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "mib": args.mib,
+        "threads": args.threads,
+        "server": "Ceph RADOS Gateway 16.2 (Debian 12), memstore OSD, loopback",
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "results": res,
+    }
     print(json.dumps(doc, indent=2))
     out = REPO / "bench" / "results" / f"remote-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}.json"
     out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -34,9 +34,14 @@ def _boto3(gw: ceph_rgw.Gateway, bucket: str, threads: int) -> dict[str, Any]:
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config
 
-    s3 = boto3.client("s3", endpoint_url=gw.endpoint, region_name=ceph_rgw.REGION,
-                      aws_access_key_id=ceph_rgw.ACCESS_KEY, aws_secret_access_key=ceph_rgw.SECRET_KEY,
-                      config=Config(s3={"addressing_style": "path"}, max_pool_connections=threads * 2))
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=gw.endpoint,
+        region_name=ceph_rgw.REGION,
+        aws_access_key_id=ceph_rgw.ACCESS_KEY,
+        aws_secret_access_key=ceph_rgw.SECRET_KEY,
+        config=Config(s3={"addressing_style": "path"}, max_pool_connections=threads * 2),
+    )
     s3.create_bucket(Bucket=bucket)
 
     def put(key: str, data: bytes) -> None:
@@ -49,8 +54,12 @@ def _boto3(gw: ceph_rgw.Gateway, bucket: str, threads: int) -> dict[str, Any]:
         return bytes(s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"].read())
 
     def put_multipart(key: str, path: Path) -> None:
-        s3.upload_file(str(path), bucket, key, Config=TransferConfig(multipart_chunksize=CHUNK, max_concurrency=threads,
-                                                                      multipart_threshold=CHUNK))
+        s3.upload_file(
+            str(path),
+            bucket,
+            key,
+            Config=TransferConfig(multipart_chunksize=CHUNK, max_concurrency=threads, multipart_threshold=CHUNK),
+        )
 
     def put_if_absent(key: str, data: bytes) -> bool:
         try:
@@ -61,7 +70,13 @@ def _boto3(gw: ceph_rgw.Gateway, bucket: str, threads: int) -> dict[str, Any]:
                 return False
             raise
 
-    return {"put": put, "get": get, "get_range": get_range, "put_multipart": put_multipart, "put_if_absent": put_if_absent}
+    return {
+        "put": put,
+        "get": get,
+        "get_range": get_range,
+        "put_multipart": put_multipart,
+        "put_if_absent": put_if_absent,
+    }
 
 
 def _obstore(gw: ceph_rgw.Gateway, bucket: str, threads: int) -> dict[str, Any]:
@@ -69,9 +84,15 @@ def _obstore(gw: ceph_rgw.Gateway, bucket: str, threads: int) -> dict[str, Any]:
     from obstore.store import S3Store
 
     _boto3(gw, bucket, threads)  # obstore has no bucket API: boto3 creates the bucket
-    store = S3Store(bucket, endpoint=gw.endpoint, region=ceph_rgw.REGION, access_key_id=ceph_rgw.ACCESS_KEY,
-                    secret_access_key=ceph_rgw.SECRET_KEY, virtual_hosted_style_request=False,
-                    client_options={"allow_http": True})
+    store = S3Store(
+        bucket,
+        endpoint=gw.endpoint,
+        region=ceph_rgw.REGION,
+        access_key_id=ceph_rgw.ACCESS_KEY,
+        secret_access_key=ceph_rgw.SECRET_KEY,
+        virtual_hosted_style_request=False,
+        client_options={"allow_http": True},
+    )
 
     def put(key: str, data: bytes) -> None:
         obstore.put(store, key, data)
@@ -92,7 +113,13 @@ def _obstore(gw: ceph_rgw.Gateway, bucket: str, threads: int) -> dict[str, Any]:
         except obstore.exceptions.AlreadyExistsError:
             return False
 
-    return {"put": put, "get": get, "get_range": get_range, "put_multipart": put_multipart, "put_if_absent": put_if_absent}
+    return {
+        "put": put,
+        "get": get,
+        "get_range": get_range,
+        "put_multipart": put_multipart,
+        "put_if_absent": put_if_absent,
+    }
 
 
 def _measure(name: str, ops: dict[str, Any], mib: int, threads: int, scratch: Path) -> dict[str, Any]:
@@ -144,9 +171,16 @@ def main() -> None:
                 results.append(res)
     finally:
         gw.stop()
-    doc = {"bench": "s3-clients", "when": datetime.now(UTC).isoformat(timespec="seconds"),
-           "server": "Ceph RADOS Gateway 16.2 (Debian 12), memstore OSD, loopback", "mib": args.mib,
-           "threads": args.threads, "cpus": os.cpu_count(), "machine": platform.machine(), "results": results}
+    doc = {
+        "bench": "s3-clients",
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "server": "Ceph RADOS Gateway 16.2 (Debian 12), memstore OSD, loopback",
+        "mib": args.mib,
+        "threads": args.threads,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "results": results,
+    }
     out = REPO / "bench" / "results" / f"s3-clients-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}.json"
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(out)

@@ -55,6 +55,8 @@ EXIT_CODES: dict[Code, int] = {
 T = TypeVar("T")
 PID = click.IntRange(-(2**31), 2**31 - 1)
 """What fits the API's int32; the daemon says which PIDs are valid."""
+
+
 class _Seconds(click.ParamType[float]):
     """Positive, finite seconds (at most 10^7)."""
 
@@ -138,8 +140,9 @@ def version_option(prog_name: str) -> Callable[[Callable[..., Any]], Callable[..
             click.echo(f"{prog_name}, version {version()}")
             ctx.exit()
 
-    return click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=show,
-                        help="Show the version and exit.")
+    return click.option(
+        "--version", is_flag=True, expose_value=False, is_eager=True, callback=show, help="Show the version and exit."
+    )
 
 
 def output_option(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -149,8 +152,16 @@ def output_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         if value:
             ctx.find_object(Ctx).output = value  # type: ignore[union-attr]  # set by main()
 
-    return click.option("-o", "--output", "output_override", type=click.Choice(["table", "json"]), default=None,
-                        expose_value=False, callback=set_output, help="table or json (as before the command)")(fn)
+    return click.option(
+        "-o",
+        "--output",
+        "output_override",
+        type=click.Choice(["table", "json"]),
+        default=None,
+        expose_value=False,
+        callback=set_output,
+        help="table or json (as before the command)",
+    )(fn)
 
 
 def _fail(err: GpusnapError) -> None:
@@ -214,7 +225,9 @@ def _labels(values: tuple[str, ...]) -> dict[str, str]:
     "damaged snapshot, 5 conflict (busy tree, name taken), 6 permission denied, 7 daemon unavailable, "
     "8 deadline exceeded, 9 resources exhausted.",
 )
-@click.option("--socket", envvar="GPUSNAP_SOCKET", default=str(DEFAULT_SOCKET), show_default=True, help="gpusnapd socket")
+@click.option(
+    "--socket", envvar="GPUSNAP_SOCKET", default=str(DEFAULT_SOCKET), show_default=True, help="gpusnapd socket"
+)
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @version_option("gpusnap")
 @click.pass_context
@@ -233,8 +246,13 @@ def _progress(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationEvent
 
     from gpusnap.daemon._proto import operations_pb2
 
-    columns = (SpinnerColumn(), TextColumn("{task.description:<12}"), BarColumn(), TextColumn("{task.fields[moved]}"),
-               TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description:<12}"),
+        BarColumn(),
+        TextColumn("{task.fields[moved]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=_console(stderr=True), transient=False) as progress:
         tasks: dict[str, Any] = {}
 
@@ -243,12 +261,21 @@ def _progress(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationEvent
             if event.type == E.TYPE_PHASE_STARTED:
                 tasks[event.phase] = progress.add_task(event.phase, total=None, moved="")
             elif event.type == E.TYPE_PROGRESS and event.phase in tasks:
-                progress.update(tasks[event.phase], completed=event.bytes, total=event.total_bytes or None,
-                                moved=moved(event.bytes, event.total_bytes))
+                progress.update(
+                    tasks[event.phase],
+                    completed=event.bytes,
+                    total=event.total_bytes or None,
+                    moved=moved(event.bytes, event.total_bytes),
+                )
             elif event.type in (E.TYPE_PHASE_FINISHED, E.TYPE_PHASE_FAILED) and event.phase in tasks:
                 mark = "" if event.type == E.TYPE_PHASE_FINISHED else " [red]failed[/red]"
-                progress.update(tasks[event.phase], description=event.phase + mark, completed=1, total=1,
-                                moved=moved(event.bytes, event.bytes))
+                progress.update(
+                    tasks[event.phase],
+                    description=event.phase + mark,
+                    completed=1,
+                    total=1,
+                    moved=moved(event.bytes, event.bytes),
+                )
             elif event.type == E.TYPE_ROLLBACK:
                 from rich.markup import escape
 
@@ -284,7 +311,9 @@ def _cancel(client: DaemonClient, op: operations_pb2.Operation) -> operations_pb
     """Ctrl-C: cancel the operation and wait for its rollback; a second Ctrl-C leaves it to gpusnapd."""
     try:
         client.cancel(op.id)
-        click.echo(f"gpusnap: interrupted; cancelling {op.id} and rolling back (Ctrl-C again to stop waiting)", err=True)
+        click.echo(
+            f"gpusnap: interrupted; cancelling {op.id} and rolling back (Ctrl-C again to stop waiting)", err=True
+        )
         return client.wait(op.id)  # raises CancelledError once rolled back (exit 130)
     except KeyboardInterrupt:
         click.echo(f"gpusnap: operation {op.id} goes on in gpusnapd: follow it with `gpusnap wait {op.id}`", err=True)
@@ -308,52 +337,106 @@ def _phase_summary(op: operations_pb2.Operation) -> str:
 @click.option("--name", default="", help="snapshot name, unique in the store")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="label (repeatable)")
 @click.option("--leave-running", is_flag=True, help="keep the source running after the dump")
-@click.option("--tcp", type=click.Choice(["refuse", "established", "close"]), default="refuse", show_default=True,
-              help="established TCP connections: refuse the dump, capture them, or restore them closed")
+@click.option(
+    "--tcp",
+    type=click.Choice(["refuse", "established", "close"]),
+    default="refuse",
+    show_default=True,
+    help="established TCP connections: refuse the dump, capture them, or restore them closed",
+)
 @click.option("--timeout", type=SECONDS, help="seconds for the whole checkpoint [daemon default]")
 @click.option("--gpu-lock-timeout", type=SECONDS, help="seconds to wait for CUDA work to drain [daemon default]")
-@click.option("--control-dir", default="", metavar="DIR",
-              help="worker follows Dynamo Snapshot's control-directory contract: wait for DIR/ready-for-snapshot")
+@click.option(
+    "--control-dir",
+    default="",
+    metavar="DIR",
+    help="worker follows Dynamo Snapshot's control-directory contract: wait for DIR/ready-for-snapshot",
+)
 @click.option("--no-quiesce", is_flag=True, help="capture as is, without the worker agent's warm-up and quiesce")
-@click.option("--no-offload", is_flag=True,
-              help="keep the buffers the worker's agent names (weights) in the images, not in the buffer store")
-@click.option("--push", "push_after", is_flag=True,
-              help="once the snapshot is durable, push it to the remote store in the background (follow it with "
-                   "`gpusnap wait OP`)")
+@click.option(
+    "--no-offload",
+    is_flag=True,
+    help="keep the buffers the worker's agent names (weights) in the images, not in the buffer store",
+)
+@click.option(
+    "--push",
+    "push_after",
+    is_flag=True,
+    help="once the snapshot is durable, push it to the remote store in the background (follow it with "
+    "`gpusnap wait OP`)",
+)
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
-def dump(obj: Ctx, pid: int, name: str, labels: tuple[str, ...], leave_running: bool, tcp: str,
-         timeout: float | None, gpu_lock_timeout: float | None, control_dir: str, no_quiesce: bool, no_offload: bool,
-         push_after: bool, detach: bool) -> None:
+def dump(
+    obj: Ctx,
+    pid: int,
+    name: str,
+    labels: tuple[str, ...],
+    leave_running: bool,
+    tcp: str,
+    timeout: float | None,
+    gpu_lock_timeout: float | None,
+    control_dir: str,
+    no_quiesce: bool,
+    no_offload: bool,
+    push_after: bool,
+    detach: bool,
+) -> None:
     """Checkpoint the process tree rooted at PID into a new snapshot; prints its id.
 
     With a gpusnap worker agent attached, the worker is warmed up and quiesced first, and the buffers
     its adapter names (weights) go to the buffer store, once per content, instead of the images.
     """
     with obj.client() as client:
-        op = _run(lambda: client.checkpoint(pid, name=name, labels=_labels(labels), leave_running=leave_running,
-                                            tcp=tcp, timeout_s=timeout, gpu_lock_timeout_s=gpu_lock_timeout,
-                                            control_dir=control_dir, quiesce=not no_quiesce,
-                                            offload=not no_offload))
+        op = _run(
+            lambda: client.checkpoint(
+                pid,
+                name=name,
+                labels=_labels(labels),
+                leave_running=leave_running,
+                tcp=tcp,
+                timeout_s=timeout,
+                gpu_lock_timeout_s=gpu_lock_timeout,
+                control_dir=control_dir,
+                quiesce=not no_quiesce,
+                offload=not no_offload,
+            )
+        )
         if detach:
             if push_after:
-                raise click.UsageError("--push needs the dump to finish first; drop --detach, or push later with `gpusnap push`")
+                raise click.UsageError(
+                    "--push needs the dump to finish first; drop --detach, or push later with `gpusnap push`"
+                )
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
         done = _run(lambda: _follow(client, op, obj.live))
         snap = done.snapshot
         pushing = _run(lambda: client.push(snap.id)).id if push_after else ""
     if obj.output == "json":
-        click.echo(json.dumps({"id": snap.id, "name": snap.name, "operation": done.id, "size_bytes": snap.size_bytes,
-                               "buffer_bytes": snap.buffer_bytes, "phases": {p.phase: p.duration_seconds for p in done.phases},
-                               **({"push_operation": pushing} if pushing else {})}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "id": snap.id,
+                    "name": snap.name,
+                    "operation": done.id,
+                    "size_bytes": snap.size_bytes,
+                    "buffer_bytes": snap.buffer_bytes,
+                    "phases": {p.phase: p.duration_seconds for p in done.phases},
+                    **({"push_operation": pushing} if pushing else {}),
+                },
+                indent=2,
+            )
+        )
     else:
         click.echo(snap.id)
         held = f" + {_size(snap.buffer_bytes)} of buffers" if snap.buffer_bytes else ""
-        _console(stderr=True).print(f"snapshot {snap.id} ({_size(snap.size_bytes)}{held}): {_phase_summary(done)}", highlight=False)
+        _console(stderr=True).print(
+            f"snapshot {snap.id} ({_size(snap.size_bytes)}{held}): {_phase_summary(done)}", highlight=False
+        )
         if pushing:
-            _console(stderr=True).print(f"pushing in the background as {pushing}; follow it with `gpusnap wait {pushing}`",
-                                        highlight=False)
+            _console(stderr=True).print(
+                f"pushing in the background as {pushing}; follow it with `gpusnap wait {pushing}`", highlight=False
+            )
 
 
 def _gpu_map(value: str) -> dict[str, str]:
@@ -373,20 +456,52 @@ GPU_MAP_HELP = "move GPU state: OLD=NEW[,OLD=NEW…] (UUIDs or indexes); every c
 @output_option
 @click.argument("snapshot")
 @click.option("--host-pidns", is_flag=True, help="restore with the original PIDs in gpusnapd's PID namespace")
-@click.option("--private-net", is_flag=True, help="restore into a fresh network namespace (loopback only), so copies never clash on ports")
+@click.option(
+    "--private-net",
+    is_flag=True,
+    help="restore into a fresh network namespace (loopback only), so copies never clash on ports",
+)
 @click.option("--gpu-map", default="", metavar="OLD=NEW,…", help=GPU_MAP_HELP)
 @click.option("--timeout", type=SECONDS, help="seconds for the whole restore [daemon default]")
-@click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="restore context: set in the worker (repeatable)")
+@click.option(
+    "--env", "env", multiple=True, metavar="NAME=VALUE", help="restore context: set in the worker (repeatable)"
+)
 @click.option("--unset-env", multiple=True, metavar="NAME", help="restore context: remove from the worker (repeatable)")
-@click.option("--set", "values", multiple=True, metavar="KEY=VALUE", help="restore context: identity value for the worker's adapter")
-@click.option("--verify-buffers", is_flag=True,
-              help="re-digest the snapshot's buffers (weights) first; by default only their sizes are checked")
-@click.option("--replicas", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="restore N copies, each in its own network namespace; {i} in --env/--set values is the copy's index")
+@click.option(
+    "--set",
+    "values",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="restore context: identity value for the worker's adapter",
+)
+@click.option(
+    "--verify-buffers",
+    is_flag=True,
+    help="re-digest the snapshot's buffers (weights) first; by default only their sizes are checked",
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="restore N copies, each in its own network namespace; {i} in --env/--set values is the copy's index",
+)
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
-def restore(obj: Ctx, snapshot: str, host_pidns: bool, private_net: bool, gpu_map: str, timeout: float | None, env: tuple[str, ...],
-            unset_env: tuple[str, ...], values: tuple[str, ...], verify_buffers: bool, replicas: int, detach: bool) -> None:
+def restore(
+    obj: Ctx,
+    snapshot: str,
+    host_pidns: bool,
+    private_net: bool,
+    gpu_map: str,
+    timeout: float | None,
+    env: tuple[str, ...],
+    unset_env: tuple[str, ...],
+    values: tuple[str, ...],
+    verify_buffers: bool,
+    replicas: int,
+    detach: bool,
+) -> None:
     """Restore SNAPSHOT (id or name) as a new process tree; prints the restored root's PID (one per line
     with --replicas).
 
@@ -395,25 +510,49 @@ def restore(obj: Ctx, snapshot: str, host_pidns: bool, private_net: bool, gpu_ma
     """
     mapping = _gpu_map(gpu_map)
     with obj.client() as client:
-        op = _run(lambda: client.restore(snapshot, host_pid_namespace=host_pidns, gpu_map=mapping, timeout_s=timeout,
-                                         env=_pairs(env, "--env"), unset_env=unset_env, values=_pairs(values, "--set"),
-                                         private_network=private_net, verify_buffers=verify_buffers,
-                                         replicas=replicas))
+        op = _run(
+            lambda: client.restore(
+                snapshot,
+                host_pid_namespace=host_pidns,
+                gpu_map=mapping,
+                timeout_s=timeout,
+                env=_pairs(env, "--env"),
+                unset_env=unset_env,
+                values=_pairs(values, "--set"),
+                private_network=private_net,
+                verify_buffers=verify_buffers,
+                replicas=replicas,
+            )
+        )
         if detach:
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
         done = _run(lambda: _follow(client, op, obj.live))
     res = done.restore
-    copies = [{"index": r.index, "pid": r.pid, "pids": list(r.pids), "namespace_pid": r.namespace_pid}
-              for r in res.replicas] or [{"index": 0, "pid": res.pid, "pids": list(res.pids), "namespace_pid": res.namespace_pid}]
+    copies = [
+        {"index": r.index, "pid": r.pid, "pids": list(r.pids), "namespace_pid": r.namespace_pid} for r in res.replicas
+    ] or [{"index": 0, "pid": res.pid, "pids": list(res.pids), "namespace_pid": res.namespace_pid}]
     if obj.output == "json":
-        click.echo(json.dumps({"pid": res.pid, "pids": list(res.pids), "namespace_pid": res.namespace_pid,
-                               "snapshot_id": res.snapshot_id, "operation": done.id, "replicas": copies,
-                               "phases": {p.phase: p.duration_seconds for p in done.phases}}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "pid": res.pid,
+                    "pids": list(res.pids),
+                    "namespace_pid": res.namespace_pid,
+                    "snapshot_id": res.snapshot_id,
+                    "operation": done.id,
+                    "replicas": copies,
+                    "phases": {p.phase: p.duration_seconds for p in done.phases},
+                },
+                indent=2,
+            )
+        )
     else:
         click.echo("\n".join(str(c["pid"]) for c in copies))
         pids = ", ".join(str(c["pid"]) for c in copies)
-        _console(stderr=True).print(f"restored {res.snapshot_id} as PID {pids}: {_phase_summary(done)}", highlight=False)
+        _console(stderr=True).print(
+            f"restored {res.snapshot_id} as PID {pids}: {_phase_summary(done)}", highlight=False
+        )
 
 
 @main.command()
@@ -428,8 +567,10 @@ def suspend(obj: Ctx, pid: int, gpu_lock_timeout: float | None) -> None:
         click.echo(_json(done))
     else:
         freed = sum(g.gpu_memory_bytes for g in done.suspend.gpu_processes)
-        click.echo(f"suspended {len(done.suspend.gpu_processes)} CUDA process(es), {_size(freed)} of GPU memory freed: "
-                   f"{_phase_summary(done)}")
+        click.echo(
+            f"suspended {len(done.suspend.gpu_processes)} CUDA process(es), {_size(freed)} of GPU memory freed: "
+            f"{_phase_summary(done)}"
+        )
 
 
 @main.command()
@@ -451,17 +592,29 @@ def resume(obj: Ctx, pid: int, gpu_map: str) -> None:
 def _transfer_done(obj: Ctx, verb: str, done: operations_pb2.Operation) -> None:
     t = done.transfer
     if obj.output == "json":
-        click.echo(json.dumps({"id": t.snapshot_id, "remote": t.remote, "operation": done.id,
-                               "transferred_bytes": t.transferred_bytes, "skipped_bytes": t.skipped_bytes,
-                               "transferred_chunks": t.transferred_chunks, "skipped_chunks": t.skipped_chunks,
-                               "buffer_transferred_bytes": t.buffer_transferred_bytes,
-                               "phases": {p.phase: p.duration_seconds for p in done.phases}}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "id": t.snapshot_id,
+                    "remote": t.remote,
+                    "operation": done.id,
+                    "transferred_bytes": t.transferred_bytes,
+                    "skipped_bytes": t.skipped_bytes,
+                    "transferred_chunks": t.transferred_chunks,
+                    "skipped_chunks": t.skipped_chunks,
+                    "buffer_transferred_bytes": t.buffer_transferred_bytes,
+                    "phases": {p.phase: p.duration_seconds for p in done.phases},
+                },
+                indent=2,
+            )
+        )
         return
     click.echo(t.snapshot_id)
     _console(stderr=True).print(
         f"{verb} {t.snapshot_id} ({t.remote}): {_size(t.transferred_bytes)} in {t.transferred_chunks} chunks, "
         f"{_size(t.skipped_bytes)} in {t.skipped_chunks} chunks already there: {_phase_summary(done)}",
-        highlight=False)
+        highlight=False,
+    )
 
 
 @main.command()
@@ -515,15 +668,25 @@ def inspect(obj: Ctx, snapshot: str) -> None:
         click.echo(_json(snap))
         return
     rows = [
-        ("id", snap.id), ("name", snap.name or "-"),
+        ("id", snap.id),
+        ("name", snap.name or "-"),
         ("created", snap.created.ToDatetime(tzinfo=UTC).astimezone().isoformat(timespec="seconds")),
-        ("size", f"{_size(snap.size_bytes)} in {len(snap.files)} files"
-                 + (f" + {_size(snap.buffer_bytes)} in {len(snap.buffers)} buffers" if snap.buffers else "")),
-        ("source", f"PID {snap.source.pid} ({snap.source.comm}), {len(snap.source.tree_pids)} processes, "
-                   f"uid {snap.source.uid}, RSS {_size(snap.source.rss_bytes)}"),
+        (
+            "size",
+            f"{_size(snap.size_bytes)} in {len(snap.files)} files"
+            + (f" + {_size(snap.buffer_bytes)} in {len(snap.buffers)} buffers" if snap.buffers else ""),
+        ),
+        (
+            "source",
+            f"PID {snap.source.pid} ({snap.source.comm}), {len(snap.source.tree_pids)} processes, "
+            f"uid {snap.source.uid}, RSS {_size(snap.source.rss_bytes)}",
+        ),
         ("command", " ".join(snap.source.cmdline)),
-        ("host", f"{snap.host.hostname}, kernel {snap.host.kernel} {snap.host.machine}, CRIU {snap.host.criu_version}, "
-                 f"gpusnap {snap.host.gpusnap_version}"),
+        (
+            "host",
+            f"{snap.host.hostname}, kernel {snap.host.kernel} {snap.host.machine}, CRIU {snap.host.criu_version}, "
+            f"gpusnap {snap.host.gpusnap_version}",
+        ),
         ("cpu", snap.host.cpu_model),
         ("labels", ", ".join(f"{k}={v}" for k, v in sorted(snap.labels.items())) or "-"),
         ("phases", ", ".join(f"{p.phase} {p.duration_seconds:.3f}s" for p in snap.phases)),
@@ -535,8 +698,14 @@ def inspect(obj: Ctx, snapshot: str) -> None:
     for w in [snap.worker, *snap.agents] if snap.HasField("worker") else []:
         if w.instance_id:  # one row per agent: its role, process, and where its weights went
             held = sum(b.size_bytes for b in snap.buffers if (b.agent or snap.worker.instance_id) == w.instance_id)
-            rows.append(("agent", f"{w.role or 'worker'} {w.process or w.engine} PID {w.pid}"
-                                  + (f", {_size(held)} of buffers" if held else "") + (f"; weights {w.weights}" if w.weights else "")))
+            rows.append(
+                (
+                    "agent",
+                    f"{w.role or 'worker'} {w.process or w.engine} PID {w.pid}"
+                    + (f", {_size(held)} of buffers" if held else "")
+                    + (f"; weights {w.weights}" if w.weights else ""),
+                )
+            )
     table = _table(show_header=False)
     for key, value in rows:
         _row(table, key, value)
@@ -546,8 +715,11 @@ def inspect(obj: Ctx, snapshot: str) -> None:
 @main.command()
 @output_option
 @click.argument("snapshots", nargs=-1, required=True)
-@click.option("--remote", is_flag=True,
-              help="delete from the remote store (chunks no other snapshot needs go after the grace period)")
+@click.option(
+    "--remote",
+    is_flag=True,
+    help="delete from the remote store (chunks no other snapshot needs go after the grace period)",
+)
 @click.pass_obj
 def rm(obj: Ctx, snapshots: tuple[str, ...], remote: bool) -> None:
     """Delete snapshots (ids or names)."""
@@ -563,8 +735,11 @@ def rm(obj: Ctx, snapshots: tuple[str, ...], remote: bool) -> None:
     if obj.output == "json":
         from gpusnap.daemon import jsonout
 
-        click.echo(json.dumps({"deleted": deleted,
-                               "failed": [{"snapshot": ref, "error": jsonout.error(err)} for ref, err in failed]}))
+        click.echo(
+            json.dumps(
+                {"deleted": deleted, "failed": [{"snapshot": ref, "error": jsonout.error(err)} for ref, err in failed]}
+            )
+        )
     else:
         click.echo("\n".join(deleted))
     if failed:
@@ -584,7 +759,9 @@ def node(obj: Ctx) -> None:
     h = info.host
     table = _table(show_header=False)
     for key, value in (
-        ("host", f"{h.hostname} ({h.machine})"), ("kernel", h.kernel), ("gpusnap", h.gpusnap_version),
+        ("host", f"{h.hostname} ({h.machine})"),
+        ("kernel", h.kernel),
+        ("gpusnap", h.gpusnap_version),
         ("criu", f"{h.criu_version} ({info.criu_path})"),
         ("store", f"{info.store_path}: {info.snapshot_count} snapshots, {_size(info.store_used_bytes)}"),
         ("remote", info.remote or "-"),
@@ -597,9 +774,16 @@ def node(obj: Ctx) -> None:
     if info.gpus:
         gpus = _table("IDX", "UUID", "NAME", "MEMORY FREE/TOTAL", "PERSISTENCE", "MIG", "PROCESSES")
         for g in info.gpus:
-            _row(gpus, str(g.index), g.uuid, g.name, f"{_size(g.memory_free_bytes)} / {_size(g.memory_total_bytes)}",
-                         "on" if g.persistence_mode else "off", "on" if g.mig_mode else "off",
-                         ", ".join(str(p.pid) for p in g.processes) or "-")
+            _row(
+                gpus,
+                str(g.index),
+                g.uuid,
+                g.name,
+                f"{_size(g.memory_free_bytes)} / {_size(g.memory_total_bytes)}",
+                "on" if g.persistence_mode else "off",
+                "on" if g.mig_mode else "off",
+                ", ".join(str(p.pid) for p in g.processes) or "-",
+            )
         _print_table(gpus)
 
 
@@ -613,16 +797,33 @@ def store(obj: Ctx) -> None:
     if obj.output == "json":
         from gpusnap.daemon import jsonout
 
-        click.echo(json.dumps({"store_path": info.store_path, "snapshot_count": info.snapshot_count,
-                               "store_used_bytes": info.store_used_bytes, "remote": info.remote,
-                               "tiers": [jsonout.message(t) for t in info.tiers]}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "store_path": info.store_path,
+                    "snapshot_count": info.snapshot_count,
+                    "store_used_bytes": info.store_used_bytes,
+                    "remote": info.remote,
+                    "tiers": [jsonout.message(t) for t in info.tiers],
+                },
+                indent=2,
+            )
+        )
         return
-    click.echo(f"store {info.store_path}: {info.snapshot_count} snapshots, {_size(info.store_used_bytes)}"
-               f"; remote {info.remote or '-'}")
+    click.echo(
+        f"store {info.store_path}: {info.snapshot_count} snapshots, {_size(info.store_used_bytes)}"
+        f"; remote {info.remote or '-'}"
+    )
     table = _table("TIER", "PATH", "USED", "BUDGET", "FREE", "BLOBS")
     for t in info.tiers:
-        table.add_row(t.name, t.path, _size(t.used_bytes), _size(t.budget_bytes) if t.budget_bytes else "-",
-                      _size(t.free_bytes), str(t.blobs))
+        table.add_row(
+            t.name,
+            t.path,
+            _size(t.used_bytes),
+            _size(t.budget_bytes) if t.budget_bytes else "-",
+            _size(t.free_bytes),
+            str(t.blobs),
+        )
     _print_table(table)
 
 
@@ -687,8 +888,6 @@ def list_operations(obj: Ctx) -> None:
         started = op.started.ToDatetime(tzinfo=UTC).astimezone().strftime("%H:%M:%S")
         _row(table, op.id, kind, state, op.phase, started, op.target_snapshot or str(op.target_pid))
     _print_table(table)
-
-
 
 
 def run() -> None:

@@ -17,8 +17,15 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import duration_pb2
 
-from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
-from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc, types_pb2
+from gpusnap.daemon._proto import (
+    node_pb2,
+    node_pb2_grpc,
+    operations_pb2,
+    operations_pb2_grpc,
+    snapshots_pb2,
+    snapshots_pb2_grpc,
+    types_pb2,
+)
 from gpusnap.daemon.api.errors import Code, GpusnapError, PermissionDeniedError, UnavailableError
 from gpusnap.daemon.config import DEFAULT_SOCKET
 from gpusnap.daemon.service.errors import from_rpc_error, from_status_proto
@@ -157,7 +164,9 @@ class DaemonClient:
         ``env``, ``unset_env`` and ``values`` form the restore context handed to the restored worker;
         with ``replicas`` > 1, that many copies are restored, ``{i}`` in the context becoming each one's index.
         """
-        context = operations_pb2.WorkerContext(env=dict(env or {}), unset_env=list(unset_env), values=dict(values or {}))
+        context = operations_pb2.WorkerContext(
+            env=dict(env or {}), unset_env=list(unset_env), values=dict(values or {})
+        )
         req = operations_pb2.RestoreRequest(
             snapshot=snapshot,
             host_pid_namespace=host_pid_namespace,
@@ -178,7 +187,9 @@ class DaemonClient:
 
     def resume(self, pid: int, *, gpu_map: Mapping[str, str] | None = None) -> operations_pb2.Operation:
         """Start resuming a suspended tree, optionally onto other GPUs (``old -> new``, UUIDs or indexes)."""
-        return self._call(self._ops.Resume, operations_pb2.ResumeRequest(pid=pid, gpu_map=dict(gpu_map or {}))).operation
+        return self._call(
+            self._ops.Resume, operations_pb2.ResumeRequest(pid=pid, gpu_map=dict(gpu_map or {}))
+        ).operation
 
     def push(self, snapshot: str) -> operations_pb2.Operation:
         """Start pushing a local snapshot (id or name) to the daemon's remote store."""
@@ -197,7 +208,9 @@ class DaemonClient:
 
     def list_operations(self, page_size: int = 0) -> list[operations_pb2.Operation]:
         """Every operation the caller may see, oldest first, fetched page by page."""
-        return self._all_pages(self._ops.ListOperations, operations_pb2.ListOperationsRequest(page_size=page_size), "operations")
+        return self._all_pages(
+            self._ops.ListOperations, operations_pb2.ListOperationsRequest(page_size=page_size), "operations"
+        )
 
     def _all_pages(self, method: Callable[..., Any], request: Any, field: str) -> list[Any]:
         """Call a List RPC until its ``next_page_token`` is empty; the items of every page, in order."""
@@ -219,15 +232,19 @@ class DaemonClient:
 
     def wait(self, op_id: str, timeout_s: float | None = None) -> operations_pb2.Operation:
         """Wait for the operation to end; raise its error if it failed."""
-        op = self._call(self._ops.WaitOperation, operations_pb2.WaitOperationRequest(id=op_id), timeout=timeout_s).operation
+        op = self._call(
+            self._ops.WaitOperation, operations_pb2.WaitOperationRequest(id=op_id), timeout=timeout_s
+        ).operation
         raise_if_failed(op)
         return op
 
-    def list_snapshots(self, label_selector: Mapping[str, str] | None = None, page_size: int = 0,
-                       remote: bool = False) -> list[types_pb2.Snapshot]:
+    def list_snapshots(
+        self, label_selector: Mapping[str, str] | None = None, page_size: int = 0, remote: bool = False
+    ) -> list[types_pb2.Snapshot]:
         """Every snapshot the caller may see (matching ``label_selector``), oldest first, page by page."""
-        req = snapshots_pb2.ListSnapshotsRequest(label_selector=dict(label_selector or {}), page_size=page_size,
-                                                  remote=remote)
+        req = snapshots_pb2.ListSnapshotsRequest(
+            label_selector=dict(label_selector or {}), page_size=page_size, remote=remote
+        )
         return self._all_pages(self._snaps.ListSnapshots, req, "snapshots")
 
     def get_snapshot(self, snapshot: str) -> types_pb2.Snapshot:

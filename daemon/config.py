@@ -147,15 +147,19 @@ class DaemonConfig:
 
             RemoteUrl.parse(self.remote)
         if self.remote_endpoint and not self.remote_endpoint.startswith(("http://", "https://")):
-            raise InvalidArgumentError(f"remote_endpoint must be an http:// or https:// URL, not {self.remote_endpoint!r}",
-                                       reason="BAD_CONFIG")
+            raise InvalidArgumentError(
+                f"remote_endpoint must be an http:// or https:// URL, not {self.remote_endpoint!r}", reason="BAD_CONFIG"
+            )
         if self.remote_threads < 1 or self.remote_memory_bytes < 1 or self.remote_gc_grace < 0:
-            raise InvalidArgumentError("remote_threads and remote_memory_bytes must be positive, remote_gc_grace not "
-                                       "negative", reason="BAD_CONFIG")
+            raise InvalidArgumentError(
+                "remote_threads and remote_memory_bytes must be positive, remote_gc_grace not negative",
+                reason="BAD_CONFIG",
+            )
         self.client_identities()
         if self.log_format not in ("auto", "json", "console"):
-            raise InvalidArgumentError(f"log_format must be auto, json or console, not {self.log_format!r}", reason="BAD_CONFIG")
-
+            raise InvalidArgumentError(
+                f"log_format must be auto, json or console, not {self.log_format!r}", reason="BAD_CONFIG"
+            )
 
     def client_identities(self) -> dict[str, int]:
         """``tls_client_identities`` as common name -> uid.

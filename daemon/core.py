@@ -13,14 +13,14 @@ from gpusnap.daemon.api import paging, validate
 from gpusnap.daemon.api.errors import AbortedError, NotFoundError, PermissionDeniedError
 from gpusnap.daemon.api.types import Caller, CheckpointOptions, HostFacts, RestoreOptions, Snapshot
 from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.drivers.nvml import GpuDevice
+from gpusnap.daemon.operations import remote as remote_ops
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, PhaseRunner
 from gpusnap.daemon.operations.checkpoint import host_facts, run_checkpoint
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
-from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.operations.restore import check_may_restore, check_replicas, run_restore
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
-from gpusnap.daemon.operations import remote as remote_ops
 from gpusnap.daemon.store.tiers import Tier
 
 
@@ -69,7 +69,10 @@ class Daemon:
             self.deps.store.check_name_free(opts.name, caller.uid)
         validate.labels(opts.labels)
         return self._start_on_tree(
-            OperationKind.CHECKPOINT, opts.pid, caller, lambda run: run_checkpoint(run, self.deps, opts, caller.uid),
+            OperationKind.CHECKPOINT,
+            opts.pid,
+            caller,
+            lambda run: run_checkpoint(run, self.deps, opts, caller.uid),
             request_id,
         )
 
@@ -93,13 +96,21 @@ class Daemon:
             snapshot = remote_ops.require_remote(self.deps).find(opts.snapshot, caller.uid).snapshot
             check_may_restore(snapshot, caller)
             here = dataclasses.replace(opts, snapshot=snapshot.id)
-            record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid,
-                                     request_id=request_id)
-            return self.registry.start(record, (), lambda run: (
-                remote_ops.run_pull(run, self.deps, snapshot.id, caller), run_restore(run, self.deps, here, caller))[1])
+            record = OperationRecord(
+                OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
+            )
+            return self.registry.start(
+                record,
+                (),
+                lambda run: (
+                    remote_ops.run_pull(run, self.deps, snapshot.id, caller),
+                    run_restore(run, self.deps, here, caller),
+                )[1],
+            )
         check_may_restore(snapshot, caller)
-        record = OperationRecord(OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid,
-                                 request_id=request_id)
+        record = OperationRecord(
+            OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
+        )
         return self.registry.start(record, (), lambda run: run_restore(run, self.deps, opts, caller))
 
     def push(self, ref: str, caller: Caller) -> OperationRecord:
@@ -133,8 +144,12 @@ class Daemon:
     ) -> paging.Page[Snapshot]:
         """A page of the snapshots published in the remote store that the caller may use, oldest first."""
         found = [m.snapshot for m in remote_ops.require_remote(self.deps).list()]
-        mine = [s for s in found if (caller.is_root or s.owner_uid == caller.uid)
-                and all(s.labels.get(k) == v for k, v in label_selector.items())]
+        mine = [
+            s
+            for s in found
+            if (caller.is_root or s.owner_uid == caller.uid)
+            and all(s.labels.get(k) == v for k, v in label_selector.items())
+        ]
         return paging.paginate(mine, snapshot_key, paging.page_size(page_size), page_token)
 
     def delete_remote_snapshot(self, ref: str, caller: Caller) -> str:
@@ -250,7 +265,6 @@ class Daemon:
             remote=str(self.deps.remote or ""),
             tiers=tuple((t, t.used_bytes(), sum(1 for _ in t.blob_files())) for t in self.deps.store.buffers.tiers),
         )
-
 
 
 def snapshot_key(snapshot: Snapshot) -> paging.Key:

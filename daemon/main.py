@@ -26,11 +26,16 @@ IN_USE_REASONS = frozenset({"STORE_LOCKED", "SOCKET_IN_USE"})
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--socket", type=click.Path(path_type=Path), help="API Unix socket [/run/gpusnap/gpusnapd.sock]")
-@click.option("--agent-socket", type=click.Path(path_type=Path),
-              help="where worker agents connect [agent.sock beside --socket]; workers find it via GPUSNAP_AGENT_SOCKET")
+@click.option(
+    "--agent-socket",
+    type=click.Path(path_type=Path),
+    help="where worker agents connect [agent.sock beside --socket]; workers find it via GPUSNAP_AGENT_SOCKET",
+)
 @click.option("--store", type=click.Path(path_type=Path), help="snapshot store directory [/var/lib/gpusnap]")
 @click.option("--buffer-dir", help="buffer store for workers' weights, e.g. on tmpfs [<store>/buffers]")
-@click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="TOML config file")
+@click.option(
+    "--config", "config_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="TOML config file"
+)
 @click.option("--remote", help="remote store for push/pull: s3://BUCKET/PREFIX")
 @click.option("--remote-endpoint", help="S3 service URL of the remote store (e.g. a Ceph RADOS Gateway) [AWS]")
 @click.option("--listen", help="also serve on TCP host:port (TLS only; set tls_cert/tls_key)")

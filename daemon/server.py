@@ -10,28 +10,34 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
-from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
 from gpusnap.daemon import __version__, rundirs
+from gpusnap.daemon._proto import (
+    node_pb2,
+    node_pb2_grpc,
+    operations_pb2,
+    operations_pb2_grpc,
+    snapshots_pb2,
+    snapshots_pb2_grpc,
+)
 from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import host
 from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
+from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations.base import OperationKind
 from gpusnap.daemon.operations.deps import Deps
-from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
+from gpusnap.daemon.remote.store import RemoteStore
+from gpusnap.daemon.remote.transfer import TransferLimits
 from gpusnap.daemon.service import reflection
 from gpusnap.daemon.service.aio import AioServer, AsyncServicer, OperationStreams
 from gpusnap.daemon.service.limits import CallerLimits
 from gpusnap.daemon.service.peercred import PeerCredProxy
 from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, SnapshotServicer
 from gpusnap.daemon.store import SnapshotStore
-from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
-from gpusnap.daemon.remote.store import RemoteStore
-from gpusnap.daemon.remote.transfer import TransferLimits
 from gpusnap.daemon.store.journal import JOURNAL, Journal
 from gpusnap.daemon.workers.agents import AgentRegistry
 
@@ -87,8 +93,12 @@ def build_daemon(config: DaemonConfig) -> Running:
     criu = CriuDriver(config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs")
     criu_version = criu.require_supported()
     criu.keep_spare_helper()
-    store = SnapshotStore(config.store, Path(config.buffer_dir) if config.buffer_dir else None,
-                          config.ram_tier_bytes, config.disk_tier_bytes)
+    store = SnapshotStore(
+        config.store,
+        Path(config.buffer_dir) if config.buffer_dir else None,
+        config.ram_tier_bytes,
+        config.disk_tier_bytes,
+    )
     store.open()
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
     for sock_dir in {config.socket.parent, config.agent_socket.parent}:
@@ -98,22 +108,30 @@ def build_daemon(config: DaemonConfig) -> Running:
     agents.start()
     # The agents' default GPUSNAP_WAKE_DIR, like /tmp.
     rundirs.make_own_dir(wake_dir(config), 0o1777)
-    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents,
-                remote=_remote(config))
+    deps = Deps(
+        config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents, remote=_remote(config)
+    )
     metrics = None
     if config.metrics_listen:  # prometheus-client is imported only when metrics are on
         from gpusnap.daemon.metrics import Metrics
 
         metrics = Metrics(lambda: _usage(daemon))  # read at scrape time, once the daemon exists
         driver, cuda = gpu.driver_versions()
-        metrics.set_versions(gpusnap_version=__version__, criu_version=criu_version,
-                             nvidia_driver_version=driver, cuda_driver_version=cuda)
+        metrics.set_versions(
+            gpusnap_version=__version__,
+            criu_version=criu_version,
+            nvidia_driver_version=driver,
+            cuda_driver_version=cuda,
+        )
     observe = metrics.observe if metrics is not None else None
     journal = Journal(config.store / JOURNAL)
     journal.open()
     registry = OperationRegistry(
-        max_workers=config.max_operations, max_per_caller=config.max_operations_per_caller,
-        max_running=config.max_running_operations, journal=journal, on_finished=observe,
+        max_workers=config.max_operations,
+        max_per_caller=config.max_operations_per_caller,
+        max_running=config.max_running_operations,
+        journal=journal,
+        on_finished=observe,
     )
     recovery.recover(deps, journal, registry)  # before anyone can reach the trees it touches
     daemon = Daemon(deps, registry)
@@ -127,8 +145,9 @@ def build_daemon(config: DaemonConfig) -> Running:
         private.unlink()
 
     server = AioServer(threads=RPC_THREADS)
-    limits = CallerLimits(calls=config.max_calls_per_caller, queued=MAX_QUEUED_PER_CALLER,
-                          streams=config.max_streams_per_caller)
+    limits = CallerLimits(
+        calls=config.max_calls_per_caller, queued=MAX_QUEUED_PER_CALLER, streams=config.max_streams_per_caller
+    )
     ops = OperationServicer(daemon, proxy)
     health_servicer = health.aio.HealthServicer()
 
@@ -136,9 +155,8 @@ def build_daemon(config: DaemonConfig) -> Running:
         aio = server.server
         streams = OperationStreams(ops, limits).handlers()
         operations_pb2_grpc.add_OperationServiceServicer_to_server(AsyncServicer(ops, server, limits, streams), aio)  # type: ignore[arg-type]
-        snapshots_pb2_grpc.add_SnapshotServiceServicer_to_server(
-            AsyncServicer(SnapshotServicer(daemon, proxy), server, limits), aio  # type: ignore[arg-type]
-        )
+        snapshots = AsyncServicer(SnapshotServicer(daemon, proxy), server, limits)
+        snapshots_pb2_grpc.add_SnapshotServiceServicer_to_server(snapshots, aio)  # type: ignore[arg-type]
         node_pb2_grpc.add_NodeServiceServicer_to_server(AsyncServicer(NodeServicer(daemon, proxy), server, limits), aio)  # type: ignore[arg-type]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, aio)
         reflection.enable((*SERVICE_NAMES, health.SERVICE_NAME), aio)
@@ -217,8 +235,9 @@ def _remote(config: DaemonConfig) -> RemoteStore | None:
     if not config.remote:
         return None
     limits = TransferLimits.from_config(config.remote_threads, config.remote_memory_bytes, config.remote_gc_grace)
-    objects = ObjectStore(RemoteUrl.parse(config.remote), config.remote_endpoint, config.remote_ca_bundle,
-                          connections=limits.threads * 2)
+    objects = ObjectStore(
+        RemoteUrl.parse(config.remote), config.remote_endpoint, config.remote_ca_bundle, connections=limits.threads * 2
+    )
     return RemoteStore(objects, limits)
 
 

@@ -22,8 +22,11 @@ OUT = REPO / "docs" / "schemas" / "v1" / "cli.schema.json"
 # Sub-messages that are always present; any other message field may be absent (unset).
 ALWAYS = {"Snapshot.created", "Snapshot.source", "Snapshot.host", "Operation.started", "NodeInfo.host"}
 SNAKE = {"pattern": "^[a-z][a-z0-9_]*$"}
-PHASES_BY_NAME = {"type": "object", "additionalProperties": {"type": "number", "minimum": 0},
-                  "description": "phase name -> seconds, in the order the phases ran"}
+PHASES_BY_NAME = {
+    "type": "object",
+    "additionalProperties": {"type": "number", "minimum": 0},
+    "description": "phase name -> seconds, in the order the phases ran",
+}
 
 
 def _scalar(field: Any) -> dict[str, Any]:
@@ -67,8 +70,10 @@ def _message(msg: Any, defs: dict[str, Any]) -> None:
     required = []
     for field in msg.fields:
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            props[field.name] = {"type": "object",
-                                 "additionalProperties": _value(field.message_type.fields_by_name["value"], defs)}
+            props[field.name] = {
+                "type": "object",
+                "additionalProperties": _value(field.message_type.fields_by_name["value"], defs),
+            }
             required.append(field.name)
         elif field.is_repeated:
             props[field.name] = {"type": "array", "items": _value(field, defs)}
@@ -117,26 +122,53 @@ def schema() -> dict[str, Any]:
     count = {"type": "integer", "minimum": 0}
     transfer = {
         "type": "object",
-        "properties": {"id": ident, "remote": {"type": "string", "pattern": "^s3://"}, "operation": op_id,
-                       "transferred_bytes": count, "skipped_bytes": count, "transferred_chunks": count,
-                       "skipped_chunks": count, "buffer_transferred_bytes": count, "phases": PHASES_BY_NAME},
-        "required": ["id", "remote", "operation", "transferred_bytes", "skipped_bytes", "transferred_chunks",
-                     "skipped_chunks", "buffer_transferred_bytes", "phases"],
+        "properties": {
+            "id": ident,
+            "remote": {"type": "string", "pattern": "^s3://"},
+            "operation": op_id,
+            "transferred_bytes": count,
+            "skipped_bytes": count,
+            "transferred_chunks": count,
+            "skipped_chunks": count,
+            "buffer_transferred_bytes": count,
+            "phases": PHASES_BY_NAME,
+        },
+        "required": [
+            "id",
+            "remote",
+            "operation",
+            "transferred_bytes",
+            "skipped_bytes",
+            "transferred_chunks",
+            "skipped_chunks",
+            "buffer_transferred_bytes",
+            "phases",
+        ],
         "additionalProperties": False,
     }
     commands = {
         "dump": {
             "type": "object",
-            "properties": {"id": ident, "name": {"type": "string"}, "operation": op_id,
-                           "size_bytes": {"type": "integer", "minimum": 0},
-                           "buffer_bytes": {"type": "integer", "minimum": 0}, "phases": PHASES_BY_NAME,
-                           "push_operation": op_id},
+            "properties": {
+                "id": ident,
+                "name": {"type": "string"},
+                "operation": op_id,
+                "size_bytes": {"type": "integer", "minimum": 0},
+                "buffer_bytes": {"type": "integer", "minimum": 0},
+                "phases": PHASES_BY_NAME,
+                "push_operation": op_id,
+            },
             "required": ["id", "name", "operation", "size_bytes", "buffer_bytes", "phases"],
         },
         "store": {
             "type": "object",
-            "properties": {"store_path": {"type": "string"}, "snapshot_count": count, "store_used_bytes": count,
-                           "remote": {"type": "string"}, "tiers": {"type": "array", "items": {"$ref": "#/$defs/StoreTier"}}},
+            "properties": {
+                "store_path": {"type": "string"},
+                "snapshot_count": count,
+                "store_used_bytes": count,
+                "remote": {"type": "string"},
+                "tiers": {"type": "array", "items": {"$ref": "#/$defs/StoreTier"}},
+            },
             "required": ["store_path", "snapshot_count", "store_used_bytes", "remote", "tiers"],
             "additionalProperties": False,
         },
@@ -144,15 +176,28 @@ def schema() -> dict[str, Any]:
         "pull": transfer,
         "restore": {
             "type": "object",
-            "properties": {"pid": pid, "pids": {"type": "array", "items": pid},
-                           "namespace_pid": {"type": "integer", "minimum": 0}, "snapshot_id": ident,
-                           "operation": op_id, "phases": PHASES_BY_NAME,
-                           "replicas": {"type": "array", "minItems": 1, "items": {
-                               "type": "object",
-                               "properties": {"index": {"type": "integer", "minimum": 0}, "pid": pid,
-                                              "pids": {"type": "array", "items": pid},
-                                              "namespace_pid": {"type": "integer", "minimum": 0}},
-                               "required": ["index", "pid", "pids", "namespace_pid"]}}},
+            "properties": {
+                "pid": pid,
+                "pids": {"type": "array", "items": pid},
+                "namespace_pid": {"type": "integer", "minimum": 0},
+                "snapshot_id": ident,
+                "operation": op_id,
+                "phases": PHASES_BY_NAME,
+                "replicas": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "index": {"type": "integer", "minimum": 0},
+                            "pid": pid,
+                            "pids": {"type": "array", "items": pid},
+                            "namespace_pid": {"type": "integer", "minimum": 0},
+                        },
+                        "required": ["index", "pid", "pids", "namespace_pid"],
+                    },
+                },
+            },
             "required": ["pid", "pids", "namespace_pid", "snapshot_id", "operation", "phases", "replicas"],
         },
         "detached": {"type": "object", "properties": {"operation": op_id}, "required": ["operation"]},
@@ -160,9 +205,14 @@ def schema() -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "deleted": {"type": "array", "items": ident},
-                "failed": {"type": "array", "items": {
-                    "type": "object", "properties": {"snapshot": {"type": "string"}, "error": {"$ref": "#/$defs/error"}},
-                    "required": ["snapshot", "error"]}},
+                "failed": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"snapshot": {"type": "string"}, "error": {"$ref": "#/$defs/error"}},
+                        "required": ["snapshot", "error"],
+                    },
+                },
             },
             "required": ["deleted", "failed"],
         },
@@ -173,8 +223,12 @@ def schema() -> dict[str, Any]:
         "wait": {"$ref": "#/$defs/Operation"},
         "suspend": {"$ref": "#/$defs/Operation"},
         "resume": {"$ref": "#/$defs/Operation"},
-        "failed": {"type": "object", "properties": {"error": {"$ref": "#/$defs/error"}}, "required": ["error"],
-                   "additionalProperties": False},
+        "failed": {
+            "type": "object",
+            "properties": {"error": {"$ref": "#/$defs/error"}},
+            "required": ["error"],
+            "additionalProperties": False,
+        },
     }
     for name, body in commands.items():
         if body.get("type") == "object":

@@ -43,7 +43,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         bindir = Path(sys.executable).parent
         args = ["protoc", *(f"-I{d}" for d in _include_dirs())]
-        args += [f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}", f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}"]
+        args += [
+            f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
+            f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
+        ]
         args += [f"--python_out={tmp}", f"--grpc_python_out={tmp}", f"--mypy_out={tmp}", f"--mypy_grpc_out={tmp}"]
         if protoc.main([*args, *protos]) != 0:
             return 1
@@ -59,8 +62,12 @@ def main() -> int:
             text = re.sub(r"\bgpusnap\.v1\.(\w+_pb2)\b", rf"{PACKAGE}.\1", text)
             dest = AGENT_OUT_DIR if src.name in AGENT_MODULES else OUT_DIR
             (dest / src.name).write_text(text)
-    (OUT_DIR / "__init__.py").write_text('"""Generated gRPC code for gpusnap.v1 (scripts/gen_protos.py). Do not edit."""\n')
-    (AGENT_OUT_DIR / "__init__.py").write_text('"""Generated agent-channel messages (scripts/gen_protos.py). Do not edit."""\n')
+    (OUT_DIR / "__init__.py").write_text(
+        '"""Generated gRPC code for gpusnap.v1 (scripts/gen_protos.py). Do not edit."""\n'
+    )
+    (AGENT_OUT_DIR / "__init__.py").write_text(
+        '"""Generated agent-channel messages (scripts/gen_protos.py). Do not edit."""\n'
+    )
     print(f"generated {len(protos)} protos into {OUT_DIR.relative_to(ROOT)}")
     return 0
 

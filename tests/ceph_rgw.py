@@ -65,8 +65,13 @@ class Gateway:
     def _spawn(self, name: str, *args: str) -> None:
         log = open(self.root / f"{name}.out", "ab")
         # -f: stay in the foreground, so the process is ours to stop and never outlives the test session.
-        self.procs[name] = subprocess.Popen([args[0], "-f", "-c", str(self.conf), *args[1:]], stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            [args[0], "-f", "-c", str(self.conf), *args[1:]],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def start_rgw(self, timeout: float = 60) -> None:
         """Start (or restart) radosgw and wait until it answers HTTP."""
@@ -162,8 +167,21 @@ rgw frontends = beast endpoint=127.0.0.1:{rgw_port}
         (root / d).mkdir()
     gw = Gateway(root=root, conf=conf, rgw_port=rgw_port)
     try:
-        subprocess.run(["monmaptool", "--create", "--fsid", fsid, "--addv", "a", f"[v2:127.0.0.1:{mon_port}]",
-                        str(root / "monmap")], check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [
+                "monmaptool",
+                "--create",
+                "--fsid",
+                fsid,
+                "--addv",
+                "a",
+                f"[v2:127.0.0.1:{mon_port}]",
+                str(root / "monmap"),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         gw._run("ceph-mon", "--mkfs", "-i", "a", "--monmap", str(root / "monmap"))
         gw._spawn("mon", "ceph-mon", "-i", "a")
         osd_uuid = str(uuid.uuid4())
@@ -172,8 +190,15 @@ rgw frontends = beast endpoint=127.0.0.1:{rgw_port}
         gw._run("ceph-osd", "-i", osd_id, "--mkfs", "--osd-uuid", osd_uuid)
         gw._spawn("osd", "ceph-osd", "-i", osd_id)
         gw.start_rgw()
-        gw._run("radosgw-admin", "user", "create", "--uid=gpusnap-test", "--display-name=gpusnap test",
-                f"--access-key={ACCESS_KEY}", f"--secret-key={SECRET_KEY}")
+        gw._run(
+            "radosgw-admin",
+            "user",
+            "create",
+            "--uid=gpusnap-test",
+            "--display-name=gpusnap test",
+            f"--access-key={ACCESS_KEY}",
+            f"--secret-key={SECRET_KEY}",
+        )
     except BaseException:
         gw.stop()
         raise

@@ -47,8 +47,14 @@ class DaemonProc:
         self.clients.append(c)
         return c
 
-    def cli(self, *args: str, user: int | None = None, check: bool = False, timeout: float = 120,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self,
+        *args: str,
+        user: int | None = None,
+        check: bool = False,
+        timeout: float = 120,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         """Run the CLI; ``env`` entries are added to (or, set to "", removed from) its environment."""
         cmd = [*self.cli_argv, "--socket", str(self.socket), *args]
         if user is not None:
@@ -73,9 +79,14 @@ def _cli_env() -> dict[str, str]:
     return env
 
 
-def start_daemon(tmp: Path, extra_env: dict[str, str] | None = None, criu_binary: str | None = None,
-                 bin_dir: Path | None = None, base_env: dict[str, str] | None = None,
-                 socket_dir: Path | None = None) -> DaemonProc:
+def start_daemon(
+    tmp: Path,
+    extra_env: dict[str, str] | None = None,
+    criu_binary: str | None = None,
+    bin_dir: Path | None = None,
+    base_env: dict[str, str] | None = None,
+    socket_dir: Path | None = None,
+) -> DaemonProc:
     """Start gpusnapd with a socket in a world-traversable temp dir and a store under ``tmp``.
 
     ``bin_dir``: run the ``gpusnapd`` and ``gpusnap`` scripts installed there (with ``base_env`` instead
@@ -89,13 +100,23 @@ def start_daemon(tmp: Path, extra_env: dict[str, str] | None = None, criu_binary
     tmp.mkdir(parents=True, exist_ok=True)
     log = tmp / "gpusnapd.log"
     prefix = criu_prefix()
-    env = {**(base_env or _cli_env()), "GPUSNAP_LOG_FORMAT": "json", "GPUSNAP_AGENT_SOCKET": str(sock_dir / "agent.sock"),
-           **(extra_env or {})}
+    env = {
+        **(base_env or _cli_env()),
+        "GPUSNAP_LOG_FORMAT": "json",
+        "GPUSNAP_AGENT_SOCKET": str(sock_dir / "agent.sock"),
+        **(extra_env or {}),
+    }
     daemon_argv = [str(bin_dir / "gpusnapd")] if bin_dir else [sys.executable, "-m", "gpusnap.daemon.main"]
     cmd = [
         *daemon_argv,
-        "--socket", str(socket_path), "--store", str(store),
-        "--criu", criu_binary or str(prefix / "bin" / "criu"), "--pycriu-path", str(prefix / "python"),
+        "--socket",
+        str(socket_path),
+        "--store",
+        str(store),
+        "--criu",
+        criu_binary or str(prefix / "bin" / "criu"),
+        "--pycriu-path",
+        str(prefix / "python"),
     ]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
     d = DaemonProc(socket=socket_path, store=store, proc=proc, log=log)
@@ -174,7 +195,9 @@ class Workloads:
         if user is not None:
             os.chmod(workdir, 0o777)
             cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         wait_for(lambda: (workdir / "ready").exists(), 60, f"workload {workdir} did not start")
         pid = proc.pid
         if user is not None:  # setpriv execs in place
@@ -273,14 +296,27 @@ def hostile() -> Iterator[tuple[Any, Any]]:
 
 # `make test-fast` runs `-m "not slow"`: tests that start gpusnapd, real workloads or CRIU, an engine or a
 # wheel build take seconds each and are marked slow here by what they use, so new ones need no marker.
-SLOW_FIXTURES = frozenset({"daemon", "open_daemon", "workloads", "node", "criu_version", "hostile", "ceph_gateway", "fleet"})
-SLOW_MODULES = frozenset({
-    "tests.test_packaging", "tests.daemon.test_tls", "tests.daemon.test_faults", "tests.systemd.test_unit",
-    "tests.adapters.test_vllm_cpu", "tests.adapters.test_buffers_cpu", "tests.adapters.test_agent_roundtrip",
-    "tests.adapters.test_controldir", "tests.daemon.service.test_lists", "tests.daemon.security.test_dirs",
-    "tests.daemon.test_metrics", "tests.daemon.remote.test_faults", "tests.adapters.test_vllm_plugin",
-    "tests.adapters.test_vmm",
-})
+SLOW_FIXTURES = frozenset(
+    {"daemon", "open_daemon", "workloads", "node", "criu_version", "hostile", "ceph_gateway", "fleet"}
+)
+SLOW_MODULES = frozenset(
+    {
+        "tests.test_packaging",
+        "tests.daemon.test_tls",
+        "tests.daemon.test_faults",
+        "tests.systemd.test_unit",
+        "tests.adapters.test_vllm_cpu",
+        "tests.adapters.test_buffers_cpu",
+        "tests.adapters.test_agent_roundtrip",
+        "tests.adapters.test_controldir",
+        "tests.daemon.service.test_lists",
+        "tests.daemon.security.test_dirs",
+        "tests.daemon.test_metrics",
+        "tests.daemon.remote.test_faults",
+        "tests.adapters.test_vllm_plugin",
+        "tests.adapters.test_vmm",
+    }
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

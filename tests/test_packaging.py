@@ -40,10 +40,17 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src.mkdir()
     for name in (n for n in SOURCES if (REPO / n).exists()):
         (shutil.copytree if (REPO / name).is_dir() else shutil.copy2)(
-            REPO / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if (REPO / name).is_dir() else {}))
+            REPO / name,
+            src / name,
+            **({"ignore": shutil.ignore_patterns("__pycache__")} if (REPO / name).is_dir() else {}),
+        )
     wheels = tmp / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = wheels.glob("gpusnap-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     in_wheel = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
@@ -53,10 +60,18 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                   check=True, capture_output=True, timeout=300)
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     (Path(site) / "deps-from-test-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return venv / "bin"
 
@@ -67,9 +82,16 @@ def _clean_env() -> dict[str, str]:
 
 def test_installed_wheel_imports_from_the_venv_only(installed: Path) -> None:
     out = subprocess.run(
-        [str(installed / "python"), "-c",
-         "import gpusnap.daemon.workers.safefs as m, gpusnap.daemon.main, gpusnap.adapters.agent; print(m.__file__)"],
-        check=True, capture_output=True, text=True, env=_clean_env(), cwd="/",
+        [
+            str(installed / "python"),
+            "-c",
+            "import gpusnap.daemon.workers.safefs as m, gpusnap.daemon.main, gpusnap.adapters.agent; print(m.__file__)",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        cwd="/",
     ).stdout.strip()
     assert out.startswith(str(installed.parent)), f"gpusnap imported from {out}, not from the installed wheel"
 

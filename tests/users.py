@@ -64,8 +64,22 @@ def hostile_users() -> Iterator[tuple[User, User]]:
     try:
         for suffix in ("a", "b"):
             name = tag + suffix
-            subprocess.run(["useradd", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin",
-                            "--user-group", "--groups", tag, name], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    "useradd",
+                    "--no-create-home",
+                    "--home-dir",
+                    "/nonexistent",
+                    "--shell",
+                    "/usr/sbin/nologin",
+                    "--user-group",
+                    "--groups",
+                    tag,
+                    name,
+                ],
+                check=True,
+                capture_output=True,
+            )
             made.append(name)
         users = tuple(User(n, pwd.getpwnam(n).pw_uid, pwd.getpwnam(n).pw_gid, tag) for n in made)
         yield users[0], users[1]

@@ -244,7 +244,9 @@ _BY_CODE: dict[Code, type[GpusnapError]] = {
 }
 
 
-def error_for_code(code: Code, message: str, *, reason: str | None = None, metadata: Mapping[str, str] | None = None) -> GpusnapError:
+def error_for_code(
+    code: Code, message: str, *, reason: str | None = None, metadata: Mapping[str, str] | None = None
+) -> GpusnapError:
     """Rebuild the domain error for a status code (the client side of the mapping)."""
     cls = _BY_CODE.get(code, GpusnapError)
     err = cls(message, reason=reason, metadata=metadata)

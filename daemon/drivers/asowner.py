@@ -61,16 +61,29 @@ def check(creds: Creds, items: Sequence[Item], *, mnt_ns_of: int = 0, timeout_s:
     """
     if not items:
         return []
-    req = {"uid": creds.uid, "gid": creds.gid, "groups": list(creds.groups), "mnt_ns_of": mnt_ns_of,
-           "items": [dataclasses.asdict(i) for i in items]}
+    req = {
+        "uid": creds.uid,
+        "gid": creds.gid,
+        "groups": list(creds.groups),
+        "mnt_ns_of": mnt_ns_of,
+        "items": [dataclasses.asdict(i) for i in items],
+    }
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     try:
-        res = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(req), capture_output=True,
-                             text=True, timeout=timeout_s, env=env, cwd="/")
+        res = subprocess.run(
+            [sys.executable, "-m", __name__],
+            input=json.dumps(req),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+            cwd="/",
+        )
         problems: list[str | None] = json.loads(res.stdout)["problems"]
     except (OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
-        raise InternalError(f"the file-rights check as uid {creds.uid} failed ({type(exc).__name__})",
-                            reason="ACCESS_CHECK_FAILED") from exc
+        raise InternalError(
+            f"the file-rights check as uid {creds.uid} failed ({type(exc).__name__})", reason="ACCESS_CHECK_FAILED"
+        ) from exc
     if len(problems) != len(items):
         raise InternalError("the file-rights check answered the wrong number of items", reason="ACCESS_CHECK_FAILED")
     return problems

@@ -127,7 +127,9 @@ class CriuDriver:
             ) from exc
         match = re.search(r"Version:\s*(\S+)", out.stdout)
         if not match:
-            raise FailedPreconditionError(f"cannot parse `criu --version` output: {out.stdout!r}", reason="CRIU_MISSING")
+            raise FailedPreconditionError(
+                f"cannot parse `criu --version` output: {out.stdout!r}", reason="CRIU_MISSING"
+            )
         return match.group(1)
 
     def require_supported(self) -> str:
@@ -264,15 +266,22 @@ class CriuDriver:
         if (new_netns or shm_dir) and not new_pidns:
             raise ValueError("a private network or /dev/shm needs the fresh namespaces of new_pidns")
         req = {
-            "action": "restore", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts,
-            "new_pidns": new_pidns, "new_netns": new_netns, "shm_dir": str(shm_dir) if shm_dir else "",
+            "action": "restore",
+            "images_dir": str(images_dir),
+            "work_dir": str(work_dir),
+            "opts": opts,
+            "new_pidns": new_pidns,
+            "new_netns": new_netns,
+            "shm_dir": str(shm_dir) if shm_dir else "",
         }
         handler = None
         if before_resume:
+
             def pre_resume(_event: dict[str, Any], events: list[dict[str, Any]]) -> None:
                 init = next((e["pid"] for e in events if e.get("event") == "init"), 0)
                 root = next(e["pid"] for e in events if e.get("event") == "notify" and e["script"] == "post-restore")
                 before_resume(RestoredTree(init_pid=int(init), ns_pid=int(root)))
+
             handler = _NotifyHandler({"pre-resume": pre_resume})
         events = self._run(req, work_dir / log_name, timeout_s, on_notify=handler, private_log=private_log)
         init_pid = next((e["pid"] for e in events if e.get("event") == "init"), 0)

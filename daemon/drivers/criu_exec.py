@@ -161,7 +161,12 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
         pid = int(resp.restore.pid) if req["action"] == "restore" else 0
         return {"event": "result", "ok": True, "pid": pid}
     except Exception as exc:  # transport errors, a killed criu, OSError, …
-        return {"event": "result", "ok": False, "error": f"{type(exc).__name__}: {exc}", "errno": getattr(exc, "errno", 0) or 0}
+        return {
+            "event": "result",
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}",
+            "errno": getattr(exc, "errno", 0) or 0,
+        }
     finally:
         os.close(images_fd)
         os.close(work_fd)
@@ -231,7 +236,12 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any) -> int:
                 _private_dev_shm(req["shm_dir"])
             result = _run_criu(req)
         except BaseException as exc:  # report anything, never hang the daemon
-            result = {"event": "result", "ok": False, "error": f"namespace init: {exc}", "errno": getattr(exc, "errno", 0) or 0}
+            result = {
+                "event": "result",
+                "ok": False,
+                "error": f"namespace init: {exc}",
+                "errno": getattr(exc, "errno", 0) or 0,
+            }
         os.write(w, (json.dumps(result) + "\n").encode())
         os.close(w)
         if not result["ok"]:

@@ -24,8 +24,13 @@ from typing import Any
 MIN_DRIVER_VERSION = 13040
 """``cuDriverGetVersion`` of the first CUDA release with custom storage (13.4)."""
 
-REQUIRED_NAMES = ("CUcheckpointCustomStorageInfo", "CUcheckpointCustomStoragePerDeviceData",
-                  "cuCheckpointOperationComplete", "CUcheckpointCheckpointArgs", "CUcheckpointRestoreArgs")
+REQUIRED_NAMES = (
+    "CUcheckpointCustomStorageInfo",
+    "CUcheckpointCustomStoragePerDeviceData",
+    "cuCheckpointOperationComplete",
+    "CUcheckpointCheckpointArgs",
+    "CUcheckpointRestoreArgs",
+)
 _INVALID_VALUE = 1
 
 
@@ -55,24 +60,36 @@ def probe(drv: Any, driver_version: int | None) -> CustomStorage:
     if not missing:
         try:
             args = (drv.CUcheckpointCheckpointArgs(), drv.CUcheckpointRestoreArgs())
-            missing = [f"{type(a).__name__}.customStorageInfo_out" for a in args if not hasattr(a, "customStorageInfo_out")]
+            missing = [
+                f"{type(a).__name__}.customStorageInfo_out" for a in args if not hasattr(a, "customStorageInfo_out")
+            ]
         except Exception as exc:  # noqa: BLE001 - a broken binding is "not supported"
             missing = [f"CUcheckpoint*Args ({exc})"]
     if missing:
-        return CustomStorage(False, f"cuda-bindings lacks {', '.join(missing)}: custom storage needs cuda-bindings "
-                                    ">= 13.4 and a CUDA >= 13.4 driver")
+        return CustomStorage(
+            False,
+            f"cuda-bindings lacks {', '.join(missing)}: custom storage needs cuda-bindings "
+            ">= 13.4 and a CUDA >= 13.4 driver",
+        )
     if driver_version is None or driver_version < MIN_DRIVER_VERSION:
         have = "an unknown CUDA version" if driver_version is None else f"CUDA {_version(driver_version)}"
-        return CustomStorage(False, f"the driver reports {have}; custom storage needs a CUDA >= "
-                                    f"{_version(MIN_DRIVER_VERSION)} driver")
+        return CustomStorage(
+            False, f"the driver reports {have}; custom storage needs a CUDA >= {_version(MIN_DRIVER_VERSION)} driver"
+        )
     try:
-        out = drv.cuCheckpointOperationComplete(drv.CUcheckpointOperationHandle(0)
-                                                if hasattr(drv, "CUcheckpointOperationHandle") else 0)
+        out = drv.cuCheckpointOperationComplete(
+            drv.CUcheckpointOperationHandle(0) if hasattr(drv, "CUcheckpointOperationHandle") else 0
+        )
         result = int(out[0])
     except Exception as exc:  # noqa: BLE001 - e.g. the entry point is missing from libcuda
-        return CustomStorage(False, f"cuCheckpointOperationComplete is not callable ({type(exc).__name__}: {exc}); "
-                                    "update the NVIDIA driver")
+        return CustomStorage(
+            False,
+            f"cuCheckpointOperationComplete is not callable ({type(exc).__name__}: {exc}); update the NVIDIA driver",
+        )
     if result != _INVALID_VALUE:
-        return CustomStorage(False, f"cuCheckpointOperationComplete(NULL) answered CUresult {result}, not "
-                                    "CUDA_ERROR_INVALID_VALUE: the driver does not implement custom storage")
+        return CustomStorage(
+            False,
+            f"cuCheckpointOperationComplete(NULL) answered CUresult {result}, not "
+            "CUDA_ERROR_INVALID_VALUE: the driver does not implement custom storage",
+        )
     return CustomStorage(True)

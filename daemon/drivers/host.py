@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-import resource
 import os
+import resource
 import socket
 from pathlib import Path
 

@@ -61,7 +61,14 @@ def facts(pid: int) -> ProcessFacts:
         except psutil.NoSuchProcess:
             continue
     return ProcessFacts(
-        pid=pid, comm=comm, cmdline=cmdline, uid=uids.real, gid=gids.real, tree_pids=tuple(pids), rss_bytes=rss, cwd=cwd,
+        pid=pid,
+        comm=comm,
+        cmdline=cmdline,
+        uid=uids.real,
+        gid=gids.real,
+        tree_pids=tuple(pids),
+        rss_bytes=rss,
+        cwd=cwd,
         listening=tuple(listening_addresses(pids)),
     )
 
@@ -337,5 +344,7 @@ def save_dev_shm(files: list[Path], dest: Path) -> int:
     if not files:
         return 0
     dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["cp", "-a", "--sparse=always", "--", *map(str, files), str(dest) + "/"], check=True, capture_output=True)
+    subprocess.run(
+        ["cp", "-a", "--sparse=always", "--", *map(str, files), str(dest) + "/"], check=True, capture_output=True
+    )
     return sum(p.stat().st_blocks * 512 for p in dest.iterdir())

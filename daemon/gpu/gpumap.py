@@ -194,8 +194,10 @@ def _validate_requested(
         raise ResourceExhaustedError(
             f"not enough free GPU memory: {detail}; free memory on those GPUs or map to other GPUs of the same model",
             reason="GPU_MEMORY_INSUFFICIENT",
-            metadata={"gpus": ",".join(g.uuid for _, g in short),
-                      "missing_bytes": str(sum(max(0, need[s] - g.memory_free_bytes) for s, g in short))},
+            metadata={
+                "gpus": ",".join(g.uuid for _, g in short),
+                "missing_bytes": str(sum(max(0, need[s] - g.memory_free_bytes) for s, g in short)),
+            },
         )
     return result
 
@@ -259,8 +261,12 @@ def _choose(
                 f"no {model} GPU can take checkpointed GPU {src} ({why}; other free {model} GPUs: {others}); free GPU "
                 f"memory, or restore on a node with a free {model}",
                 reason="GPU_MEMORY_INSUFFICIENT" if err_cls is ResourceExhaustedError else "NO_SUITABLE_GPU",
-                metadata={"gpu": src, "model": model, "needed_bytes": str(need.get(src, 0)),
-                          "free_bytes": str(max((g.memory_free_bytes for g in candidates), default=0))},
+                metadata={
+                    "gpu": src,
+                    "model": model,
+                    "needed_bytes": str(need.get(src, 0)),
+                    "free_bytes": str(max((g.memory_free_bytes for g in candidates), default=0)),
+                },
             )
         chosen = normalize_gpu_uuid(fitting[0].uuid)
         result[src] = chosen

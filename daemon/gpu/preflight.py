@@ -224,8 +224,10 @@ def check_gpu_memory(need_by_target: Mapping[str, int], gpus: Sequence[GpuDevice
             f"not enough free GPU memory: {detail}; stop other processes on those GPUs or restore onto other GPUs of "
             "the same model",
             reason="GPU_MEMORY_INSUFFICIENT",
-            metadata={"gpus": ",".join(g.uuid for g, _ in short),
-                      "missing_bytes": str(sum(max(0, n - g.memory_free_bytes) for g, n in short))},
+            metadata={
+                "gpus": ",".join(g.uuid for g, _ in short),
+                "missing_bytes": str(sum(max(0, n - g.memory_free_bytes) for g, n in short)),
+            },
         )
 
 
@@ -543,7 +545,10 @@ def check_capture(facts: CaptureFacts) -> None:
     if launcher is not None and launched is not None and tp > 1:
         argv = facts.cmdline_by_pid[launcher[0]]
         checks.append(
-            (f"engine_args:{launcher[0]}", partial(check_engine_args, launcher[0], argv, engine=launched, tensor_parallel=tp))
+            (
+                f"engine_args:{launcher[0]}",
+                partial(check_engine_args, launcher[0], argv, engine=launched, tensor_parallel=tp),
+            )
         )
     checks.append(
         (

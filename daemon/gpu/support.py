@@ -91,8 +91,11 @@ class GpuSupport:
         log.info("gpu.ready", driver=nvml.driver_version(), cuda=cuda.driver_version_string, gpus=len(nvml.gpus()))
         support = cls(cuda, nvml, "", call_timeout_s=call_timeout_s, host_memory_bytes=host_memory_bytes)
         support.custom_storage = cuda.custom_storage()
-        log.info("gpu.custom_storage", supported=support.custom_storage.supported,
-                 reason=support.custom_storage.reason or None)
+        log.info(
+            "gpu.custom_storage",
+            supported=support.custom_storage.supported,
+            reason=support.custom_storage.reason or None,
+        )
         return support
 
     @property
@@ -195,7 +198,11 @@ def visible_gpus(cuda_visible_devices: str | None, gpus: Sequence[GpuDevice]) ->
         return tuple(g.uuid for g in gpus)
     out: list[str] = []
     for item in (x.strip() for x in cuda_visible_devices.split(",")):
-        match = [g for g in gpus if (item.isdigit() and g.index == int(item)) or (item.startswith("GPU-") and g.uuid.startswith(item))]
+        match = [
+            g
+            for g in gpus
+            if (item.isdigit() and g.index == int(item)) or (item.startswith("GPU-") and g.uuid.startswith(item))
+        ]
         if len(match) != 1:
             break
         out.append(match[0].uuid)

@@ -75,8 +75,16 @@ def new_operation_id() -> str:
 class OperationRecord:
     """The state of one operation, shared between its worker thread and any number of watchers."""
 
-    def __init__(self, kind: OperationKind, *, target_pid: int = 0, target_snapshot: str = "", owner_uid: int = 0,
-                 request_id: str = "", journal: Journal | None = None):
+    def __init__(
+        self,
+        kind: OperationKind,
+        *,
+        target_pid: int = 0,
+        target_snapshot: str = "",
+        owner_uid: int = 0,
+        request_id: str = "",
+        journal: Journal | None = None,
+    ):
         self.id = new_operation_id()
         self.request_id = request_id
         self.journal = journal
@@ -139,10 +147,18 @@ class OperationRecord:
         if self.error is not None:
             error = {"code": int(self.error.code), "reason": self.error.reason, "message": self.error.message}
         return {
-            "id": self.id, "kind": self.kind.value, "owner_uid": self.owner_uid, "request_id": self.request_id,
-            "started": self.started.isoformat(), "finished": self.finished.isoformat() if self.finished else "",
-            "state": self.state.value, "phase": self.phase, "target_pid": self.target_pid,
-            "target_snapshot": self.target_snapshot, "facts": self.facts, "error": error,
+            "id": self.id,
+            "kind": self.kind.value,
+            "owner_uid": self.owner_uid,
+            "request_id": self.request_id,
+            "started": self.started.isoformat(),
+            "finished": self.finished.isoformat() if self.finished else "",
+            "state": self.state.value,
+            "phase": self.phase,
+            "target_pid": self.target_pid,
+            "target_snapshot": self.target_snapshot,
+            "facts": self.facts,
+            "error": error,
             "result": result_json(self.result),
         }
 
@@ -194,9 +210,7 @@ class PhaseRunner:
     def __init__(self, record: OperationRecord, slots: threading.BoundedSemaphore | None = None):
         self.record = record
         self._slots = slots
-        self.log = structlog.get_logger("gpusnap.operation").bind(
-            operation_id=record.id, kind=record.kind.value
-        )
+        self.log = structlog.get_logger("gpusnap.operation").bind(operation_id=record.id, kind=record.kind.value)
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self._open: tuple[str, float, PhaseProgress] | None = None
         self.phase_suffix = ""

@@ -71,8 +71,9 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool 
     unsupported = criu_limits.find(pids)
     if unsupported:
         more = f" (and {len(unsupported) - 1} more)" if len(unsupported) > 1 else ""
-        raise FailedPreconditionError(f"{unsupported[0]}{more}", reason="CRIU_UNSUPPORTED",
-                                      metadata={"pid": str(unsupported[0].pid)})
+        raise FailedPreconditionError(
+            f"{unsupported[0]}{more}", reason="CRIU_UNSUPPORTED", metadata={"pid": str(unsupported[0].pid)}
+        )
     outside = _external_pipes(pids)
     if outside:
         pid, fd, other = outside[0]
@@ -158,19 +159,25 @@ def _outside_terminal(pids: Sequence[int]) -> str:
     tree, or a ``/dev/pts/N`` whose master no process of the tree holds.
     """
     tree = set(pids)
-    masters = {i for p in pids for fd, target in _fds(p) if target in _PTMX for i in [_pty_index(p, fd)] if i is not None}
+    masters = {
+        i for p in pids for fd, target in _fds(p) if target in _PTMX for i in [_pty_index(p, fd)] if i is not None
+    }
     for p in pids:
         fields = _stat_fields(p)
         if len(fields) > 4 and int(fields[4]) != 0 and int(fields[3]) not in tree:
-            return (f"process {p} has a controlling terminal of session {fields[3]}, which is led outside the tree; a "
-                    "restore cannot give it back. Start the worker in its own session (setsid) with stdin, stdout and "
-                    "stderr on files or /dev/null")
+            return (
+                f"process {p} has a controlling terminal of session {fields[3]}, which is led outside the tree; a "
+                "restore cannot give it back. Start the worker in its own session (setsid) with stdin, stdout and "
+                "stderr on files or /dev/null"
+            )
         for fd, target in _fds(p):
             if target.startswith("/dev/pts/") and target.removeprefix("/dev/pts/").isdigit():
                 if int(target.removeprefix("/dev/pts/")) not in masters:
-                    return (f"fd {fd} of process {p} is the terminal {target}, whose master side (a terminal emulator, "
-                            "sshd, tmux) is outside the tree; a restore cannot give it back. Point that fd at a file "
-                            "or /dev/null (e.g. `>> worker.log 2>&1 < /dev/null`)")
+                    return (
+                        f"fd {fd} of process {p} is the terminal {target}, whose master side (a terminal emulator, "
+                        "sshd, tmux) is outside the tree; a restore cannot give it back. Point that fd at a file "
+                        "or /dev/null (e.g. `>> worker.log 2>&1 < /dev/null`)"
+                    )
     return ""
 
 

@@ -31,7 +31,6 @@ from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.checksum import image_files
 
-
 DEV_SHM_DIR = "dev-shm"
 """Images subdirectory holding the tree's /dev/shm files; each restore gets a private copy."""
 TCP_LABEL = "gpusnap.dev/tcp"
@@ -69,8 +68,11 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
         if gpu_tree:
             deps.gpu.check_capture(gpu_tree, facts.tree_pids, deps.agents.capture_env(facts.tree_pids))
 
-    run.record.note(tree_pids=list(facts.tree_pids), starts=[proc.start_time(p) for p in facts.tree_pids],
-                    leave_running=opts.leave_running)
+    run.record.note(
+        tree_pids=list(facts.tree_pids),
+        starts=[proc.start_time(p) for p in facts.tree_pids],
+        leave_running=opts.leave_running,
+    )
     run.on_failure("resume-source", lambda: _resume_source(list(facts.tree_pids)))
     capture = workers.prepare_capture(run, deps, opts, facts.tree_pids, owner_uid)
     worker = capture.worker

@@ -25,7 +25,9 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-SUPPORTED_ANON = frozenset({"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]", "bpf-map"})
+SUPPORTED_ANON = frozenset(
+    {"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]", "bpf-map"}
+)
 """``anon_inode:<type>`` link types CRIU dumps (criu/files.c ``dump_one_file``)."""
 MEM_MAJOR = 1
 MISC_MAJOR = 10
@@ -35,8 +37,19 @@ TTY_MAJORS = frozenset({4, 5, 136, 137, 138, 139, 140, 141, 142, 143})
 """Virtual consoles/serial (4), /dev/tty, /dev/console, /dev/ptmx (5), pty slaves (136-143): CRIU's ``is_tty``."""
 GPU_DEVICE_PREFIX = "/dev/nvidia"
 """Released by the CUDA checkpoint before CRIU runs (checked again after it by the GPU phases)."""
-SOCKET_TABLES = (("unix", 6), ("tcp", 9), ("tcp6", 9), ("udp", 9), ("udp6", 9), ("udplite", 9), ("udplite6", 9),
-                 ("raw", 9), ("raw6", 9), ("packet", 8), ("netlink", 9))
+SOCKET_TABLES = (
+    ("unix", 6),
+    ("tcp", 9),
+    ("tcp6", 9),
+    ("udp", 9),
+    ("udp6", 9),
+    ("udplite", 9),
+    ("udplite6", 9),
+    ("raw", 9),
+    ("raw6", 9),
+    ("packet", 8),
+    ("netlink", 9),
+)
 """``/proc/<pid>/net/<table>`` files listing the socket families CRIU dumps, with their inode column."""
 _SOCKET = re.compile(r"^socket:\[(\d+)\]$")
 
@@ -87,8 +100,10 @@ def _fd_problem(pid: int, fd: str, link: str, sockets: set[int]) -> tuple[str, s
     m = _SOCKET.match(link)
     if m:
         if int(m.group(1)) not in sockets:
-            return ("a socket of a family CRIU does not dump (not unix, TCP, UDP, raw, packet or netlink)",
-                    "close it before the checkpoint")
+            return (
+                "a socket of a family CRIU does not dump (not unix, TCP, UDP, raw, packet or netlink)",
+                "close it before the checkpoint",
+            )
         return None
     if link.startswith(GPU_DEVICE_PREFIX):
         return None
@@ -128,8 +143,14 @@ def find(pids: Sequence[int]) -> list[Unsupported]:
     for pid in pids:
         tracer = _tracer(pid)
         if tracer and tracer not in tree:
-            out.append(Unsupported(pid, "tracing", f"traced by process {tracer} ({_comm(tracer)}), outside the tree",
-                                   "detach the debugger or tracer (strace, gdb) first"))
+            out.append(
+                Unsupported(
+                    pid,
+                    "tracing",
+                    f"traced by process {tracer} ({_comm(tracer)}), outside the tree",
+                    "detach the debugger or tracer (strace, gdb) first",
+                )
+            )
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
@@ -153,8 +174,14 @@ def find(pids: Sequence[int]) -> list[Unsupported]:
             for line in maps:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].startswith("/SYSV"):
-                    out.append(Unsupported(pid, f"mapping {fields[0].split('-')[0]}", "a SysV shared-memory segment",
-                                           "use POSIX shared memory (/dev/shm, shm_open) instead: CRIU restores SysV "
-                                           "segments only together with their IPC namespace"))
+                    out.append(
+                        Unsupported(
+                            pid,
+                            f"mapping {fields[0].split('-')[0]}",
+                            "a SysV shared-memory segment",
+                            "use POSIX shared memory (/dev/shm, shm_open) instead: CRIU restores SysV "
+                            "segments only together with their IPC namespace",
+                        )
+                    )
                     break
     return out

@@ -7,9 +7,9 @@ import dataclasses
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
-from gpusnap.daemon.workers.agents import AgentRegistry
-from gpusnap.daemon.store import SnapshotStore
 from gpusnap.daemon.remote.store import RemoteStore
+from gpusnap.daemon.store import SnapshotStore
+from gpusnap.daemon.workers.agents import AgentRegistry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,8 +84,10 @@ def check_before_restore(snapshot: Snapshot, private_shm: bool) -> None:
     same_host = snapshot.host.hostname == host.hostname()
     held = [h for h in snapshot.held_files if not (private_shm and h.path.startswith("/dev/shm/"))]
     unique = {(h.path, h.access, h.dev, h.ino): h for h in held}
-    items = [asowner.Item(path=h.path, access=h.access, dev=h.dev if same_host else -1, ino=h.ino if same_host else -1)
-             for h in unique.values()]
+    items = [
+        asowner.Item(path=h.path, access=h.access, dev=h.dev if same_host else -1, ino=h.ino if same_host else -1)
+        for h in unique.values()
+    ]
     creds = _creds(snapshot)
     problems = asowner.check(creds, items)
     bad = [(f"{h.path} ({h.what} of PID {h.pid})", p) for h, p in zip(unique.values(), problems, strict=True) if p]
@@ -119,8 +121,9 @@ def check_restored(snapshot: Snapshot, root_pid: int) -> None:
                 continue
             items.setdefault((name, bits, st.st_dev, st.st_ino), f"{name} ({what} of restored PID {pid})")
     keys = list(items)
-    problems = asowner.check(creds, [asowner.Item(path=k[0], access=k[1], dev=k[2], ino=k[3]) for k in keys],
-                             mnt_ns_of=root_pid)
+    problems = asowner.check(
+        creds, [asowner.Item(path=k[0], access=k[1], dev=k[2], ino=k[3]) for k in keys], mnt_ns_of=root_pid
+    )
     bad += [(items[k], p) for k, p in zip(keys, problems, strict=True) if p]
     if bad:
         _refuse(snapshot, creds, bad, "as it was brought back")

@@ -25,18 +25,33 @@ def of_snapshot(deps: Deps, snapshot: Snapshot) -> Provenance:
     models = {g.uuid: g.name for g in deps.gpu.gpus()}
     used = sorted({models.get(u, "unknown GPU") for u in uuids})
     h = snapshot.host
-    return Provenance(node=h.hostname, pushed_at=datetime.now(UTC).isoformat(timespec="seconds"),
-                      gpusnap_version=h.gpusnap_version, machine=h.machine, kernel=h.kernel,
-                      criu_version=h.criu_version, cpu_flags=h.cpu_flags, gpu_model=", ".join(used),
-                      gpu_count=len(uuids), driver_major=_major(h.nvidia_driver_version))
+    return Provenance(
+        node=h.hostname,
+        pushed_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        gpusnap_version=h.gpusnap_version,
+        machine=h.machine,
+        kernel=h.kernel,
+        criu_version=h.criu_version,
+        cpu_flags=h.cpu_flags,
+        gpu_model=", ".join(used),
+        gpu_count=len(uuids),
+        driver_major=_major(h.nvidia_driver_version),
+    )
 
 
 def check(deps: Deps, snapshot_id: str, prov: Provenance) -> None:
     """Refuse a snapshot this node cannot run (``compat.check``: every difference listed)."""
     h = host_facts(deps)
-    here = Provenance(node=h.hostname, pushed_at="", gpusnap_version=h.gpusnap_version, machine=h.machine,
-                      kernel=h.kernel, criu_version=h.criu_version, cpu_flags=h.cpu_flags,
-                      driver_major=_major(h.nvidia_driver_version))
+    here = Provenance(
+        node=h.hostname,
+        pushed_at="",
+        gpusnap_version=h.gpusnap_version,
+        machine=h.machine,
+        kernel=h.kernel,
+        criu_version=h.criu_version,
+        cpu_flags=h.cpu_flags,
+        driver_major=_major(h.nvidia_driver_version),
+    )
     compat.check(snapshot_id, prov, here, dict(collections.Counter(g.name for g in deps.gpu.gpus())))
 
 

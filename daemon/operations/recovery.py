@@ -29,11 +29,11 @@ from gpusnap.daemon.api.errors import AbortedError, Code, GpusnapError, error_fo
 from gpusnap.daemon.api.types import RestoreOptions, RestoreResult
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.drivers.cuda import ProcessState
+from gpusnap.daemon.operations import workers
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState, PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.store.journal import Journal
-from gpusnap.daemon.operations import workers
 from gpusnap.daemon.workers import controldir
 from gpusnap.daemon.workers.agents import AgentInfo
 
@@ -71,16 +71,22 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
             elif kind in (OperationKind.CHECKPOINT, OperationKind.SUSPEND, OperationKind.RESUME):
                 _recover_capture(deps, record, facts)
             else:  # a transfer: it changed no process; a half-written local copy was removed with staging
-                record.finish(error=_restarted(
-                    f"gpusnapd restarted during {record.phase or 'the start'} of this {kind.value}; run it again"
-                ))
+                record.finish(
+                    error=_restarted(
+                        f"gpusnapd restarted during {record.phase or 'the start'} of this {kind.value}; run it again"
+                    )
+                )
         except Exception as exc:  # recovery goes on with the next entry
             log.exception("recovery.failed", operation_id=record.id)
             record.finish(error=_restarted(f"recovery after a gpusnapd restart failed: {type(exc).__name__}: {exc}"))
         if record.done:
             registry.adopt(record)
-            log.warning("recovery.finished", operation_id=record.id, state=record.state.value,
-                        message=str(record.error or record.facts.get("recovery", "")))
+            log.warning(
+                "recovery.finished",
+                operation_id=record.id,
+                state=record.state.value,
+                message=str(record.error or record.facts.get("recovery", "")),
+            )
         recovered.append(record)
     try:
         _unlock_strays(deps, sorted(stray_cuda - suspended))
@@ -92,8 +98,10 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
 
 def _record(entry: dict[str, Any]) -> OperationRecord:
     record = OperationRecord(
-        OperationKind(entry["kind"]), target_pid=int(entry.get("target_pid", 0)),
-        target_snapshot=str(entry.get("target_snapshot", "")), owner_uid=int(entry["owner_uid"]),
+        OperationKind(entry["kind"]),
+        target_pid=int(entry.get("target_pid", 0)),
+        target_snapshot=str(entry.get("target_snapshot", "")),
+        owner_uid=int(entry["owner_uid"]),
         request_id=str(entry.get("request_id", "")),
     )
     record.id = entry["id"]
@@ -118,8 +126,9 @@ def _restore_result(deps: Deps, record: OperationRecord, entry: dict[str, Any]) 
             record.result = None  # deleted since
     elif "restore" in result:
         r = result["restore"]
-        record.result = RestoreResult(pid=r["pid"], pids=tuple(r["pids"]), snapshot_id=r["snapshot_id"],
-                                      namespace_pid=r["namespace_pid"])
+        record.result = RestoreResult(
+            pid=r["pid"], pids=tuple(r["pids"]), snapshot_id=r["snapshot_id"], namespace_pid=r["namespace_pid"]
+        )
     elif "gpu_map" in result:
         record.result = dict(result["gpu_map"])
 
@@ -163,14 +172,17 @@ def _recover_capture(deps: Deps, record: OperationRecord, facts: dict[str, Any])
         except GpusnapError:
             snapshot = None
         if snapshot is not None:  # complete and durable: the capture succeeded, its source kept running
-            record.facts["recovery"] = (f"snapshot {snapshot_id} was durable before gpusnapd restarted; the source "
-                                        f"was left running ({what})")
+            record.facts["recovery"] = (
+                f"snapshot {snapshot_id} was durable before gpusnapd restarted; the source was left running ({what})"
+            )
             record.finish(result=snapshot)
             return
-    record.finish(error=_restarted(
-        f"gpusnapd restarted during {record.phase or 'the start'} of this {record.kind.value}; no snapshot was "
-        f"published and the process keeps running ({what}); run it again"
-    ))
+    record.finish(
+        error=_restarted(
+            f"gpusnapd restarted during {record.phase or 'the start'} of this {record.kind.value}; no snapshot was "
+            f"published and the process keeps running ({what}); run it again"
+        )
+    )
 
 
 def _recover_restore(deps: Deps, registry: OperationRegistry, record: OperationRecord, facts: dict[str, Any]) -> None:
@@ -181,11 +193,16 @@ def _recover_restore(deps: Deps, registry: OperationRegistry, record: OperationR
     root_alive = bool(root) and bool(_alive([root], [tree_facts.get("root_start", 0.0)]))
     if tree_facts.get("validated") and root_alive and not earlier:  # fan-outs are not adopted: all or none
         snapshot = deps.store.get(facts["snapshot_id"])
-        opts = RestoreOptions(snapshot=snapshot.id, env=facts.get("env", {}), unset_env=tuple(facts.get("unset_env", [])),
-                              values=facts.get("values", {}))
+        opts = RestoreOptions(
+            snapshot=snapshot.id,
+            env=facts.get("env", {}),
+            unset_env=tuple(facts.get("unset_env", [])),
+            values=facts.get("values", {}),
+        )
         pids = [int(p) for p in tree_facts.get("pids", [root])]
-        result = RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id,
-                               namespace_pid=int(tree_facts.get("ns_pid", root)))
+        result = RestoreResult(
+            pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=int(tree_facts.get("ns_pid", root))
+        )
         record.facts["recovery"] = "adopted"
 
         def resume(run: PhaseRunner) -> RestoreResult:
@@ -201,10 +218,12 @@ def _recover_restore(deps: Deps, registry: OperationRegistry, record: OperationR
         killed += _kill_restored(deps, tree)
     record.facts["recovery"] = "killed" if killed else "nothing restored"
     what = f"the half-restored tree (PIDs {killed}) was killed" if killed else "no restored process was found"
-    record.finish(error=_restarted(
-        f"gpusnapd restarted during {record.phase or 'the start'} of this restore; {what}; the snapshot is kept: "
-        "restore it again"
-    ))
+    record.finish(
+        error=_restarted(
+            f"gpusnapd restarted during {record.phase or 'the start'} of this restore; {what}; the snapshot is kept: "
+            "restore it again"
+        )
+    )
 
 
 def _kill_restored(deps: Deps, tree: dict[str, Any]) -> list[int]:
@@ -245,4 +264,3 @@ def _unlock_strays(deps: Deps, pids: list[int]) -> None:
     if stuck:
         log.warning("recovery.cuda_unlocked", pids=stuck)
         deps.gpu.controller().rollback_to_running(stuck)
-

@@ -35,8 +35,14 @@ class OperationRegistry:
         on_finished: called with each record once it has finished (metrics); its exceptions are logged.
     """
 
-    def __init__(self, max_workers: int = 8, max_per_caller: int = 16, max_running: int = 256,
-                 journal: Journal | None = None, on_finished: Callable[[OperationRecord], None] | None = None):
+    def __init__(
+        self,
+        max_workers: int = 8,
+        max_per_caller: int = 16,
+        max_running: int = 256,
+        journal: Journal | None = None,
+        on_finished: Callable[[OperationRecord], None] | None = None,
+    ):
         self.journal = journal
         self._on_finished = on_finished
         self._slots = threading.BoundedSemaphore(max_workers)
@@ -48,7 +54,9 @@ class OperationRegistry:
         self._by_request: dict[tuple[int, str], str] = {}
         self._finished_count = 0
 
-    def start(self, record: OperationRecord, pids: Iterable[int], body: Callable[[PhaseRunner], object]) -> OperationRecord:
+    def start(
+        self, record: OperationRecord, pids: Iterable[int], body: Callable[[PhaseRunner], object]
+    ) -> OperationRecord:
         """Claim ``pids`` for ``record`` and run ``body`` in the background; a record whose idempotency key
         (``request_id``) this caller used before gets the earlier operation instead.
 

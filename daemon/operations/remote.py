@@ -59,9 +59,15 @@ def _reporter(p: PhaseProgress) -> Callable[[int, int], None]:
 
 
 def _result(snapshot_id: str, remote: RemoteStore, tally: Tally) -> TransferResult:
-    return TransferResult(snapshot_id=snapshot_id, remote=str(remote), transferred_bytes=tally.transferred_bytes,
-                          skipped_bytes=tally.skipped_bytes, transferred_chunks=tally.transferred_chunks,
-                          skipped_chunks=tally.skipped_chunks, buffer_transferred_bytes=tally.buffer_transferred_bytes)
+    return TransferResult(
+        snapshot_id=snapshot_id,
+        remote=str(remote),
+        transferred_bytes=tally.transferred_bytes,
+        skipped_bytes=tally.skipped_bytes,
+        transferred_chunks=tally.transferred_chunks,
+        skipped_chunks=tally.skipped_chunks,
+        buffer_transferred_bytes=tally.buffer_transferred_bytes,
+    )
 
 
 def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> TransferResult:
@@ -77,7 +83,9 @@ def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
         items = [Item(f.path, images / f.path, f.size_bytes) for f in snap.files]
         digests = [f.sha256 for f in snap.files]
         blobs = {b.sha256: b for b in snap.buffers}  # a blob shared by two names goes once
-        items += [Item(f"buffer {b.name}", store.buffers.path(uid, d), b.size_bytes, is_buffer=True) for d, b in blobs.items()]
+        items += [
+            Item(f"buffer {b.name}", store.buffers.path(uid, d), b.size_bytes, is_buffer=True) for d, b in blobs.items()
+        ]
         digests += list(blobs)
         prov = provenance.of_snapshot(deps, snap)
     store.buffers.pin(uid, blobs)

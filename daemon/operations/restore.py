@@ -23,17 +23,20 @@ import os
 import signal
 from collections.abc import Callable, Mapping
 
-from gpusnap.daemon.api.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, PermissionDeniedError
+from gpusnap.daemon.api.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+)
 from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import host, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap, preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController
-from gpusnap.daemon.operations import provenance
-from gpusnap.daemon.operations import file_rights
+from gpusnap.daemon.operations import file_rights, provenance, workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
-from gpusnap.daemon.operations import workers
 from gpusnap.daemon.operations.deps import Deps
 
 
@@ -62,7 +65,11 @@ def check_host_compatible(snapshot: Snapshot) -> None:
             f"snapshot {snapshot.id} was taken on {snapshot.host.machine}, this host is {host.machine()}; "
             "restore it on a host of the same architecture",
             reason="HOST_INCOMPATIBLE",
-            metadata={"snapshot": snapshot.id, "snapshot_machine": snapshot.host.machine, "host_machine": host.machine()},
+            metadata={
+                "snapshot": snapshot.id,
+                "snapshot_machine": snapshot.host.machine,
+                "host_machine": host.machine(),
+            },
         )
 
 
@@ -143,7 +150,8 @@ def check_replicas(opts: RestoreOptions) -> None:
     """
     if not 1 <= opts.replicas <= MAX_REPLICAS:
         raise InvalidArgumentError(
-            f"replicas must be 1 to {MAX_REPLICAS}, not {opts.replicas}", reason="INVALID_REPLICAS",
+            f"replicas must be 1 to {MAX_REPLICAS}, not {opts.replicas}",
+            reason="INVALID_REPLICAS",
             metadata={"replicas": str(opts.replicas)},
         )
     if opts.replicas > 1 and opts.host_pid_namespace:
@@ -155,6 +163,7 @@ def check_replicas(opts: RestoreOptions) -> None:
 
 def replica_options(opts: RestoreOptions, index: int) -> RestoreOptions:
     """Copy ``index``'s options: its own network namespace, ``{i}`` in env and values replaced by ``index``."""
+
     def fill(values: Mapping[str, str]) -> dict[str, str]:
         return {k: v.replace(REPLICA_INDEX, str(index)) for k, v in values.items()}
 
@@ -174,7 +183,9 @@ def _restore_copy(
     earlier = run.record.facts.pop("tree", None)
     if earlier is not None:  # a fan-out's earlier copy: recovery must find every copy's tree
         run.record.facts.setdefault("earlier_trees", []).append(earlier)
-    run.record.note(snapshot_id=snapshot.id, env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values))
+    run.record.note(
+        snapshot_id=snapshot.id, env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values)
+    )
     with run.phase("restore") as progress:
         workers.before_restore(snapshot)
         shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
@@ -184,11 +195,16 @@ def _restore_copy(
 
         def before_resume(t: RestoredTree) -> None:  # CRIU's pre-resume: every task restored, none running
             # The root is still CRIU's child here, not yet the namespace init's: look under the init.
-            found = [p for p in proc.tree_pids(t.init_pid) if proc.namespace_pid(p) == t.ns_pid] if t.init_pid else [t.ns_pid]
+            found = (
+                [p for p in proc.tree_pids(t.init_pid) if proc.namespace_pid(p) == t.ns_pid]
+                if t.init_pid
+                else [t.ns_pid]
+            )
             try:
                 if not found:
-                    raise FailedPreconditionError(f"CRIU's restored PID {t.ns_pid} is not in its namespace",
-                                                  reason="RESTORE_INCOMPLETE")
+                    raise FailedPreconditionError(
+                        f"CRIU's restored PID {t.ns_pid} is not in its namespace", reason="RESTORE_INCOMPLETE"
+                    )
                 restored.extend(proc.tree_pids(found[0]))  # what CRIU restored, before any task can fork or exit
                 file_rights.check_restored(snapshot, found[0])
             except BaseException:
@@ -210,7 +226,9 @@ def _restore_copy(
         progress.bytes = snapshot.size_bytes
         # Without a namespace init, ns_pid is the host PID; register before anything else can fail.
         run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, tree.ns_pid))
-        _note_tree(run, init_pid=tree.init_pid, ns_pid=tree.ns_pid, init_start=proc.start_time(tree.init_pid or tree.ns_pid))
+        _note_tree(
+            run, init_pid=tree.init_pid, ns_pid=tree.ns_pid, init_start=proc.start_time(tree.init_pid or tree.ns_pid)
+        )
         root = _host_root_pid(tree.init_pid, tree.ns_pid)
         _note_tree(run, root=root, root_start=proc.start_time(root))
     ctl: GpuTreeController | None = None
@@ -230,7 +248,9 @@ def _restore_copy(
         run.on_failure("release-gpus", lambda: release(cuda_pids, lock_timeout_ms=lock_ms).raise_for_problems())
         with run.phase("gpu-restore") as progress:
             for g, pid in zip(snapshot.gpu_processes, cuda_pids, strict=True):
-                ctl.restore_all([pid], gpumap.gpu_pairs_for_restore(gpumap.pairs_for_process(gpu_map, g.visible_gpu_uuids)))
+                ctl.restore_all(
+                    [pid], gpumap.gpu_pairs_for_restore(gpumap.pairs_for_process(gpu_map, g.visible_gpu_uuids))
+                )
             progress.bytes = sum(g.gpu_memory_bytes for g in snapshot.gpu_processes)
         with run.phase("gpu-unlock"):
             ctl.unlock_all(cuda_pids)

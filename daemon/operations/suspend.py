@@ -33,7 +33,9 @@ def run_suspend(run: PhaseRunner, deps: Deps, pid: int, lock_timeout_s: float | 
         tree = deps.gpu.find_tree(tree_pids)
         if tree is None:
             raise FailedPreconditionError(
-                f"the tree of PID {pid} has no CUDA process to suspend", reason="NO_CUDA_PROCESS", metadata={"pid": str(pid)}
+                f"the tree of PID {pid} has no CUDA process to suspend",
+                reason="NO_CUDA_PROCESS",
+                metadata={"pid": str(pid)},
             )
         deps.gpu.check_capture(tree, tree_pids, deps.agents.capture_env(tree_pids))
     ctl = deps.gpu.controller(tree.gpu_bytes)

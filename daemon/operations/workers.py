@@ -57,9 +57,17 @@ class AgentCapture:
 
     def worker_info(self) -> WorkerInfo:
         i = self.info
-        return WorkerInfo(engine=i.engine, instance_id=i.instance_id, wake_dir=i.wake_dir, canary_tokens=self.canary,
-                          uid=i.uid, pid=i.pid, role=i.role, process=i.info.get("process", ""),
-                          weights=i.info.get("weights", ""))
+        return WorkerInfo(
+            engine=i.engine,
+            instance_id=i.instance_id,
+            wake_dir=i.wake_dir,
+            canary_tokens=self.canary,
+            uid=i.uid,
+            pid=i.pid,
+            role=i.role,
+            process=i.info.get("process", ""),
+            weights=i.info.get("weights", ""),
+        )
 
 
 @dataclasses.dataclass
@@ -156,8 +164,11 @@ def prepare_capture(
             controldir.clear(cdir, owner_uid, controldir.RESTORE_COMPLETE, controldir.SNAPSHOT_COMPLETE)
             with run.waiting():
                 try:
-                    controldir.wait_ready(cdir, min(cfg.ready_timeout, opts.timeout_s or cfg.ready_timeout),
-                                          lambda: proc.alive(opts.pid) and not run.record.cancel_requested.is_set())
+                    controldir.wait_ready(
+                        cdir,
+                        min(cfg.ready_timeout, opts.timeout_s or cfg.ready_timeout),
+                        lambda: proc.alive(opts.pid) and not run.record.cancel_requested.is_set(),
+                    )
                 except DeadlineExceededError:
                     run.check_cancelled()  # cancelled, rather than not ready
                     raise
@@ -321,8 +332,13 @@ def resume_restored(
             with run.waiting():
                 _in_parallel([lambda w=w: connect(w) for w in workers])  # type: ignore[misc]
             buffers_verified()
-            _in_parallel([lambda w=w: _reload(deps, snapshot, w, clients[w.instance_id], progress)  # type: ignore[misc]
-                          for w in workers if snapshot.buffers_of(w)])
+            _in_parallel(
+                [
+                    lambda w=w: _reload(deps, snapshot, w, clients[w.instance_id], progress)  # type: ignore[misc]
+                    for w in workers
+                    if snapshot.buffers_of(w)
+                ]
+            )
             progress.bytes = snapshot.buffer_bytes
     tokens: dict[str, str] = {}
 
@@ -330,7 +346,8 @@ def resume_restored(
         if w.instance_id not in clients:
             connect(w)
         tokens[w.instance_id] = clients[w.instance_id].resume(
-            deps.config.resume_timeout, restored=True, env=opts.env, unset_env=opts.unset_env, values=opts.values)
+            deps.config.resume_timeout, restored=True, env=opts.env, unset_env=opts.unset_env, values=opts.values
+        )
 
     with run.phase("resume-worker"), run.waiting():
         _in_parallel([lambda w=w: resume(w) for w in workers if not w.is_front])  # type: ignore[misc]

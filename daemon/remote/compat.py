@@ -43,9 +43,15 @@ def differences(snap: Provenance, here: Provenance, gpu_models: dict[str, int]) 
     if snap.gpu_count:
         have = gpu_models.get(snap.gpu_model, 0)
         if have < snap.gpu_count:
-            out.append(f"{snap.gpu_count} x {snap.gpu_model} (here {have}"
-                       + (f"; this node has {', '.join(f'{n} x {m}' for m, n in sorted(gpu_models.items()))}" if gpu_models else "")
-                       + ")")
+            out.append(
+                f"{snap.gpu_count} x {snap.gpu_model} (here {have}"
+                + (
+                    f"; this node has {', '.join(f'{n} x {m}' for m, n in sorted(gpu_models.items()))}"
+                    if gpu_models
+                    else ""
+                )
+                + ")"
+            )
         if snap.driver_major != here.driver_major:
             out.append(f"NVIDIA driver {snap.driver_major}.x (here {here.driver_major or 'none'})")
     return out
@@ -60,7 +66,8 @@ def check(snapshot_id: str, snap: Provenance, here: Provenance, gpu_models: dict
     diffs = differences(snap, here, gpu_models)
     if diffs:
         raise FailedPreconditionError(
-            f"snapshot {snapshot_id} (made on {snap.node}) cannot run on this node; it needs: " + "; ".join(diffs)
+            f"snapshot {snapshot_id} (made on {snap.node}) cannot run on this node; it needs: "
+            + "; ".join(diffs)
             + ". Restore it on a node that matches, or make a snapshot here",
             reason="HOST_INCOMPATIBLE",
             metadata={"snapshot": snapshot_id, "differences": str(len(diffs))},

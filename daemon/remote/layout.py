@@ -75,10 +75,18 @@ class Provenance:
     @classmethod
     def from_json(cls, p: dict[str, Any]) -> Provenance:
         """Raises KeyError, TypeError, ValueError on a malformed record."""
-        return cls(node=str(p["node"]), pushed_at=str(p["pushed_at"]), gpusnap_version=str(p["gpusnap_version"]),
-                   machine=str(p["machine"]), kernel=str(p["kernel"]), criu_version=str(p["criu_version"]),
-                   cpu_flags=tuple(str(f) for f in p["cpu_flags"]), gpu_model=str(p["gpu_model"]),
-                   gpu_count=int(p["gpu_count"]), driver_major=str(p["driver_major"]))
+        return cls(
+            node=str(p["node"]),
+            pushed_at=str(p["pushed_at"]),
+            gpusnap_version=str(p["gpusnap_version"]),
+            machine=str(p["machine"]),
+            kernel=str(p["kernel"]),
+            criu_version=str(p["criu_version"]),
+            cpu_flags=tuple(str(f) for f in p["cpu_flags"]),
+            gpu_model=str(p["gpu_model"]),
+            gpu_count=int(p["gpu_count"]),
+            driver_major=str(p["driver_major"]),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +118,14 @@ def parse(data: bytes, key_id: str) -> RemoteManifest:
         DataLossError: malformed, unknown format, unsafe paths, or chunk lists that do not add up to the
             snapshot's digests (reason ``REMOTE_MANIFEST_CORRUPT``).
     """
+
     def bad(why: str) -> DataLossError:
-        return DataLossError(f"remote manifest of {key_id} is unusable: {why}; delete it with "
-                             f"`gpusnap rm --remote {key_id}` and push again", reason="REMOTE_MANIFEST_CORRUPT",
-                             metadata={"snapshot": key_id})
+        return DataLossError(
+            f"remote manifest of {key_id} is unusable: {why}; delete it with "
+            f"`gpusnap rm --remote {key_id}` and push again",
+            reason="REMOTE_MANIFEST_CORRUPT",
+            metadata={"snapshot": key_id},
+        )
 
     try:
         doc = json.loads(data)

@@ -84,8 +84,9 @@ class ObjectStore:
         timeout_s: connect and read timeout of one request, seconds.
     """
 
-    def __init__(self, url: RemoteUrl, endpoint: str = "", ca_bundle: str = "", connections: int = 16,
-                 timeout_s: float = 30.0):
+    def __init__(
+        self, url: RemoteUrl, endpoint: str = "", ca_bundle: str = "", connections: int = 16, timeout_s: float = 30.0
+    ):
         self.url = url
         self.endpoint = endpoint
         import boto3  # here, not at import: a daemon without --remote (and its GPU tests) never loads boto3
@@ -100,7 +101,10 @@ class ObjectStore:
         )
         session = boto3.session.Session()
         self._s3: S3Client = session.client(
-            "s3", endpoint_url=endpoint or None, verify=ca_bundle or None, config=config,
+            "s3",
+            endpoint_url=endpoint or None,
+            verify=ca_bundle or None,
+            config=config,
             region_name=session.region_name or "us-east-1",
         )
 
@@ -134,7 +138,9 @@ class ObjectStore:
     def head(self, name: str) -> ObjectInfo | None:
         """Size and modification time of object ``name``, or None if it does not exist."""
         try:
-            resp = self._call("HEAD", name, lambda: self._s3.head_object(Bucket=self.url.bucket, Key=self.url.key(name)))
+            resp = self._call(
+                "HEAD", name, lambda: self._s3.head_object(Bucket=self.url.bucket, Key=self.url.key(name))
+            )
         except NotFoundError:
             return None
         return ObjectInfo(name, int(resp["ContentLength"]), resp["LastModified"])
@@ -142,21 +148,30 @@ class ObjectStore:
     def touch(self, name: str) -> None:
         """Renew object ``name``'s modification time (a copy onto itself), so garbage collection's grace
         period starts again for a chunk that a new manifest is about to reference."""
-        self._call("COPY", name, lambda: self._s3.copy_object(
-            Bucket=self.url.bucket, Key=self.url.key(name), CopySource={"Bucket": self.url.bucket, "Key": self.url.key(name)},
-            MetadataDirective="REPLACE"))
+        self._call(
+            "COPY",
+            name,
+            lambda: self._s3.copy_object(
+                Bucket=self.url.bucket,
+                Key=self.url.key(name),
+                CopySource={"Bucket": self.url.bucket, "Key": self.url.key(name)},
+                MetadataDirective="REPLACE",
+            ),
+        )
 
     def list(self, under: str) -> Iterator[ObjectInfo]:
         """Objects whose name starts with ``under`` (names relative to the prefix)."""
         base = self.url.key("")
         paginator = self._s3.get_paginator("list_objects_v2")
-        pages = self._call("LIST", under, lambda: iter(paginator.paginate(Bucket=self.url.bucket, Prefix=self.url.key(under))))
+        pages = self._call(
+            "LIST", under, lambda: iter(paginator.paginate(Bucket=self.url.bucket, Prefix=self.url.key(under)))
+        )
         while True:
             page = self._call("LIST", under, lambda: next(pages, None))
             if page is None:
                 return
             for obj in page.get("Contents", []):
-                yield ObjectInfo(obj["Key"][len(base):], int(obj["Size"]), obj["LastModified"])
+                yield ObjectInfo(obj["Key"][len(base) :], int(obj["Size"]), obj["LastModified"])
 
     def delete(self, name: str) -> None:
         self._call("DELETE", name, lambda: self._s3.delete_object(Bucket=self.url.bucket, Key=self.url.key(name)))

@@ -47,8 +47,10 @@ class RemoteStore:
         except NotFoundError:
             raise self._not_found(snapshot_id) from None
         if len(data) > layout.MAX_MANIFEST_BYTES:
-            raise DataLossError(f"remote manifest of {snapshot_id} is larger than {layout.MAX_MANIFEST_BYTES} bytes",
-                                reason="REMOTE_MANIFEST_CORRUPT")
+            raise DataLossError(
+                f"remote manifest of {snapshot_id} is larger than {layout.MAX_MANIFEST_BYTES} bytes",
+                reason="REMOTE_MANIFEST_CORRUPT",
+            )
         return layout.parse(data, snapshot_id)
 
     def ids(self) -> Iterator[str]:
@@ -59,6 +61,7 @@ class RemoteStore:
 
     def list(self) -> list[RemoteManifest]:
         """Every usable published snapshot, oldest first; unusable manifests are logged and left out."""
+
         def one(sid: str) -> RemoteManifest | None:
             try:
                 return self.manifest(sid)
@@ -124,5 +127,8 @@ class RemoteStore:
         return count, size
 
     def _not_found(self, ref: str) -> NotFoundError:
-        return NotFoundError(f"no snapshot {ref!r} in the remote store {self}; list them with `gpusnap ls --remote`",
-                             reason="SNAPSHOT_NOT_FOUND", metadata={"snapshot": ref})
+        return NotFoundError(
+            f"no snapshot {ref!r} in the remote store {self}; list them with `gpusnap ls --remote`",
+            reason="SNAPSHOT_NOT_FOUND",
+            metadata={"snapshot": ref},
+        )

@@ -44,7 +44,7 @@ class TransferLimits:
 class Item:
     """One local file moved as chunks: an image file or a buffer blob."""
 
-    label: str          # for messages: the image path or "buffer <name>"
+    label: str  # for messages: the image path or "buffer <name>"
     path: Path
     size: int
     is_buffer: bool = False
@@ -124,13 +124,15 @@ def _pread(path: Path, offset: int, length: int) -> bytes:
     finally:
         os.close(fd)
     if len(data) != length:
-        raise DataLossError(f"{path.name} ended early at byte {offset + len(data)} while being pushed",
-                            reason="IMAGE_CHECKSUM")
+        raise DataLossError(
+            f"{path.name} ended early at byte {offset + len(data)} while being pushed", reason="IMAGE_CHECKSUM"
+        )
     return data
 
 
-def push_chunks(store: ObjectStore, limits: TransferLimits, items: Sequence[Item], digests: Sequence[str],
-                progress: Progress) -> tuple[list[tuple[str, ...]], Tally]:
+def push_chunks(
+    store: ObjectStore, limits: TransferLimits, items: Sequence[Item], digests: Sequence[str], progress: Progress
+) -> tuple[list[tuple[str, ...]], Tally]:
     """Upload the chunks of ``items`` that the remote lacks; returns each item's chunk digests and a tally.
 
     ``digests[i]`` is the ``DIGEST_ALGORITHM`` digest the snapshot records for ``items[i]``: the chunks
@@ -170,13 +172,21 @@ def push_chunks(store: ObjectStore, limits: TransferLimits, items: Sequence[Item
     r.run(job)
     for item, chunks, want in zip(items, found, digests, strict=True):
         if checksum.combine(chunks) != want:
-            raise DataLossError(f"{item.label} changed on this node since its capture (digest mismatch); it was not "
-                                "published: delete the snapshot and checkpoint again", reason="IMAGE_CHECKSUM")
+            raise DataLossError(
+                f"{item.label} changed on this node since its capture (digest mismatch); it was not "
+                "published: delete the snapshot and checkpoint again",
+                reason="IMAGE_CHECKSUM",
+            )
     return [tuple(c.hex() for c in chunks) for chunks in found], r.tally
 
 
-def pull_chunks(store: ObjectStore, limits: TransferLimits, items: Sequence[Item], chunk_lists: Sequence[Sequence[str]],
-                progress: Progress) -> Tally:
+def pull_chunks(
+    store: ObjectStore,
+    limits: TransferLimits,
+    items: Sequence[Item],
+    chunk_lists: Sequence[Sequence[str]],
+    progress: Progress,
+) -> Tally:
     """Download every chunk of ``items`` into its file (created or reused), each checked against its digest.
 
     Raises:

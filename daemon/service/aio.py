@@ -151,8 +151,13 @@ class AsyncServicer:
     Native handlers (streams) come from ``native``; every other method of ``sync`` runs on the pool.
     """
 
-    def __init__(self, sync: _Base, server: AioServer, limits: CallerLimits,
-                 native: Mapping[str, Callable[..., Any]] | None = None):
+    def __init__(
+        self,
+        sync: _Base,
+        server: AioServer,
+        limits: CallerLimits,
+        native: Mapping[str, Callable[..., Any]] | None = None,
+    ):
         self._sync, self._server, self._limits = sync, server, limits
         self._native = dict(native or {})
 

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from gpusnap.daemon._proto import node_pb2, operations_pb2, types_pb2
+from gpusnap.daemon.api.errors import InvalidArgumentError
 from gpusnap.daemon.api.types import (
-    TransferResult,
     CheckpointOptions,
     GpuProcess,
     HostFacts,
@@ -18,12 +18,12 @@ from gpusnap.daemon.api.types import (
     RestoreResult,
     Snapshot,
     TcpMode,
+    TransferResult,
 )
-from gpusnap.daemon.api.errors import InvalidArgumentError
 from gpusnap.daemon.core import NodeInfo
-from gpusnap.daemon.store import manifest
 from gpusnap.daemon.operations.base import EventType, OperationEvent, OperationKind, OperationRecord, OperationState
 from gpusnap.daemon.service.errors import to_status_proto
+from gpusnap.daemon.store import manifest
 
 _TCP = {
     operations_pb2.TCP_MODE_UNSPECIFIED: TcpMode.REFUSE,
@@ -72,12 +72,14 @@ def seconds(field: str, value: duration_pb2.Duration) -> float:
     """
     secs, nanos = value.seconds, value.nanos
     if abs(nanos) > 999_999_999 or (secs > 0 and nanos < 0) or (secs < 0 and nanos > 0):
-        raise InvalidArgumentError(f"{field} is not a valid Duration (seconds {secs}, nanos {nanos})",
-                                   reason="INVALID_TIMEOUT")
+        raise InvalidArgumentError(
+            f"{field} is not a valid Duration (seconds {secs}, nanos {nanos})", reason="INVALID_TIMEOUT"
+        )
     total = secs + nanos / 1e9
     if total <= 0 or total > MAX_TIMEOUT_S:
         raise InvalidArgumentError(
-            f"{field} must be a positive duration of at most {MAX_TIMEOUT_S} s, not {total:g} s", reason="INVALID_TIMEOUT"
+            f"{field} must be a positive duration of at most {MAX_TIMEOUT_S} s, not {total:g} s",
+            reason="INVALID_TIMEOUT",
         )
     return total
 
@@ -85,8 +87,10 @@ def seconds(field: str, value: duration_pb2.Duration) -> float:
 def _tcp(value: operations_pb2.TcpMode.ValueType) -> TcpMode:
     mode = _TCP.get(value)
     if mode is None:
-        raise InvalidArgumentError(f"unknown tcp mode {int(value)}; use one of {', '.join(str(int(v)) for v in _TCP)}",
-                                   reason="INVALID_ARGUMENT")
+        raise InvalidArgumentError(
+            f"unknown tcp mode {int(value)}; use one of {', '.join(str(int(v)) for v in _TCP)}",
+            reason="INVALID_ARGUMENT",
+        )
     return mode
 
 
@@ -98,7 +102,9 @@ def checkpoint_options(req: operations_pb2.CheckpointRequest) -> CheckpointOptio
         leave_running=req.leave_running,
         tcp=_tcp(req.tcp),
         timeout_s=seconds("timeout", req.timeout) if req.HasField("timeout") else None,
-        gpu_lock_timeout_s=seconds("gpu_lock_timeout", req.gpu_lock_timeout) if req.HasField("gpu_lock_timeout") else None,
+        gpu_lock_timeout_s=seconds("gpu_lock_timeout", req.gpu_lock_timeout)
+        if req.HasField("gpu_lock_timeout")
+        else None,
         control_dir=req.control_dir,
         quiesce=not req.no_quiesce,
         offload=not req.no_offload,
@@ -159,7 +165,9 @@ def snapshot(s: Snapshot) -> types_pb2.Snapshot:
         host=host(s.host),
         files=[types_pb2.ImageFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in s.files],
         size_bytes=s.size_bytes,
-        buffers=[types_pb2.BufferRef(name=b.name, size_bytes=b.size_bytes, sha256=b.sha256, agent=b.agent) for b in s.buffers],
+        buffers=[
+            types_pb2.BufferRef(name=b.name, size_bytes=b.size_bytes, sha256=b.sha256, agent=b.agent) for b in s.buffers
+        ],
         buffer_bytes=s.buffer_bytes,
         phases=[phase(p) for p in s.phases],
         owner_uid=s.owner_uid,
@@ -194,10 +202,14 @@ def operation(r: OperationRecord) -> operations_pb2.Operation:
     elif isinstance(r.result, RestoreResult):
         msg.restore.CopyFrom(
             operations_pb2.RestoreResult(
-                pid=r.result.pid, pids=list(r.result.pids), snapshot_id=r.result.snapshot_id,
+                pid=r.result.pid,
+                pids=list(r.result.pids),
+                snapshot_id=r.result.snapshot_id,
                 namespace_pid=r.result.namespace_pid,
-                replicas=[operations_pb2.RestoredReplica(index=i, pid=c.pid, pids=list(c.pids), namespace_pid=c.namespace_pid)
-                          for i, c in enumerate(r.result.replicas)],
+                replicas=[
+                    operations_pb2.RestoredReplica(index=i, pid=c.pid, pids=list(c.pids), namespace_pid=c.namespace_pid)
+                    for i, c in enumerate(r.result.replicas)
+                ],
             )
         )
     elif isinstance(r.result, TransferResult):
@@ -246,8 +258,17 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
         cuda_checkpoint_supported=n.cuda_checkpoint_supported,
         cuda_unavailable_reason=n.cuda_unavailable_reason,
         remote=n.remote,
-        tiers=[node_pb2.StoreTier(name=t.name, path=str(t.root), used_bytes=used, budget_bytes=t.budget_bytes,
-                                  free_bytes=t.free_bytes(), blobs=count) for t, used, count in n.tiers],
+        tiers=[
+            node_pb2.StoreTier(
+                name=t.name,
+                path=str(t.root),
+                used_bytes=used,
+                budget_bytes=t.budget_bytes,
+                free_bytes=t.free_bytes(),
+                blobs=count,
+            )
+            for t, used, count in n.tiers
+        ],
     )
 
 

@@ -64,4 +64,3 @@ def from_rpc_error(exc: grpc.RpcError) -> GpusnapError:
     details = call.details() if hasattr(call, "details") else str(exc)
     reason = "DAEMON_UNAVAILABLE" if code == grpc.StatusCode.UNAVAILABLE else None
     return error_for_code(Code(code.value[0]), details or str(code), reason=reason)
-

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import structlog
 
-from gpusnap.daemon.rundirs import socket_answers, unlink_if_ours
 from gpusnap.daemon.api.errors import FailedPreconditionError, UnauthenticatedError
 from gpusnap.daemon.api.types import ROOT_CALLER, Caller
+from gpusnap.daemon.rundirs import socket_answers, unlink_if_ours
 
 log = structlog.get_logger(__name__)
 
@@ -165,8 +165,6 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             writer.write_eof()
         except (OSError, RuntimeError):
             pass
-
-
 
 
 def _set_mode_and_group(path: Path, group: str) -> None:

@@ -62,7 +62,9 @@ def enable(service_names: tuple[str, ...], server: grpc.Server | grpc.aio.Server
     names = (*service_names, V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     servicer: Any = (
-        reflection.aio.ReflectionServicer(names) if isinstance(server, grpc.aio.Server) else reflection.ReflectionServicer(names)
+        reflection.aio.ReflectionServicer(names)
+        if isinstance(server, grpc.aio.Server)
+        else reflection.ReflectionServicer(names)
     )
     handler = grpc.method_handlers_generic_handler(
         V1_SERVICE_NAME,

@@ -9,11 +9,17 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
-from gpusnap.daemon._proto import node_pb2, node_pb2_grpc, operations_pb2, operations_pb2_grpc
-from gpusnap.daemon._proto import snapshots_pb2, snapshots_pb2_grpc
+from gpusnap.daemon._proto import (
+    node_pb2,
+    node_pb2_grpc,
+    operations_pb2,
+    operations_pb2_grpc,
+    snapshots_pb2,
+    snapshots_pb2_grpc,
+)
+from gpusnap.daemon.api import paging
 from gpusnap.daemon.api.errors import GpusnapError, InternalError
 from gpusnap.daemon.api.types import ANONYMOUS_CALLER, ROOT_CALLER, Caller
-from gpusnap.daemon.api import paging
 from gpusnap.daemon.core import Daemon, operation_key, snapshot_key
 from gpusnap.daemon.service import convert
 from gpusnap.daemon.service.errors import abort
@@ -55,7 +61,11 @@ class _Base:
             # a client certificate only encrypts. Unmapped callers are anonymous.
             found: bytes | list[bytes] = context.auth_context().get("x509_common_name") or []
             names = [found] if isinstance(found, bytes) else list(found)
-            uid = self.daemon.deps.config.client_identities().get(names[0].decode(errors="replace")) if len(names) == 1 else None
+            uid = (
+                self.daemon.deps.config.client_identities().get(names[0].decode(errors="replace"))
+                if len(names) == 1
+                else None
+            )
             if uid is None:
                 return ANONYMOUS_CALLER
             return ROOT_CALLER if uid == 0 else Caller(pid=0, uid=uid, gid=uid)
@@ -64,23 +74,35 @@ class _Base:
 
 class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
     @_rpc
-    def Checkpoint(self, request: operations_pb2.CheckpointRequest, context: grpc.ServicerContext) -> operations_pb2.CheckpointResponse:
+    def Checkpoint(
+        self, request: operations_pb2.CheckpointRequest, context: grpc.ServicerContext
+    ) -> operations_pb2.CheckpointResponse:
         record = self.daemon.checkpoint(convert.checkpoint_options(request), self.caller(context), request.request_id)
         return operations_pb2.CheckpointResponse(operation=convert.operation(record))
 
     @_rpc
-    def Restore(self, request: operations_pb2.RestoreRequest, context: grpc.ServicerContext) -> operations_pb2.RestoreResponse:
+    def Restore(
+        self, request: operations_pb2.RestoreRequest, context: grpc.ServicerContext
+    ) -> operations_pb2.RestoreResponse:
         record = self.daemon.restore(convert.restore_options(request), self.caller(context), request.request_id)
         return operations_pb2.RestoreResponse(operation=convert.operation(record))
 
     @_rpc
-    def Suspend(self, request: operations_pb2.SuspendRequest, context: grpc.ServicerContext) -> operations_pb2.SuspendResponse:
-        timeout = convert.seconds("gpu_lock_timeout", request.gpu_lock_timeout) if request.HasField("gpu_lock_timeout") else None
+    def Suspend(
+        self, request: operations_pb2.SuspendRequest, context: grpc.ServicerContext
+    ) -> operations_pb2.SuspendResponse:
+        timeout = (
+            convert.seconds("gpu_lock_timeout", request.gpu_lock_timeout)
+            if request.HasField("gpu_lock_timeout")
+            else None
+        )
         record = self.daemon.suspend(request.pid, self.caller(context), timeout)
         return operations_pb2.SuspendResponse(operation=convert.operation(record))
 
     @_rpc
-    def Resume(self, request: operations_pb2.ResumeRequest, context: grpc.ServicerContext) -> operations_pb2.ResumeResponse:
+    def Resume(
+        self, request: operations_pb2.ResumeRequest, context: grpc.ServicerContext
+    ) -> operations_pb2.ResumeResponse:
         record = self.daemon.resume(request.pid, dict(request.gpu_map), self.caller(context))
         return operations_pb2.ResumeResponse(operation=convert.operation(record))
 
@@ -95,7 +117,9 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
         return operations_pb2.PullResponse(operation=convert.operation(record))
 
     @_rpc
-    def GetOperation(self, request: operations_pb2.GetOperationRequest, context: grpc.ServicerContext) -> operations_pb2.GetOperationResponse:
+    def GetOperation(
+        self, request: operations_pb2.GetOperationRequest, context: grpc.ServicerContext
+    ) -> operations_pb2.GetOperationResponse:
         record = self.daemon.operation(request.id, self.caller(context))
         return operations_pb2.GetOperationResponse(operation=convert.operation(record))
 
@@ -108,12 +132,16 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
         raise NotImplementedError("served by gpusnap.daemon.service.aio.OperationStreams")
 
     @_rpc
-    def CancelOperation(self, request: operations_pb2.CancelOperationRequest, context: grpc.ServicerContext) -> operations_pb2.CancelOperationResponse:
+    def CancelOperation(
+        self, request: operations_pb2.CancelOperationRequest, context: grpc.ServicerContext
+    ) -> operations_pb2.CancelOperationResponse:
         record = self.daemon.cancel(request.id, self.caller(context))
         return operations_pb2.CancelOperationResponse(operation=convert.operation(record))
 
     @_rpc
-    def ListOperations(self, request: operations_pb2.ListOperationsRequest, context: grpc.ServicerContext) -> operations_pb2.ListOperationsResponse:
+    def ListOperations(
+        self, request: operations_pb2.ListOperationsRequest, context: grpc.ServicerContext
+    ) -> operations_pb2.ListOperationsResponse:
         page = self.daemon.operations(self.caller(context), request.page_size, request.page_token)
         ops = [convert.operation(r) for r in page.items]
         page = paging.fit(page, [m.ByteSize() for m in ops], operation_key)
@@ -122,7 +150,9 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
 
 class SnapshotServicer(_Base, snapshots_pb2_grpc.SnapshotServiceServicer):
     @_rpc
-    def ListSnapshots(self, request: snapshots_pb2.ListSnapshotsRequest, context: grpc.ServicerContext) -> snapshots_pb2.ListSnapshotsResponse:
+    def ListSnapshots(
+        self, request: snapshots_pb2.ListSnapshotsRequest, context: grpc.ServicerContext
+    ) -> snapshots_pb2.ListSnapshotsResponse:
         list_fn = self.daemon.remote_snapshots if request.remote else self.daemon.snapshots
         page = list_fn(self.caller(context), dict(request.label_selector), request.page_size, request.page_token)
         snaps = [convert.snapshot(s) for s in page.items]
@@ -130,17 +160,23 @@ class SnapshotServicer(_Base, snapshots_pb2_grpc.SnapshotServiceServicer):
         return snapshots_pb2.ListSnapshotsResponse(snapshots=snaps[: len(page.items)], next_page_token=page.next_token)
 
     @_rpc
-    def GetSnapshot(self, request: snapshots_pb2.GetSnapshotRequest, context: grpc.ServicerContext) -> snapshots_pb2.GetSnapshotResponse:
+    def GetSnapshot(
+        self, request: snapshots_pb2.GetSnapshotRequest, context: grpc.ServicerContext
+    ) -> snapshots_pb2.GetSnapshotResponse:
         snap = self.daemon.snapshot(request.snapshot, self.caller(context))
         return snapshots_pb2.GetSnapshotResponse(snapshot=convert.snapshot(snap))
 
     @_rpc
-    def DeleteSnapshot(self, request: snapshots_pb2.DeleteSnapshotRequest, context: grpc.ServicerContext) -> snapshots_pb2.DeleteSnapshotResponse:
+    def DeleteSnapshot(
+        self, request: snapshots_pb2.DeleteSnapshotRequest, context: grpc.ServicerContext
+    ) -> snapshots_pb2.DeleteSnapshotResponse:
         delete = self.daemon.delete_remote_snapshot if request.remote else self.daemon.delete_snapshot
         return snapshots_pb2.DeleteSnapshotResponse(id=delete(request.snapshot, self.caller(context)))
 
 
 class NodeServicer(_Base, node_pb2_grpc.NodeServiceServicer):
     @_rpc
-    def GetNodeInfo(self, request: node_pb2.GetNodeInfoRequest, context: grpc.ServicerContext) -> node_pb2.GetNodeInfoResponse:
+    def GetNodeInfo(
+        self, request: node_pb2.GetNodeInfoRequest, context: grpc.ServicerContext
+    ) -> node_pb2.GetNodeInfoResponse:
         return node_pb2.GetNodeInfoResponse(node=convert.node_info(self.daemon.node_info()))

@@ -94,7 +94,9 @@ class StagedBuffers:
             self.start_digests()
         assert self._digests is not None
         digests = self._digests.result()
-        refs = [BufferRef(name=n, size_bytes=s, sha256=d) for n, s, d in zip(self.names, self.sizes, digests, strict=True)]
+        refs = [
+            BufferRef(name=n, size_bytes=s, sha256=d) for n, s, d in zip(self.names, self.sizes, digests, strict=True)
+        ]
         self.store.pin(self.uid, digests)
         self.refs = refs
         for path, fd, digest in zip(self.paths, self.fds, digests, strict=True):
@@ -128,8 +130,11 @@ class BufferStore:
 
     def __init__(self, root: Path, disk: Path | None = None, ram_budget_bytes: int = 0, disk_budget_bytes: int = 0):
         self.root = root
-        self.tiers = ([Tier("ram", root, ram_budget_bytes), Tier("disk", disk, disk_budget_bytes)]
-                      if disk is not None and disk != root else [Tier("disk", root, disk_budget_bytes)])
+        self.tiers = (
+            [Tier("ram", root, ram_budget_bytes), Tier("disk", disk, disk_budget_bytes)]
+            if disk is not None and disk != root
+            else [Tier("disk", root, disk_budget_bytes)]
+        )
         """Fastest first (``gpusnap.daemon.store.tiers``)."""
         self.blobs = root / "sha256"
         self.incoming = root / "incoming"
@@ -279,6 +284,7 @@ class BufferStore:
 
     def start_verify(self, uid: int, refs: Sequence[BufferRef]) -> Future[list[str]]:
         """Digest the referenced blobs on the store's pool; the future yields one line per damaged blob."""
+
         def run() -> list[str]:
             digests = checksum.file_digests([self.path(uid, r.sha256) for r in refs], self.pool)
             return [f"buffer {r.name}: checksum mismatch" for r, d in zip(refs, digests, strict=True) if d != r.sha256]
@@ -337,6 +343,11 @@ class BufferStore:
                     moved += size
                     log.info("buffers.evicted", blob=key, bytes=size, src=tier.name, dst=slower.name)
             if used > tier.budget_bytes:
-                log.warning("buffers.over_budget", tier=tier.name, used=used, budget=tier.budget_bytes,
-                            why="the rest is pinned by operations in flight")
+                log.warning(
+                    "buffers.over_budget",
+                    tier=tier.name,
+                    used=used,
+                    budget=tier.budget_bytes,
+                    why="the rest is pinned by operations in flight",
+                )
         return moved

@@ -133,12 +133,21 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
             ),
             worker=WorkerInfo(**doc["worker"]) if doc.get("worker") else None,
             agents=tuple(WorkerInfo(**w) for w in doc.get("agents", [])),
-            buffers=tuple(BufferRef(name=str(b["name"]), size_bytes=int(b["size_bytes"]), sha256=str(b["sha256"]),
-                                    agent=str(b.get("agent", "")))
-                          for b in doc.get("buffers", [])),
+            buffers=tuple(
+                BufferRef(
+                    name=str(b["name"]),
+                    size_bytes=int(b["size_bytes"]),
+                    sha256=str(b["sha256"]),
+                    agent=str(b.get("agent", "")),
+                )
+                for b in doc.get("buffers", [])
+            ),
             held_files=tuple(HeldFile(**h) for h in doc.get("held_files", [])),
-            owner_creds=(Creds(**{**doc["owner_creds"], "groups": tuple(doc["owner_creds"]["groups"])})
-                         if doc.get("owner_creds") else None),
+            owner_creds=(
+                Creds(**{**doc["owner_creds"], "groups": tuple(doc["owner_creds"]["groups"])})
+                if doc.get("owner_creds")
+                else None
+            ),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DataLossError(f"manifest is malformed ({type(exc).__name__}: {exc})", reason="MANIFEST_CORRUPT") from exc
@@ -172,8 +181,11 @@ def read(directory: Path) -> Snapshot:
             metadata={"snapshot": directory.name, "file": MANIFEST_NAME},
         ) from exc
     if not isinstance(doc, dict):
-        raise DataLossError(f"manifest {path} is not a JSON object", reason="MANIFEST_CORRUPT",
-                            metadata={"snapshot": directory.name, "file": MANIFEST_NAME})
+        raise DataLossError(
+            f"manifest {path} is not a JSON object",
+            reason="MANIFEST_CORRUPT",
+            metadata={"snapshot": directory.name, "file": MANIFEST_NAME},
+        )
     return from_json(doc)
 
 

@@ -184,8 +184,11 @@ class SnapshotStore:
         (directory / PROVENANCE).write_bytes(provenance)
         with self._lock:
             if (self.snapshots_dir / snapshot.id).exists():
-                raise AlreadyExistsError(f"snapshot {snapshot.id} is on this node already", reason="SNAPSHOT_EXISTS",
-                                         metadata={"snapshot": snapshot.id})
+                raise AlreadyExistsError(
+                    f"snapshot {snapshot.id} is on this node already",
+                    reason="SNAPSHOT_EXISTS",
+                    metadata={"snapshot": snapshot.id},
+                )
             if snapshot.name:
                 self._check_name_free_locked(snapshot.name, snapshot.owner_uid)
             return self.publish(StagingDir(snapshot.id, directory), snapshot)
@@ -253,8 +256,11 @@ class SnapshotStore:
                 f"snapshot {snapshot.id} is damaged ({shown}); it cannot be restored: delete it and checkpoint again",
                 reason="IMAGE_CHECKSUM",
                 # the damaged files by name ("pages-1.img: checksum mismatch" -> "pages-1.img")
-                metadata={"snapshot": snapshot.id, "files": ",".join(b.partition(":")[0] for b in bad[:20]),
-                          "damaged_count": str(len(bad))},
+                metadata={
+                    "snapshot": snapshot.id,
+                    "files": ",".join(b.partition(":")[0] for b in bad[:20]),
+                    "damaged_count": str(len(bad)),
+                },
             )
 
     def delete(self, ref: str, owner_uid: int = 0) -> str:

@@ -24,8 +24,8 @@ import structlog
 
 from gpusnap.adapters import capture_settings, wire
 from gpusnap.adapters._proto import agent_pb2
-from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
 from gpusnap.daemon import rundirs
+from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
 from gpusnap.daemon.workers import safefs
 
 log = structlog.get_logger(__name__)
@@ -225,9 +225,7 @@ class AgentRegistry:
         it is now, which ``/proc/<pid>/environ`` does not show; ``capture_settings.report``), by PID."""
         with self._cond:
             sessions = [self._sessions.get(p) for p in pids]
-        return {
-            s.info.pid: capture_settings.reported(s.info.info) for s in sessions if s is not None and not s.closed
-        }
+        return {s.info.pid: capture_settings.reported(s.info.info) for s in sessions if s is not None and not s.closed}
 
     def wait_for(self, pids: Collection[int], instance_id: str, timeout_s: float) -> AgentSession:
         """Wait for the agent ``instance_id`` to reconnect (after Quiesce) from one of ``pids``.
@@ -295,7 +293,9 @@ class AgentRegistry:
                 self._drop(conn, sel, pending)
             sel.close()
 
-    def _accept_ready(self, listener: socket.socket, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]) -> None:
+    def _accept_ready(
+        self, listener: socket.socket, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]
+    ) -> None:
         while True:
             try:
                 conn, _ = listener.accept()
@@ -328,7 +328,9 @@ class AgentRegistry:
             pass
         conn.close()
 
-    def _read_hello(self, conn: socket.socket, p: _Pending, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]) -> None:
+    def _read_hello(
+        self, conn: socket.socket, p: _Pending, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]
+    ) -> None:
         try:
             chunk = conn.recv(p.need())
         except BlockingIOError:
@@ -367,8 +369,15 @@ class AgentRegistry:
             log.warning("agent.refused", pid=pid, reason="malformed instance id or wake directory")
             conn.close()
             return
-        info = AgentInfo(pid=pid, uid=uid, engine=h.engine, instance_id=h.instance_id, wake_dir=h.wake_dir,
-                         resumed=h.resumed, info=dict(h.info))
+        info = AgentInfo(
+            pid=pid,
+            uid=uid,
+            engine=h.engine,
+            instance_id=h.instance_id,
+            wake_dir=h.wake_dir,
+            resumed=h.resumed,
+            info=dict(h.info),
+        )
         with self._cond:
             for stale in [p for p, s in self._sessions.items() if s.closed or not _peer_open(s.sock)]:
                 self._sessions.pop(stale).close()

@@ -54,7 +54,9 @@ class AgentClient:
 
     def quiesce(self, offload: bool, timeout_s: float) -> list[Announced]:
         """Stop the worker; with ``offload`` it announces the buffers it can move (none: the channel closes)."""
-        done = self.session.call(agent_pb2.DaemonMessage(quiesce=agent_pb2.Quiesce(offload=offload)), timeout_s, "quiesce")
+        done = self.session.call(
+            agent_pb2.DaemonMessage(quiesce=agent_pb2.Quiesce(offload=offload)), timeout_s, "quiesce"
+        )
         return [Announced(b.name, b.size_bytes) for b in done.buffers]
 
     def offload(self, names: Sequence[str], fds: Sequence[int], last: bool, timeout_s: float) -> Moved:
@@ -82,7 +84,8 @@ class AgentClient:
         token ids, comma separated (empty for processes without one)."""
         resume = agent_pb2.Resume(restored=restored)
         if restored:
-            resume.context.CopyFrom(agent_pb2.RestoreContext(env=dict(env or {}), unset_env=list(unset_env),
-                                                             values=dict(values or {})))
+            resume.context.CopyFrom(
+                agent_pb2.RestoreContext(env=dict(env or {}), unset_env=list(unset_env), values=dict(values or {}))
+            )
         done = self.session.call(agent_pb2.DaemonMessage(resume=resume), timeout_s, "resume")
         return done.details.get("tokens", "")

@@ -44,16 +44,19 @@ def stage(agent: AgentClient, store: BufferStore, announced: Sequence[Announced]
     """
     names = [b.name for b in announced]
     problem = (
-        f"{len(names)} buffers (at most {MAX_BUFFERS})" if len(names) > MAX_BUFFERS
-        else "an empty name" if not all(names)
-        else "a repeated name" if len(set(names)) != len(names)
-        else "an empty buffer" if not all(b.size_bytes for b in announced)
+        f"{len(names)} buffers (at most {MAX_BUFFERS})"
+        if len(names) > MAX_BUFFERS
+        else "an empty name"
+        if not all(names)
+        else "a repeated name"
+        if len(set(names)) != len(names)
+        else "an empty buffer"
+        if not all(b.size_bytes for b in announced)
         else ""
     )
     if problem:
         raise FailedPreconditionError(
-            f"the {agent.info.label} announced {problem}; fix its adapter's "
-            "buffers() or checkpoint with --no-offload",
+            f"the {agent.info.label} announced {problem}; fix its adapter's buffers() or checkpoint with --no-offload",
             reason="BAD_BUFFERS",
         )
     return store.stage(agent.info.uid, names, [b.size_bytes for b in announced])
@@ -82,11 +85,21 @@ def offload(agent: AgentClient, staged: StagedBuffers, timeout_s: float) -> floa
     spent = 0.0
     for i, batch in enumerate(batches):
         nbytes = sum(staged.sizes[j] for j in batch)
-        done = agent.offload([staged.names[j] for j in batch], [staged.fds[j] for j in batch], i == len(batches) - 1,
-                             batch_timeout(timeout_s, nbytes))
+        done = agent.offload(
+            [staged.names[j] for j in batch],
+            [staged.fds[j] for j in batch],
+            i == len(batches) - 1,
+            batch_timeout(timeout_s, nbytes),
+        )
         spent += done.seconds
-        log.info("buffers.written", pid=agent.info.pid, buffers=len(batch), worker_s=round(done.seconds, 3),
-                 bytes=nbytes, **dict(done.details))
+        log.info(
+            "buffers.written",
+            pid=agent.info.pid,
+            buffers=len(batch),
+            worker_s=round(done.seconds, 3),
+            bytes=nbytes,
+            **dict(done.details),
+        )
     staged.start_digests()
     return spent
 
@@ -100,8 +113,13 @@ def reload(agent: AgentClient, names: Sequence[str], fds: Sequence[int], timeout
             nbytes = sum(os.fstat(fds[j]).st_size for j in batch)
             done = agent.reload([names[j] for j in batch], [fds[j] for j in batch], batch_timeout(timeout_s, nbytes))
             spent += done.seconds
-            log.info("buffers.read", pid=agent.info.pid, buffers=len(batch), worker_s=round(done.seconds, 3),
-                     **dict(done.details))
+            log.info(
+                "buffers.read",
+                pid=agent.info.pid,
+                buffers=len(batch),
+                worker_s=round(done.seconds, 3),
+                **dict(done.details),
+            )
     finally:
         for fd in fds:
             os.close(fd)

@@ -14,7 +14,6 @@ from pathlib import Path
 from gpusnap.daemon.api.errors import InvalidArgumentError, PermissionDeniedError
 from gpusnap.daemon.drivers.nofollow import walk
 
-
 _shared_dirs: set[tuple[int, int]] = set()
 """(st_dev, st_ino) of sticky directories the daemon made itself (its wake directory), usable by all."""
 

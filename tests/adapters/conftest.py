@@ -26,6 +26,21 @@ def gpusnap_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("daemon", "adapters"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp / "site"
-    subprocess.run([str(torch_venv.PYTHON), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "--target", str(target), str(src)], check=True, timeout=600)
+    subprocess.run(
+        [
+            str(torch_venv.PYTHON),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "--target",
+            str(target),
+            str(src),
+        ],
+        check=True,
+        timeout=600,
+    )
     return target

@@ -158,8 +158,18 @@ class FakeRequestOutput:
         self._llm.calls.abort(self.request_id)
 
 
-TRT_MEMORY_TAGS = ("model", "draft_model", "model_weights", "draft_model_weights", "kv_cache", "executor_extra",
-                   "model_extra", "sampler", "drafter", "guided_decoder")
+TRT_MEMORY_TAGS = (
+    "model",
+    "draft_model",
+    "model_weights",
+    "draft_model_weights",
+    "kv_cache",
+    "executor_extra",
+    "model_extra",
+    "sampler",
+    "drafter",
+    "guided_decoder",
+)
 """``ExecutorMemoryType`` values (``tensorrt_llm/llmapi/llm_args.py``; the set varies between releases)."""
 
 
@@ -199,8 +209,13 @@ class FakeTrtLlm:
             raise RuntimeError("generate_async while the KV cache is released")
         params = sampling_params or SamplingParams()
         prompt = list(inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs)
-        out = FakeRequestOutput(self, len(self.requests), prompt, _greedy_tokens(self.weights, prompt, params.max_tokens),
-                                hang=self.faults.generate_hang)
+        out = FakeRequestOutput(
+            self,
+            len(self.requests),
+            prompt,
+            _greedy_tokens(self.weights, prompt, params.max_tokens),
+            hang=self.faults.generate_hang,
+        )
         self.requests.append(out)
         return out
 
@@ -216,7 +231,9 @@ class FakeTrtLlm:
         unique_reply_rank: int | None = None,
         target_ranks: int | list[int] | None = None,
     ) -> list[Any]:
-        _record(self.calls._collective_rpc, FakeTrtLlm._collective_rpc, locals(), always=("args", "kwargs", "non_block"))
+        _record(
+            self.calls._collective_rpc, FakeTrtLlm._collective_rpc, locals(), always=("args", "kwargs", "non_block")
+        )
         worker = {"sleep": self._worker_sleep, "wakeup": self._worker_wakeup}.get(method)
         if worker is None:
             raise AttributeError(f"'BaseWorker' object has no attribute {method!r}")
@@ -368,8 +385,12 @@ class FakeTokenizerManager:
         self.is_pause = False
 
     async def release_memory_occupation(self, obj: ReleaseMemoryOccupationReqInput, request: Any = None) -> None:
-        _record(self.calls.release_memory_occupation, FakeTokenizerManager.release_memory_occupation, locals(),
-                always=("request",))
+        _record(
+            self.calls.release_memory_occupation,
+            FakeTokenizerManager.release_memory_occupation,
+            locals(),
+            always=("request",),
+        )
         if not self.is_pause or self.in_flight:
             raise AssertionError("release_memory_occupation: the scheduler is not idle")
         if self._engine.faults.release is not None:
@@ -377,8 +398,12 @@ class FakeTokenizerManager:
         self.released |= set(obj.tags if obj.tags is not None else SGLANG_MEMORY_TAGS)
 
     async def resume_memory_occupation(self, obj: ResumeMemoryOccupationReqInput, request: Any = None) -> None:
-        _record(self.calls.resume_memory_occupation, FakeTokenizerManager.resume_memory_occupation, locals(),
-                always=("request",))
+        _record(
+            self.calls.resume_memory_occupation,
+            FakeTokenizerManager.resume_memory_occupation,
+            locals(),
+            always=("request",),
+        )
         if self._engine.faults.resume is not None:
             raise self._engine.faults.resume
         for tag in obj.tags if obj.tags is not None else SGLANG_MEMORY_TAGS:
@@ -459,8 +484,11 @@ class FakeSglangEngine:
             tokens = _greedy_tokens(self.weights, input_ids, n)  # type: ignore[arg-type]
         finally:
             tm.in_flight -= 1
-        return {"text": "", "output_ids": tokens,
-                "meta_info": {"id": rid, "finish_reason": {"type": "length", "length": n}}}
+        return {
+            "text": "",
+            "output_ids": tokens,
+            "meta_info": {"id": rid, "finish_reason": {"type": "length", "length": n}},
+        }
 
     # The synchronous wrappers (self.loop.run_until_complete(...)): unusable on the engine's loop.
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
@@ -501,11 +529,14 @@ def install_fake_engine_modules(monkeypatch: pytest.MonkeyPatch) -> None:
 
     llmapi = module("tensorrt_llm.llmapi", SamplingParams=SamplingParams, LLM=FakeTrtLlmPublic, AsyncLLM=FakeAsyncLlm)
     module("tensorrt_llm", SamplingParams=SamplingParams, LLM=FakeTrtLlmPublic, llmapi=llmapi)
-    io_struct = module("sglang.srt.managers.io_struct", PauseGenerationReqInput=PauseGenerationReqInput,
-                       ContinueGenerationReqInput=ContinueGenerationReqInput,
-                       ReleaseMemoryOccupationReqInput=ReleaseMemoryOccupationReqInput,
-                       ResumeMemoryOccupationReqInput=ResumeMemoryOccupationReqInput,
-                       FlushCacheReqOutput=FlushCacheReqOutput)
+    io_struct = module(
+        "sglang.srt.managers.io_struct",
+        PauseGenerationReqInput=PauseGenerationReqInput,
+        ContinueGenerationReqInput=ContinueGenerationReqInput,
+        ReleaseMemoryOccupationReqInput=ReleaseMemoryOccupationReqInput,
+        ResumeMemoryOccupationReqInput=ResumeMemoryOccupationReqInput,
+        FlushCacheReqOutput=FlushCacheReqOutput,
+    )
     managers = module("sglang.srt.managers", io_struct=io_struct)
     srt = module("sglang.srt", managers=managers)
     module("sglang", srt=srt, Engine=FakeSglangEngine)
@@ -516,7 +547,7 @@ def calls_between(calls: mock.Mock, start: Any, end: Any) -> list[Any]:
     seq = list(calls.mock_calls)
     i = seq.index(start)
     j = seq.index(end, i + 1)
-    return seq[i + 1:j]
+    return seq[i + 1 : j]
 
 
 # ===================================================================================== agent harness
@@ -628,8 +659,9 @@ def capture_roundtrip(
     When quiesce fails, the agent stays connected and the daemon sends a health command instead.
     """
     daemon = FakeDaemon()
-    agent = WorkerAgent(adapter, socket_path=str(daemon.socket_path), wake_dir=str(daemon.wake_dir),
-                        loop=engine_loop.loop)
+    agent = WorkerAgent(
+        adapter, socket_path=str(daemon.socket_path), wake_dir=str(daemon.wake_dir), loop=engine_loop.loop
+    )
     agent.start()
     try:
         hello = daemon.accept()
@@ -652,4 +684,3 @@ def capture_roundtrip(
         daemon.close()
         agent._thread.join(5)
         assert not agent._thread.is_alive(), "the agent thread did not stop"
-

@@ -35,10 +35,20 @@ class Toy:
 def _start(daemon: DaemonProc, tmp_path: Path, *args: str) -> Toy:
     wd = tmp_path / "toy"
     wd.mkdir()
-    env = {**os.environ, "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket), "GPUSNAP_WAKE_DIR": str(tmp_path / "wake"),
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(wd), *args], stdin=subprocess.DEVNULL,
-                            stdout=open(wd / "out", "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    env = {
+        **os.environ,
+        "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket),
+        "GPUSNAP_WAKE_DIR": str(tmp_path / "wake"),
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(wd), *args],
+        stdin=subprocess.DEVNULL,
+        stdout=open(wd / "out", "wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     wait_for(lambda: (wd / "ready").exists() or proc.poll() is not None, 30, "toy worker did not start")
     assert proc.poll() is None, (wd / "out").read_text()
     return Toy(wd, proc)
@@ -55,9 +65,21 @@ def test_agent_warm_up_quiesce_dump_restore_resume(daemon: DaemonProc, tmp_path:
         snap = json.loads(daemon.cli("-o", "json", "inspect", "toy", check=True).stdout)
         assert snap["worker"]["engine"] == "toy" and snap["worker"]["canary_tokens"]
 
-        restored = json.loads(daemon.cli(
-            "-o", "json", "restore", "toy", "--env", "TOY_PORT=9000", "--unset-env", "TOY_GONE", "--set", "node=n2",
-            check=True).stdout)
+        restored = json.loads(
+            daemon.cli(
+                "-o",
+                "json",
+                "restore",
+                "toy",
+                "--env",
+                "TOY_PORT=9000",
+                "--unset-env",
+                "TOY_GONE",
+                "--set",
+                "node=n2",
+                check=True,
+            ).stdout
+        )
         try:
             assert "resume-worker" in restored["phases"]
             assert toy.events()[-2:] == ["resume restored=True", "warm_up"], "resume, then the canary"

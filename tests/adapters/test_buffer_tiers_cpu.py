@@ -22,7 +22,9 @@ def _tiers(d: DaemonProc) -> dict[str, Any]:
 
 def test_a_small_ram_budget_spills_to_disk_and_restores_read_from_there(tmp_path: Path) -> None:
     budget = WEIGHT_BYTES + (WEIGHT_BYTES // 4)
-    d = start_daemon(tmp_path, extra_env={"GPUSNAP_BUFFER_DIR": str(tmp_path / "ram"), "GPUSNAP_RAM_TIER_BYTES": str(budget)})
+    d = start_daemon(
+        tmp_path, extra_env={"GPUSNAP_BUFFER_DIR": str(tmp_path / "ram"), "GPUSNAP_RAM_TIER_BYTES": str(budget)}
+    )
     first, second = Worker(d, tmp_path, "first"), Worker(d, tmp_path, "second", "--seed", "1")
     pids = [first.proc.pid, second.proc.pid]
     try:
@@ -46,9 +48,15 @@ def test_a_small_ram_budget_spills_to_disk_and_restores_read_from_there(tmp_path
 
 
 def test_a_capture_bigger_than_every_budget_is_refused(tmp_path: Path) -> None:
-    d = start_daemon(tmp_path, extra_env={"GPUSNAP_BUFFER_DIR": str(tmp_path / "ram"),
-                                          "GPUSNAP_RAM_TIER_BYTES": str(64 << 20), "GPUSNAP_DISK_TIER_BYTES": str(128 << 20),
-                                          "GPUSNAP_RESUME_TIMEOUT": "30"})
+    d = start_daemon(
+        tmp_path,
+        extra_env={
+            "GPUSNAP_BUFFER_DIR": str(tmp_path / "ram"),
+            "GPUSNAP_RAM_TIER_BYTES": str(64 << 20),
+            "GPUSNAP_DISK_TIER_BYTES": str(128 << 20),
+            "GPUSNAP_RESUME_TIMEOUT": "30",
+        },
+    )
     w = Worker(d, tmp_path, "w")
     try:
         before = w.generate()

@@ -26,8 +26,9 @@ class Worker:
         self.wd = tmp / name
         self.wd.mkdir()
         env = torch_venv.worker_env(daemon, tmp)
-        self.proc: subprocess.Popen[bytes] = torch_venv.start(WORKER, [str(self.wd), "--mib", str(MIB), *args], env,
-                                                              self.wd / "out")
+        self.proc: subprocess.Popen[bytes] = torch_venv.start(
+            WORKER, [str(self.wd), "--mib", str(MIB), *args], env, self.wd / "out"
+        )
         wait_for(lambda: (self.wd / "ready").exists() or self.proc.poll() is not None, 120, "worker did not start")
         assert self.proc.poll() is None, (self.wd / "out").read_text()[-3000:]
         self.n = 0
@@ -155,8 +156,14 @@ def test_a_full_buffer_store_refuses_the_capture_and_the_worker_serves_on(tmp_pa
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)]).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here")
     # The disk tier below the RAM tier would take the weights: a budget keeps it from doing so.
-    d = start_daemon(tmp_path, extra_env={"GPUSNAP_BUFFER_DIR": str(small / "buffers"), "GPUSNAP_RESUME_TIMEOUT": "30",
-                                          "GPUSNAP_DISK_TIER_BYTES": str(32 << 20)})
+    d = start_daemon(
+        tmp_path,
+        extra_env={
+            "GPUSNAP_BUFFER_DIR": str(small / "buffers"),
+            "GPUSNAP_RESUME_TIMEOUT": "30",
+            "GPUSNAP_DISK_TIER_BYTES": str(32 << 20),
+        },
+    )
     w = Worker(d, tmp_path, "w")
     try:
         before = w.generate()
@@ -184,7 +191,9 @@ def test_address_stable_weights_survive_criu_at_the_same_address(daemon: DaemonP
         assert dumped["buffer_bytes"] == WEIGHT_BYTES
         assert dumped["size_bytes"] < WEIGHT_BYTES, f"image {dumped['size_bytes']} holds the released arena's pages"
         assert w.proc.wait(timeout=30) == -9
-        restored_pid = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=300).stdout)["pid"]
+        restored_pid = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=300).stdout)[
+            "pid"
+        ]
         after = w.generate()
         assert after["ptr"] == before["ptr"], "the weights came back at the same address"
         assert after == before, "identical tokens and weights"

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-
-import json
 
 from tests.conftest import DaemonProc, kill_tree, wait_for
 
@@ -24,17 +23,27 @@ def test_control_dir_worker_round_trip(daemon: DaemonProc, tmp_path: Path) -> No
     wd.mkdir()
     ctl.mkdir()
     env = {**os.environ, "SNAPSHOT_CONTROL_DIR": str(ctl), "MODE": "capture"}
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(wd)], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(wd)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     restored_pid = 0
     try:
         wait_for(lambda: _count(wd) > 3, 20, "worker did not start")
         (wd / "capture").write_text("")
-        dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), "--control-dir", str(ctl), check=True).stdout)
+        dumped = json.loads(
+            daemon.cli("-o", "json", "dump", str(proc.pid), "--control-dir", str(ctl), check=True).stdout
+        )
         assert "wait-ready" in dumped["phases"]
         assert proc.wait(timeout=10) == -9
         frozen = _count(wd)
-        restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], "--env", "MODE=restored", check=True).stdout)
+        restored = json.loads(
+            daemon.cli("-o", "json", "restore", dumped["id"], "--env", "MODE=restored", check=True).stdout
+        )
         restored_pid = restored["pid"]
         wait_for(lambda: _count(wd) > frozen + 3, 20, "restored worker did not resume on restore-complete")
         assert (wd / "env").read_text() == "restored", "restore-context.json reached the worker"
@@ -44,8 +53,13 @@ def test_control_dir_worker_round_trip(daemon: DaemonProc, tmp_path: Path) -> No
 
 
 def test_control_dir_worker_that_never_gets_ready(daemon: DaemonProc, tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         d = daemon.cli("dump", str(proc.pid), "--control-dir", str(tmp_path / "missing"))
         assert d.returncode == 2 and "control directory" in d.stderr

@@ -37,10 +37,12 @@ def generate(rank: int | None = None) -> Any:
 
 WARMUP = [generate(), call.tokenizer_manager.flush_cache()]
 PAUSE = call.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="abort"))
-RELEASE = call.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=["kv_cache"]),
-                                                           request=None)
-RESUME = call.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=["kv_cache"]),
-                                                         request=None)
+RELEASE = call.tokenizer_manager.release_memory_occupation(
+    ReleaseMemoryOccupationReqInput(tags=["kv_cache"]), request=None
+)
+RESUME = call.tokenizer_manager.resume_memory_occupation(
+    ResumeMemoryOccupationReqInput(tags=["kv_cache"]), request=None
+)
 CONTINUE = call.tokenizer_manager.continue_generation(ContinueGenerationReqInput())
 
 
@@ -57,8 +59,10 @@ def engine_loop() -> Iterator[EngineLoop]:
 
 
 def test_module_imports_without_sglang() -> None:
-    code = ("import sys, gpusnap.adapters.sglang as m; assert 'sglang' not in sys.modules; "
-            "assert m.SglangAdapter.engine == 'sglang'")
+    code = (
+        "import sys, gpusnap.adapters.sglang as m; assert 'sglang' not in sys.modules; "
+        "assert m.SglangAdapter.engine == 'sglang'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -161,6 +165,7 @@ def test_release_reporting_failure_is_an_error() -> None:
 
     async def refuse(obj: Any, request: Any = None) -> Any:
         from types import SimpleNamespace
+
         return [SimpleNamespace(success=True, message=""), SimpleNamespace(success=False, message="rank 1 busy")]
 
     engine.tokenizer_manager.release_memory_occupation = refuse  # type: ignore[method-assign]
@@ -258,8 +263,12 @@ def test_agent_round_trip(engine_loop: EngineLoop) -> None:
     engine = FakeSglangEngine(dp_size=2)
     tm = engine.tokenizer_manager
     during: list[tuple[bool, set[str]]] = []
-    ex = capture_roundtrip(SglangAdapter(engine, dp_size=2), engine_loop, values={"node": "n2"},
-                           during_capture=lambda: during.append((tm.is_pause, set(tm.released))))
+    ex = capture_roundtrip(
+        SglangAdapter(engine, dp_size=2),
+        engine_loop,
+        values={"node": "n2"},
+        during_capture=lambda: during.append((tm.is_pause, set(tm.released))),
+    )
     assert ex.hello.engine == "sglang" and dict(ex.hello.info) == {"dp_size": "2", "release_tags": "kv_cache"}
     assert ex.warm_up.ok and len(tokens(ex.warm_up)) == 2
     assert ex.quiesce.ok, ex.quiesce.error

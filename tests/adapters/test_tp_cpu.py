@@ -71,8 +71,9 @@ def worker(daemon: DaemonProc, tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def test_two_ranks_dump_restore_same_collectives(daemon: DaemonProc, worker: TpWorker) -> None:
     before = _check(worker.generate())
-    dumped = json.loads(daemon.cli("-o", "json", "dump", str(worker.proc.pid), "--name", "tp", check=True,
-                                   timeout=600).stdout)
+    dumped = json.loads(
+        daemon.cli("-o", "json", "dump", str(worker.proc.pid), "--name", "tp", check=True, timeout=600).stdout
+    )
     assert list(dumped["phases"])[:3] == ["preflight", "warm-up", "quiesce"]
     assert worker.proc.wait(timeout=60) == -9
     assert worker.events()[-1] == "quiesce " + ",".join(["recreate:False"] * WORLD), "groups torn down first"

@@ -25,8 +25,12 @@ from tests.adapters.fakes_engines import (
 )
 
 EOS = 2
-WARMUP = call.generate_async([1, 5, 6, 7], sampling_params=SamplingParams(
-    max_tokens=2, min_tokens=2, top_k=1, ignore_eos=True, detokenize=False, seed=0, end_id=EOS))
+WARMUP = call.generate_async(
+    [1, 5, 6, 7],
+    sampling_params=SamplingParams(
+        max_tokens=2, min_tokens=2, top_k=1, ignore_eos=True, detokenize=False, seed=0, end_id=EOS
+    ),
+)
 SLEEP = call._collective_rpc("sleep", args=(["kv_cache"],), kwargs={}, non_block=False)
 WAKEUP = call._collective_rpc("wakeup", args=(["kv_cache"],), kwargs={}, non_block=False)
 
@@ -44,8 +48,10 @@ def engine_loop() -> Iterator[EngineLoop]:
 
 
 def test_module_imports_without_tensorrt_llm() -> None:
-    code = ("import sys, gpusnap.adapters.trtllm as m; assert 'tensorrt_llm' not in sys.modules; "
-            "assert m.TrtLlmAdapter.engine == 'trtllm'")
+    code = (
+        "import sys, gpusnap.adapters.trtllm as m; assert 'tensorrt_llm' not in sys.modules; "
+        "assert m.TrtLlmAdapter.engine == 'trtllm'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -140,9 +146,13 @@ def test_async_llm_is_paused_around_the_release() -> None:
     before, after = asyncio.run(cycle())
     assert before == after
     assert llm.calls.mock_calls == [
-        WARMUP, call.pause_generation(), call.release(tags=["kv_cache"]),
+        WARMUP,
+        call.pause_generation(),
+        call.release(tags=["kv_cache"]),
         call.generate_async([1, 2, 3]),  # refused: AsyncLLM is paused
-        call.resume(tags=["kv_cache"]), call.resume_generation(), WARMUP,
+        call.resume(tags=["kv_cache"]),
+        call.resume_generation(),
+        WARMUP,
     ]
 
 
@@ -228,7 +238,11 @@ def test_async_llm_release_failure_resumes_generation() -> None:
 
     asyncio.run(cycle())
     assert llm.calls.mock_calls == [
-        call.pause_generation(), call.release(tags=["kv_cache"]), call.resume(), call.resume_generation(), WARMUP,
+        call.pause_generation(),
+        call.release(tags=["kv_cache"]),
+        call.resume(),
+        call.resume_generation(),
+        WARMUP,
     ]
     assert not llm.paused
 
@@ -296,7 +310,10 @@ def test_quiesce_twice_and_resume_without_quiesce_are_no_ops() -> None:
 
 def test_info() -> None:
     assert TrtLlmAdapter(FakeTrtLlm(), end_id=EOS).info() == {
-        "release_tags": "kv_cache", "memory_api": "collective_rpc", "end_id": "2"}
+        "release_tags": "kv_cache",
+        "memory_api": "collective_rpc",
+        "end_id": "2",
+    }
 
 
 # -- through the real WorkerAgent ------------------------------------------------------------------
@@ -305,8 +322,12 @@ def test_info() -> None:
 def test_agent_round_trip(engine_loop: EngineLoop) -> None:
     llm = FakeTrtLlm()
     during: list[set[str]] = []
-    ex = capture_roundtrip(TrtLlmAdapter(llm, end_id=EOS), engine_loop, values={"node": "n2"},
-                           during_capture=lambda: during.append(set(llm.released)))
+    ex = capture_roundtrip(
+        TrtLlmAdapter(llm, end_id=EOS),
+        engine_loop,
+        values={"node": "n2"},
+        during_capture=lambda: during.append(set(llm.released)),
+    )
     assert ex.hello.engine == "trtllm" and not ex.hello.resumed
     assert dict(ex.hello.info) == {"release_tags": "kv_cache", "memory_api": "collective_rpc", "end_id": "2"}
     assert ex.warm_up.ok and len(tokens(ex.warm_up)) == 2

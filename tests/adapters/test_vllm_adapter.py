@@ -43,7 +43,9 @@ class FakeAsyncLLM:
 
     async def generate(self, prompt: Any, params: Any, request_id: str, **kw: Any) -> AsyncIterator[Any]:
         assert not self.paused, "generate while paused"
-        self._record("generate", (tuple(prompt["prompt_token_ids"]), params.kwargs["max_tokens"], kw.get("data_parallel_rank")))
+        self._record(
+            "generate", (tuple(prompt["prompt_token_ids"]), params.kwargs["max_tokens"], kw.get("data_parallel_rank"))
+        )
         out = types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[42, 7])])
         yield out
 
@@ -69,7 +71,9 @@ class FakeAsyncLLM:
         self._record("wake_up", tags)
         return True
 
-    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
+    async def collective_rpc(
+        self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> list[Any]:
         self._record("collective_rpc", method)
         return [None]
 
@@ -96,9 +100,18 @@ def test_kv_release_order() -> None:
     llm = FakeAsyncLLM()
     assert _cycle(VllmAdapter(llm)) == [42, 7]
     names = [c[0] for c in llm.calls]
-    assert names == ["generate", "reset_prefix_cache", "pause_generation", "release_kv_cache_memory",
-                     "checkpoint_prepare", "checkpoint_restore", "wake_up", "resume_generation",
-                     "generate", "reset_prefix_cache"]
+    assert names == [
+        "generate",
+        "reset_prefix_cache",
+        "pause_generation",
+        "release_kv_cache_memory",
+        "checkpoint_prepare",
+        "checkpoint_restore",
+        "wake_up",
+        "resume_generation",
+        "generate",
+        "reset_prefix_cache",
+    ]
     assert llm.calls[0][1] == ((1, 5, 6, 7), 2, None)
     assert ("pause_generation", ("abort", True)) in llm.calls
     assert ("wake_up", ["kv_cache"]) in llm.calls
@@ -108,7 +121,12 @@ def test_sleep_level_2_reloads_weights() -> None:
     llm = FakeAsyncLLM()
     _cycle(VllmAdapter(llm, release="sleep2"))
     names = [c for c in llm.calls if c[0] in ("sleep", "wake_up", "collective_rpc")]
-    assert names == [("sleep", 2), ("wake_up", ["weights"]), ("collective_rpc", "reload_weights"), ("wake_up", ["kv_cache"])]
+    assert names == [
+        ("sleep", 2),
+        ("wake_up", ["weights"]),
+        ("collective_rpc", "reload_weights"),
+        ("wake_up", ["kv_cache"]),
+    ]
 
 
 def test_warm_up_every_data_parallel_rank() -> None:

@@ -36,8 +36,9 @@ def _request(wd: Path, n: int) -> list[int]:
 def test_vllm_engine_round_trip(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Path) -> None:
     wd = tmp_path / "vllm"
     wd.mkdir()
-    env = torch_venv.plugin_env(daemon, tmp_path, gpusnap_target, GPUSNAP_VLLM_KV_BYTES=str(64 << 20),
-                                VLLM_RPC_BASE_PATH=str(tmp_path / "rpc"))
+    env = torch_venv.plugin_env(
+        daemon, tmp_path, gpusnap_target, GPUSNAP_VLLM_KV_BYTES=str(64 << 20), VLLM_RPC_BASE_PATH=str(tmp_path / "rpc")
+    )
     (tmp_path / "rpc").mkdir()
     proc = torch_venv.start(WORKER, [str(wd)], env, os.devnull)
     restored_pid = 0
@@ -47,8 +48,9 @@ def test_vllm_engine_round_trip(daemon: DaemonProc, tmp_path: Path, gpusnap_targ
         before = _request(wd, 1)
         assert len(before) == 8
 
-        dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), "--name", "vllm-cpu", check=True,
-                                       timeout=600).stdout)
+        dumped = json.loads(
+            daemon.cli("-o", "json", "dump", str(proc.pid), "--name", "vllm-cpu", check=True, timeout=600).stdout
+        )
         assert list(dumped["phases"])[:4] == ["preflight", "warm-up", "quiesce", "offload"]
         assert "dev-shm" in dumped["phases"], "vLLM's shared-memory queues are saved with the images"
         snap = json.loads(daemon.cli("-o", "json", "inspect", "vllm-cpu", check=True).stdout)
@@ -64,6 +66,8 @@ def test_vllm_engine_round_trip(daemon: DaemonProc, tmp_path: Path, gpusnap_targ
         assert len(restored["pids"]) == len(snap["source"]["tree_pids"])
         assert _request(wd, 2) == before, "identical greedy tokens from the restored engine"
         assert _request(wd, 3) == before, "and new requests are served"
-        print(f"\nMEASURED vllm-cpu: image {dumped['size_bytes']} bytes, dump {dumped['phases']}, restore {restored['phases']}")
+        print(
+            f"\nMEASURED vllm-cpu: image {dumped['size_bytes']} bytes, dump {dumped['phases']}, restore {restored['phases']}"
+        )
     finally:
         kill_tree(proc.pid, restored_pid)

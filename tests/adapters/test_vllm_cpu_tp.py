@@ -9,7 +9,6 @@ runs with ``--tcp established`` (restored on the same host; docs/tensor-parallel
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from tests.adapters import torch_venv
@@ -23,9 +22,14 @@ def test_vllm_tp2_round_trip(daemon: DaemonProc, tmp_path: Path) -> None:
     wd = tmp_path / "vllm"
     wd.mkdir()
     (tmp_path / "rpc").mkdir()
-    env = torch_venv.worker_env(daemon, tmp_path, GPUSNAP_VLLM_KV_BYTES=str(64 << 20), GPUSNAP_VLLM_TP="2",
-                                VLLM_CPU_OMP_THREADS_BIND="0|1",  # one core per rank: NUMA auto-binding needs 2 nodes
-                                VLLM_RPC_BASE_PATH=str(tmp_path / "rpc"))
+    env = torch_venv.worker_env(
+        daemon,
+        tmp_path,
+        GPUSNAP_VLLM_KV_BYTES=str(64 << 20),
+        GPUSNAP_VLLM_TP="2",
+        VLLM_CPU_OMP_THREADS_BIND="0|1",  # one core per rank: NUMA auto-binding needs 2 nodes
+        VLLM_RPC_BASE_PATH=str(tmp_path / "rpc"),
+    )
     proc = torch_venv.start(WORKER, [str(wd), "--agent"], env, wd / "stdout.log")
     restored_pid = 0
     try:
@@ -33,8 +37,11 @@ def test_vllm_tp2_round_trip(daemon: DaemonProc, tmp_path: Path) -> None:
         assert proc.poll() is None, (wd / "stdout.log").read_text()[-3000:]
         before = _request(wd, 1)
         assert len(before) == 8
-        dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), "--name", "tp2", "--tcp", "established",
-                                       check=True, timeout=600).stdout)
+        dumped = json.loads(
+            daemon.cli(
+                "-o", "json", "dump", str(proc.pid), "--name", "tp2", "--tcp", "established", check=True, timeout=600
+            ).stdout
+        )
         snap = json.loads(daemon.cli("-o", "json", "inspect", "tp2", check=True).stdout)
         assert len(snap["source"]["tree_pids"]) >= 4, "front end, EngineCore and both Workers are captured"
         assert proc.wait(timeout=30) == -9

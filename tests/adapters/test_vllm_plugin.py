@@ -42,8 +42,15 @@ print(json.dumps({"target": ep.value, "seccomp": seccomp(), "hooks": len(sys.met
 
 def _probe(target: Path, tmp_path: Path, **env: str) -> dict[str, object]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "GPUSNAP_"))}
-    out = subprocess.run([str(torch_venv.PYTHON), "-c", PROBE], env={**base, "PYTHONPATH": str(target), **env},
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path, check=True)
+    out = subprocess.run(
+        [str(torch_venv.PYTHON), "-c", PROBE],
+        env={**base, "PYTHONPATH": str(target), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=True,
+    )
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -67,10 +74,17 @@ def test_installing_gpusnap_moves_no_engine_version() -> None:
     """Every requirement of gpusnap that the engine's environment already has is met by the version it has,
     so ``pip install gpusnap`` there adds packages but changes none."""
     listing = subprocess.run(
-        [str(torch_venv.PYTHON), "-c",
-         "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name'].lower(): d.version "
-         "for d in m.distributions()}))"],
-        capture_output=True, text=True, timeout=120, check=True)
+        [
+            str(torch_venv.PYTHON),
+            "-c",
+            "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name'].lower(): d.version "
+            "for d in m.distributions()}))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     installed: dict[str, str] = json.loads(listing.stdout)
     import tomllib
 

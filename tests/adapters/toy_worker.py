@@ -40,8 +40,14 @@ class ToyEngine:
 class ToyAdapter(EngineAdapter):
     engine = "toy"
 
-    def __init__(self, engine: ToyEngine, workdir: str, fail_quiesce: bool, slow_quiesce: float = 0.0,
-                 expect_pids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        engine: ToyEngine,
+        workdir: str,
+        fail_quiesce: bool,
+        slow_quiesce: float = 0.0,
+        expect_pids: tuple[int, ...] = (),
+    ):
         self.expect_pids = expect_pids
         self.e = engine
         self.workdir = workdir
@@ -71,11 +77,26 @@ class ToyAdapter(EngineAdapter):
         self.log(f"resume restored={context is not None}")
         if context is not None:
             with open(os.path.join(self.workdir, "context.json"), "w") as fh:
-                json.dump({"values": dict(context.values), "TOY_PORT": os.environ.get("TOY_PORT"),
-                           "TOY_GONE": os.environ.get("TOY_GONE")}, fh)
+                json.dump(
+                    {
+                        "values": dict(context.values),
+                        "TOY_PORT": os.environ.get("TOY_PORT"),
+                        "TOY_GONE": os.environ.get("TOY_GONE"),
+                    },
+                    fh,
+                )
             with open(os.path.join(self.workdir, "contexts.jsonl"), "a") as fh:  # one line per restored copy
-                fh.write(json.dumps({"values": dict(context.values), "TOY_PORT": os.environ.get("TOY_PORT"),
-                                     "netns": os.stat("/proc/self/ns/net").st_ino, "pid": os.getpid()}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "values": dict(context.values),
+                            "TOY_PORT": os.environ.get("TOY_PORT"),
+                            "netns": os.stat("/proc/self/ns/net").st_ino,
+                            "pid": os.getpid(),
+                        }
+                    )
+                    + "\n"
+                )
         self.e.kv = bytearray(64 << 20)
         self.e.paused = False
 

@@ -179,8 +179,9 @@ def rank_main(args: argparse.Namespace) -> None:
 
     def init(_ctx: object) -> None:
         kw: dict[str, Any] = {"device_id": torch.device("cuda", rank)} if cuda else {}
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=pending["rdzv"], rank=rank,
-                                world_size=world, **kw)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=pending["rdzv"], rank=rank, world_size=world, **kw
+        )
 
     init(None)
     if cuda:
@@ -189,8 +190,11 @@ def rank_main(args: argparse.Namespace) -> None:
         decode, reference = mlp_model(rank, world, args.seed)
     groups = ProcessGroups(init, mode="recreate" if args.mode == "keep" else args.mode, timeout_s=300)
     version = nccl_version() if cuda else None
-    hello = {"pid": os.getpid(), "nccl": list(version) if version else None,
-             "can_suspend": nccl_supports_suspend(version)}
+    hello = {
+        "pid": os.getpid(),
+        "nccl": list(version) if version else None,
+        "can_suspend": nccl_supports_suspend(version),
+    }
     reply_out.write(json.dumps(hello) + "\n")
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
@@ -199,8 +203,11 @@ def rank_main(args: argparse.Namespace) -> None:
                 probe = torch.full((4,), float(rank + 1), device="cuda" if cuda else "cpu")
                 dist.all_reduce(probe)
                 t0 = time.perf_counter()
-                reply: dict[str, Any] = {"tokens": decode(), "all_reduce": probe.tolist(),
-                                         "decode_s": time.perf_counter() - t0}
+                reply: dict[str, Any] = {
+                    "tokens": decode(),
+                    "all_reduce": probe.tolist(),
+                    "decode_s": time.perf_counter() - t0,
+                }
                 if reference is not None:
                     reply["reference"] = reference()
             elif cmd == "suspend":
@@ -231,12 +238,36 @@ class Ranks:
         self.replies: list[IO[str]] = []
         for r in range(args.world):
             read_fd, write_fd = os.pipe()
-            self.procs.append(subprocess.Popen(
-                [sys.executable, __file__, self.wd, "--rank", str(r), "--world", str(args.world), "--seed",
-                 str(args.seed), "--rdzv", rdzv, "--device", args.device, "--size", args.size, "--mode", args.mode,
-                 "--reply-fd", str(write_fd)],
-                stdin=subprocess.PIPE, stdout=sys.stderr, text=True, bufsize=1, pass_fds=(write_fd,),
-            ))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        self.wd,
+                        "--rank",
+                        str(r),
+                        "--world",
+                        str(args.world),
+                        "--seed",
+                        str(args.seed),
+                        "--rdzv",
+                        rdzv,
+                        "--device",
+                        args.device,
+                        "--size",
+                        args.size,
+                        "--mode",
+                        args.mode,
+                        "--reply-fd",
+                        str(write_fd),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=sys.stderr,
+                    text=True,
+                    bufsize=1,
+                    pass_fds=(write_fd,),
+                )
+            )
             os.close(write_fd)
             self.replies.append(os.fdopen(read_fd, "r"))
         self.hello = [self._read(r) for r in range(args.world)]
@@ -328,8 +359,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--size", choices=("mlp", *LLAMA), default="mlp")
-    ap.add_argument("--mode", choices=("auto", "recreate", "suspend", "keep"), default="recreate",
-                    help="keep: leave the process groups up at quiesce (a worker that forgets to)")
+    ap.add_argument(
+        "--mode",
+        choices=("auto", "recreate", "suspend", "keep"),
+        default="recreate",
+        help="keep: leave the process groups up at quiesce (a worker that forgets to)",
+    )
     ap.add_argument("--rank", type=int, default=-1)
     ap.add_argument("--rdzv", default="")
     ap.add_argument("--reply-fd", type=int, default=-1)

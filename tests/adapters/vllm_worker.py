@@ -70,9 +70,7 @@ async def _generate(engine: object, n: int) -> dict[str, object]:
 
     from vllm import SamplingParams
 
-    params = SamplingParams(
-        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, seed=0
-    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, seed=0)
     start = time.monotonic()
     final = None
     async for out in engine.generate({"prompt_token_ids": PROMPT}, params, request_id=f"req-{n}"):  # type: ignore[attr-defined]

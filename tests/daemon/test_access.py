@@ -45,7 +45,9 @@ def test_unprivileged_caller_may_only_touch_its_own(open_daemon: DaemonProc, wor
     assert res.returncode == 6 and "does not belong to uid 65534" in res.stderr
     assert root_tree.proc is not None and root_tree.proc.poll() is None
 
-    root_snap = json.loads(open_daemon.cli("-o", "json", "dump", str(root_tree.pid), "--name", "roots", check=True).stdout)
+    root_snap = json.loads(
+        open_daemon.cli("-o", "json", "dump", str(root_tree.pid), "--name", "roots", check=True).stdout
+    )
     res = open_daemon.cli("restore", "roots", user=NOBODY)
     assert res.returncode == 3 and "no snapshot" in res.stderr, "names are per owner: nobody has no 'roots'"
     res = open_daemon.cli("restore", root_snap["id"], user=NOBODY)
@@ -56,17 +58,27 @@ def test_unprivileged_caller_may_only_touch_its_own(open_daemon: DaemonProc, wor
 
 
 def test_unprivileged_caller_round_trips_its_own_process(open_daemon: DaemonProc, workloads: Workloads) -> None:
-    own = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "sleep", "600"],
-                           cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)
+    own = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "sleep", "600"],
+        cwd="/",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     workloads.adopt(own.pid)
-    wait_for(lambda: psutil.Process(own.pid).uids().real == NOBODY and psutil.Process(own.pid).name() == "sleep", 10,
-             "unprivileged sleep did not start")
+    wait_for(
+        lambda: psutil.Process(own.pid).uids().real == NOBODY and psutil.Process(own.pid).name() == "sleep",
+        10,
+        "unprivileged sleep did not start",
+    )
     if not host.has_capability(host.CAP_SYS_RESOURCE):
         res = open_daemon.cli("dump", str(own.pid), user=NOBODY)
         assert res.returncode == 4 and "lacks CAP_SYS_RESOURCE" in res.stderr, res.stderr
         pytest.skip("this machine withholds CAP_SYS_RESOURCE from root, so CRIU cannot dump another user's process")
-    mine = json.loads(open_daemon.cli("-o", "json", "dump", str(own.pid), "--name", "mine", user=NOBODY, check=True).stdout)
+    mine = json.loads(
+        open_daemon.cli("-o", "json", "dump", str(own.pid), "--name", "mine", user=NOBODY, check=True).stdout
+    )
     own.wait(timeout=10)
     root_tree = workloads.start("--mem-mb", "2", "--no-listener", "--no-child", name="root")
     open_daemon.cli("dump", str(root_tree.pid), "--name", "roots", check=True)

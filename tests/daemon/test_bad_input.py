@@ -167,7 +167,9 @@ def test_unreachable_daemon_exit_code(tmp_path: Path) -> None:
 
     res = subprocess.run(
         [sys.executable, "-m", "gpusnap.daemon.cli", "--socket", str(tmp_path / "none.sock"), "ls"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert res.returncode == 7 and "cannot reach gpusnapd" in res.stderr
 
@@ -175,15 +177,23 @@ def test_unreachable_daemon_exit_code(tmp_path: Path) -> None:
 def test_tree_in_a_user_namespace_is_refused(daemon: DaemonProc) -> None:
     import subprocess
 
-    proc = subprocess.Popen(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "sleep", "600"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "sleep", "600"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
-        from tests.conftest import wait_for
         import psutil
 
-        wait_for(lambda: any(c.name() == "sleep" for c in psutil.Process(proc.pid).children(recursive=True)), 10,
-                 "unshare did not start")
+        from tests.conftest import wait_for
+
+        wait_for(
+            lambda: any(c.name() == "sleep" for c in psutil.Process(proc.pid).children(recursive=True)),
+            10,
+            "unshare did not start",
+        )
         inner = next(c.pid for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "sleep")
         res = daemon.cli("-o", "json", "dump", str(inner))
         assert res.returncode == 4 and "user namespace" in res.stderr, res.stderr
@@ -216,8 +226,13 @@ def test_trees_that_could_never_be_restored_are_refused(daemon: DaemonProc, tmp_
 
     procs = []
     try:
-        reader = subprocess.Popen(["sh", "-c", "sleep 600 | cat > /dev/null"], start_new_session=True,
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        reader = subprocess.Popen(
+            ["sh", "-c", "sleep 600 | cat > /dev/null"],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         procs.append(reader.pid)
         wait_for(lambda: len(psutil.Process(reader.pid).children()) == 2, 10, "pipeline did not start")
         writer = next(c.pid for c in psutil.Process(reader.pid).children() if c.name() == "sleep")
@@ -226,9 +241,13 @@ def test_trees_that_could_never_be_restored_are_refused(daemon: DaemonProc, tmp_
         assert _error(res)["reason"] == "EXTERNAL_PIPE"
         assert psutil.Process(writer).is_running()
 
-        nsinit = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "setsid", "sleep", "600"],
-                                  start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+        nsinit = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount-proc", "setsid", "sleep", "600"],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         procs.append(nsinit.pid)
         wait_for(lambda: bool(psutil.Process(nsinit.pid).children()), 10, "unshare did not start")
         init = psutil.Process(nsinit.pid).children()[0].pid
@@ -251,12 +270,15 @@ def test_trees_that_could_never_be_restored_are_refused(daemon: DaemonProc, tmp_
         import pty
 
         master, slave = pty.openpty()
-        on_tty = subprocess.Popen(["sleep", "600"], stdin=slave, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  start_new_session=True)
+        on_tty = subprocess.Popen(
+            ["sleep", "600"], stdin=slave, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         procs.append(on_tty.pid)
         os.close(slave)
         res = daemon.cli("-o", "json", "dump", str(on_tty.pid))
-        assert res.returncode == 4 and f"fd 0 of process {on_tty.pid} is the terminal /dev/pts/" in res.stderr, res.stderr
+        assert res.returncode == 4 and f"fd 0 of process {on_tty.pid} is the terminal /dev/pts/" in res.stderr, (
+            res.stderr
+        )
         assert _error(res)["reason"] == "TERMINAL"
         assert psutil.Process(on_tty.pid).is_running()
         os.close(master)

@@ -40,9 +40,23 @@ def test_cancel_rolls_back_a_waiting_checkpoint(daemon: DaemonProc, workloads: W
 
 def test_ctrl_c_cancels(daemon: DaemonProc, workloads: Workloads, tmp_path: Path) -> None:
     pid, cdir = _waiting(daemon, workloads, tmp_path)
-    cli = subprocess.Popen([sys.executable, "-m", "gpusnap.daemon.cli", "--socket", str(daemon.socket), "dump", str(pid),
-                            "--control-dir", str(cdir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=_cli_env())
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpusnap.daemon.cli",
+            "--socket",
+            str(daemon.socket),
+            "dump",
+            str(pid),
+            "--control-dir",
+            str(cdir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_cli_env(),
+    )
     wait_for(lambda: any(o.phase == "wait-ready" for o in daemon.client().list_operations()), 30, "not waiting")
     cli.send_signal(signal.SIGINT)
     _, err = cli.communicate(timeout=60)

@@ -21,23 +21,32 @@ from tests.users import User
 
 def _hold(tmp_path: Path, workloads: Workloads, kind: str, *, prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     ready = tmp_path / f"{kind}.ready"
-    p = subprocess.Popen([*prefix, sys.executable, str(WORKLOADS / "holds.py"), kind, str(ready)], cwd="/",
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [*prefix, sys.executable, str(WORKLOADS / "holds.py"), kind, str(ready)],
+        cwd="/",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     workloads.adopt(p.pid)
     wait_for(lambda: ready.exists() or p.poll() is not None, 30, f"{kind} holder did not start")
     assert p.poll() is None, f"{kind} holder exited {p.returncode}"
     return p
 
 
-@pytest.mark.parametrize(("kind", "words"), [
-    ("vsock", "a socket of a family CRIU does not dump"),
-    ("userfaultfd", "a userfaultfd descriptor"),
-    ("fuse", "the character device /dev/fuse (10:229)"),
-    ("sysv-shm", "a SysV shared-memory segment"),
-])
-def test_what_criu_cannot_dump_is_refused_before_the_freeze(daemon: DaemonProc, workloads: Workloads, tmp_path: Path,
-                                                            kind: str, words: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("vsock", "a socket of a family CRIU does not dump"),
+        ("userfaultfd", "a userfaultfd descriptor"),
+        ("fuse", "the character device /dev/fuse (10:229)"),
+        ("sysv-shm", "a SysV shared-memory segment"),
+    ],
+)
+def test_what_criu_cannot_dump_is_refused_before_the_freeze(
+    daemon: DaemonProc, workloads: Workloads, tmp_path: Path, kind: str, words: str
+) -> None:
     p = _hold(tmp_path, workloads, kind)
     res = daemon.cli("-o", "json", "dump", str(p.pid))
     assert res.returncode == 4, res.stderr
@@ -85,8 +94,9 @@ def test_a_pty_pair_inside_the_tree_restores(daemon: DaemonProc, workloads: Work
 def test_a_terminal_whose_master_is_outside_is_refused_with_its_fd(daemon: DaemonProc, workloads: Workloads) -> None:
     master, slave = os.openpty()
     try:
-        p = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            ["sleep", "600"], stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         workloads.adopt(p.pid)
         res = daemon.cli("dump", str(p.pid))
         assert res.returncode == 4 and f"fd 1 of process {p.pid} is the terminal /dev/pts/" in res.stderr, res.stderr
@@ -103,12 +113,19 @@ def test_a_pipe_to_a_child_forked_after_the_listing_is_inside(workloads: Workloa
 
 
 @pytest.mark.skipif(host.has_capability(host.CAP_SYS_RESOURCE), reason="needs a root without CAP_SYS_RESOURCE")
-def test_a_child_of_another_user_gets_the_capability_message(daemon: DaemonProc, workloads: Workloads,
-                                                             hostile: tuple[User, User]) -> None:
+def test_a_child_of_another_user_gets_the_capability_message(
+    daemon: DaemonProc, workloads: Workloads, hostile: tuple[User, User]
+) -> None:
     a, _ = hostile
     code = f"import os,time\nif os.fork() == 0:\n    os.setuid({a.uid})\n    time.sleep(600)\ntime.sleep(600)"
-    p = subprocess.Popen([sys.executable, "-c", code], cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd="/",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     workloads.adopt(p.pid)
     wait_for(lambda: any(c.uids().real == a.uid for c in psutil.Process(p.pid).children()), 10, "no child of A")
     child = psutil.Process(p.pid).children()[0].pid

@@ -25,8 +25,18 @@ def _widest(text: str) -> int:
 
 def test_tables_fit_80_columns_off_a_terminal(daemon: DaemonProc, workloads: Workloads) -> None:
     w = workloads.start("--mem-mb", "4", "--no-listener")
-    daemon.cli("dump", str(w.pid), "--name", LONG_NAME, "--label", "model=llama-3.1-8b-instruct",
-               "--label", "team=inference-platform", "--leave-running", check=True)
+    daemon.cli(
+        "dump",
+        str(w.pid),
+        "--name",
+        LONG_NAME,
+        "--label",
+        "model=llama-3.1-8b-instruct",
+        "--label",
+        "team=inference-platform",
+        "--leave-running",
+        check=True,
+    )
     for args in (["ls"], ["inspect", LONG_NAME], ["ops"], ["node"]):
         out = daemon.cli(*args, check=True, env={"COLUMNS": ""}).stdout  # no $COLUMNS, not a terminal
         assert out.strip() and _widest(out) <= 80, f"{args}: {_widest(out)} columns:\n{out}"
@@ -54,10 +64,23 @@ def test_wait_on_a_malformed_id_says_what_an_id_looks_like(daemon: DaemonProc) -
 def _gpusnapd(tmp: Path, *flags: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in _cli_env().items() if k != "GPUSNAP_AGENT_SOCKET"}
     prefix = criu_prefix()
-    cmd = [sys.executable, "-m", "gpusnap.daemon.main", "--store", str(tmp / "store"), "--criu",
-           str(prefix / "bin" / "criu"), "--pycriu-path", str(prefix / "python"), "--log-format", "json", *flags]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(tmp / "log", "ab"), stderr=subprocess.STDOUT,
-                            env=env)
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpusnap.daemon.main",
+        "--store",
+        str(tmp / "store"),
+        "--criu",
+        str(prefix / "bin" / "criu"),
+        "--pycriu-path",
+        str(prefix / "python"),
+        "--log-format",
+        "json",
+        *flags,
+    ]
+    return subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=open(tmp / "log", "ab"), stderr=subprocess.STDOUT, env=env
+    )
 
 
 @pytest.mark.slow

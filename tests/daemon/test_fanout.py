@@ -24,8 +24,13 @@ def _netns(pid: int) -> int:
 
 def _hello(pid: int, port: str) -> int:
     """Ask the copy ``pid`` for its counter, on 127.0.0.1:``port`` inside its own network namespace."""
-    out = subprocess.run(["nsenter", "-t", str(pid), "-n", sys.executable, "-c", ASK, port], capture_output=True,
-                         text=True, timeout=30, check=True).stdout
+    out = subprocess.run(
+        ["nsenter", "-t", str(pid), "-n", sys.executable, "-c", ASK, port],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     word, counter = out.split()
     assert word == "hello"
     return int(counter)
@@ -65,12 +70,29 @@ def test_replicas_get_their_own_restore_context(daemon: DaemonProc, tmp_path: Pa
     try:
         before = toy.generate()
         daemon.cli("dump", str(toy.proc.pid), "--name", "toyfan", check=True)
-        restored = json.loads(daemon.cli("-o", "json", "restore", "toyfan", "--replicas", "2", "--set", "port=80{i}",
-                                         "--set", "node=n-{i}", "--env", "TOY_PORT=90{i}", check=True).stdout)
+        restored = json.loads(
+            daemon.cli(
+                "-o",
+                "json",
+                "restore",
+                "toyfan",
+                "--replicas",
+                "2",
+                "--set",
+                "port=80{i}",
+                "--set",
+                "node=n-{i}",
+                "--env",
+                "TOY_PORT=90{i}",
+                check=True,
+            ).stdout
+        )
         pids = [c["pid"] for c in restored["replicas"]]
         lines = [json.loads(x) for x in (toy.workdir / "contexts.jsonl").read_text().splitlines()]
         assert sorted((x["values"]["port"], x["values"]["node"], x["TOY_PORT"]) for x in lines) == [
-            ("800", "n-0", "900"), ("801", "n-1", "901")]
+            ("800", "n-0", "900"),
+            ("801", "n-1", "901"),
+        ]
         assert len({x["netns"] for x in lines}) == 2, "each copy resumed in its own network namespace"
         assert {"resume-worker#0", "resume-worker#1"} <= set(restored["phases"]), "each copy's canary passed"
         wait_for(lambda: all(Path(f"/proc/{p}").exists() for p in pids), 5, "copies gone")

@@ -98,8 +98,9 @@ def _start(d: DaemonProc, start: Callable[[DaemonClient], operations_pb2.Operati
         return ""
 
 
-def _after_crash(d: DaemonProc, tmp: Path, op_id: str,
-                 retry: Callable[[DaemonClient], operations_pb2.Operation]) -> tuple[DaemonProc, operations_pb2.Operation]:
+def _after_crash(
+    d: DaemonProc, tmp: Path, op_id: str, retry: Callable[[DaemonClient], operations_pb2.Operation]
+) -> tuple[DaemonProc, operations_pb2.Operation]:
     """Wait for the SIGKILLed daemon to be gone and start it again on the same store; a retry with the same
     idempotency key must get the original operation, finished by recovery."""
     assert d.proc.wait(timeout=60) == -9, "the failpoint did not kill gpusnapd"
@@ -118,8 +119,12 @@ def _after_crash(d: DaemonProc, tmp: Path, op_id: str,
     return d2, op
 
 
-def _cell(d: DaemonProc, tmp: Path, fault: str, start: Callable[[DaemonClient], operations_pb2.Operation],
-          ) -> tuple[DaemonProc, operations_pb2.Operation]:
+def _cell(
+    d: DaemonProc,
+    tmp: Path,
+    fault: str,
+    start: Callable[[DaemonClient], operations_pb2.Operation],
+) -> tuple[DaemonProc, operations_pb2.Operation]:
     """Start the operation under the daemon's failpoint; the daemon serving afterwards and the finished operation."""
     op_id = _start(d, start)
     if fault == "kill":
@@ -223,8 +228,11 @@ def test_agent_death_mid_quiesce(tmp_path: Path) -> None:
     toy = _toy(d, tmp_path, "--slow-quiesce", "30")
     try:
         op = d.client().checkpoint(toy.proc.pid)
-        wait_for(lambda: (toy.workdir / "events").exists() and "quiesce" in toy.events(), 30,
-                 "the worker never started to quiesce")
+        wait_for(
+            lambda: (toy.workdir / "events").exists() and "quiesce" in toy.events(),
+            30,
+            "the worker never started to quiesce",
+        )
         toy.proc.kill()
         with pytest.raises(GpusnapError):
             d.client().wait(op.id, timeout_s=60)

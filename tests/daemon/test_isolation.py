@@ -27,9 +27,13 @@ def test_copies_and_source_run_side_by_side(daemon: DaemonProc, tmp_path: Path) 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     name = f"gpusnap-test-{os.getpid()}"
-    proc = subprocess.Popen([sys.executable, str(WORKLOADS / "shm_counter.py"), str(tmp_path), name, str(port)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKLOADS / "shm_counter.py"), str(tmp_path), name, str(port)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     pids: list[int] = [proc.pid]
     try:
         wait_for((tmp_path / "ready").exists, 20, "worker did not start")
@@ -38,8 +42,13 @@ def test_copies_and_source_run_side_by_side(daemon: DaemonProc, tmp_path: Path) 
         for _ in range(2):  # two copies beside the running source: same port, same shm name
             restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], "--private-net", check=True).stdout)
             pids.append(restored["pid"])
-        wait_for(lambda: len(_counts(tmp_path / "log")) == 3 and min(len(v) for v in _counts(tmp_path / "log").values()) > 20,
-                 30, "three counters (source and two copies) did not all run")
+        wait_for(
+            lambda: (
+                len(_counts(tmp_path / "log")) == 3 and min(len(v) for v in _counts(tmp_path / "log").values()) > 20
+            ),
+            30,
+            "three counters (source and two copies) did not all run",
+        )
         for ns, values in _counts(tmp_path / "log").items():
             tail = values[-15:]
             assert tail == list(range(tail[0], tail[0] + len(tail))), f"{ns}: counter shared with another copy: {tail}"

@@ -68,8 +68,13 @@ def test_every_command_matches_the_schema(daemon: DaemonProc, workloads: Workloa
     assert all(isinstance(p["bytes"], int) for o in ops for p in o["phases"])
 
     # Failures: one error object, whatever the command.
-    for args in (["inspect", "no-such"], ["restore", "snap-aaaaaaaaaaaaaaaaaaaaaaaaaa"], ["wait", "op-bad"],
-                 ["suspend", str(w.pid)], ["resume", str(w.pid)]):
+    for args in (
+        ["inspect", "no-such"],
+        ["restore", "snap-aaaaaaaaaaaaaaaaaaaaaaaaaa"],
+        ["wait", "op-bad"],
+        ["suspend", str(w.pid)],
+        ["resume", str(w.pid)],
+    ):
         failed = run(daemon, *args, ok=False)
         check("failed", failed)
     partly = run(daemon, "rm", "no-such", ok=False)  # rm reports each snapshot it could not delete
@@ -88,10 +93,13 @@ def test_every_command_matches_the_schema(daemon: DaemonProc, workloads: Workloa
     assert removed == {"deleted": [dump["id"]], "failed": []}
 
 
-@pytest.mark.parametrize("bad", [
-    {"id": "snap-x", "name": "", "operation": "op-y", "size_bytes": "12", "buffer_bytes": 0, "phases": {}},
-    {"sizeBytes": 1},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"id": "snap-x", "name": "", "operation": "op-y", "size_bytes": "12", "buffer_bytes": 0, "phases": {}},
+        {"sizeBytes": 1},
+    ],
+)
 def test_schema_rejects_the_old_forms(bad: dict[str, object]) -> None:
     with pytest.raises(jsonschema.ValidationError):
         check("dump", bad)

@@ -51,8 +51,11 @@ def _check_operation(samples: Samples, op: dict[str, object], kind: str) -> None
         assert value(samples, "gpusnap_phase_duration_seconds_count", kind=kind, phase=phase) == 1, phase
         assert value(samples, "gpusnap_phase_duration_seconds_sum", kind=kind, phase=phase) == pytest.approx(seconds)
         assert value(samples, "gpusnap_phase_duration_seconds_bucket", kind=kind, phase=phase, le="+Inf") == 1
-    observed = {dict(labels)["phase"] for (name, labels) in samples
-                if name == "gpusnap_phase_duration_seconds_count" and dict(labels)["kind"] == kind}
+    observed = {
+        dict(labels)["phase"]
+        for (name, labels) in samples
+        if name == "gpusnap_phase_duration_seconds_count" and dict(labels)["kind"] == kind
+    }
     assert observed == set(phases), "no phase counted that the operation did not run"
 
 
@@ -62,9 +65,17 @@ def test_metrics_follow_a_dump_and_a_restore(metered: tuple[DaemonProc, str], wo
     assert value(before, "gpusnap_operations_total", kind="checkpoint", result="succeeded") == 0
     assert value(before, "gpusnap_snapshots") == 0
     node = daemon.client().node_info()
-    assert value(before, "gpusnap_build_info", gpusnap_version=node.host.gpusnap_version,
-                 criu_version=node.host.criu_version, nvidia_driver_version="none",
-                 cuda_driver_version="none") == 1
+    assert (
+        value(
+            before,
+            "gpusnap_build_info",
+            gpusnap_version=node.host.gpusnap_version,
+            criu_version=node.host.criu_version,
+            nvidia_driver_version="none",
+            cuda_driver_version="none",
+        )
+        == 1
+    )
 
     w = workloads.start("--mem-mb", "300", "--no-child")
     op_id = json.loads(daemon.cli("-o", "json", "dump", str(w.pid), "--leave-running", "--detach", check=True).stdout)
@@ -95,8 +106,9 @@ def test_metrics_follow_a_dump_and_a_restore(metered: tuple[DaemonProc, str], wo
     _check_operation(after, restored, "restore")
     assert value(after, "gpusnap_operations_total", kind="restore", result="failed") == 1
     assert value(after, "gpusnap_operation_failures_total", kind="restore", reason="ADDRESS_IN_USE") == 1
-    assert value(after, "gpusnap_phase_duration_seconds_count", kind="restore", phase="restore") == 1, \
+    assert value(after, "gpusnap_phase_duration_seconds_count", kind="restore", phase="restore") == 1, (
         "a failed phase is not counted as completed"
+    )
     assert value(after, "gpusnap_bytes_moved_total", kind="restore", phase="verify") == snap["size_bytes"]
     assert value(after, "gpusnap_operations_total", kind="checkpoint", result="succeeded") == 1
 

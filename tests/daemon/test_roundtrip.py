@@ -59,8 +59,10 @@ def test_round_trip_of_a_process_tree(daemon: DaemonProc, workloads: Workloads) 
     assert w.last("parent.log") == frozen_at + 1 or w.last("parent.log") > frozen_at, "counter continues, not restarts"
     assert int(w.read("parent.log").split()[0]) == 1
     _check_alive_and_intact(w, restored["pid"])
-    print(f"\nMEASURED 100MiB tree: dump phases {dumped['phases']}, restore phases {restored['phases']}, "
-          f"image {dumped['size_bytes']} bytes")
+    print(
+        f"\nMEASURED 100MiB tree: dump phases {dumped['phases']}, restore phases {restored['phases']}, "
+        f"image {dumped['size_bytes']} bytes"
+    )
 
 
 def test_counter_continues_exactly(daemon: DaemonProc, workloads: Workloads) -> None:

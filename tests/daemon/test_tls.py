@@ -22,15 +22,53 @@ def _openssl(*args: str) -> None:
 
 
 def _pki(d: Path) -> None:
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=gpusnap-test-ca",
-             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=gpusnap-test-ca",
+        "-keyout",
+        str(d / "ca.key"),
+        "-out",
+        str(d / "ca.pem"),
+    )
     for name, cn in (("server", "localhost"), ("client", "orchestrator"), ("stranger", "stranger")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", str(d / f"{name}.key"),
-                 "-out", str(d / f"{name}.csr"))
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={cn}",
+            "-keyout",
+            str(d / f"{name}.key"),
+            "-out",
+            str(d / f"{name}.csr"),
+        )
         ext = d / f"{name}.ext"
         ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-        _openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
-                 "-CAcreateserial", "-days", "1", "-extfile", str(ext), "-out", str(d / f"{name}.pem"))
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            str(d / f"{name}.csr"),
+            "-CA",
+            str(d / "ca.pem"),
+            "-CAkey",
+            str(d / "ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            str(ext),
+            "-out",
+            str(d / f"{name}.pem"),
+        )
 
 
 def _free_port() -> int:
@@ -42,20 +80,27 @@ def _free_port() -> int:
 def test_mutual_tls_listener(tmp_path: Path) -> None:
     _pki(tmp_path)
     port = _free_port()
-    env = {"GPUSNAP_LISTEN": f"127.0.0.1:{port}", "GPUSNAP_TLS_CERT": str(tmp_path / "server.pem"),
-           "GPUSNAP_TLS_KEY": str(tmp_path / "server.key"), "GPUSNAP_TLS_CLIENT_CA": str(tmp_path / "ca.pem"),
-           "GPUSNAP_TLS_CLIENT_IDENTITIES": "orchestrator:0"}
+    env = {
+        "GPUSNAP_LISTEN": f"127.0.0.1:{port}",
+        "GPUSNAP_TLS_CERT": str(tmp_path / "server.pem"),
+        "GPUSNAP_TLS_KEY": str(tmp_path / "server.key"),
+        "GPUSNAP_TLS_CLIENT_CA": str(tmp_path / "ca.pem"),
+        "GPUSNAP_TLS_CLIENT_IDENTITIES": "orchestrator:0",
+    }
     d = start_daemon(tmp_path, extra_env=env)
     sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
         assert d.alive(), d.log.read_text()
         ca = (tmp_path / "ca.pem").read_bytes()
-        good = grpc.ssl_channel_credentials(ca, (tmp_path / "client.key").read_bytes(), (tmp_path / "client.pem").read_bytes())
+        good = grpc.ssl_channel_credentials(
+            ca, (tmp_path / "client.key").read_bytes(), (tmp_path / "client.pem").read_bytes()
+        )
         with DaemonClient(f"localhost:{port}", credentials=good) as client:
             assert client.node_info().host.criu_version.startswith("4.")
         # Signed by the same CA but not mapped to any rights: anonymous, not root.
-        stranger = grpc.ssl_channel_credentials(ca, (tmp_path / "stranger.key").read_bytes(),
-                                                (tmp_path / "stranger.pem").read_bytes())
+        stranger = grpc.ssl_channel_credentials(
+            ca, (tmp_path / "stranger.key").read_bytes(), (tmp_path / "stranger.pem").read_bytes()
+        )
         with DaemonClient(f"localhost:{port}", credentials=stranger) as client:
             with pytest.raises(PermissionDeniedError) as err:
                 client.checkpoint(sleeper.pid)
@@ -73,11 +118,15 @@ def test_mutual_tls_listener(tmp_path: Path) -> None:
 def test_tls_without_client_certificates_is_anonymous(tmp_path: Path) -> None:
     _pki(tmp_path)
     port = _free_port()
-    env = {"GPUSNAP_LISTEN": f"127.0.0.1:{port}", "GPUSNAP_TLS_CERT": str(tmp_path / "server.pem"),
-           "GPUSNAP_TLS_KEY": str(tmp_path / "server.key")}
+    env = {
+        "GPUSNAP_LISTEN": f"127.0.0.1:{port}",
+        "GPUSNAP_TLS_CERT": str(tmp_path / "server.pem"),
+        "GPUSNAP_TLS_KEY": str(tmp_path / "server.key"),
+    }
     d = start_daemon(tmp_path, extra_env=env)
-    sleeper = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "600"],
-                               start_new_session=True)  # owned by nobody: anonymous must not be nobody
+    sleeper = subprocess.Popen(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "600"], start_new_session=True
+    )  # owned by nobody: anonymous must not be nobody
     try:
         creds = grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes())
         with DaemonClient(f"localhost:{port}", credentials=creds) as client:

@@ -41,10 +41,12 @@ def test_the_validator_refuses_a_wrong_field() -> None:
 
 def test_validation_needs_no_network() -> None:
     """CI may be offline: run the validation in a network namespace without interfaces."""
-    code = ("import kubernetes_validate, yaml, glob\n"
-            f"for p in sorted(glob.glob({str(DEPLOY / '*.yaml')!r})):\n"
-            "    for d in yaml.safe_load_all(open(p)):\n"
-            f"        kubernetes_validate.validate(d, {K8S_VERSION!r}, strict=True)\n")
+    code = (
+        "import kubernetes_validate, yaml, glob\n"
+        f"for p in sorted(glob.glob({str(DEPLOY / '*.yaml')!r})):\n"
+        "    for d in yaml.safe_load_all(open(p)):\n"
+        f"        kubernetes_validate.validate(d, {K8S_VERSION!r}, strict=True)\n"
+    )
     res = subprocess.run(["unshare", "--net", sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     if res.returncode != 0 and "unshare failed" in res.stderr:
         pytest.skip(f"cannot make a network namespace here: {res.stderr.strip()}")
@@ -58,7 +60,9 @@ def test_every_privilege_and_host_mount_is_explained() -> None:
         if not line.strip().startswith(keys) or "/etc/gpusnap" in line:
             continue
         above = [lines[j].strip() for j in range(max(0, i - 3), i)]
-        assert "#" in line or any(a.startswith("#") for a in above), f"daemonset.yaml:{i + 1} needs a why: {line.strip()}"
+        assert "#" in line or any(a.startswith("#") for a in above), (
+            f"daemonset.yaml:{i + 1} needs a why: {line.strip()}"
+        )
     (ds,) = [d for _, d in _docs() if d["kind"] == "DaemonSet"]
     pod = ds["spec"]["template"]["spec"]
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}

@@ -20,8 +20,9 @@ def _static_cache(model: Any, max_len: int) -> Any:
     try:
         return StaticCache(config=model.config, max_cache_len=max_len)
     except TypeError:  # older transformers: sized and placed up front
-        return StaticCache(config=model.config, max_batch_size=1, max_cache_len=max_len, device=model.device,
-                           dtype=model.dtype)
+        return StaticCache(
+            config=model.config, max_batch_size=1, max_cache_len=max_len, device=model.device, dtype=model.dtype
+        )
 
 
 class GraphDecoder:
@@ -45,8 +46,14 @@ class GraphDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def _step(self) -> None:
-        out = self.model(input_ids=self.ids, position_ids=self.pos[None], cache_position=self.pos,
-                         past_key_values=self.cache, attention_mask=self.mask, use_cache=True)
+        out = self.model(
+            input_ids=self.ids,
+            position_ids=self.pos[None],
+            cache_position=self.pos,
+            past_key_values=self.cache,
+            attention_mask=self.mask,
+            use_cache=True,
+        )
         self.next.copy_(out.logits[0, -1].argmax())
 
     def _prefill(self, prompt: list[int]) -> int:
@@ -56,8 +63,14 @@ class GraphDecoder:
         pos = torch.arange(n, device=dev)
         allowed = torch.arange(self.max_len, device=dev)[None, :] <= pos[:, None]
         mask = torch.where(allowed, 0.0, self.neg).to(self.model.dtype)[None, None]
-        out = self.model(input_ids=torch.tensor([prompt], device=dev), position_ids=pos[None], cache_position=pos,
-                         past_key_values=self.cache, attention_mask=mask, use_cache=True)
+        out = self.model(
+            input_ids=torch.tensor([prompt], device=dev),
+            position_ids=pos[None],
+            cache_position=pos,
+            past_key_values=self.cache,
+            attention_mask=mask,
+            use_cache=True,
+        )
         return int(out.logits[0, -1].argmax())
 
     def _set(self, token: int, position: int) -> None:

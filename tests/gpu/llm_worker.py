@@ -41,11 +41,23 @@ from gpusnap.adapters.pytorch import TorchAdapter  # noqa: E402
 
 SIZES = {
     # ~1.1B parameters (TinyLlama-shaped)
-    "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-               intermediate_size=5632, vocab_size=32000),
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        intermediate_size=5632,
+        vocab_size=32000,
+    ),
     # ~8.0B parameters (Llama-3-8B-shaped)
-    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=14336, vocab_size=128256),
+    "8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+    ),
 }
 PROMPT = [1, 415, 5565, 302, 4843, 349, 5465, 28723]
 
@@ -91,8 +103,13 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     def make_adapter(stable: bool) -> TorchAdapter:
-        return TorchAdapter(lambda: generate([1, 5, 6, 7], 2), quiesce=quiesce, resume=lambda ctx: lock.release(),
-                            buffers=lambda: dict(model.named_parameters()), stable_addresses=stable)
+        return TorchAdapter(
+            lambda: generate([1, 5, 6, 7], 2),
+            quiesce=quiesce,
+            resume=lambda ctx: lock.release(),
+            buffers=lambda: dict(model.named_parameters()),
+            stable_addresses=stable,
+        )
 
     decoder = None
     if args.graphs:
@@ -117,7 +134,7 @@ def main() -> int:
             ids = torch.tensor([prompt], device="cuda")
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
             torch.cuda.synchronize()
-            return [int(t) for t in out[0, len(prompt):].tolist()]
+            return [int(t) for t in out[0, len(prompt) :].tolist()]
 
     first = generate(PROMPT, 1)
     t_first = time.time()

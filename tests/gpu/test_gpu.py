@@ -31,7 +31,9 @@ def _nvml_gpus() -> list[tuple[int, str]]:
     import pynvml
 
     pynvml.nvmlInit()
-    return [(i, pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))) for i in range(pynvml.nvmlDeviceGetCount())]
+    return [
+        (i, pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))) for i in range(pynvml.nvmlDeviceGetCount())
+    ]
 
 
 def _gpu_memory_of(pid: int) -> dict[str, int]:
@@ -82,7 +84,10 @@ def torch_worker(tmp_path: Path) -> Iterator[TorchWorker]:
         wd.mkdir()
         proc = subprocess.Popen(
             [sys.executable, str(WORKER), str(wd), "--gib", str(gib), "--device", str(device)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(wd / "stderr", "wb"), start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(wd / "stderr", "wb"),
+            start_new_session=True,
         )
         w = TorchWorker(wd, proc)
         workers.append(w)
@@ -107,7 +112,9 @@ _restored: list[int] = []
 def _dump_restore(daemon: DaemonProc, w: TorchWorker, *restore_args: str) -> tuple[dict, dict]:  # type: ignore[type-arg]
     dumped = json.loads(daemon.cli("-o", "json", "dump", str(w.pid), check=True, timeout=1800).stdout)
     assert w.proc.wait(timeout=60) == -signal.SIGKILL
-    restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], *restore_args, check=True, timeout=1800).stdout)
+    restored = json.loads(
+        daemon.cli("-o", "json", "restore", dumped["id"], *restore_args, check=True, timeout=1800).stdout
+    )
     _restored.append(restored["pid"])
     return dumped, restored
 
@@ -179,8 +186,13 @@ def test_restore_onto_another_gpu(daemon: DaemonProc, torch_worker) -> None:  # 
 
 
 def test_gpu_map_for_cpu_snapshot_is_refused(daemon: DaemonProc, tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         snap = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), check=True).stdout)["id"]
         res = daemon.cli("restore", snap, "--gpu-map", "0=0")

@@ -20,10 +20,20 @@ WORKER = Path(__file__).resolve().parent / "llm_worker.py"
 
 def start_llm(daemon: DaemonProc, wd: Path, size: str = "1b", *args: str) -> subprocess.Popen[bytes]:
     wd.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket), "GPUSNAP_WAKE_DIR": str(wd.parent / "wake"),
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(wd), "--size", size, *args], env=env, stdin=subprocess.DEVNULL,
-                            stdout=open(wd / "out", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    env = {
+        **os.environ,
+        "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket),
+        "GPUSNAP_WAKE_DIR": str(wd.parent / "wake"),
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(wd), "--size", size, *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=open(wd / "out", "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     wait_for(lambda: (wd / "ready").exists() or proc.poll() is not None, 600, "LLM worker did not start")
     assert proc.poll() is None, (wd / "out").read_text()[-3000:]
     return proc
@@ -90,7 +100,9 @@ def test_llm_with_cuda_graph_same_tokens_after_offload_restore(daemon: DaemonPro
         restored_pid = restored["pid"]
         assert request(wd, 2)["tokens"] == before, "the graph replays over the reloaded weights: same tokens"
         assert request(wd, 3)["tokens"] == before, "and it keeps serving"
-        print(f"\nMEASURED llm 1b graphs: gpu at capture {at_capture} B; dump {dumped['phases']} "
-              f"restore {restored['phases']}")
+        print(
+            f"\nMEASURED llm 1b graphs: gpu at capture {at_capture} B; dump {dumped['phases']} "
+            f"restore {restored['phases']}"
+        )
     finally:
         kill_tree(proc.pid, restored_pid)

@@ -61,12 +61,19 @@ class TpWorker:
     def __init__(self, daemon: DaemonProc, tmp: Path, mode: str):
         self.wd = tmp / f"tp-{mode}"
         self.wd.mkdir()
-        env = {**os.environ, "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket), "GPUSNAP_WAKE_DIR": str(tmp / "wake"),
-               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = {
+            **os.environ,
+            "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket),
+            "GPUSNAP_WAKE_DIR": str(tmp / "wake"),
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        }
         env.pop("CUDA_VISIBLE_DEVICES", None)  # every GPU visible to every rank (FC-08)
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER), str(self.wd), "--device", "cuda", "--size", SIZE, "--mode", mode],
-            stdin=subprocess.DEVNULL, stdout=open(self.wd / "out", "wb"), stderr=subprocess.STDOUT, env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=open(self.wd / "out", "wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
             start_new_session=True,
         )
         wait_for(lambda: (self.wd / "ready").exists() or self.proc.poll() is not None, 600, "TP worker did not start")
@@ -124,16 +131,22 @@ def test_tp2_dump_restore_and_swap_gpus(daemon: DaemonProc, worker: TpWorker) ->
     before = _check(worker.generate())
 
     t0 = time.perf_counter()
-    dumped = json.loads(daemon.cli("-o", "json", "dump", str(worker.proc.pid), "--name", f"tp2-{mode}", *tcp,
-                                   check=True, timeout=1800).stdout)
+    dumped = json.loads(
+        daemon.cli(
+            "-o", "json", "dump", str(worker.proc.pid), "--name", f"tp2-{mode}", *tcp, check=True, timeout=1800
+        ).stdout
+    )
     dump_s = time.perf_counter() - t0
     assert worker.proc.wait(timeout=120) == -9
     runs: dict[str, Any] = {}
-    for label, gpu_map, placement in (("restore", [], [[u0], [u1]]),
-                                      ("restore-swapped", ["--gpu-map", f"{u0}={u1},{u1}={u0}"], [[u1], [u0]])):
+    for label, gpu_map, placement in (
+        ("restore", [], [[u0], [u1]]),
+        ("restore-swapped", ["--gpu-map", f"{u0}={u1},{u1}={u0}"], [[u1], [u0]]),
+    ):
         t0 = time.perf_counter()
-        restored = json.loads(daemon.cli("-o", "json", "restore", f"tp2-{mode}", *gpu_map, check=True,
-                                         timeout=1800).stdout)
+        restored = json.loads(
+            daemon.cli("-o", "json", "restore", f"tp2-{mode}", *gpu_map, check=True, timeout=1800).stdout
+        )
         restore_s = time.perf_counter() - t0
         try:
             pids = _restored_rank_pids(restored, worker.rank_pids)
@@ -142,11 +155,15 @@ def test_tp2_dump_restore_and_swap_gpus(daemon: DaemonProc, worker: TpWorker) ->
             after = worker.generate()
             first_request_s = time.perf_counter() - t0
             assert _check(after) == before, f"{label}: same greedy tokens over NCCL after restore"
-            runs[label] = {"restore_s": restore_s, "first_request_s": first_request_s, "phases": restored["phases"],
-                           "decode_s": after["decode_s"]}
+            runs[label] = {
+                "restore_s": restore_s,
+                "first_request_s": first_request_s,
+                "phases": restored["phases"],
+                "decode_s": after["decode_s"],
+            }
         finally:
             kill_tree(restored["pid"])
-            wait_for(lambda: not any(proc.alive(p) for p in restored["pids"]), 60, "restored tree survived")
+            wait_for(lambda r=restored: not any(proc.alive(p) for p in r["pids"]), 60, "restored tree survived")
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S")

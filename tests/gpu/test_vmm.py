@@ -50,8 +50,14 @@ def test_reserved_range_survives_suspend_and_dump(daemon: DaemonProc, tmp_path: 
     wd = tmp_path / "vmm"
     wd.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(wd)], env=env, stdin=subprocess.DEVNULL,
-                            stdout=open(wd / "out", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(wd)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=open(wd / "out", "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     restored_pid = 0
     try:
         wait_for(lambda: (wd / "ready").exists() or proc.poll() is not None, 300, "vmm worker did not start")
@@ -67,8 +73,9 @@ def test_reserved_range_survives_suspend_and_dump(daemon: DaemonProc, tmp_path: 
         daemon.cli("-o", "json", "resume", str(proc.pid), check=True, timeout=600)
         assert probe()["pid"] == proc.pid
 
-        dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), "--no-quiesce", check=True,
-                                       timeout=900).stdout)
+        dumped = json.loads(
+            daemon.cli("-o", "json", "dump", str(proc.pid), "--no-quiesce", check=True, timeout=900).stdout
+        )
         snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
         at_capture = int(snap["gpu_processes"][0]["gpu_memory_bytes"])
         assert at_capture < GIB, f"{at_capture} bytes of GPU memory at capture: the released range was captured"
@@ -78,7 +85,9 @@ def test_reserved_range_survives_suspend_and_dump(daemon: DaemonProc, tmp_path: 
         assert psutil.pid_exists(restored_pid)
         probe()  # answered by the restored copy (the source is gone)
         probe()  # and again: release and re-map repeat
-        print(f"\nMEASURED vmm: gpu memory at capture {at_capture} bytes; reserved range {probe.ready['gone_ptr']:#x} "
-              f"re-mapped after suspend/resume and dump/restore")
+        print(
+            f"\nMEASURED vmm: gpu memory at capture {at_capture} bytes; reserved range {probe.ready['gone_ptr']:#x} "
+            f"re-mapped after suspend/resume and dump/restore"
+        )
     finally:
         kill_tree(proc.pid, restored_pid)

@@ -28,7 +28,9 @@ CHUNK = 1 << 28  # 256 MiB of int32 per tensor
 
 
 def pattern(i: int, n: int, device: torch.device) -> torch.Tensor:
-    return (torch.arange(n, dtype=torch.int64, device=device) * 2654435761 + i * 97).remainder(2**31 - 1).to(torch.int32)
+    return (
+        (torch.arange(n, dtype=torch.int64, device=device) * 2654435761 + i * 97).remainder(2**31 - 1).to(torch.int32)
+    )
 
 
 def checksum(chunks: list[torch.Tensor]) -> int:
@@ -80,9 +82,12 @@ def main() -> None:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-        adapter = TorchAdapter(lambda: [checksum(chunks) % (2**31 - 1)], quiesce=quiesce,
-                               resume=lambda ctx: lock.release(),
-                               buffers=lambda: {f"chunk{i}": c for i, c in enumerate(chunks)})
+        adapter = TorchAdapter(
+            lambda: [checksum(chunks) % (2**31 - 1)],
+            quiesce=quiesce,
+            resume=lambda ctx: lock.release(),
+            buffers=lambda: {f"chunk{i}": c for i, c in enumerate(chunks)},
+        )
         start_agent(adapter).wait_attached(60)
     requested = {"now": False}
     signal.signal(signal.SIGUSR1, lambda *_: requested.__setitem__("now", True))

@@ -29,7 +29,9 @@ MIB = 1 << 20
 
 def pattern(t: torch.Tensor, seed: int) -> None:
     n = t.numel()
-    t.copy_((torch.arange(n, dtype=torch.int64, device=t.device) * 2654435761 + seed).remainder(2**31 - 1).to(torch.int32))
+    t.copy_(
+        (torch.arange(n, dtype=torch.int64, device=t.device) * 2654435761 + seed).remainder(2**31 - 1).to(torch.int32)
+    )
 
 
 def total(t: torch.Tensor) -> int:
@@ -51,8 +53,13 @@ def main() -> None:
     expect_gone = total(gone_t)
     torch.cuda.synchronize()
     gone.release()
-    info = {"kept_ptr": kept.ptr, "gone_ptr": gone.ptr, "gone_bytes": gone.size, "kept_sum": total(kept_t),
-            "gone_sum": expect_gone}
+    info = {
+        "kept_ptr": kept.ptr,
+        "gone_ptr": gone.ptr,
+        "gone_bytes": gone.size,
+        "kept_sum": total(kept_t),
+        "gone_sum": expect_gone,
+    }
     with open(os.path.join(wd, "ready.tmp"), "w") as fh:
         json.dump(info, fh)
     os.rename(os.path.join(wd, "ready.tmp"), os.path.join(wd, "ready"))

@@ -34,22 +34,56 @@ EXEC_START = "/usr/local/bin/gpusnapd --config /etc/gpusnap/gpusnapd.toml"
 # Mount namespaces: restored workers would start in gpusnapd's private mount namespace (read-only
 # /usr, private /tmp, no /dev/nvidia*, ...), and CRIU restores files by path.
 MOUNT_SANDBOXING = {
-    "PrivateTmp", "ProtectSystem", "ProtectHome", "PrivateDevices", "PrivateMounts",
-    "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups",
-    "ProtectProc", "ProcSubset", "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths",
-    "ExecPaths", "NoExecPaths", "TemporaryFileSystem", "BindPaths", "BindReadOnlyPaths",
-    "RootDirectory", "RootImage", "MountAPIVFS", "MountFlags", "DynamicUser",
+    "PrivateTmp",
+    "ProtectSystem",
+    "ProtectHome",
+    "PrivateDevices",
+    "PrivateMounts",
+    "ProtectKernelTunables",
+    "ProtectKernelModules",
+    "ProtectKernelLogs",
+    "ProtectControlGroups",
+    "ProtectProc",
+    "ProcSubset",
+    "ReadOnlyPaths",
+    "ReadWritePaths",
+    "InaccessiblePaths",
+    "ExecPaths",
+    "NoExecPaths",
+    "TemporaryFileSystem",
+    "BindPaths",
+    "BindReadOnlyPaths",
+    "RootDirectory",
+    "RootImage",
+    "MountAPIVFS",
+    "MountFlags",
+    "DynamicUser",
 }
 OTHER_NAMESPACES = {"PrivateNetwork", "PrivateIPC", "PrivateUsers", "ProtectHostname", "NetworkNamespacePath"}
 SECCOMP = {
-    "SystemCallFilter", "SystemCallArchitectures", "SystemCallLog", "RestrictNamespaces",
-    "RestrictAddressFamilies", "MemoryDenyWriteExecute", "LockPersonality", "RestrictRealtime",
-    "RestrictSUIDSGID", "ProtectClock",
+    "SystemCallFilter",
+    "SystemCallArchitectures",
+    "SystemCallLog",
+    "RestrictNamespaces",
+    "RestrictAddressFamilies",
+    "MemoryDenyWriteExecute",
+    "LockPersonality",
+    "RestrictRealtime",
+    "RestrictSUIDSGID",
+    "ProtectClock",
 }
 CAPABILITIES_AND_IDENTITY = {"CapabilityBoundingSet", "AmbientCapabilities", "User", "Group", "SecureBits"}
 CGROUP_LIMITS = {
-    "DevicePolicy", "DeviceAllow", "IPAddressDeny", "IPAddressAllow", "MemoryMax", "MemoryHigh",
-    "MemorySwapMax", "CPUQuota", "RestrictNetworkInterfaces", "SocketBindDeny",
+    "DevicePolicy",
+    "DeviceAllow",
+    "IPAddressDeny",
+    "IPAddressAllow",
+    "MemoryMax",
+    "MemoryHigh",
+    "MemorySwapMax",
+    "CPUQuota",
+    "RestrictNetworkInterfaces",
+    "SocketBindDeny",
 }
 FORBIDDEN = MOUNT_SANDBOXING | OTHER_NAMESPACES | SECCOMP | CAPABILITIES_AND_IDENTITY | CGROUP_LIMITS
 
@@ -151,7 +185,9 @@ def test_unit_resource_settings() -> None:
 def _verify(unit_file: Path) -> tuple[int, list[str]]:
     res = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", str(unit_file)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     # Messages about the file under test; other lines (about the host's own units, a missing
     # running manager, ...) are not ours.
@@ -168,13 +204,17 @@ def _verifiable_copy(tmp_path: Path, text: str) -> Path:
     return copy
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (apt-get install systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (apt-get install systemd)"
+)
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
     rc, messages = _verify(_verifiable_copy(tmp_path, UNIT.read_text()))
     assert rc == 0 and not messages, "\n".join(messages)
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (apt-get install systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (apt-get install systemd)"
+)
 @pytest.mark.parametrize(
     "breakage",
     [
@@ -193,7 +233,9 @@ def test_systemd_analyze_verify_catches_errors(tmp_path: Path, breakage: tuple[s
     assert rc != 0 or messages
 
 
-@pytest.mark.skipif(shutil.which("systemd-sysusers") is None, reason="systemd-sysusers not installed (apt-get install systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-sysusers") is None, reason="systemd-sysusers not installed (apt-get install systemd)"
+)
 @pytest.mark.skipif(os.geteuid() != 0, reason="systemd-sysusers --root needs root")
 def test_sysusers_creates_group(tmp_path: Path) -> None:
     (tmp_path / "etc").mkdir()
@@ -203,12 +245,16 @@ def test_sysusers_creates_group(tmp_path: Path) -> None:
     assert DaemonConfig().socket_group == "gpusnap"
 
 
-@pytest.mark.skipif(shutil.which("systemd-tmpfiles") is None, reason="systemd-tmpfiles not installed (apt-get install systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-tmpfiles") is None, reason="systemd-tmpfiles not installed (apt-get install systemd)"
+)
 @pytest.mark.skipif(os.geteuid() != 0, reason="systemd-tmpfiles --root chowns to root: needs root")
 def test_tmpfiles_creates_directories(tmp_path: Path) -> None:
     res = subprocess.run(
         ["systemd-tmpfiles", "--create", f"--root={tmp_path}", str(TMPFILES)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert res.returncode == 0 and not res.stderr.strip(), res.stderr
     assert stat.S_IMODE((tmp_path / "run" / "gpusnap").stat().st_mode) == 0o755
@@ -240,7 +286,10 @@ def test_shell_scripts_are_executable() -> None:
 def test_shellcheck() -> None:
     res = subprocess.run(
         ["shellcheck", "scripts/install-service.sh", "scripts/install-criu.sh"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -332,9 +381,14 @@ def test_install_service_destdir(tmp_path: Path) -> None:
 def test_install_service_custom_paths(tmp_path: Path) -> None:
     dest = tmp_path / "dest"
     res = _run_install(
-        tmp_path, dest,
-        PREFIX="/srv/gs/", BINDIR="/usr/bin", SYSCONFDIR="/etc/gs", UNITDIR="/usr/lib/systemd/system",
-        SYSUSERSDIR="/usr/lib/sysusers.d", TMPFILESDIR="/usr/lib/tmpfiles.d",
+        tmp_path,
+        dest,
+        PREFIX="/srv/gs/",
+        BINDIR="/usr/bin",
+        SYSCONFDIR="/etc/gs",
+        UNITDIR="/usr/lib/systemd/system",
+        SYSUSERSDIR="/usr/lib/sysusers.d",
+        TMPFILESDIR="/usr/lib/tmpfiles.d",
     )
     assert res.returncode == 0, res.stderr
     installed = (dest / "usr/lib/systemd/system/gpusnapd.service").read_text()
@@ -375,8 +429,11 @@ def _can_unshare_mount() -> bool:
 def _host_paths(tmp_path: Path) -> dict[str, str]:
     root = tmp_path / "root"
     return {
-        "PREFIX": f"{root}/opt/gpusnap", "BINDIR": f"{root}/bin", "SYSCONFDIR": f"{root}/etc/gpusnap",
-        "UNITDIR": f"{root}/etc/systemd/system", "SYSUSERSDIR": f"{root}/etc/sysusers.d",
+        "PREFIX": f"{root}/opt/gpusnap",
+        "BINDIR": f"{root}/bin",
+        "SYSCONFDIR": f"{root}/etc/gpusnap",
+        "UNITDIR": f"{root}/etc/systemd/system",
+        "SYSUSERSDIR": f"{root}/etc/sysusers.d",
         "TMPFILESDIR": f"{root}/etc/tmpfiles.d",
     }
 

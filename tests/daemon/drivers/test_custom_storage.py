@@ -24,9 +24,14 @@ def _bindings(*, complete_result: int | None = 1, fields: bool = True, drop: str
         return (complete_result,)
 
     args = _Args if fields else object
-    ns = types.SimpleNamespace(CUcheckpointCustomStorageInfo=object, CUcheckpointCustomStoragePerDeviceData=object,
-                               cuCheckpointOperationComplete=complete, CUcheckpointCheckpointArgs=args,
-                               CUcheckpointRestoreArgs=args, calls=calls)
+    ns = types.SimpleNamespace(
+        CUcheckpointCustomStorageInfo=object,
+        CUcheckpointCustomStoragePerDeviceData=object,
+        cuCheckpointOperationComplete=complete,
+        CUcheckpointCheckpointArgs=args,
+        CUcheckpointRestoreArgs=args,
+        calls=calls,
+    )
     if drop:
         delattr(ns, drop)
     return ns

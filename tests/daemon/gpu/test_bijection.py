@@ -13,8 +13,19 @@ A, B, C = (f"GPU-{n}{n}{n}{n}{n}{n}{n}{n}-1111-2222-3333-444444444444" for n in 
 
 
 def _gpus(*uuids: str) -> list[GpuDevice]:
-    return [GpuDevice(index=i, uuid=u, name="NVIDIA H200", memory_total_bytes=1, memory_free_bytes=1,
-                      persistence_mode=True, mig_mode=False, pci_bus_id="") for i, u in enumerate(uuids)]
+    return [
+        GpuDevice(
+            index=i,
+            uuid=u,
+            name="NVIDIA H200",
+            memory_total_bytes=1,
+            memory_free_bytes=1,
+            persistence_mode=True,
+            mig_mode=False,
+            pci_bus_id="",
+        )
+        for i, u in enumerate(uuids)
+    ]
 
 
 def test_move_to_a_visible_gpu_becomes_a_swap() -> None:

@@ -115,8 +115,9 @@ def test_nccl_env_fc05() -> None:
     with pytest.raises(FailedPreconditionError) as e:
         pf.check_engine_args(9, ["vllm", "serve", "m", "-tp", "2"], engine="vllm", tensor_parallel=2)
     assert e.value.metadata["missing"] == "--disable-custom-all-reduce"
-    pf.check_engine_args(9, ["vllm", "serve", "m", "-tp", "2", "--disable-custom-all-reduce"], engine="vllm",
-                         tensor_parallel=2)
+    pf.check_engine_args(
+        9, ["vllm", "serve", "m", "-tp", "2", "--disable-custom-all-reduce"], engine="vllm", tensor_parallel=2
+    )
 
 
 def test_engine_and_tensor_parallel_from_argv() -> None:
@@ -173,7 +174,9 @@ def test_check_capture_reports_every_failure() -> None:
     assert reasons[:2] == ["ARCH_UNSUPPORTED", "NVIDIA_DRIVER_TOO_OLD"]
     assert "NCCL_ENV_UNSAFE" in reasons and "LAUNCH_JOB_MISSING" not in reasons  # launch-job only on request
     with pytest.raises(FailedPreconditionError) as e:
-        pf.check_capture(_capture(cuda_pids=[10, 11], env_by_pid={10: SAFE_NCCL, 11: SAFE_NCCL}, require_launch_job=True))
+        pf.check_capture(
+            _capture(cuda_pids=[10, 11], env_by_pid={10: SAFE_NCCL, 11: SAFE_NCCL}, require_launch_job=True)
+        )
     assert e.value.metadata["reasons"] == "LAUNCH_JOB_MISSING,LAUNCH_JOB_MISSING"
     # no NCCL requirements when the tree has one CUDA process
     pf.check_capture(_capture(cuda_pids=[10], env_by_pid={}))

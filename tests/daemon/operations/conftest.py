@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+from gpusnap.adapters import capture_settings
 from gpusnap.daemon.api.types import (
     ROOT_CALLER,
     CheckpointOptions,
@@ -37,7 +38,6 @@ from gpusnap.daemon.operations.restore import run_restore
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
 from gpusnap.daemon.store import SnapshotStore
 from tests.conftest import Workload, Workloads, criu_prefix, wait_for
-from gpusnap.adapters import capture_settings
 from tests.daemon.operations.fakes_cuda import ProcessCuda
 from tests.daemon.operations.fakes_nvml import GIB, FakeGpu, FakeNvml, fake_uuid
 

@@ -114,7 +114,7 @@ class ProcessCuda(FakeCudaApi):
             before = list(self.gpus_of.get(pid, []))
         super().restore(pid, gpu_pairs)
         with self._lock:
-            moved = dict(zip(before, self.gpus_of.get(pid, [])))
+            moved = dict(zip(before, self.gpus_of.get(pid, []), strict=False))  # a process may lose GPUs
             self.used[pid] = [moved.get(u, u) for u in self.used.get(pid, [])]
 
     def _transition(self, method: str, pid: int) -> None:

@@ -52,8 +52,9 @@ def test_capture_crash_after_gpu_phases(node: GpuNode, monkeypatch: pytest.Monke
     tree = node.start(cuda=("root", "child"), env=NCCL_ENV)
     _crash_at(monkeypatch, "checkpoint", phase)
     opts = CheckpointOptions(pid=tree.root)
-    journal = _crashed(node, OperationKind.CHECKPOINT, lambda run: run_checkpoint(run, node.deps, opts, 0),
-                       target_pid=tree.root)
+    journal = _crashed(
+        node, OperationKind.CHECKPOINT, lambda run: run_checkpoint(run, node.deps, opts, 0), target_pid=tree.root
+    )
     locked = {node.cuda.get_state(p) for p in (tree.root, tree.child)}
     assert locked & {ProcessState.LOCKED, ProcessState.CHECKPOINTED}, "the crash left GPU state to recover"
     monkeypatch.undo()
@@ -80,9 +81,15 @@ def test_restore_crash_after_gpu_phases(node: GpuNode, monkeypatch: pytest.Monke
     [record] = recovery.recover(node.deps, journal, OperationRegistry(journal=journal))
     assert record.state is OperationState.FAILED and record.error is not None
     assert "was killed" in record.error.message and record.facts["recovery"] == "killed"
-    wait_for(lambda: not psutil.pid_exists(restored.init_pid) or psutil.Process(restored.init_pid).status() == "zombie",
-             15, "the half-restored tree still runs")
+    wait_for(
+        lambda: not psutil.pid_exists(restored.init_pid) or psutil.Process(restored.init_pid).status() == "zombie",
+        15,
+        "the half-restored tree still runs",
+    )
     gpu_pids = [p for p in record.facts["tree"].get("cuda_pids", [])]
-    assert all(node.cuda.get_state(p) in (ProcessState.CHECKPOINTED, ProcessState.FAILED) for p in gpu_pids
-               if p in node.cuda.usage()), "GPU state released before the kill"
+    assert all(
+        node.cuda.get_state(p) in (ProcessState.CHECKPOINTED, ProcessState.FAILED)
+        for p in gpu_pids
+        if p in node.cuda.usage()
+    ), "GPU state released before the kill"
     assert node.listed() == [snap.id], "the snapshot is kept"

@@ -24,9 +24,14 @@ class Fleet:
         self.tmp = tmp
         self.bucket = f"fleet-{secrets.token_hex(6)}"
         self.prefix = "gpusnap/test"
-        self.s3 = boto3.client("s3", endpoint_url=gw.endpoint, region_name=ceph_rgw.REGION,
-                               aws_access_key_id=ceph_rgw.ACCESS_KEY, aws_secret_access_key=ceph_rgw.SECRET_KEY,
-                               config=Config(s3={"addressing_style": "path"}))
+        self.s3 = boto3.client(
+            "s3",
+            endpoint_url=gw.endpoint,
+            region_name=ceph_rgw.REGION,
+            aws_access_key_id=ceph_rgw.ACCESS_KEY,
+            aws_secret_access_key=ceph_rgw.SECRET_KEY,
+            config=Config(s3={"addressing_style": "path"}),
+        )
         self.s3.create_bucket(Bucket=self.bucket)
         self.nodes: list[DaemonProc] = []
 
@@ -37,8 +42,10 @@ class Fleet:
     def node(self, name: str, **env: str) -> DaemonProc:
         """Start (or restart, same store) the daemon of node ``name``; ``env`` adds GPUSNAP_* settings."""
         (self.tmp / name).mkdir(exist_ok=True)
-        d = start_daemon(self.tmp / name, extra_env={
-            **self.gw.env(), "GPUSNAP_REMOTE": self.url, "GPUSNAP_REMOTE_ENDPOINT": self.gw.endpoint, **env})
+        d = start_daemon(
+            self.tmp / name,
+            extra_env={**self.gw.env(), "GPUSNAP_REMOTE": self.url, "GPUSNAP_REMOTE_ENDPOINT": self.gw.endpoint, **env},
+        )
         assert d.alive(), d.log.read_text()
         self.nodes.append(d)
         return d
@@ -49,7 +56,9 @@ class Fleet:
 
     def keys(self, under: str) -> dict[str, int]:
         out: dict[str, int] = {}
-        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{self.prefix}/{under}"):
+        for page in self.s3.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=f"{self.prefix}/{under}"
+        ):
             for obj in page.get("Contents", []):
                 out[obj["Key"]] = obj["Size"]
         return out
@@ -59,8 +68,9 @@ class Fleet:
         return json.loads(body.read())  # type: ignore[no-any-return]
 
     def put_manifest(self, snapshot_id: str, doc: dict[str, Any]) -> None:
-        self.s3.put_object(Bucket=self.bucket, Key=f"{self.prefix}/manifests/{snapshot_id}.json",
-                           Body=json.dumps(doc).encode())
+        self.s3.put_object(
+            Bucket=self.bucket, Key=f"{self.prefix}/manifests/{snapshot_id}.json", Body=json.dumps(doc).encode()
+        )
 
     def close(self) -> None:
         for d in self.nodes:

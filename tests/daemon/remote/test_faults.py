@@ -34,7 +34,9 @@ def _start(d: DaemonProc, verb: str, ref: str) -> operations_pb2.Operation:
         return client.push(ref) if verb == "push" else client.pull(ref)
 
 
-def test_daemon_killed_mid_push_and_mid_pull_lists_nothing_and_a_retry_resumes(fleet: Fleet, workloads: Workloads) -> None:
+def test_daemon_killed_mid_push_and_mid_pull_lists_nothing_and_a_retry_resumes(
+    fleet: Fleet, workloads: Workloads
+) -> None:
     a, b = fleet.node("a"), fleet.node("b")
     w = workloads.start("--mem-mb", str(MEM_MB), "--random", "--no-listener")
     snap = cli_json(a, "dump", str(w.pid))
@@ -111,14 +113,25 @@ def test_the_compatibility_gate_lists_every_difference(fleet: Fleet, workloads: 
     snap = cli_json(a, "dump", str(w.pid))
     cli_json(a, "push", snap["id"])
     doc = fleet.manifest(snap["id"])
-    doc["provenance"].update(kernel="9.9.9-elsewhere", criu_version="99.0", gpu_model="NVIDIA H200", gpu_count=2,
-                             driver_major="999", cpu_flags=doc["provenance"]["cpu_flags"] + ["avx1024", "amx_fp4"])
+    doc["provenance"].update(
+        kernel="9.9.9-elsewhere",
+        criu_version="99.0",
+        gpu_model="NVIDIA H200",
+        gpu_count=2,
+        driver_major="999",
+        cpu_flags=doc["provenance"]["cpu_flags"] + ["avx1024", "amx_fp4"],
+    )
     fleet.put_manifest(snap["id"], doc)
     for cmd in (("pull", snap["id"]), ("restore", snap["id"])):
         res = b.cli(*cmd)
         assert res.returncode == 4, res.stderr
-        for needle in ("kernel 9.9.9-elsewhere", "CRIU 99.0 or newer", "2 x NVIDIA H200", "NVIDIA driver 999.x",
-                       "CPU flags missing here: amx_fp4 avx1024"):
+        for needle in (
+            "kernel 9.9.9-elsewhere",
+            "CRIU 99.0 or newer",
+            "2 x NVIDIA H200",
+            "NVIDIA driver 999.x",
+            "CPU flags missing here: amx_fp4 avx1024",
+        ):
             assert needle in res.stderr, (needle, res.stderr)
     assert cli_json(b, "ls") == []
 

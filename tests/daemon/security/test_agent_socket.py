@@ -21,8 +21,13 @@ FLOOD = Path(__file__).with_name("flood_agents.py")
 
 
 def _flood(d: DaemonProc, user: User, mode: str, n: int) -> dict[str, int]:
-    res = subprocess.run([*user.argv(), sys.executable, str(FLOOD), str(d.agent_socket), mode, str(n)],
-                         capture_output=True, text=True, timeout=60, env=_cli_env())
+    res = subprocess.run(
+        [*user.argv(), sys.executable, str(FLOOD), str(d.agent_socket), mode, str(n)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_cli_env(),
+    )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)  # type: ignore[no-any-return]
 
@@ -30,19 +35,32 @@ def _flood(d: DaemonProc, user: User, mode: str, n: int) -> dict[str, int]:
 def test_idle_floods_are_bounded_per_user_and_time(daemon: DaemonProc, hostile: tuple[User, User]) -> None:
     a, b = hostile
     threads_before = psutil.Process(daemon.proc.pid).num_threads()
-    proc = subprocess.Popen([*a.argv(), sys.executable, str(FLOOD), str(daemon.agent_socket), "idle", "300"],
-                            stdout=subprocess.PIPE, text=True, env=_cli_env())
+    proc = subprocess.Popen(
+        [*a.argv(), sys.executable, str(FLOOD), str(daemon.agent_socket), "idle", "300"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_cli_env(),
+    )
     wait_for(lambda: psutil.Process(daemon.proc.pid).num_fds() > 40 or proc.poll() is not None, 10, "no flood")
     assert psutil.Process(daemon.proc.pid).num_threads() <= threads_before + 2, "no thread per connection"
     # Another user's agent still gets in while A floods.
-    hello = agent_pb2.AgentMessage(hello=agent_pb2.AgentHello(protocol_version=wire.PROTOCOL_VERSION, engine="torch",
-                                                             instance_id="ab" * 16, wake_dir="/tmp"))
-    script = ("import socket,sys; from gpusnap.adapters import wire; from gpusnap.adapters._proto import agent_pb2;"
-              "s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
-              "m=agent_pb2.AgentMessage(); m.ParseFromString(bytes.fromhex(sys.argv[2])); wire.send(s, m);"
-              "import time; time.sleep(3)")
-    subprocess.run([*b.argv(), sys.executable, "-c", script, str(daemon.agent_socket), hello.SerializeToString().hex()],
-                   check=True, timeout=30, env=_cli_env())
+    hello = agent_pb2.AgentMessage(
+        hello=agent_pb2.AgentHello(
+            protocol_version=wire.PROTOCOL_VERSION, engine="torch", instance_id="ab" * 16, wake_dir="/tmp"
+        )
+    )
+    script = (
+        "import socket,sys; from gpusnap.adapters import wire; from gpusnap.adapters._proto import agent_pb2;"
+        "s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
+        "m=agent_pb2.AgentMessage(); m.ParseFromString(bytes.fromhex(sys.argv[2])); wire.send(s, m);"
+        "import time; time.sleep(3)"
+    )
+    subprocess.run(
+        [*b.argv(), sys.executable, "-c", script, str(daemon.agent_socket), hello.SerializeToString().hex()],
+        check=True,
+        timeout=30,
+        env=_cli_env(),
+    )
     assert '"agent.attached"' in daemon.log.read_text() or "agent.attached" in daemon.log.read_text()
     out, _ = proc.communicate(timeout=60)
     stats = json.loads(out)

@@ -108,7 +108,9 @@ def test_a_second_daemon_neither_takes_over_nor_deletes_the_agent_socket(tmp_pat
             stop_daemon(second)
         assert "SOCKET_IN_USE" in second.log.read_text()
         assert first.agent_socket.stat().st_ino == ino, "the first daemon's agent socket is untouched"
-        res = subprocess.run(["python3", "-c", f"import socket; s=socket.socket(socket.AF_UNIX); s.connect({str(first.agent_socket)!r})"])
+        res = subprocess.run(
+            ["python3", "-c", f"import socket; s=socket.socket(socket.AF_UNIX); s.connect({str(first.agent_socket)!r})"]
+        )
         assert res.returncode == 0
     finally:
         stop_daemon(first)

@@ -61,9 +61,14 @@ def reowned(tmp_path: Path, hostile: tuple[User, User], workloads: Workloads) ->
     secret = base / "secret"
     secret.write_bytes(SECRET)
     os.chmod(secret, 0o600)
-    holder = subprocess.Popen([SYSTEM_PYTHON, str(WORKLOADS / "holder.py"), str(home / "d" / "x"), str(home)],
-                              cwd=home, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    holder = subprocess.Popen(
+        [SYSTEM_PYTHON, str(WORKLOADS / "holder.py"), str(home / "d" / "x"), str(home)],
+        cwd=home,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     workloads.adopt(holder.pid)
     wait_for(lambda: (home / "ready").exists(), 30, "holder did not start")
     d = start_daemon(tmp_path / "d1")
@@ -104,7 +109,9 @@ def _assert_refused_without_leak(res: subprocess.CompletedProcess[str], s: Setup
     assert not any(p.name.startswith("read-") for p in s.home.iterdir())
 
 
-def test_a_symlink_swapped_in_for_a_held_file_is_refused(reowned: Setup, user_daemon: DaemonProc, workloads: Workloads) -> None:
+def test_a_symlink_swapped_in_for_a_held_file_is_refused(
+    reowned: Setup, user_daemon: DaemonProc, workloads: Workloads
+) -> None:
     s = reowned
     x = s.home / "d" / "x"
     _as(s.user, "mv", str(x), str(s.home / "d" / "x.orig"))
@@ -159,21 +166,37 @@ def test_what_a_restored_tree_holds_is_checked_as_its_owner(tmp_path: Path, host
     own.write_bytes(HARMLESS)
     os.chown(own, a.uid, a.gid)
     snapshot = Snapshot(
-        id="snap-test", name="", created=datetime.now(UTC), labels={},
+        id="snap-test",
+        name="",
+        created=datetime.now(UTC),
+        labels={},
         source=ProcessFacts(pid=1, comm="", cmdline=(), uid=a.uid, gid=a.gid, tree_pids=(1,), rss_bytes=0, cwd="/"),
-        host=HostFacts(hostname="", kernel="", machine="", criu_version="", gpusnap_version="", cpu_model="", cpu_flags=()),
-        files=(), phases=(), owner_uid=a.uid, owner_creds=Creds(uid=a.uid, gid=a.gid, groups=(a.gid,)),
+        host=HostFacts(
+            hostname="", kernel="", machine="", criu_version="", gpusnap_version="", cpu_model="", cpu_flags=()
+        ),
+        files=(),
+        phases=(),
+        owner_uid=a.uid,
+        owner_creds=Creds(uid=a.uid, gid=a.gid, groups=(a.gid,)),
     )
     script = f"import os,sys,time; fd=os.open(sys.argv[1], os.O_RDONLY); os.setgroups([]); os.setgid({a.gid}); os.setuid({a.uid}); time.sleep(60)"
     procs = []
     try:
         for path in (own, secret):
-            p = subprocess.Popen([SYSTEM_PYTHON, "-c", script, str(path)], cwd="/", start_new_session=True,
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            p = subprocess.Popen(
+                [SYSTEM_PYTHON, "-c", script, str(path)],
+                cwd="/",
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             procs.append(p)
             wait_for(lambda p=p: psutil.Process(p.pid).uids().real == a.uid, 10, "holder did not drop to A")
         file_rights.check_restored(snapshot, procs[0].pid)
-        with pytest.raises(PermissionDeniedError, match=f"{secret} \\(fd 3 of restored PID {procs[1].pid}\\) is not one uid"):
+        with pytest.raises(
+            PermissionDeniedError, match=f"{secret} \\(fd 3 of restored PID {procs[1].pid}\\) is not one uid"
+        ):
             file_rights.check_restored(snapshot, procs[1].pid)
     finally:
         kill_tree(*(p.pid for p in procs))

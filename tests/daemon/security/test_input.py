@@ -24,10 +24,17 @@ HOSTILE_COMM = "[/]\x1b[2J"  # rich markup that crashed `gpusnap ls`, then "clea
 
 
 def _named_sleeper(comm: str) -> subprocess.Popen[bytes]:
-    code = ("import ctypes,time,sys; ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0);"
-            "open(sys.argv[2], 'w').close(); time.sleep(600)")
-    return subprocess.Popen([sys.executable, "-c", code, comm, "/dev/null"], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    code = (
+        "import ctypes,time,sys; ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0);"
+        "open(sys.argv[2], 'w').close(); time.sleep(600)"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, comm, "/dev/null"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def test_hostile_process_names_are_shown_escaped(daemon: DaemonProc, workloads: Workloads) -> None:
@@ -58,8 +65,9 @@ def _stub(d: DaemonProc) -> tuple[grpc.Channel, operations_pb2_grpc.OperationSer
         {"name": "x" * 1_000_000},
     ],
 )
-def test_invalid_requests_are_invalid_argument(daemon: DaemonProc, workloads: Workloads,
-                                               request_fields: dict[str, object]) -> None:
+def test_invalid_requests_are_invalid_argument(
+    daemon: DaemonProc, workloads: Workloads, request_fields: dict[str, object]
+) -> None:
     w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
     ch, stub = _stub(daemon)
     with ch, pytest.raises(grpc.RpcError) as info:
@@ -73,7 +81,10 @@ def test_invalid_requests_are_invalid_argument(daemon: DaemonProc, workloads: Wo
 def test_cuda_errors_carry_the_code_a_client_can_act_on() -> None:
     assert CudaError("cuCheckpointProcessLock", 1, CudaResult.CUDA_ERROR_TIMEOUT).code is Code.DEADLINE_EXCEEDED
     assert CudaError("cuCheckpointProcessLock", 1, CudaResult.CUDA_ERROR_ILLEGAL_STATE).code is Code.FAILED_PRECONDITION
-    assert CudaError("cuCheckpointProcessCheckpoint", 1, CudaResult.CUDA_ERROR_OUT_OF_MEMORY).code is Code.RESOURCE_EXHAUSTED
+    assert (
+        CudaError("cuCheckpointProcessCheckpoint", 1, CudaResult.CUDA_ERROR_OUT_OF_MEMORY).code
+        is Code.RESOURCE_EXHAUSTED
+    )
     assert CudaError("cuCheckpointProcessLock", 1, CudaResult.CUDA_ERROR_NOT_SUPPORTED).code is Code.FAILED_PRECONDITION
     assert CudaError("cuCheckpointProcessLock", 1, CudaResult.CUDA_ERROR_INVALID_VALUE).code is Code.INTERNAL
 
@@ -92,18 +103,22 @@ def test_names_are_per_owner(tmp_path: Path, hostile: tuple[User, User], workloa
     try:
         res = d.cli("restore", "prod-worker")
         assert res.returncode == 3 and "no snapshot 'prod-worker'" in res.stderr, res.stderr
-        assert json.loads(d.cli("-o", "json", "inspect", f"{a.uid}/prod-worker", check=True).stdout)["id"] == theirs["id"]
+        assert (
+            json.loads(d.cli("-o", "json", "inspect", f"{a.uid}/prod-worker", check=True).stdout)["id"] == theirs["id"]
+        )
         w2 = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
         mine = json.loads(d.cli("-o", "json", "dump", str(w2.pid), "--name", "prod-worker", check=True).stdout)
         assert mine["id"] != theirs["id"], "root has its own prod-worker now"
         assert json.loads(d.cli("-o", "json", "inspect", "prod-worker", check=True).stdout)["id"] == mine["id"]
-        res = subprocess.run([*a.argv(), *d.cli_argv, "--socket", str(d.socket), "-o", "json", "inspect", "prod-worker"],
-                             capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            [*a.argv(), *d.cli_argv, "--socket", str(d.socket), "-o", "json", "inspect", "prod-worker"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 0 and json.loads(res.stdout)["id"] == theirs["id"], res.stderr
     finally:
         stop_daemon(d)
-
-
 
 
 def test_failed_criu_operations_leave_no_descriptors_behind(daemon: DaemonProc, workloads: Workloads) -> None:

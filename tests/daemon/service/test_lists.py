@@ -38,7 +38,11 @@ def _clone(store: Path, snap_id: str, copies: int, owner_every: int) -> list[str
         shutil.copytree(src / "images", dst / "images", copy_function=os.link)
         owner = NOBODY if owner_every and n % owner_every == 0 else original.owner_uid
         clone = dataclasses.replace(
-            original, id=new_id, name="", labels={**LABELS, "n": str(n)}, owner_uid=owner,
+            original,
+            id=new_id,
+            name="",
+            labels={**LABELS, "n": str(n)},
+            owner_uid=owner,
             created=original.created + timedelta(milliseconds=n + 1),
             source=dataclasses.replace(original.source, uid=owner),
         )
@@ -99,15 +103,18 @@ def test_page_boundary_survives_a_delete(  # last: it deletes a snapshot of the 
         stub = snapshots_pb2_grpc.SnapshotServiceStub(ch)
         page = stub.ListSnapshots(snapshots_pb2.ListSnapshotsRequest(page_size=5), timeout=30)
         d.client().delete_snapshot(ids[4])  # the item the token names
-        rest = stub.ListSnapshots(snapshots_pb2.ListSnapshotsRequest(page_size=5, page_token=page.next_page_token),
-                                  timeout=30)
+        rest = stub.ListSnapshots(
+            snapshots_pb2.ListSnapshotsRequest(page_size=5, page_token=page.next_page_token), timeout=30
+        )
     assert [s.id for s in rest.snapshots] == ids[5:10]
 
 
 @pytest.mark.parametrize("token", ["garbage", "x" * 500, "MTIzLnNuYXAtLi4vZXRj", "\u00e9"])
 def test_forged_page_tokens_are_refused(daemon: DaemonProc, token: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
-        daemon.client()._call(daemon.client()._snaps.ListSnapshots, snapshots_pb2.ListSnapshotsRequest(page_token=token))
+        daemon.client()._call(
+            daemon.client()._snaps.ListSnapshots, snapshots_pb2.ListSnapshotsRequest(page_token=token)
+        )
     assert err.value.reason == "INVALID_PAGE_TOKEN" and token not in err.value.message
     with pytest.raises(InvalidArgumentError) as err:
         daemon.client()._call(daemon.client()._snaps.ListSnapshots, snapshots_pb2.ListSnapshotsRequest(page_size=-1))

@@ -68,8 +68,12 @@ def test_discovery_with_one_reflection_version(daemon: DaemonProc, version: str)
         if version == "v1":
             client = _Client(channel, reflection.V1_SERVICE_NAME, reflection.V1Request, reflection.V1Response)
         else:
-            client = _Client(channel, reflection.V1ALPHA_SERVICE_NAME, alpha_pb2.ServerReflectionRequest,
-                             alpha_pb2.ServerReflectionResponse)
+            client = _Client(
+                channel,
+                reflection.V1ALPHA_SERVICE_NAME,
+                alpha_pb2.ServerReflectionRequest,
+                alpha_pb2.ServerReflectionResponse,
+            )
         names = client.services()
         assert GPUSNAP_SERVICES <= names
         assert {"grpc.health.v1.Health", reflection.V1_SERVICE_NAME, reflection.V1ALPHA_SERVICE_NAME} <= names
@@ -84,8 +88,11 @@ def test_discovery_with_one_reflection_version(daemon: DaemonProc, version: str)
         method = node.methods_by_name["GetNodeInfo"]
         req_cls = message_factory.GetMessageClass(method.input_type)
         resp_cls = message_factory.GetMessageClass(method.output_type)
-        call = channel.unary_unary(f"/{node.full_name}/GetNodeInfo", request_serializer=req_cls.SerializeToString,
-                                   response_deserializer=resp_cls.FromString)
+        call = channel.unary_unary(
+            f"/{node.full_name}/GetNodeInfo",
+            request_serializer=req_cls.SerializeToString,
+            response_deserializer=resp_cls.FromString,
+        )
         answer = call(req_cls(), timeout=10)
         assert answer.node.host.criu_version.startswith("4.")
         assert answer.node.store_path == str(daemon.store)

@@ -30,10 +30,15 @@ ANSWER_S = 15  # another caller's call must be answered within this (generous on
 def tight(tmp_path: Path) -> Iterator[DaemonProc]:
     """A daemon with small limits (2 busy operations, 3 operations and 6 streams per caller), open to nobody."""
     os.chmod(tmp_path, 0o755)
-    d = start_daemon(tmp_path, extra_env={
-        "GPUSNAP_SOCKET_GROUP": "nogroup", "GPUSNAP_MAX_OPERATIONS": "2",
-        "GPUSNAP_MAX_OPERATIONS_PER_CALLER": "3", "GPUSNAP_MAX_STREAMS_PER_CALLER": "6",
-    })
+    d = start_daemon(
+        tmp_path,
+        extra_env={
+            "GPUSNAP_SOCKET_GROUP": "nogroup",
+            "GPUSNAP_MAX_OPERATIONS": "2",
+            "GPUSNAP_MAX_OPERATIONS_PER_CALLER": "3",
+            "GPUSNAP_MAX_STREAMS_PER_CALLER": "6",
+        },
+    )
     assert d.alive(), d.log.read_text()
     yield d
     stop_daemon(d)
@@ -53,10 +58,13 @@ def test_many_waits_and_watches_leave_the_api_free(daemon: DaemonProc, workloads
     channels = [grpc.insecure_channel(f"unix:{daemon.socket}") for _ in range(4)]
     try:
         stubs = [operations_pb2_grpc.OperationServiceStub(ch) for ch in channels]
-        waits = [stubs[i % 4].WaitOperation.future(operations_pb2.WaitOperationRequest(id=op.id), timeout=120)
-                 for i in range(32)]
-        watches = [stubs[i % 4].WatchOperation(operations_pb2.WatchOperationRequest(id=op.id), timeout=120)
-                   for i in range(8)]
+        waits = [
+            stubs[i % 4].WaitOperation.future(operations_pb2.WaitOperationRequest(id=op.id), timeout=120)
+            for i in range(32)
+        ]
+        watches = [
+            stubs[i % 4].WatchOperation(operations_pb2.WatchOperationRequest(id=op.id), timeout=120) for i in range(8)
+        ]
         time.sleep(1)
         start = time.monotonic()
         daemon.client().node_info()
@@ -91,16 +99,22 @@ def test_waiting_phases_hold_no_operation_slot(tight: DaemonProc, workloads: Wor
     """With 2 slots, 3 checkpoints waiting on empty control directories used to queue every later operation
     for up to ready_timeout (600 s)."""
     waiting = [_waiting_checkpoint(tight, workloads, tmp_path, n) for n in range(3)]
-    wait_for(lambda: all(tight.client().get_operation(op.id).phase == "wait-ready" for op, _ in waiting), 30,
-             "the checkpoints did not reach wait-ready")
+    wait_for(
+        lambda: all(tight.client().get_operation(op.id).phase == "wait-ready" for op, _ in waiting),
+        30,
+        "the checkpoints did not reach wait-ready",
+    )
     plain = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
     start = time.monotonic()
     with pytest.raises(ResourceExhaustedError) as err:  # root's own 4th operation: over its limit of 3
         tight.client().checkpoint(plain.pid)
     assert err.value.reason == "TOO_MANY_OPERATIONS"
     os.kill(waiting[0][1], 9)
-    wait_for(lambda: tight.client().get_operation(waiting[0][0].id).state == operations_pb2.OPERATION_STATE_FAILED,
-             30, "the dead worker's checkpoint did not end")
+    wait_for(
+        lambda: tight.client().get_operation(waiting[0][0].id).state == operations_pb2.OPERATION_STATE_FAILED,
+        30,
+        "the dead worker's checkpoint did not end",
+    )
     res = tight.cli("-o", "json", "dump", str(plain.pid), timeout=120)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["id"].startswith("snap-")
@@ -134,9 +148,21 @@ def test_a_connection_that_never_reads_does_not_stall_the_api(
 ) -> None:
     os.chmod(daemon.socket, 0o666)  # nobody connects directly (the test's CLI user is not in the group)
     attacker = subprocess.Popen(
-        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-         sys.executable, "-c", _PIPELINE, str(daemon.socket), "300"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ":".join(sys.path)},
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            _PIPELINE,
+            str(daemon.socket),
+            "300",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ":".join(sys.path)},
     )
     try:
         assert attacker.stdout is not None

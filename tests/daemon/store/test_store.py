@@ -14,11 +14,23 @@ from gpusnap.daemon.store import SnapshotStore, checksum, manifest
 
 def _snapshot(snapshot_id: str, name: str, images: Path) -> Snapshot:
     return Snapshot(
-        id=snapshot_id, name=name, created=datetime.now(UTC), labels={"k": "v"},
+        id=snapshot_id,
+        name=name,
+        created=datetime.now(UTC),
+        labels={"k": "v"},
         source=ProcessFacts(pid=42, comm="x", cmdline=("x",), uid=0, gid=0, tree_pids=(42,), rss_bytes=1, cwd="/"),
-        host=HostFacts(hostname="h", kernel="k", machine="x86_64", criu_version="4.2.1", gpusnap_version="0",
-                       cpu_model="cpu", cpu_flags=("sse",)),
-        files=checksum.image_files(images), phases=(), owner_uid=0,
+        host=HostFacts(
+            hostname="h",
+            kernel="k",
+            machine="x86_64",
+            criu_version="4.2.1",
+            gpusnap_version="0",
+            cpu_model="cpu",
+            cpu_flags=("sse",),
+        ),
+        files=checksum.image_files(images),
+        phases=(),
+        owner_uid=0,
     )
 
 
