@@ -648,7 +648,8 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
         click.echo(_json(snaps, LS_OMIT))
         return
     table = _table("ID", "NAME", "CREATED", "SIZE", "SOURCE", "GPUS")
-    table.columns[0].no_wrap = True
+    for i in (0, 2, 3):  # ID, CREATED and SIZE stay on one line; names and sources fold
+        table.columns[i].no_wrap = True
     for s in snaps:
         created = s.created.ToDatetime(tzinfo=UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S")
         gpus = len({u for g in s.gpu_processes for u in g.gpu_uuids})
@@ -881,7 +882,8 @@ def list_operations(obj: Ctx) -> None:
     from gpusnap.daemon._proto import operations_pb2
 
     table = _table("ID", "KIND", "STATE", "PHASE", "STARTED", "TARGET")
-    table.columns[0].no_wrap = True
+    for i in (0, 1, 2, 4):  # ID, KIND, STATE and STARTED stay on one line; phases and targets fold
+        table.columns[i].no_wrap = True
     for op in ops:
         kind = operations_pb2.OperationKind.Name(op.kind).removeprefix("OPERATION_KIND_").lower()
         state = operations_pb2.OperationState.Name(op.state).removeprefix("OPERATION_STATE_").lower()

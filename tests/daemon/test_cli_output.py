@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +46,10 @@ def test_tables_fit_80_columns_off_a_terminal(daemon: DaemonProc, workloads: Wor
         assert _widest(wide) <= 200
     listed = daemon.cli("ls", check=True, env={"COLUMNS": "200"}).stdout
     assert LONG_NAME in listed, "with room, the name is shown whole"
+    snap = json.loads(daemon.cli("-o", "json", "inspect", LONG_NAME, check=True).stdout)
+    narrow = daemon.cli("ls", check=True, env={"COLUMNS": ""}).stdout
+    row = next(line for line in narrow.splitlines() if snap["id"] in line)  # the id is never folded
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", row), f"the created time is split:\n{narrow}"
 
 
 def test_phase_bytes_column() -> None:
