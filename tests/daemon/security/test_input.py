@@ -43,7 +43,7 @@ def test_hostile_process_names_are_shown_escaped(daemon: DaemonProc, workloads: 
     wait_for(lambda: Path(f"/proc/{p.pid}/comm").read_text().startswith("[/]"), 10, "name not set")
     daemon.cli("dump", str(p.pid), "--name", "odd", check=True)
     for args in (["ls"], ["inspect", "odd"]):
-        res = daemon.cli(*args)
+        res = daemon.cli(*args, env={"COLUMNS": "200"})  # wide: the escaped name is not folded across lines
         assert res.returncode == 0, res.stderr
         assert "[/]" in res.stdout and "\x1b" not in res.stdout, repr(res.stdout)
         assert "\\x1b[2J" in res.stdout
