@@ -440,7 +440,7 @@ class CriuDriver:
             hint = next((h for pattern, h in LOG_HINTS if any(pattern in ln for ln in lines)), "")
             if hint:
                 headline = f"{headline} ({hint})"
-            details = f"{_joined(lines)} (full log: {log_path})"
+            details = f"{_joined(lines, LOG_EXCERPT_CHARS)} (full log: {log_path})"
             if private_log:
                 headline = hint or "see the log"
                 details = f"(the log, {log_path.name}, is kept for root)"
@@ -558,5 +558,11 @@ def log_lines(path: Path, limit: int = LOG_LINES) -> list[str]:
     return (errors or [ln.strip() for ln in lines])[-limit:]
 
 
-def _joined(lines: list[str]) -> str:
-    return ("CRIU log: " + " | ".join(lines)) if lines else ""
+LOG_EXCERPT_CHARS = 500
+"""Characters of CRIU's log quoted in a failed request's message before the kept log's path: the service
+caps a message at 1024 characters, and the path must survive that."""
+
+
+def _joined(lines: list[str], limit: int = 0) -> str:
+    text = ("CRIU log: " + " | ".join(lines)) if lines else ""
+    return text[: limit - 1] + "…" if limit and len(text) > limit else text
