@@ -34,6 +34,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -105,6 +106,8 @@ def _pycriu() -> tuple[Any, Any]:
 
 ASKED_SCRIPTS = frozenset({"post-dump", "post-restore", "pre-resume"})
 """CRIU notifications the daemon answers itself; all others are acknowledged here at once."""
+CRIU_POLL_S = 0.2
+"""How often the helper checks that CRIU still runs while it waits for CRIU's next message."""
 
 
 def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
@@ -134,11 +137,12 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
         msg.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[req["action"]]
         msg.opts.MergeFrom(c.opts)
         sk = c._comm.connect(False)
+        reaped = False
         try:
             sk.send(msg.SerializeToString())
             while True:
                 resp = rpc.criu_resp()
-                size = len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
+                size, reaped = _next_size(sk, c._comm.swrk)
                 if size == 0:  # end of stream: criu is gone (killed or crashed) without answering
                     raise ConnectionError("criu closed the connection without answering (killed?)")
                 resp.ParseFromString(sk.recv(size))
@@ -154,7 +158,10 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
                 ack.notify_success = ok
                 sk.send(ack.SerializeToString())
         finally:
-            c._comm.disconnect()
+            if reaped:
+                sk.close()
+            else:
+                c._comm.disconnect()
         if not resp.success:
             err = resp.cr_errmsg or os.strerror(resp.cr_errno) if resp.cr_errno else resp.cr_errmsg
             return {"event": "result", "ok": False, "error": err or "CRIU reported failure", "errno": resp.cr_errno}
@@ -170,6 +177,24 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
     finally:
         os.close(images_fd)
         os.close(work_fd)
+
+
+def _next_size(sk: socket.socket, criu_pid: int) -> tuple[int, bool]:
+    """Size of CRIU's next message, 0 once CRIU is gone; and whether CRIU was reaped here.
+
+    A CRIU killed mid-restore can leave a task it forked (stopped, holding its copy of the socket), so the
+    socket never reaches end of stream: CRIU's exit is watched as well.
+    """
+    while True:
+        ready, _, _ = select.select([sk], [], [], CRIU_POLL_S)
+        if ready:
+            return len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK)), False
+        try:
+            pid, _ = os.waitpid(criu_pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere: gone all the same
+            pid = criu_pid
+        if pid == criu_pid:
+            return 0, True
 
 
 def _reap_forever() -> None:
