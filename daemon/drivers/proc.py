@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import psutil
@@ -292,59 +291,3 @@ def ensure_no_frozen(pids: list[int]) -> list[int]:
             except ProcessLookupError:
                 continue
     return resumed
-
-
-DEV_SHM = Path("/dev/shm")
-
-
-def dev_shm_files(pids: list[int], root: Path = DEV_SHM) -> list[Path]:
-    """Every name under ``root`` of a file that one of ``pids`` holds open or maps.
-
-    Matched by inode, so it also finds a file mapped under a name that was since removed but that is
-    still linked under another one (glibc ``sem_open`` maps ``sem.XXXXXX``, then links it as
-    ``sem.<name>``) and, inside CRIU's post-dump, the ``link_remap.N`` hard links CRIU made for those.
-    """
-    held: set[tuple[int, int]] = set()
-    prefix = str(root) + "/"
-    for pid in pids:
-        for sub in ("fd", "map_files"):
-            try:
-                entries = list(Path(f"/proc/{pid}/{sub}").iterdir())
-            except OSError:
-                continue
-            for entry in entries:
-                try:
-                    if not os.readlink(entry).startswith(prefix):
-                        continue
-                    st = entry.stat()
-                except OSError:
-                    continue
-                held.add((st.st_dev, st.st_ino))
-    found: list[Path] = []
-    try:
-        with os.scandir(root) as it:
-            for ent in it:
-                try:
-                    st = ent.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if (st.st_dev, st.st_ino) in held:
-                    found.append(Path(ent.path))
-    except OSError:
-        return []
-    return sorted(found)
-
-
-def save_dev_shm(files: list[Path], dest: Path) -> int:
-    """Copy a tree's ``/dev/shm`` files (from :func:`dev_shm_files`) into ``dest``; returns bytes used.
-
-    ``cp -a --sparse=always`` keeps holes (vLLM's queues are mostly sparse) and the hard links between
-    a name and CRIU's ``link_remap.N``, which a copy file by file would break.
-    """
-    if not files:
-        return 0
-    dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        ["cp", "-a", "--sparse=always", "--", *map(str, files), str(dest) + "/"], check=True, capture_output=True
-    )
-    return sum(p.stat().st_blocks * 512 for p in dest.iterdir())

@@ -25,7 +25,7 @@ import dataclasses
 from datetime import UTC, datetime
 
 from gpusnap.daemon.api.types import CheckpointOptions, HostFacts, Snapshot, TcpMode
-from gpusnap.daemon.drivers import host, proc
+from gpusnap.daemon.drivers import devshm, host, proc
 from gpusnap.daemon.operations import capture_checks, file_rights, workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
@@ -94,16 +94,18 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             progress.bytes = gpu_tree.gpu_bytes
     with deps.store.stage(opts.name, owner_uid) as staging:
         published: list[Snapshot] = []
+        remaps: list[devshm.LinkRemap] = []  # CRIU's, kept on the host after a dump that kills: the copy has them
         run.record.note(staging=staging.snapshot_id)
 
         def publish() -> None:  # CRIU's post-dump: images complete, tree still frozen
             run.close_phase()
             frozen = proc.tree_pids_or_empty(opts.pid) or list(facts.tree_pids)  # the tree as CRIU froze it
             held, creds = file_rights.record(frozen)
-            shm_files = proc.dev_shm_files(list(facts.tree_pids))
+            shm_files = devshm.files(list(facts.tree_pids))
             if shm_files:
                 with run.phase("dev-shm") as progress:  # CRIU keeps only names and sizes of these
-                    progress.bytes = proc.save_dev_shm(shm_files, staging.images / DEV_SHM_DIR)
+                    progress.bytes = devshm.save(shm_files, staging.images / DEV_SHM_DIR)
+                remaps.extend(devshm.link_remaps(shm_files))
             with run.phase("checksum") as progress:
                 files = image_files(staging.images)
                 progress.bytes = sum(f.size_bytes for f in files)
@@ -146,6 +148,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             enter_ns_of=enter_ns_of,
             on_post_dump=publish,
         )
+        devshm.remove_link_remaps(remaps)
         if nested_kill:  # the tree as it is now: children forked after preflight were dumped too
             proc.kill_tree(sorted(set(facts.tree_pids) | set(proc.tree_pids_or_empty(opts.pid))))
         run.close_phase()
@@ -170,5 +173,7 @@ def _labels(opts: CheckpointOptions) -> dict[str, str]:
 
 
 def _resume_source(pids: list[int]) -> None:
-    """Make sure no process of the source tree is left stopped (e.g. by a CRIU that was killed)."""
+    """Make sure no process of the source tree is left stopped (e.g. by a CRIU that was killed), and that
+    no link remap of a CRIU killed mid-dump is left beside the files the tree holds."""
     proc.ensure_no_frozen(pids)
+    devshm.remove_link_remaps(devshm.link_remaps(devshm.files(pids)))

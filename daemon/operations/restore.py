@@ -22,6 +22,7 @@ import dataclasses
 import os
 import signal
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from gpusnap.daemon.api.errors import (
     FailedPreconditionError,
@@ -30,7 +31,7 @@ from gpusnap.daemon.api.errors import (
     PermissionDeniedError,
 )
 from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snapshot, TcpMode
-from gpusnap.daemon.drivers import host, proc
+from gpusnap.daemon.drivers import devshm, host, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap, preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController
@@ -211,6 +212,7 @@ def _restore_copy(
                 _kill_tree(t.init_pid, found[0] if found else t.ns_pid)
                 raise
 
+        remaps = _put_back_link_remaps(run, shm_dir) if shm_dir.is_dir() and not private_shm else []
         tree = deps.criu.restore(
             images_dir=deps.store.images_dir(snapshot.id),
             work_dir=deps.store.images_dir(snapshot.id).parent,
@@ -223,6 +225,7 @@ def _restore_copy(
             before_resume=before_resume,
             private_log=snapshot.owner_uid != 0,
         )
+        devshm.remove_link_remaps(remaps)  # opened by CRIU: the restored tree holds the file, not the name
         progress.bytes = snapshot.size_bytes
         # Without a namespace init, ns_pid is the host PID; register before anything else can fail.
         run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, tree.ns_pid))
@@ -342,3 +345,18 @@ def _kill_tree(init_pid: int, root: int) -> None:
     except NotFoundError:
         return
     proc.kill_tree(pids)
+
+
+def _put_back_link_remaps(run: PhaseRunner, shm_dir: Path) -> list[devshm.LinkRemap]:
+    """A restore into the host's /dev/shm: CRIU opens the dump's link remaps by name (drivers.devshm)."""
+    try:
+        remaps = devshm.put_back_link_remaps(shm_dir)
+    except FileExistsError as e:
+        raise FailedPreconditionError(
+            f"/dev/shm/{Path(str(e.filename)).name} exists, and a restore into the host's PID namespace needs that "
+            "name for a file the snapshot carries; remove it if nothing uses it, or restore without --host-pidns "
+            "(a private /dev/shm)",
+            reason="DEV_SHM_NAME_TAKEN",
+        ) from None
+    run.on_failure("remove-link-remaps", lambda: devshm.remove_link_remaps(remaps))
+    return remaps
