@@ -21,7 +21,8 @@ from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.operations.restore import check_may_restore, check_replicas, run_restore
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
-from gpusnap.daemon.store.tiers import Tier
+from gpusnap.daemon.remote import evict
+from gpusnap.daemon.store.tiers import TierUsage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +38,8 @@ class NodeInfo:
     cuda_checkpoint_supported: bool = False
     cuda_unavailable_reason: str = ""
     remote: str = ""
-    tiers: tuple[tuple[Tier, int, int], ...] = ()
-    """(tier, used bytes, blobs), fastest first."""
+    tiers: tuple[TierUsage, ...] = ()
+    """The buffer store's tiers, fastest first, then (with a remote store) ``remote``: what only it holds."""
 
 
 class Daemon:
@@ -263,8 +264,15 @@ class Daemon:
             cuda_checkpoint_supported=self.deps.gpu.available,
             cuda_unavailable_reason=self.deps.gpu.reason,
             remote=str(self.deps.remote or ""),
-            tiers=tuple((t, t.used_bytes(), sum(1 for _ in t.blob_files())) for t in self.deps.store.buffers.tiers),
+            tiers=self._tiers(),
         )
+
+    def _tiers(self) -> tuple[TierUsage, ...]:
+        tiers = tuple(TierUsage.of(t) for t in self.deps.store.buffers.tiers)
+        if self.deps.remote is None:
+            return tiers
+        used, blobs = evict.remote_only(self.deps.store, self.deps.remote)
+        return (*tiers, TierUsage("remote", str(self.deps.remote), used, 0, 0, blobs))
 
 
 def snapshot_key(snapshot: Snapshot) -> paging.Key:

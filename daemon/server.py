@@ -29,6 +29,7 @@ from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations.base import OperationKind
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.remote.evict import RemoteEvictor
 from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.remote.transfer import TransferLimits
@@ -108,9 +109,11 @@ def build_daemon(config: DaemonConfig) -> Running:
     agents.start()
     # The agents' default GPUSNAP_WAKE_DIR, like /tmp.
     rundirs.make_own_dir(wake_dir(config), 0o1777)
-    deps = Deps(
-        config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents, remote=_remote(config)
-    )
+    remote = _remote(config)
+    if remote is not None:  # the disk tier may drop what is safely in the remote store
+        store.buffers.evictor = RemoteEvictor(store, remote)
+        store.buffers.schedule_budgets()
+    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents, remote=remote)
     metrics = None
     if config.metrics_listen:  # prometheus-client is imported only when metrics are on
         from gpusnap.daemon.metrics import Metrics

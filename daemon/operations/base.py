@@ -405,3 +405,15 @@ class PhaseProgress:
     def report(self, done: int, total: int, message: str = "") -> None:
         """Emit a ``PROGRESS`` event: ``done`` of ``total`` bytes (``message``: e.g. which process, how long)."""
         self.record.emit(EventType.PROGRESS, phase=self.phase, bytes=done, total_bytes=total, message=message)
+
+    def every_percent(self) -> Callable[[int, int], None]:
+        """A ``(done, total)`` callback that sets :attr:`bytes` and reports at most every 1% (and at the end)."""
+        last = [-1]
+
+        def report(done: int, total: int) -> None:
+            self.bytes = done
+            if done == total or done - last[0] >= max(1, total // 100):
+                last[0] = done
+                self.report(done, total)
+
+        return report

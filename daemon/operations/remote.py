@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
 
 from gpusnap.daemon.api.errors import FailedPreconditionError, ResourceExhaustedError
-from gpusnap.daemon.api.types import Caller, Snapshot, TransferResult
+from gpusnap.daemon.api.types import Caller, TransferResult
 from gpusnap.daemon.operations import provenance
-from gpusnap.daemon.operations.base import PhaseProgress, PhaseRunner
+from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.restore import check_may_restore
+from gpusnap.daemon.remote import evict
 from gpusnap.daemon.remote.layout import RemoteManifest
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.remote.transfer import Item, Tally, pull_chunks, push_chunks
-from gpusnap.daemon.store.durable import fsync_dir
-from gpusnap.daemon.store.store import IMAGES, SnapshotStore
+from gpusnap.daemon.store.store import IMAGES
 
 
 def require_remote(deps: Deps) -> RemoteStore:
@@ -43,19 +42,6 @@ def require_remote(deps: Deps) -> RemoteStore:
             reason="REMOTE_NOT_CONFIGURED",
         )
     return deps.remote
-
-
-def _reporter(p: PhaseProgress) -> Callable[[int, int], None]:
-    """Progress events at most every 1% (and at the end), not one per chunk."""
-    last = [-1]
-
-    def report(done: int, total: int) -> None:
-        p.bytes = done
-        if done == total or done - last[0] >= max(1, total // 100):
-            last[0] = done
-            p.report(done, total)
-
-    return report
 
 
 def _result(snapshot_id: str, remote: RemoteStore, tally: Tally) -> TransferResult:
@@ -78,6 +64,8 @@ def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
         snap = store.get(ref, caller.uid)
         check_may_restore(snap, caller)
         uid = snap.buffer_uid
+        if store.buffers.missing(uid, snap.buffers) and remote.published(snap.id):
+            return TransferResult(snapshot_id=snap.id, remote=str(remote))  # evicted to it: there already
         store.buffers.check_present(snap.id, uid, snap.buffers)
         images = store.images_dir(snap.id)
         items = [Item(f.path, images / f.path, f.size_bytes) for f in snap.files]
@@ -91,7 +79,7 @@ def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
     store.buffers.pin(uid, blobs)
     try:
         with run.phase("upload") as p:
-            chunk_lists, tally = push_chunks(remote.objects, remote.limits, items, digests, _reporter(p))
+            chunk_lists, tally = push_chunks(remote.objects, remote.limits, items, digests, p.every_percent())
             p.bytes = tally.transferred_bytes
     finally:
         store.buffers.unpin(uid, blobs)
@@ -100,6 +88,9 @@ def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
     with run.phase("publish"):
         if not remote.publish(doc):
             run.log.info("push.already_published", snapshot_id=snap.id)
+        evict.write_record(store.snapshots_dir / snap.id, str(remote), doc.buffer_chunks)
+    if blobs:
+        store.buffers.schedule_budgets()  # the disk tier may now drop them (remote.evict)
     return _result(snap.id, remote, tally)
 
 
@@ -122,28 +113,21 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
         uid = snap.buffer_uid
         items = [Item(f.path, work / IMAGES / f.path, f.size_bytes) for f in snap.files]
         chunk_lists: list[tuple[str, ...]] = list(doc.file_chunks)
-        blobs = _missing_blobs(store, uid, snap)
-        items += [Item(f"buffer {name}", blob_work / d, size, is_buffer=True) for d, (name, size) in blobs.items()]
+        blobs = store.buffers.missing(uid, snap.buffers)
+        items += [Item(f"buffer {b.name}", blob_work / d, b.size_bytes, is_buffer=True) for d, b in blobs.items()]
         chunk_lists += [doc.buffer_chunks[d] for d in blobs]
         _check_room(store.pulls_dir, sum(f.size_bytes for f in snap.files), "snapshot store", "--store")
-        _check_room(store.buffers.root, sum(s for _, s in blobs.values()), "buffer store", "--buffer-dir")
+        _check_room(store.buffers.root, sum(b.size_bytes for b in blobs.values()), "buffer store", "--buffer-dir")
     with run.phase("download") as p:
-        tally = pull_chunks(remote.objects, remote.limits, items, chunk_lists, _reporter(p))
+        tally = pull_chunks(remote.objects, remote.limits, items, chunk_lists, p.every_percent())
         p.bytes = tally.transferred_bytes
     with run.phase("publish"):
         digests = [b.sha256 for b in snap.buffers]
         store.buffers.pin(uid, digests)
         try:
-            for d in blobs:
-                path = blob_work / d
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                try:
-                    store.buffers.adopt(path, fd, uid, d)
-                finally:
-                    os.close(fd)
-            if blobs:
-                fsync_dir(store.buffers.blobs / str(uid))
+            store.buffers.adopt_pulled(blob_work, uid, blobs)
             store.buffers.check_present(snap.id, uid, snap.buffers)
+            evict.write_record(work, str(remote), doc.buffer_chunks)
             store.publish_pulled(work, snap, provenance.to_bytes(doc.provenance))
         finally:
             store.buffers.unpin(uid, digests)
@@ -151,16 +135,6 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
         if blobs:
             store.buffers.schedule_budgets()
     return _result(snap.id, remote, tally)
-
-
-def _missing_blobs(store: SnapshotStore, uid: int, snap: Snapshot) -> dict[str, tuple[str, int]]:
-    """Buffers whose blob this node lacks: digest -> (a name, size)."""
-    out: dict[str, tuple[str, int]] = {}
-    for b in snap.buffers:
-        path = store.buffers.path(uid, b.sha256)
-        if b.sha256 not in out and not (path.exists() and path.stat().st_size == b.size_bytes):
-            out[b.sha256] = (b.name, b.size_bytes)
-    return out
 
 
 def _check_room(directory: os.PathLike[str] | str, need: int, what: str, flag: str) -> None:

@@ -1,7 +1,8 @@
 """Restore: bring a snapshot back as a new process tree.
 
 Phases: ``preflight`` (snapshot readable, caller allowed, host compatible, buffers present with their
-sizes, GPU map resolved and GPU preconditions met) → ``verify`` (image sizes and digests; with
+sizes, GPU map resolved and GPU preconditions met) → [``fetch-buffers``: blobs the disk tier evicted come
+back from the remote store, each chunk checked (``gpusnap.daemon.remote.evict``)] → ``verify`` (image sizes and digests; with
 ``verify_buffers`` the buffers' digests too, in the background, overlapped with the next phases) →
 ``restore`` (CRIU, by default into a fresh PID namespace; a non-root snapshot's files are checked against
 its owner's rights before CRIU runs and again before any restored task runs, see ``file_rights``) → [``gpu-restore``
@@ -39,6 +40,7 @@ from gpusnap.daemon.operations import file_rights, provenance, workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
 from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.remote import evict
 
 
 def check_may_restore(snapshot: Snapshot, caller: Caller) -> None:
@@ -107,11 +109,18 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         if digests:  # kept from garbage collection until the worker has read them
             deps.store.buffers.pin(snapshot.buffer_uid, digests)
             run.on_failure("unpin-buffers", lambda: deps.store.buffers.unpin(snapshot.buffer_uid, digests))
-        deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
+        refetch = evict.plan(deps.store, deps.remote, snapshot)
+        if refetch is None:
+            deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
         shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
         private_shm = shm_dir.is_dir() and not opts.host_pid_namespace
         file_rights.check_before_restore(snapshot, private_shm)
         gpu_map = _resolve_gpu_map(deps, snapshot, opts)
+    if refetch is not None:  # evicted from the disk tier: back from the remote store first
+        with run.phase("fetch-buffers") as progress:
+            assert deps.remote is not None
+            progress.bytes = evict.fetch(deps.store, deps.remote, refetch, progress.every_percent()).transferred_bytes
+        deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
     with run.phase("verify") as progress:
         deps.store.verify(snapshot)
         progress.bytes = snapshot.size_bytes
@@ -136,6 +145,8 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
     if digests:
         run.drop_undo("unpin-buffers")
         deps.store.buffers.unpin(snapshot.buffer_uid, digests)
+    if refetch is not None:
+        deps.store.buffers.schedule_budgets()
     return result
 
 

@@ -53,6 +53,10 @@ class RemoteStore:
             )
         return layout.parse(data, snapshot_id)
 
+    def published(self, snapshot_id: str) -> bool:
+        """Whether ``snapshot_id``'s manifest is in the remote store (one HEAD; raises UnavailableError)."""
+        return self.objects.head(layout.manifest_key(snapshot_id)) is not None
+
     def ids(self) -> Iterator[str]:
         for obj in self.objects.list(layout.MANIFESTS):
             sid = layout.snapshot_id_of(obj.key)

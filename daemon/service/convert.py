@@ -261,13 +261,13 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
         tiers=[
             node_pb2.StoreTier(
                 name=t.name,
-                path=str(t.root),
-                used_bytes=used,
+                path=t.path,
+                used_bytes=t.used_bytes,
                 budget_bytes=t.budget_bytes,
-                free_bytes=t.free_bytes(),
-                blobs=count,
+                free_bytes=t.free_bytes,
+                blobs=t.blobs,
             )
-            for t, used, count in n.tiers
+            for t in n.tiers
         ],
     )
 

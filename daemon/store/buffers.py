@@ -146,6 +146,9 @@ class BufferStore:
         self._pins: dict[str, int] = {}
         self._lock_fd: int | None = None
         self._budget_pass: Future[int] | None = None
+        self.evictor: Callable[[str, int], bool] | None = None
+        """Says whether blob ``<uid>/<digest>`` of ``size`` bytes is safely in the remote store, so the
+        slowest tier may drop it (``gpusnap.daemon.remote.evict``); None: no remote, nothing leaves."""
 
     def close(self) -> None:
         """Release the buffer store's lock."""
@@ -268,6 +271,29 @@ class BufferStore:
                     metadata={"snapshot": snapshot_id, "buffer": ref.name, "sha256": ref.sha256},
                 )
 
+    def missing(self, uid: int, refs: Sequence[BufferRef]) -> dict[str, BufferRef]:
+        """The referenced blobs no tier holds with their size, by digest (each once)."""
+        out: dict[str, BufferRef] = {}
+        for ref in refs:
+            path = self.path(uid, ref.sha256)
+            if ref.sha256 not in out and not (path.exists() and path.stat().st_size == ref.size_bytes):
+                out[ref.sha256] = ref
+        return out
+
+    def adopt_pulled(self, work: Path, uid: int, digests: Iterable[str]) -> None:
+        """Adopt the verified files ``work/<digest>`` (a pull's or a fetch's) as blobs of ``uid``, fsynced."""
+        adopted = False
+        for d in digests:
+            path = work / d
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                self.adopt(path, fd, uid, d)
+            finally:
+                os.close(fd)
+            adopted = True
+        if adopted:
+            fsync_dir(self.blobs / str(uid))
+
     def open_for_read(self, uid: int, refs: Sequence[BufferRef]) -> list[int]:
         """Read-only descriptors of the referenced blobs (the caller closes them)."""
         fds: list[int] = []
@@ -323,9 +349,10 @@ class BufferStore:
             self._budget_pass.result()
 
     def enforce_budgets(self) -> int:
-        """Move least recently used, unpinned blobs of each tier over its budget to the next tier;
-        returns the bytes moved. The slowest tier's budget is enforced at staging only (its blobs have
-        nowhere safer to go)."""
+        """Move least recently used, unpinned blobs of each tier over its budget to the next tier, and
+        drop those of the slowest tier over its budget that :attr:`evictor` finds safely in the remote
+        store; returns the bytes moved or dropped. Without a remote store the slowest tier's budget is
+        enforced at staging only (its blobs have nowhere safer to go)."""
         moved = 0
         for tier, slower in zip(self.tiers, self.tiers[1:], strict=False):
             if not tier.budget_bytes:
@@ -350,4 +377,36 @@ class BufferStore:
                     budget=tier.budget_bytes,
                     why="the rest is pinned by operations in flight",
                 )
+        last = self.tiers[-1]
+        if last.budget_bytes and self.evictor is not None:
+            moved += self._evict_to_remote(last, self.evictor)
         return moved
+
+    def _evict_to_remote(self, tier: Tier, evictor: Callable[[str, int], bool]) -> int:
+        used = tier.used_bytes()
+        freed = 0
+        if used <= tier.budget_bytes:
+            return 0
+        with self._lock:
+            pinned = set(self._pins)
+        for key, path, size in eviction_order(tier, pinned):
+            if used <= tier.budget_bytes:
+                break
+            if not evictor(key, size):
+                continue
+            with self._lock:  # pinned since the order was taken: a restore is about to read it
+                if key in self._pins:
+                    continue
+                path.unlink(missing_ok=True)
+            used -= size
+            freed += size
+            log.info("buffers.evicted", blob=key, bytes=size, src=tier.name, dst="remote")
+        if used > tier.budget_bytes:
+            log.warning(
+                "buffers.over_budget",
+                tier=tier.name,
+                used=used,
+                budget=tier.budget_bytes,
+                why="the rest is pinned, not yet pushed, or not found whole in the remote store",
+            )
+        return freed

@@ -6,7 +6,9 @@ disk tier (``<store>/buffers``); without it, the disk tier alone. Each tier has 
 ``disk_tier_bytes``; 0 = bounded by free space only). New blobs go to the fastest tier whose budget
 they fit; when a tier is over its budget, its least recently used blobs that no operation has pinned
 move to the next tier (copied and fsynced there before the faster copy goes, so a reader always finds
-one). Reads use the fastest tier holding a blob; a restore marks the blobs it reads as used.
+one). Reads use the fastest tier holding a blob; a restore marks the blobs it reads as used. With a
+remote store, the disk tier over its budget drops its least recently used unpinned blobs that are safely
+there, and restores fetch them back (``gpusnap.daemon.remote.evict``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,30 @@ class Tier:
         """Whether ``need`` more bytes fit this tier's budget (eviction may have to make the room) and
         its file system."""
         return (self.budget_bytes == 0 or need <= self.budget_bytes) and need <= self.free_bytes()
+
+
+@dataclasses.dataclass(frozen=True)
+class TierUsage:
+    """One row of ``gpusnap store``: a tier's use (or, named ``remote``, the blobs only the remote holds)."""
+
+    name: str
+    path: str
+    used_bytes: int
+    budget_bytes: int
+    free_bytes: int
+    blobs: int
+
+    @classmethod
+    def of(cls, tier: Tier) -> TierUsage:
+        files = [p for _, p in tier.blob_files()]
+        return cls(
+            tier.name,
+            str(tier.root),
+            sum(p.stat().st_size for p in files),
+            tier.budget_bytes,
+            tier.free_bytes(),
+            len(files),
+        )
 
 
 def move(key: str, src: Path, dst_tier: Tier) -> bool:
