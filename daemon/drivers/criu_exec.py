@@ -183,7 +183,8 @@ def _next_size(sk: socket.socket, criu_pid: int) -> tuple[int, bool]:
     """Size of CRIU's next message, 0 once CRIU is gone; and whether CRIU was reaped here.
 
     A CRIU killed mid-restore can leave a task it forked (stopped, holding its copy of the socket), so the
-    socket never reaches end of stream: CRIU's exit is watched as well.
+    socket never reaches end of stream: CRIU's exit is watched as well. CRIU answers and exits at once, so
+    an answer may land between a poll that timed out and the exit check: the socket is looked at once more.
     """
     while True:
         ready, _, _ = select.select([sk], [], [], CRIU_POLL_S)
@@ -194,7 +195,8 @@ def _next_size(sk: socket.socket, criu_pid: int) -> tuple[int, bool]:
         except ChildProcessError:  # reaped elsewhere: gone all the same
             pid = criu_pid
         if pid == criu_pid:
-            return 0, True
+            ready, _, _ = select.select([sk], [], [], 0)
+            return (len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK | socket.MSG_DONTWAIT)) if ready else 0), True
 
 
 def _reap_forever() -> None:
