@@ -741,7 +741,7 @@ def rm(obj: Ctx, snapshots: tuple[str, ...], remote: bool) -> None:
                 {"deleted": deleted, "failed": [{"snapshot": ref, "error": jsonout.error(err)} for ref, err in failed]}
             )
         )
-    else:
+    elif deleted:
         click.echo("\n".join(deleted))
     if failed:
         sys.exit(EXIT_CODES.get(failed[0][1].code, 1))

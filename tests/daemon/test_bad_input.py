@@ -61,6 +61,7 @@ def test_bad_references(daemon: DaemonProc, args: list[str], code: int, words: s
 def test_rm_of_an_unknown_name(daemon: DaemonProc) -> None:
     res = daemon.cli("rm", "no-such-name")
     assert res.returncode == 3 and "no snapshot" in res.stderr
+    assert res.stdout == "", "nothing deleted: no (empty) line on stdout"
     _still_serving(daemon)
 
 
