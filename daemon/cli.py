@@ -892,6 +892,22 @@ def list_operations(obj: Ctx) -> None:
     _print_table(table)
 
 
+def _check_utf8(args: list[str]) -> None:
+    """Exit with a usage error (2) for an argument that is not UTF-8: every string on the wire is.
+
+    Python hands such bytes over as lone surrogates (PEP 383), which protobuf refuses with a traceback.
+    """
+    for i, arg in enumerate(args, 1):
+        try:
+            arg.encode()
+        except UnicodeEncodeError:
+            shown = arg.encode(errors="surrogateescape").decode("ascii", errors="backslashreplace")
+            click.echo(
+                f"gpusnap: error: argument {i} ({_safe(shown[:100])}) is not valid UTF-8; pass UTF-8 text", err=True
+            )
+            sys.exit(EXIT_CODES[Code.INVALID_ARGUMENT])
+
+
 def run() -> None:
     """The ``gpusnap`` command: :func:`main`, then the process ends without the interpreter's teardown.
 
@@ -900,6 +916,7 @@ def run() -> None:
     nothing left to clean up.
     """
     try:
+        _check_utf8(sys.argv[1:])
         main()
         code = 0
     except SystemExit as exc:

@@ -297,3 +297,15 @@ def test_json_errors_reach_stdout(daemon: DaemonProc) -> None:
     assert res.returncode == 3
     assert json.loads(res.stdout)["error"]["reason"] == "SNAPSHOT_NOT_FOUND"
     assert json.loads(res.stdout)["error"]["action"] == "fall_back"
+
+
+def test_arguments_that_are_not_utf8(daemon: DaemonProc) -> None:
+    """Bytes that are not UTF-8 in an argument (a label value from a Latin-1 script, a byte pasted from a
+    binary) are a usage error naming the argument, not a Python traceback (exit 1)."""
+    for args in (["inspect", "\udcff"], ["dump", "1", "--label", "k=\udc9b"]):  # raw 0xff / 0x9b bytes on argv
+        res = daemon.cli(*args)
+        assert res.returncode == 2, res.stderr
+        assert "Traceback" not in res.stderr and "not valid UTF-8" in res.stderr, res.stderr
+        assert "\\xff" in res.stderr or "\\x9b" in res.stderr, "the offending byte is shown escaped"
+        assert res.stderr.count("\n") == 1
+    _still_serving(daemon)
