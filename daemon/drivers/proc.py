@@ -133,7 +133,52 @@ def check_may_checkpoint(pid: int, caller: Caller) -> list[int]:
             reason="NOT_OWNER",
             metadata={"pid": str(pid)},
         )
+    if not caller.is_root:
+        check_plain_rights(tree, caller.uid)
     return tree
+
+
+def check_plain_rights(pids: list[int], uid: int) -> None:
+    """Refuse a non-root caller's tree with a process that holds more than uid ``uid``'s own rights.
+
+    Checked at preflight and again on the frozen tree (a process may exec a set-user-ID program between).
+
+    Raises:
+        PermissionDeniedError: reason ``NOT_OWNER``, naming the process and what it holds.
+    """
+    for p in pids:
+        extra = _rights_beyond(p, uid)
+        if extra:
+            raise PermissionDeniedError(
+                f"process {p} of the tree runs with rights beyond uid {uid}'s own ({extra}): a set-user-ID or "
+                "set-group-ID program, or one with file capabilities, whose restore would bring them back; end it "
+                "before the capture, or have root checkpoint the tree",
+                reason="NOT_OWNER",
+                metadata={"pid": str(p)},
+            )
+
+
+def _rights_beyond(pid: int, uid: int) -> str:
+    """What ``pid`` holds beyond a plain process of ``uid`` (``/proc/<pid>/status``: every uid ``uid``, its
+    effective, saved and filesystem gids its real one, no permitted, effective or ambient capability); ``""``
+    when nothing or gone. CRIU restores all of these from the images (``creds`` of ``core-*.img``)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return ""
+    fields = {k: v.split() for k, _, v in (line.partition(":") for line in text.splitlines())}
+    uids, gids = fields.get("Uid", []), fields.get("Gid", [])
+    names = ("real", "effective", "saved", "filesystem")
+    for name, value in zip(names, uids, strict=False):
+        if int(value) != uid:
+            return f"{name} uid {value}"
+    for name, value in zip(names[1:], gids[1:], strict=False):
+        if gids and value != gids[0]:
+            return f"{name} gid {value}, real gid {gids[0]}"
+    for key in ("CapPrm", "CapEff", "CapAmb"):
+        if int((fields.get(key) or ["0"])[0], 16):
+            return f"capabilities {key}={fields[key][0]}"
+    return ""
 
 
 def established_tcp(pids: list[int]) -> list[str]:

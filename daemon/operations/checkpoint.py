@@ -100,6 +100,8 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
         def publish() -> None:  # CRIU's post-dump: images complete, tree still frozen
             run.close_phase()
             frozen = proc.tree_pids_or_empty(opts.pid) or list(facts.tree_pids)  # the tree as CRIU froze it
+            if owner_uid != 0:  # a set-user-ID program exec'd since preflight: refused, CRIU resumes the tree
+                proc.check_plain_rights(frozen, owner_uid)
             held, creds = file_rights.record(frozen)
             shm_files = devshm.files(list(facts.tree_pids))
             if shm_files:

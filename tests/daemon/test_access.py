@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -55,6 +57,38 @@ def test_unprivileged_caller_may_only_touch_its_own(open_daemon: DaemonProc, wor
     assert open_daemon.cli("rm", root_snap["id"], user=NOBODY).returncode == 6
     assert open_daemon.cli("restore", "0/roots", user=NOBODY).returncode == 6
     assert open_daemon.cli("inspect", root_snap["id"], user=NOBODY).returncode == 6
+
+
+@pytest.mark.parametrize("mode", [0o4755, 0o2755], ids=["setuid-root", "setgid-root"])
+def test_unprivileged_caller_may_not_checkpoint_a_privileged_process_of_its_own(
+    open_daemon: DaemonProc, workloads: Workloads, mode: int
+) -> None:
+    """A set-user-ID (or set-group-ID) root program that a user runs has the user's real uid, but root's effective
+    and saved ids (and, set-uid, every capability): its restore would give the user's snapshot a root process as
+    often as they like. Refused as NOT_OWNER before anything is touched, like another user's process."""
+    d = Path(tempfile.mkdtemp(prefix="gsn-setid-", dir="/tmp"))
+    try:
+        os.chmod(d, 0o755)
+        shutil.copy("/bin/sleep", d / "sleep")
+        os.chmod(d / "sleep", mode)  # root-owned copy: sleep runs with root's effective uid (gid)
+        p = subprocess.Popen(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", str(d / "sleep"), "600"],
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        workloads.adopt(p.pid)
+        wait_for(lambda: psutil.Process(p.pid).name() == "sleep", 10, "set-id sleep did not start")
+        ids = psutil.Process(p.pid).uids() if mode & 0o4000 else psutil.Process(p.pid).gids()
+        assert (ids.real, ids.effective) == (NOBODY, 0), "the kernel honoured the set-id bit"
+        res = open_daemon.cli("dump", str(p.pid), "--leave-running", user=NOBODY)
+        assert res.returncode == 6, res.stderr
+        assert f"process {p.pid}" in res.stderr and "set-user-ID or set-group-ID" in res.stderr, res.stderr
+        assert p.poll() is None, "the refused tree runs on"
+    finally:
+        shutil.rmtree(d)
 
 
 def test_unprivileged_caller_round_trips_its_own_process(open_daemon: DaemonProc, workloads: Workloads) -> None:
