@@ -3,10 +3,13 @@ baseline in the same run. ``seconds``/``MiBps`` are whole CLI calls (process sta
 ``upload_MiBps``/``download_MiBps`` are the transfer phases alone.
 
 Node A dumps a process tree of ``--mib`` MiB of random memory (no two chunks alike) and pushes it; node B
-pulls it; A pushes it again (every chunk already there). The baseline copies the same image files on
-local disk (read, write, fsync) the way a pull writes them. Writes bench/results/remote-*.json.
+pulls it; A pushes it again (every chunk already there). That is done for each ``--parts`` size (0: each
+16 MiB chunk one PUT/GET, the daemon's default; N: chunks as multipart uploads and ranged GETs of N MiB
+parts, ``remote_part_bytes``), against a fresh prefix, ``--rounds`` times interleaved; medians are
+compared with the first size (the baseline) and with a copy of the same image files on local disk (read,
+write, fsync) the way a pull writes them. Writes bench/results/remote-*.json.
 
-    GPUSNAP_CRIU_PREFIX=.criu .venv/bin/python bench/remote_bench.py [--mib 384] [--threads 8]
+    GPUSNAP_CRIU_PREFIX=.criu .venv/bin/python bench/remote_bench.py [--mib 256] [--threads 8] [--parts 0,8]
 """
 
 from __future__ import annotations
@@ -49,102 +52,150 @@ def _cli(d: Any, *args: str) -> Any:
     return json.loads(d.cli("-o", "json", *args, check=True, timeout=600).stdout)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mib", type=int, default=384)
-    ap.add_argument("--threads", type=int, default=8)
-    args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="gpusnap-bench-remote-", dir="/var/tmp"))
-    gw = ceph_rgw.start()
-    nodes = []
-    tree = None
+def _variant(
+    tmp: Path, gw: Any, s3: Any, a_dir: Path, snap: dict[str, Any], part_mib: int, n: int, threads: int
+) -> Any:
+    """Push from node A, pull on a fresh node B, push again, against a fresh prefix; chunks in parts of
+    ``part_mib`` MiB (multipart upload, ranged GETs) or whole (0)."""
+    prefix = f"v{n}-part{part_mib}"
+    env = {
+        **gw.env(),
+        "GPUSNAP_REMOTE": f"s3://bench/{prefix}",
+        "GPUSNAP_REMOTE_ENDPOINT": gw.endpoint,
+        "GPUSNAP_REMOTE_THREADS": str(threads),
+        "GPUSNAP_REMOTE_PART_BYTES": str(part_mib << 20),
+    }
+    b_dir = tmp / f"b{n}"
+    b_dir.mkdir()
+    a, b = start_daemon(a_dir, extra_env=env), start_daemon(b_dir, extra_env=env)
     try:
-        import boto3
-        from botocore.config import Config
-
-        boto3.client(
-            "s3",
-            endpoint_url=gw.endpoint,
-            region_name=ceph_rgw.REGION,
-            aws_access_key_id=ceph_rgw.ACCESS_KEY,
-            aws_secret_access_key=ceph_rgw.SECRET_KEY,
-            config=Config(s3={"addressing_style": "path"}),
-        ).create_bucket(Bucket="bench")
-        env = {
-            **gw.env(),
-            "GPUSNAP_REMOTE": "s3://bench/fleet",
-            "GPUSNAP_REMOTE_ENDPOINT": gw.endpoint,
-            "GPUSNAP_REMOTE_THREADS": str(args.threads),
-        }
-        for name in ("a", "b"):
-            (tmp / name).mkdir()
-            nodes.append(start_daemon(tmp / name, extra_env=env))
-        a, b = nodes
-        wd = tmp / "tree"
-        wd.mkdir()
-        tree = subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKLOADS / "tree.py"),
-                str(wd),
-                "--mem-mb",
-                str(args.mib),
-                "--random",
-                "--no-listener",
-                "--no-child",
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        wait_for(lambda: (wd / "ready").exists(), 120, "tree did not start")
-        snap = _cli(a, "dump", str(tree.pid))
-        size = snap["size_bytes"]
 
         def timed(d: Any, *cmd: str) -> tuple[float, Any]:
             t = time.monotonic()
             out = _cli(d, *cmd)
             return time.monotonic() - t, out
 
+        mib = snap["size_bytes"] / 2**20
         push_s, pushed = timed(a, "push", snap["id"])
         pull_s, pulled = timed(b, "pull", snap["id"])
         repush_s, repushed = timed(a, "push", snap["id"])
-        images = a.store / "snapshots" / snap["id"] / "images"
+    finally:
+        stop_daemon(a)
+        stop_daemon(b)
+        shutil.rmtree(b_dir, ignore_errors=True)
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket="bench", Prefix=prefix):
+            for obj in page.get("Contents", []):  # memstore keeps objects in the OSD's RAM
+                s3.delete_object(Bucket="bench", Key=obj["Key"])
+    return {
+        "part_mib": part_mib,
+        "push": {
+            "seconds": round(push_s, 3),
+            "MiBps": round(mib / push_s, 1),
+            "phases": pushed["phases"],
+            "upload_MiBps": round(mib / pushed["phases"]["upload"], 1),
+            "transferred_bytes": pushed["transferred_bytes"],
+        },
+        "pull": {
+            "seconds": round(pull_s, 3),
+            "MiBps": round(mib / pull_s, 1),
+            "phases": pulled["phases"],
+            "download_MiBps": round(mib / pulled["phases"]["download"], 1),
+            "transferred_bytes": pulled["transferred_bytes"],
+        },
+        "push_again": {
+            "seconds": round(repush_s, 3),
+            "transferred_bytes": repushed["transferred_bytes"],
+            "skipped_bytes": repushed["skipped_bytes"],
+        },
+    }
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--parts", default="0,8", help="part sizes in MiB to compare, 0 = whole chunks (the baseline)")
+    ap.add_argument("--rounds", type=int, default=2, help="each variant this many times, interleaved")
+    args = ap.parse_args()
+    parts = [int(p) for p in args.parts.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="gpusnap-bench-remote-", dir="/var/tmp"))
+    gw = ceph_rgw.start()
+    tree = None
+    try:
+        import boto3
+        from botocore.config import Config
+
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=gw.endpoint,
+            region_name=ceph_rgw.REGION,
+            aws_access_key_id=ceph_rgw.ACCESS_KEY,
+            aws_secret_access_key=ceph_rgw.SECRET_KEY,
+            config=Config(s3={"addressing_style": "path"}),
+        )
+        s3.create_bucket(Bucket="bench")
+        a_dir = tmp / "a"
+        a_dir.mkdir()
+        a = start_daemon(a_dir)
+        try:
+            wd = tmp / "tree"
+            wd.mkdir()
+            tree = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(WORKLOADS / "tree.py"),
+                    str(wd),
+                    "--mem-mb",
+                    str(args.mib),
+                    "--random",
+                    "--no-listener",
+                    "--no-child",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            wait_for(lambda: (wd / "ready").exists(), 120, "tree did not start")
+            snap = _cli(a, "dump", str(tree.pid))
+        finally:
+            stop_daemon(a)
+        runs = [
+            _variant(tmp, gw, s3, a_dir, snap, p, r * len(parts) + k, args.threads)
+            for r in range(args.rounds)
+            for k, p in enumerate(parts)
+        ]
+        images = a_dir / "store" / "snapshots" / snap["id"] / "images"
         t = time.monotonic()
         _copy_tree(images, tmp / "disk-copy")
         disk_s = time.monotonic() - t
-        mib = size / 2**20
+        mib = snap["size_bytes"] / 2**20
+        by_part: dict[str, Any] = {}
+        for p in parts:
+            mine = [r for r in runs if r["part_mib"] == p]
+            up = _median([r["push"]["phases"]["upload"] for r in mine])
+            down = _median([r["pull"]["phases"]["download"] for r in mine])
+            by_part[str(p)] = {"upload_MiBps": round(mib / up, 1), "download_MiBps": round(mib / down, 1)}
+        base = by_part[str(parts[0])]
+        for v in by_part.values():
+            v["upload_vs_baseline"] = round(v["upload_MiBps"] / base["upload_MiBps"], 3)
+            v["download_vs_baseline"] = round(v["download_MiBps"] / base["download_MiBps"], 3)
+            v["upload_vs_disk"] = round(v["upload_MiBps"] / (mib / disk_s), 3)
+            v["download_vs_disk"] = round(v["download_MiBps"] / (mib / disk_s), 3)
         res = {
-            "snapshot_bytes": size,
-            "push": {
-                "seconds": round(push_s, 3),
-                "MiBps": round(mib / push_s, 1),
-                "phases": pushed["phases"],
-                "upload_MiBps": round(mib / pushed["phases"]["upload"], 1),
-                "transferred_bytes": pushed["transferred_bytes"],
-            },
-            "pull": {
-                "seconds": round(pull_s, 3),
-                "MiBps": round(mib / pull_s, 1),
-                "phases": pulled["phases"],
-                "download_MiBps": round(mib / pulled["phases"]["download"], 1),
-                "transferred_bytes": pulled["transferred_bytes"],
-            },
-            "push_again": {
-                "seconds": round(repush_s, 3),
-                "transferred_bytes": repushed["transferred_bytes"],
-                "skipped_bytes": repushed["skipped_bytes"],
-            },
+            "snapshot_bytes": snap["size_bytes"],
+            "medians_by_part_mib": by_part,
+            "runs": runs,
             "local_disk_copy": {"seconds": round(disk_s, 3), "MiBps": round(mib / disk_s, 1)},
-            "upload_vs_disk": round(disk_s / pushed["phases"]["upload"], 3),
-            "download_vs_disk": round(disk_s / pulled["phases"]["download"], 3),
         }
     finally:
         if tree is not None:
             kill_tree(tree.pid)
-        for d in nodes:
-            stop_daemon(d)
         gw.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     doc = {
@@ -152,6 +203,8 @@ def main() -> None:
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "mib": args.mib,
         "threads": args.threads,
+        "parts_mib": parts,
+        "rounds": args.rounds,
         "server": "Ceph RADOS Gateway 16.2 (Debian 12), memstore OSD, loopback",
         "cpus": os.cpu_count(),
         "machine": platform.machine(),

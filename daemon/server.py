@@ -239,7 +239,11 @@ def _remote(config: DaemonConfig) -> RemoteStore | None:
         return None
     limits = TransferLimits.from_config(config.remote_threads, config.remote_memory_bytes, config.remote_gc_grace)
     objects = ObjectStore(
-        RemoteUrl.parse(config.remote), config.remote_endpoint, config.remote_ca_bundle, connections=limits.threads * 2
+        RemoteUrl.parse(config.remote),
+        config.remote_endpoint,
+        config.remote_ca_bundle,
+        connections=limits.threads * 2,
+        part_bytes=config.remote_part_bytes,
     )
     return RemoteStore(objects, limits)
 
