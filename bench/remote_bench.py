@@ -3,13 +3,12 @@ baseline in the same run. ``seconds``/``MiBps`` are whole CLI calls (process sta
 ``upload_MiBps``/``download_MiBps`` are the transfer phases alone.
 
 Node A dumps a process tree of ``--mib`` MiB of random memory (no two chunks alike) and pushes it; node B
-pulls it; A pushes it again (every chunk already there). That is done for each ``--parts`` size (0: each
-16 MiB chunk one PUT/GET, the daemon's default; N: chunks as multipart uploads and ranged GETs of N MiB
-parts, ``remote_part_bytes``), against a fresh prefix, ``--rounds`` times interleaved; medians are
-compared with the first size (the baseline) and with a copy of the same image files on local disk (read,
-write, fsync) the way a pull writes them. Writes bench/results/remote-*.json.
+pulls it; A pushes it again (every chunk already there). That is done ``--rounds`` times, each against a fresh
+prefix; the medians are compared with a copy of the same image files on local disk (read, write, fsync)
+the way a pull writes them. (Multipart uploads and ranged GETs of chunk parts were compared here too and
+dropped: docs/fleet.md, "Multipart: measured and dropped".) Writes bench/results/remote-*.json.
 
-    GPUSNAP_CRIU_PREFIX=.criu .venv/bin/python bench/remote_bench.py [--mib 256] [--threads 8] [--parts 0,8]
+    GPUSNAP_CRIU_PREFIX=.criu .venv/bin/python bench/remote_bench.py [--mib 256] [--threads 8] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -52,18 +51,14 @@ def _cli(d: Any, *args: str) -> Any:
     return json.loads(d.cli("-o", "json", *args, check=True, timeout=600).stdout)
 
 
-def _variant(
-    tmp: Path, gw: Any, s3: Any, a_dir: Path, snap: dict[str, Any], part_mib: int, n: int, threads: int
-) -> Any:
-    """Push from node A, pull on a fresh node B, push again, against a fresh prefix; chunks in parts of
-    ``part_mib`` MiB (multipart upload, ranged GETs) or whole (0)."""
-    prefix = f"v{n}-part{part_mib}"
+def _round(tmp: Path, gw: Any, s3: Any, a_dir: Path, snap: dict[str, Any], n: int, threads: int) -> Any:
+    """Push from node A, pull on a fresh node B, push again, against a fresh prefix."""
+    prefix = f"round{n}"
     env = {
         **gw.env(),
         "GPUSNAP_REMOTE": f"s3://bench/{prefix}",
         "GPUSNAP_REMOTE_ENDPOINT": gw.endpoint,
         "GPUSNAP_REMOTE_THREADS": str(threads),
-        "GPUSNAP_REMOTE_PART_BYTES": str(part_mib << 20),
     }
     b_dir = tmp / f"b{n}"
     b_dir.mkdir()
@@ -87,7 +82,6 @@ def _variant(
             for obj in page.get("Contents", []):  # memstore keeps objects in the OSD's RAM
                 s3.delete_object(Bucket="bench", Key=obj["Key"])
     return {
-        "part_mib": part_mib,
         "push": {
             "seconds": round(push_s, 3),
             "MiBps": round(mib / push_s, 1),
@@ -119,10 +113,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--threads", type=int, default=8)
-    ap.add_argument("--parts", default="0,8", help="part sizes in MiB to compare, 0 = whole chunks (the baseline)")
-    ap.add_argument("--rounds", type=int, default=2, help="each variant this many times, interleaved")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    parts = [int(p) for p in args.parts.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-bench-remote-", dir="/var/tmp"))
     gw = ceph_rgw.start()
     tree = None
@@ -165,33 +157,22 @@ def main() -> None:
             snap = _cli(a, "dump", str(tree.pid))
         finally:
             stop_daemon(a)
-        runs = [
-            _variant(tmp, gw, s3, a_dir, snap, p, r * len(parts) + k, args.threads)
-            for r in range(args.rounds)
-            for k, p in enumerate(parts)
-        ]
+        runs = [_round(tmp, gw, s3, a_dir, snap, r, args.threads) for r in range(args.rounds)]
         images = a_dir / "store" / "snapshots" / snap["id"] / "images"
         t = time.monotonic()
         _copy_tree(images, tmp / "disk-copy")
         disk_s = time.monotonic() - t
         mib = snap["size_bytes"] / 2**20
-        by_part: dict[str, Any] = {}
-        for p in parts:
-            mine = [r for r in runs if r["part_mib"] == p]
-            up = _median([r["push"]["phases"]["upload"] for r in mine])
-            down = _median([r["pull"]["phases"]["download"] for r in mine])
-            by_part[str(p)] = {"upload_MiBps": round(mib / up, 1), "download_MiBps": round(mib / down, 1)}
-        base = by_part[str(parts[0])]
-        for v in by_part.values():
-            v["upload_vs_baseline"] = round(v["upload_MiBps"] / base["upload_MiBps"], 3)
-            v["download_vs_baseline"] = round(v["download_MiBps"] / base["download_MiBps"], 3)
-            v["upload_vs_disk"] = round(v["upload_MiBps"] / (mib / disk_s), 3)
-            v["download_vs_disk"] = round(v["download_MiBps"] / (mib / disk_s), 3)
+        up = mib / _median([r["push"]["phases"]["upload"] for r in runs])
+        down = mib / _median([r["pull"]["phases"]["download"] for r in runs])
         res = {
             "snapshot_bytes": snap["size_bytes"],
-            "medians_by_part_mib": by_part,
+            "median_upload_MiBps": round(up, 1),
+            "median_download_MiBps": round(down, 1),
             "runs": runs,
             "local_disk_copy": {"seconds": round(disk_s, 3), "MiBps": round(mib / disk_s, 1)},
+            "upload_vs_disk": round(up / (mib / disk_s), 3),
+            "download_vs_disk": round(down / (mib / disk_s), 3),
         }
     finally:
         if tree is not None:
@@ -203,7 +184,6 @@ def main() -> None:
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "mib": args.mib,
         "threads": args.threads,
-        "parts_mib": parts,
         "rounds": args.rounds,
         "server": "Ceph RADOS Gateway 16.2 (Debian 12), memstore OSD, loopback",
         "cpus": os.cpu_count(),

@@ -94,9 +94,6 @@ class DaemonConfig:
     """Chunks (16 MiB each) moved at once by one push or pull."""
     remote_memory_bytes: int = 256 << 20
     """Bound on the chunk bytes one push or pull holds in memory; limits ``remote_threads`` (at least one chunk)."""
-    remote_part_bytes: int = 0
-    """Chunks larger than this move as a multipart upload and ranged GETs of parts this size, in parallel;
-    0 = one PUT or GET per chunk. At least 5 MiB (S3's smallest part)."""
     remote_gc_grace: float = 3600.0
     """Unreferenced remote chunks younger than this (seconds) are kept: a push in flight uploads chunks
     before its manifest. Must exceed the longest push."""
@@ -152,11 +149,6 @@ class DaemonConfig:
         if self.remote_endpoint and not self.remote_endpoint.startswith(("http://", "https://")):
             raise InvalidArgumentError(
                 f"remote_endpoint must be an http:// or https:// URL, not {self.remote_endpoint!r}", reason="BAD_CONFIG"
-            )
-        if self.remote_part_bytes and self.remote_part_bytes < 5 << 20:
-            raise InvalidArgumentError(
-                f"remote_part_bytes must be 0 or at least 5 MiB (S3's smallest part), not {self.remote_part_bytes}",
-                reason="BAD_CONFIG",
             )
         if self.remote_threads < 1 or self.remote_memory_bytes < 1 or self.remote_gc_grace < 0:
             raise InvalidArgumentError(

@@ -239,11 +239,7 @@ def _remote(config: DaemonConfig) -> RemoteStore | None:
         return None
     limits = TransferLimits.from_config(config.remote_threads, config.remote_memory_bytes, config.remote_gc_grace)
     objects = ObjectStore(
-        RemoteUrl.parse(config.remote),
-        config.remote_endpoint,
-        config.remote_ca_bundle,
-        connections=limits.threads * 2,
-        part_bytes=config.remote_part_bytes,
+        RemoteUrl.parse(config.remote), config.remote_endpoint, config.remote_ca_bundle, connections=limits.threads * 2
     )
     return RemoteStore(objects, limits)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +30,6 @@ from gpusnap.daemon.api.errors import (
 if TYPE_CHECKING:
     import botocore.exceptions
     from mypy_boto3_s3 import S3Client
-    from mypy_boto3_s3.type_defs import CompletedPartTypeDef
 
 URL_RE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>[A-Za-z0-9._/-]{0,512}))?$")
 
@@ -87,22 +85,10 @@ class ObjectStore:
     """
 
     def __init__(
-        self,
-        url: RemoteUrl,
-        endpoint: str = "",
-        ca_bundle: str = "",
-        connections: int = 16,
-        timeout_s: float = 30.0,
-        part_bytes: int = 0,
+        self, url: RemoteUrl, endpoint: str = "", ca_bundle: str = "", connections: int = 16, timeout_s: float = 30.0
     ):
         self.url = url
         self.endpoint = endpoint
-        self.part_bytes = part_bytes
-        """Objects larger than this go up as a multipart upload and come down as ranged GETs, their parts
-        in parallel (0: one request each)."""
-        self._parts = (
-            ThreadPoolExecutor(connections // 2 or 1, thread_name_prefix="gpusnap-parts") if part_bytes else None
-        )
         import boto3  # here, not at import: a daemon without --remote (and its GPU tests) never loads boto3
         from botocore.config import Config
 
@@ -130,9 +116,6 @@ class ObjectStore:
 
         Returns False when ``if_absent`` and the object exists. Raises as :meth:`_call`.
         """
-        if self._parts is not None and not if_absent and len(data) > self.part_bytes:
-            self._put_parts(name, data, self._parts)
-            return True
         args: dict[str, Any] = {"Bucket": self.url.bucket, "Key": self.url.key(name), "Body": data}
         if if_absent:
             args["IfNoneMatch"] = "*"
@@ -144,58 +127,8 @@ class ObjectStore:
             raise
         return True
 
-    def _put_parts(self, name: str, data: bytes, pool: ThreadPoolExecutor) -> None:
-        """One multipart upload of ``data``, ``part_bytes`` a part, the parts in parallel; aborted on failure."""
-        key = self.url.key(name)
-        bucket = self.url.bucket
-        upload = self._call("PUT", name, lambda: self._s3.create_multipart_upload(Bucket=bucket, Key=key))["UploadId"]
-        view = memoryview(data)
-
-        def part(n: int) -> CompletedPartTypeDef:
-            body = bytes(view[n * self.part_bytes : (n + 1) * self.part_bytes])
-            resp = self._call(
-                "PUT",
-                name,
-                lambda: self._s3.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=n + 1, Body=body),
-            )
-            return {"ETag": resp["ETag"], "PartNumber": n + 1}
-
-        try:
-            parts = list(pool.map(part, range(-(-len(data) // self.part_bytes))))
-            self._call(
-                "PUT",
-                name,
-                lambda: self._s3.complete_multipart_upload(
-                    Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
-                ),
-            )
-        except BaseException:
-            try:
-                self._s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
-            except Exception:  # noqa: BLE001 - the first failure is the one to report
-                pass
-            raise
-
-    def get_sized(self, name: str, size: int) -> bytes:
-        """Object ``name``, expected to be ``size`` bytes: at most one byte more is read, so a longer object
-        shows and memory stays bounded. With ``part_bytes``, as ranged GETs in parallel (a shorter object
-        then reads short). Raises as :meth:`_call`."""
-        if self._parts is None or size <= self.part_bytes:
-            return self.get(name, 0, size + 1)
-        step = self.part_bytes
-        ranges = [(o, min(step, size - o) + (o + step >= size)) for o in range(0, size, step)]
-
-        def part(r: tuple[int, int]) -> bytes:
-            try:
-                return self.get(name, *r)
-            except FailedPreconditionError as err:
-                if err.reason == "REMOTE_RANGE":  # the object is shorter than expected
-                    return b""
-                raise
-
-        return b"".join(self._parts.map(part, ranges))
-
     def get(self, name: str, start: int = 0, length: int | None = None) -> bytes:
+        """The bytes of object ``name`` (a range when ``length`` is given). Raises as :meth:`_call`."""
         args: dict[str, Any] = {"Bucket": self.url.bucket, "Key": self.url.key(name)}
         if length is not None:
             args["Range"] = f"bytes={start}-{start + length - 1}"
@@ -276,8 +209,6 @@ class ObjectStore:
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
         if code in ("NoSuchKey", "404", "NotFound") or (status == 404 and code != "NoSuchBucket"):
             return NotFoundError(f"{name} is not in the remote store {self.where()}", reason="REMOTE_NOT_FOUND")
-        if code == "InvalidRange" or status == 416:
-            return FailedPreconditionError(f"{name} is shorter than the range read", reason="REMOTE_RANGE")
         if code in ("PreconditionFailed", "412") or status == 412:
             return FailedPreconditionError(f"{name} exists already in {self.where()}", reason="REMOTE_EXISTS")
         if code == "NoSuchBucket":
