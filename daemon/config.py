@@ -97,6 +97,9 @@ class DaemonConfig:
     remote_gc_grace: float = 3600.0
     """Unreferenced remote chunks younger than this (seconds) are kept: a push in flight uploads chunks
     before its manifest. Must exceed the longest push."""
+    pull_grace: float = 86400.0
+    """What an unfinished pull (a killed daemon, a failed transfer) wrote is kept this long after its last
+    write for a retry to resume, then removed (at start and whenever a pull starts); never listed."""
     log_format: str = "auto"
     """``auto`` (JSON unless stderr is a terminal), ``json`` or ``console``."""
     log_level: str = "info"
@@ -150,9 +153,9 @@ class DaemonConfig:
             raise InvalidArgumentError(
                 f"remote_endpoint must be an http:// or https:// URL, not {self.remote_endpoint!r}", reason="BAD_CONFIG"
             )
-        if self.remote_threads < 1 or self.remote_memory_bytes < 1 or self.remote_gc_grace < 0:
+        if self.remote_threads < 1 or self.remote_memory_bytes < 1 or self.remote_gc_grace < 0 or self.pull_grace < 0:
             raise InvalidArgumentError(
-                "remote_threads and remote_memory_bytes must be positive, remote_gc_grace not negative",
+                "remote_threads and remote_memory_bytes must be positive, remote_gc_grace and pull_grace not negative",
                 reason="BAD_CONFIG",
             )
         self.client_identities()

@@ -143,15 +143,17 @@ class Daemon:
     def remote_snapshots(
         self, caller: Caller, label_selector: Mapping[str, str], page_size: int = 0, page_token: str = ""
     ) -> paging.Page[Snapshot]:
-        """A page of the snapshots published in the remote store that the caller may use, oldest first."""
-        found = [m.snapshot for m in remote_ops.require_remote(self.deps).list()]
-        mine = [
-            s
-            for s in found
-            if (caller.is_root or s.owner_uid == caller.uid)
-            and all(s.labels.get(k) == v for k, v in label_selector.items())
-        ]
-        return paging.paginate(mine, snapshot_key, paging.page_size(page_size), page_token)
+        """A page of the snapshots published in the remote store that the caller may use, oldest first: the
+        caller's part of the name index is listed, and only the page's entries are read (all of them with a
+        label selector)."""
+        index = remote_ops.require_remote(self.deps).index
+        entries = index.entries(None if caller.is_root else caller.uid)
+        size = paging.page_size(page_size)
+        if not label_selector:
+            page = paging.paginate(entries, lambda e: e.sort_key, size, page_token)
+            return paging.Page(index.read(page.items), page.next_token)
+        found = [s for s in index.read(entries) if all(s.labels.get(k) == v for k, v in label_selector.items())]
+        return paging.paginate(found, snapshot_key, size, page_token)
 
     def delete_remote_snapshot(self, ref: str, caller: Caller) -> str:
         """Delete a snapshot's remote manifest, then collect unreferenced chunks past the grace period."""
@@ -159,7 +161,7 @@ class Daemon:
         remote = remote_ops.require_remote(self.deps)
         snapshot = remote.find(ref, caller.uid).snapshot
         check_may_restore(snapshot, caller)
-        remote.delete(snapshot.id)
+        remote.delete(snapshot)
         remote.collect_garbage(self.deps.config.remote_gc_grace)
         return snapshot.id
 

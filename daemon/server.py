@@ -99,6 +99,7 @@ def build_daemon(config: DaemonConfig) -> Running:
         Path(config.buffer_dir) if config.buffer_dir else None,
         config.ram_tier_bytes,
         config.disk_tier_bytes,
+        config.pull_grace,
     )
     store.open()
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)

@@ -7,12 +7,14 @@ that the next push reuses and garbage collection removes after its grace period.
 
 Pull phases: ``preflight`` (manifest read and checked, caller allowed, compatibility gate, room) →
 ``download`` (into ``<store>/pulls/<id>`` and the buffer store's ``pulling/<id>``, every chunk checked
-against its digest; chunks an interrupted pull already wrote are kept after the same check) →
+against its digest; chunks an interrupted pull already wrote are kept after the same check, unless it
+lay untouched for ``pull_grace``: ``SnapshotStore.expire_pulls``) →
 ``publish`` (buffers adopted into the buffer store, then one rename into ``snapshots/``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -98,42 +100,45 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
     """The body of a pull operation (see the module docstring)."""
     remote = require_remote(deps)
     store = deps.store
-    with run.phase("preflight"):
-        doc = remote.find(ref, caller.uid)
-        snap = doc.snapshot
-        run.record.target_snapshot = snap.id
-        check_may_restore(snap, caller)
-        if (store.snapshots_dir / snap.id).exists():
-            return TransferResult(snapshot_id=snap.id, remote=str(remote))
-        provenance.check(deps, snap.id, doc.provenance)
-        if snap.name:
-            store.check_name_free(snap.name)
-        work = store.pulls_dir / snap.id
-        blob_work = store.buffers.pulling / snap.id
-        uid = snap.buffer_uid
-        items = [Item(f.path, work / IMAGES / f.path, f.size_bytes) for f in snap.files]
-        chunk_lists: list[tuple[str, ...]] = list(doc.file_chunks)
-        blobs = store.buffers.missing(uid, snap.buffers)
-        items += [Item(f"buffer {b.name}", blob_work / d, b.size_bytes, is_buffer=True) for d, b in blobs.items()]
-        chunk_lists += [doc.buffer_chunks[d] for d in blobs]
-        _check_room(store.pulls_dir, sum(f.size_bytes for f in snap.files), "snapshot store", "--store")
-        _check_room(store.buffers.root, sum(b.size_bytes for b in blobs.values()), "buffer store", "--buffer-dir")
-    with run.phase("download") as p:
-        tally = pull_chunks(remote.objects, remote.limits, items, chunk_lists, p.every_percent())
-        p.bytes = tally.transferred_bytes
-    with run.phase("publish"):
-        digests = [b.sha256 for b in snap.buffers]
-        store.buffers.pin(uid, digests)
-        try:
-            store.buffers.adopt_pulled(blob_work, uid, blobs)
-            store.buffers.check_present(snap.id, uid, snap.buffers)
-            evict.write_record(work, str(remote), doc.buffer_chunks)
-            store.publish_pulled(work, snap, provenance.to_bytes(doc.provenance))
-        finally:
-            store.buffers.unpin(uid, digests)
-        shutil.rmtree(blob_work, ignore_errors=True)
-        if blobs:
-            store.buffers.schedule_budgets()
+    with contextlib.ExitStack() as stack:
+        with run.phase("preflight"):
+            doc = remote.find(ref, caller.uid)
+            snap = doc.snapshot
+            run.record.target_snapshot = snap.id
+            check_may_restore(snap, caller)
+            if (store.snapshots_dir / snap.id).exists():
+                return TransferResult(snapshot_id=snap.id, remote=str(remote))
+            provenance.check(deps, snap.id, doc.provenance)
+            if snap.name:
+                store.check_name_free(snap.name, snap.owner_uid)
+            stack.enter_context(store.pulling(snap.id))  # a second pull of it waits for this one
+            store.expire_pulls()  # what other pulls left, past the grace period
+            work = store.pulls_dir / snap.id
+            blob_work = store.buffers.pulling / snap.id
+            uid = snap.buffer_uid
+            items = [Item(f.path, work / IMAGES / f.path, f.size_bytes) for f in snap.files]
+            chunk_lists: list[tuple[str, ...]] = list(doc.file_chunks)
+            blobs = store.buffers.missing(uid, snap.buffers)
+            items += [Item(f"buffer {b.name}", blob_work / d, b.size_bytes, is_buffer=True) for d, b in blobs.items()]
+            chunk_lists += [doc.buffer_chunks[d] for d in blobs]
+            _check_room(store.pulls_dir, sum(f.size_bytes for f in snap.files), "snapshot store", "--store")
+            _check_room(store.buffers.root, sum(b.size_bytes for b in blobs.values()), "buffer store", "--buffer-dir")
+        with run.phase("download") as p:
+            tally = pull_chunks(remote.objects, remote.limits, items, chunk_lists, p.every_percent())
+            p.bytes = tally.transferred_bytes
+        with run.phase("publish"):
+            digests = [b.sha256 for b in snap.buffers]
+            store.buffers.pin(uid, digests)
+            try:
+                store.buffers.adopt_pulled(blob_work, uid, blobs)
+                store.buffers.check_present(snap.id, uid, snap.buffers)
+                evict.write_record(work, str(remote), doc.buffer_chunks)
+                store.publish_pulled(work, snap, provenance.to_bytes(doc.provenance))
+            finally:
+                store.buffers.unpin(uid, digests)
+            shutil.rmtree(blob_work, ignore_errors=True)
+            if blobs:
+                store.buffers.schedule_budgets()
     return _result(snap.id, remote, tally)
 
 

@@ -202,10 +202,11 @@ def fetch(store: SnapshotStore, remote: RemoteStore, todo: Refetch, progress: Pr
     uid = todo.snapshot.buffer_uid
     work = store.buffers.pulling / f"{todo.snapshot.id}.fetch-{secrets.token_hex(4)}"
     items = [Item(f"buffer {r.name}", work / r.sha256, r.size_bytes, is_buffer=True) for r in todo.refs]
-    try:
-        tally = pull_chunks(remote.objects, remote.limits, items, todo.chunks, progress)
-        store.buffers.adopt_pulled(work, uid, [r.sha256 for r in todo.refs])
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with store.pulling(work.name):
+        try:
+            tally = pull_chunks(remote.objects, remote.limits, items, todo.chunks, progress)
+            store.buffers.adopt_pulled(work, uid, [r.sha256 for r in todo.refs])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     log.info("buffers.fetched", snapshot_id=todo.snapshot.id, blobs=len(todo.refs), bytes=tally.transferred_bytes)
     return tally

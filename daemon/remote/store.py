@@ -5,20 +5,22 @@ chunks are up: a reader sees either no manifest or one whose chunks all exist. D
 manifest; :meth:`RemoteStore.collect_garbage` then marks the chunks every remaining manifest references
 and deletes the others, but only those older than the grace period, so the chunks of a push still in
 flight (uploaded, manifest not yet put) survive it. A push renews the modification time of the old
-chunks it reuses (``transfer.push_chunks``) for the same reason.
+chunks it reuses (``transfer.push_chunks``) for the same reason. Listing and finding by name go
+through the name index (``gpusnap.daemon.remote.index``), which publish and delete keep and collection
+repairs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
 import structlog
 
 from gpusnap.daemon.api import validate
 from gpusnap.daemon.api.errors import DataLossError, NotFoundError
+from gpusnap.daemon.api.types import Snapshot
 from gpusnap.daemon.remote import layout
+from gpusnap.daemon.remote.index import RemoteIndex
 from gpusnap.daemon.remote.layout import RemoteManifest
 from gpusnap.daemon.remote.s3 import ObjectStore
 from gpusnap.daemon.remote.transfer import TransferLimits
@@ -32,6 +34,7 @@ class RemoteStore:
     def __init__(self, objects: ObjectStore, limits: TransferLimits):
         self.objects = objects
         self.limits = limits
+        self.index = RemoteIndex(objects, limits.threads)
 
     def __str__(self) -> str:
         return str(self.objects.url)
@@ -57,26 +60,6 @@ class RemoteStore:
         """Whether ``snapshot_id``'s manifest is in the remote store (one HEAD; raises UnavailableError)."""
         return self.objects.head(layout.manifest_key(snapshot_id)) is not None
 
-    def ids(self) -> Iterator[str]:
-        for obj in self.objects.list(layout.MANIFESTS):
-            sid = layout.snapshot_id_of(obj.key)
-            if sid:
-                yield sid
-
-    def list(self) -> list[RemoteManifest]:
-        """Every usable published snapshot, oldest first; unusable manifests are logged and left out."""
-
-        def one(sid: str) -> RemoteManifest | None:
-            try:
-                return self.manifest(sid)
-            except (DataLossError, NotFoundError) as exc:
-                log.warning("remote.manifest_unusable", snapshot_id=sid, error=str(exc))
-                return None
-
-        with ThreadPoolExecutor(self.limits.threads) as pool:
-            found = [m for m in pool.map(one, list(self.ids())) if m is not None]
-        return sorted(found, key=lambda m: (m.snapshot.created, m.snapshot.id))
-
     def find(self, ref: str, owner_uid: int = 0) -> RemoteManifest:
         """The published snapshot with id or name ``ref`` (the newest of that name); names are per owner,
         as in the local store: ``NAME`` among ``owner_uid``'s snapshots, ``UID/NAME`` among UID's.
@@ -88,24 +71,33 @@ class RemoteStore:
         if validate.SNAPSHOT_ID_RE.fullmatch(ref):
             return self.manifest(ref)
         uid, name = validate.split_snapshot_ref(ref, owner_uid)
-        named = [m for m in self.list() if m.snapshot.name == name and m.snapshot.owner_uid == uid]
-        if not named:
-            raise self._not_found(ref)
-        return named[-1]
+        for entry in reversed(self.index.entries(uid, name)):  # the newest first; a stale entry is passed over
+            try:
+                doc = self.manifest(entry.snapshot_id)
+            except NotFoundError:
+                continue
+            if (doc.snapshot.owner_uid, doc.snapshot.name) == (uid, name):
+                return doc
+        raise self._not_found(ref)
 
     def publish(self, doc: RemoteManifest) -> bool:
-        """Put the manifest last, only if absent; False when this snapshot was published already."""
-        return self.objects.put(layout.manifest_key(doc.snapshot.id), doc.to_bytes(), if_absent=True)
+        """Put the manifest last, only if absent, then its index entry; False when this snapshot was
+        published already (its entry is put again: a push that died in between is finished)."""
+        fresh = self.objects.put(layout.manifest_key(doc.snapshot.id), doc.to_bytes(), if_absent=True)
+        self.index.put(doc.snapshot)
+        return fresh
 
-    def delete(self, snapshot_id: str) -> None:
-        """Remove a published snapshot's manifest (its chunks go at the next collection).
+    def delete(self, snapshot: Snapshot) -> None:
+        """Remove a published snapshot: its index entry, then its manifest (its chunks go at the next
+        collection).
 
         Raises:
             NotFoundError: no such snapshot.
         """
-        if self.objects.head(layout.manifest_key(snapshot_id)) is None:
-            raise self._not_found(snapshot_id)
-        self.objects.delete(layout.manifest_key(snapshot_id))
+        if not self.published(snapshot.id):
+            raise self._not_found(snapshot.id)
+        self.index.remove(snapshot)
+        self.objects.delete(layout.manifest_key(snapshot.id))
 
     def collect_garbage(self, grace_s: float) -> tuple[int, int]:
         """Delete chunks that no manifest references and that are older than ``grace_s`` seconds;
@@ -115,10 +107,22 @@ class RemoteStore:
         Raises:
             DataLossError: an unusable manifest (``REMOTE_MANIFEST_CORRUPT``): fix or delete it first.
         """
-        live: set[str] = set()
-        for sid in list(self.ids()):
-            live |= self.manifest(sid).chunks()
         cutoff = datetime.now(UTC) - timedelta(seconds=grace_s)
+        live: set[str] = set()
+        published: set[str] = set()
+        indexed = {e.snapshot_id: e for e in self.index.entries()}
+        for obj in list(self.objects.list(layout.MANIFESTS)):
+            sid = layout.snapshot_id_of(obj.key)
+            if sid is None:
+                continue
+            doc = self.manifest(sid)
+            live |= doc.chunks()
+            published.add(sid)
+            if sid not in indexed and obj.modified < cutoff:  # its push died between manifest and entry
+                self.index.put(doc.snapshot)
+        for sid, entry in indexed.items():
+            if sid not in published:  # its delete died between entry and manifest, or the entry is forged
+                self.objects.delete(entry.key)
         count = size = 0
         for obj in list(self.objects.list("chunks/")):
             digest = obj.key.rsplit("/", 1)[-1]

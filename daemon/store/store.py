@@ -7,7 +7,8 @@ Layout under the store root (mode 0700: images hold process memory)::
     snapshots/<id>/criu-*.log        CRIU logs of the dump and of restores
     staging/<id>/…                   work in progress; removed at start and on failure
     pulls/<id>/…                     a pull from the remote store in progress; kept across restarts so that
-                                     a retry resumes it, removed once published (never listed)
+                                     a retry resumes it, removed once published, or after ``pull_grace_s``
+                                     without a write (never listed)
     snapshots/<id>/provenance.json   pulled snapshots: where they were made (the compatibility gate reads it)
     logs/                            CRIU logs of failed dumps (the last 50)
     buffers/                         workers' named buffers, shared by snapshots (``buffers.BufferStore``;
@@ -27,6 +28,7 @@ import fcntl
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,7 +36,13 @@ from pathlib import Path
 import structlog
 
 from gpusnap.daemon.api import validate
-from gpusnap.daemon.api.errors import AlreadyExistsError, DataLossError, FailedPreconditionError, NotFoundError
+from gpusnap.daemon.api.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    DataLossError,
+    FailedPreconditionError,
+    NotFoundError,
+)
 from gpusnap.daemon.api.types import Snapshot
 from gpusnap.daemon.store import checksum, manifest
 from gpusnap.daemon.store.buffers import BufferStore
@@ -45,6 +53,18 @@ log = structlog.get_logger(__name__)
 
 IMAGES = "images"
 PROVENANCE = "provenance.json"
+
+
+def _last_write(path: Path) -> float:
+    """The newest modification time of ``path`` and everything under it (0 if it went meanwhile)."""
+    try:
+        newest = path.lstat().st_mtime
+        for dirpath, dirs, names in os.walk(path):
+            for n in (*dirs, *names):
+                newest = max(newest, os.lstat(os.path.join(dirpath, n)).st_mtime)
+    except FileNotFoundError:
+        return 0.0
+    return newest
 
 
 def new_snapshot_id() -> str:
@@ -72,10 +92,21 @@ class SnapshotStore:
         buffer_dir: the buffer store's directory (default ``root/buffers``); when set, its RAM tier above
             the disk tier ``root/buffers``.
         ram_tier_bytes, disk_tier_bytes: budgets of the buffer tiers (0: none; ``store.tiers``).
+        pull_grace_s: an unfinished pull untouched this long is removed (:meth:`expire_pulls`).
     """
 
-    def __init__(self, root: Path, buffer_dir: Path | None = None, ram_tier_bytes: int = 0, disk_tier_bytes: int = 0):
+    def __init__(
+        self,
+        root: Path,
+        buffer_dir: Path | None = None,
+        ram_tier_bytes: int = 0,
+        disk_tier_bytes: int = 0,
+        pull_grace_s: float = 86400.0,
+    ):
         self.root = root
+        self.pull_grace_s = pull_grace_s
+        self._pulls: set[str] = set()
+        """Ids being pulled now (:meth:`pulling`)."""
         self.buffers = BufferStore(buffer_dir or root / "buffers", root / "buffers", ram_tier_bytes, disk_tier_bytes)
         self.snapshots_dir = root / "snapshots"
         self.staging_dir = root / "staging"
@@ -114,9 +145,6 @@ class SnapshotStore:
         for leftover in self.staging_dir.iterdir():
             log.warning("store.staging_removed", path=str(leftover))
             shutil.rmtree(leftover, ignore_errors=True)
-        for pull in self.pulls_dir.iterdir():  # an unfinished pull stays for its retry, a finished one goes
-            if (self.snapshots_dir / pull.name).exists():
-                shutil.rmtree(pull, ignore_errors=True)
         try:
             self.buffers.open()
         except OSError as exc:
@@ -126,6 +154,7 @@ class SnapshotStore:
                 reason="STORE_UNUSABLE",
             ) from exc
         self._index.load(self.snapshots_dir)
+        self.expire_pulls()
         self.collect_buffers()
         self.buffers.enforce_budgets()
 
@@ -192,6 +221,47 @@ class SnapshotStore:
             if snapshot.name:
                 self._check_name_free_locked(snapshot.name, snapshot.owner_uid)
             return self.publish(StagingDir(snapshot.id, directory), snapshot)
+
+    @contextmanager
+    def pulling(self, work: str) -> Iterator[None]:
+        """Hold ``work`` (a pull's snapshot id, or a restore's fetch directory ``<id>.fetch-…``) as in
+        flight: :meth:`expire_pulls` leaves its directories alone.
+
+        Raises:
+            AbortedError: another operation is pulling that snapshot (``SNAPSHOT_BUSY``).
+        """
+        with self._lock:
+            if work in self._pulls:
+                raise AbortedError(
+                    f"snapshot {work} is being pulled by another operation; wait for it (`gpusnap ops`)",
+                    reason="SNAPSHOT_BUSY",
+                    metadata={"snapshot": work},
+                )
+            self._pulls.add(work)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pulls.discard(work)
+
+    def expire_pulls(self) -> list[str]:
+        """Remove what unfinished pulls left (``pulls/<id>``, the buffer store's ``pulling/<id>``): at once
+        when the snapshot is here already or nothing resumes it (a restore's fetch), after
+        ``pull_grace_s`` without a write otherwise; never one in flight. Returns the removed names."""
+        removed = []
+        now = time.time()
+        for leftover in [*self.pulls_dir.iterdir(), *self.buffers.pulling.iterdir()]:
+            sid = leftover.name.partition(".")[0]
+            with self._lock:
+                if leftover.name in self._pulls:
+                    continue
+            done = (self.snapshots_dir / sid).exists() or leftover.name != sid
+            if done or now - _last_write(leftover) > self.pull_grace_s:
+                shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+                removed.append(leftover.name)
+        if removed:
+            log.info("store.pulls_expired", left=removed)
+        return removed
 
     def provenance(self, snapshot_id: str) -> bytes | None:
         """The provenance record of a pulled snapshot, None for one made here."""

@@ -57,6 +57,13 @@ def test_daemon_killed_mid_push_and_mid_pull_lists_nothing_and_a_retry_resumes(
     assert pulled["transferred_bytes"] + pulled["skipped_bytes"] == snap["size_bytes"]
     assert not list((b.store / "pulls").iterdir()), "the pull's work directory went with its publish"
 
+    c = fleet.node("c", GPUSNAP_PULL_GRACE="0")  # unfinished pulls expire at once
+    _interrupt_after_progress(c, _start(c, "pull", snap["id"]), lambda: fleet.kill(c))
+    assert list((c.store / "pulls").iterdir()), "the killed pull left its work directory"
+    c = fleet.node("c", GPUSNAP_PULL_GRACE="0")
+    assert not list((c.store / "pulls").iterdir()) and not list((c.store / "buffers" / "pulling").iterdir())
+    assert cli_json(c, "ls") == [], "expired at start, never listed"
+
     frozen = w.last("parent.log")
     restored = cli_json(b, "restore", snap["id"])
     workloads.adopt(restored["pid"])

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.api.errors import AlreadyExistsError, DataLossError, FailedPreconditionError, NotFoundError
+from gpusnap.daemon.api.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    DataLossError,
+    FailedPreconditionError,
+    NotFoundError,
+)
 from gpusnap.daemon.api.types import HostFacts, ProcessFacts, Snapshot
 from gpusnap.daemon.store import SnapshotStore, checksum, manifest
 
@@ -99,3 +106,36 @@ def test_manifest_round_trip_and_refusals(tmp_path: Path) -> None:
         manifest.from_json({**doc, "digest_algorithm": "md5"})
     with pytest.raises(DataLossError):
         manifest.from_json({k: v for k, v in doc.items() if k != "source"})
+
+
+def test_unfinished_pulls_expire_after_their_grace_never_while_in_flight(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "store", pull_grace_s=3600)
+    store.open()
+    old, young, fetch = "snap-" + "a" * 26, "snap-" + "b" * 26, "snap-" + "c" * 26 + ".fetch-0123abcd"
+    for d in (store.pulls_dir / old / "images", store.pulls_dir / young / "images", store.buffers.pulling / old):
+        d.mkdir(parents=True)
+        (d / "part").write_bytes(b"x")
+    (store.buffers.pulling / fetch).mkdir()
+    for p in (store.pulls_dir / old, store.pulls_dir / old / "images", store.pulls_dir / old / "images" / "part"):
+        os.utime(p, (1, 1))
+    for p in (store.buffers.pulling / old, store.buffers.pulling / old / "part"):
+        os.utime(p, (1, 1))
+    store.close()
+
+    store.open()  # at start: the old pull and the restore's fetch go, the young pull stays for its retry
+    try:
+        assert sorted(p.name for p in store.pulls_dir.iterdir()) == [young]
+        assert list(store.buffers.pulling.iterdir()) == []
+        assert store.list() == []
+        os.utime(store.pulls_dir / young / "images" / "part", (1, 1))
+        os.utime(store.pulls_dir / young / "images", (1, 1))
+        os.utime(store.pulls_dir / young, (1, 1))
+        with store.pulling(young):
+            assert store.expire_pulls() == [], "in flight: kept whatever its age"
+            with pytest.raises(AbortedError) as busy:
+                with store.pulling(young):
+                    pass
+            assert busy.value.reason == "SNAPSHOT_BUSY"
+        assert store.expire_pulls() == [young]
+    finally:
+        store.close()
