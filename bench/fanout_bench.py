@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import results_file  # noqa: E402
 from tests.conftest import Workloads, kill_tree, start_daemon, stop_daemon  # noqa: E402
 
 
@@ -55,7 +54,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--replicas", default="1,4,8", help="copies per call, comma separated")
     ap.add_argument("--mem-mb", type=int, default=64, help="memory of the workload's parent process")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    results_file.add_arguments(ap)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-fanout-"))
     daemon = start_daemon(tmp)
@@ -91,17 +90,11 @@ def main() -> int:
         stop_daemon(daemon)
         shutil.rmtree(tmp, ignore_errors=True)
     result = {
-        "benchmark": "fanout",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": {"kernel": platform.release(), "criu": node.host.criu_version, "cpu": node.host.cpu_model},
+        "host": {"criu": node.host.criu_version, "cpu": node.host.cpu_model},
         "snapshot": {"size_bytes": snap.size_bytes, "processes": len(snap.source.tree_pids), "mem_mb": args.mem_mb},
         "runs": runs,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"fanout-{datetime.now(UTC):%Y%m%dT%H%M%S}.json"
-    (out / name).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out / name}")
+    results_file.write(result, "fanout", args.out, args.label)
     return 0
 
 

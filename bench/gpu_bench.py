@@ -17,19 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import results_file  # noqa: E402
 from tests.conftest import start_daemon, stop_daemon, wait_for  # noqa: E402
 
 WORKER = REPO / "tests" / "gpu" / "torch_worker.py"
@@ -130,9 +129,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", default="2,16,64", help="GiB of GPU data, comma separated")
     ap.add_argument("--store-parent", default=None, help="directory for the store (default: a temp dir on disk)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--buffer-dir", default="", help="gpusnapd --buffer-dir (e.g. under /dev/shm: a RAM tier)")
-    ap.add_argument("--label", default="", help="tag for the results file name")
+    results_file.add_arguments(ap)
     ap.add_argument(
         "--modes",
         default="stock,offload",
@@ -156,10 +154,7 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     gpus = node.get("gpus", [])
     result = {
-        "benchmark": "gpu",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": {
-            "kernel": platform.release(),
             "criu": node["host"]["criu_version"],
             "driver": node["host"].get("nvidia_driver_version", ""),
             "gpu": gpus[0]["name"] if gpus else "",
@@ -168,11 +163,7 @@ def main() -> int:
         },
         "runs": runs,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"gpu-{args.label + '-' if args.label else ''}{datetime.now(UTC):%Y%m%dT%H%M%S}.json"
-    (out / name).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out / name}")
+    results_file.write(result, "gpu", args.out, args.label)
     return 0 if all(r["verified"] for r in runs) else 1
 
 

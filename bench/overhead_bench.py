@@ -16,8 +16,9 @@ Each timed operation starts ``--gap`` seconds (default 1) after the previous one
 gpusnap's alike: gpusnapd keeps a spare CRIU helper started ahead, which needs about 0.3 s to become
 ready; ``--gap 0`` shows back-to-back requests, which pay part of that start.
 
-It also times the CLI: ``gpusnap ls`` against an empty store, beside ``python -c pass`` (the
-interpreter's own start). Results: bench/results/overhead-<label>-<date>.json with every sample, min and
+It also times the CLI: ``gpusnap ls`` against an empty store, beside fresh interpreters that only import
+what it loads, step by step (``CLI_IMPORTS``: nothing, click, the generated protobuf messages, grpc, the
+client, the CLI and client), so the floor each library sets is in the same file. Results: bench/results/overhead-<label>-<date>.json with every sample, min and
 median, and the targets of issue 12 (gpusnap ≤ CRIU + 50 ms; ``ls`` ≤ 0.3 s) judged on medians.
 """
 
@@ -27,7 +28,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import results_file  # noqa: E402
 from tests.conftest import DaemonProc, _cli_env, criu_prefix, kill_tree, start_daemon, stop_daemon, wait_for  # noqa: E402
 
 TREE = REPO / "tests" / "daemon" / "workloads" / "tree.py"
@@ -220,26 +220,38 @@ def _phase_medians(rounds: list[dict[str, Any]], key: str) -> dict[str, float]:
     return {n: round(statistics.median(r[key].get(n, 0.0) for r in rounds), 4) for n in sorted(names)}
 
 
+CLI_IMPORTS = {
+    "python_startup": "pass",
+    "import_click": "import click",
+    "import_protobuf_messages": "import gpusnap.daemon._proto.snapshots_pb2, gpusnap.daemon._proto.operations_pb2",
+    "import_grpc": "import grpc",
+    "import_client": "import gpusnap.daemon.client",
+    "import_cli_and_client": "import gpusnap.daemon.cli, gpusnap.daemon.client",
+}
+"""What ``gpusnap ls`` loads, step by step (each a fresh ``python -c``): the floor under the CLI's start."""
+
+
 def cli_times(daemon: DaemonProc, runs: int) -> dict[str, Any]:
-    """``gpusnap ls`` wall time (the store is empty) and the bare interpreter's start, ``runs`` times each."""
+    """``gpusnap ls`` wall time (the store is empty) and, in the same rounds, a fresh interpreter running each
+    of ``CLI_IMPORTS``, ``runs`` times each."""
     env = _cli_env()
     ls = [sys.executable, "-m", "gpusnap.daemon.cli", "--socket", str(daemon.socket), "ls"]
-    bare = [sys.executable, "-c", "pass"]
-    ls_s, bare_s = [], []
+    ls_s: list[float] = []
+    steps: dict[str, list[float]] = {k: [] for k in CLI_IMPORTS}
     for _ in range(runs):
         t, res = _timed(lambda: subprocess.run(ls, capture_output=True, text=True, env=env))
         assert res.returncode == 0, res.stderr
         ls_s.append(t)
-        bare_s.append(_timed(lambda: subprocess.run(bare, env=env, check=True))[0])
-    return {"ls_empty_store": _stats(ls_s), "python_startup": _stats(bare_s)}
+        for key, code in CLI_IMPORTS.items():
+            steps[key].append(_timed(lambda c=code: subprocess.run([sys.executable, "-c", c], env=env, check=True))[0])
+    return {"ls_empty_store": _stats(ls_s), **{k: _stats(v) for k, v in steps.items()}}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=10, help="rounds per workload (and CLI runs)")
     ap.add_argument("--workloads", default="sleep,tree", help="comma separated: sleep, tree")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
-    ap.add_argument("--label", default="", help="tag for the results file name")
+    results_file.add_arguments(ap)
     ap.add_argument(
         "--gap",
         type=float,
@@ -254,9 +266,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-bench-overhead-"))
     daemon = start_daemon(tmp)
     result: dict[str, Any] = {
-        "benchmark": "overhead",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": {"kernel": platform.release(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0]},
+        "host": {"loadavg_start": os.getloadavg()[0]},
         "runs": args.runs,
         "gap_s": args.gap,
         "workloads": {},
@@ -307,11 +317,7 @@ def main() -> int:
         )
     )
     if not args.no_write:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        name = f"overhead-{args.label + '-' if args.label else ''}{datetime.now(UTC):%Y%m%dT%H%M%S}.json"
-        (out / name).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out / name}")
+        results_file.write(result, "overhead", args.out, args.label)
     return 0
 
 

@@ -25,7 +25,7 @@ import click
 
 from gpusnap.daemon import version
 from gpusnap.daemon.api.errors import Code, GpusnapError
-from gpusnap.daemon.config import DEFAULT_SOCKET
+from gpusnap.daemon.defaults import DEFAULT_SOCKET
 
 # gRPC, protobuf and rich are imported where they are used, not here: every call pays for what it
 # imports at start-up, and `gpusnap --help` or a usage error needs none of them (docs/performance.md).

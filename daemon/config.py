@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.api.errors import InvalidArgumentError
+from gpusnap.daemon.defaults import DEFAULT_SOCKET, DEFAULT_STORE
 
-DEFAULT_SOCKET = Path("/run/gpusnap/gpusnapd.sock")
-DEFAULT_STORE = Path("/var/lib/gpusnap")
+__all__ = ["DEFAULT_SOCKET", "DEFAULT_STORE", "DaemonConfig", "parse_listen"]
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
 

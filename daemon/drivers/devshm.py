@@ -59,6 +59,8 @@ def files(pids: list[int], root: Path = DEV_SHM) -> list[Path]:
                 except OSError:
                     continue
                 held.add((st.st_dev, st.st_ino))
+    if not held:  # nothing of the tree is under root: no need to list it (a host's /dev/shm may be large)
+        return []
     found: list[Path] = []
     try:
         with os.scandir(root) as it:

@@ -141,6 +141,11 @@ class OperationRecord:
         if self.journal is not None:
             self.journal.write(self.to_entry())
 
+    def save_phase(self) -> None:
+        """Record the phase just entered in the journal, without ``fsync`` (recovery only quotes it)."""
+        if self.journal is not None:
+            self.journal.write_phase(self.id, self.phase)
+
     def to_entry(self) -> dict[str, Any]:
         """The journal entry of this operation."""
         error = None
@@ -229,13 +234,13 @@ class PhaseRunner:
     def phase(self, name: str) -> Iterator[PhaseProgress]:
         """Run the block as phase ``name``; set ``progress.bytes`` to report bytes moved.
 
-        Before the block runs, the operation's journal entry names the phase (durably), and a requested
+        Before the block runs, the operation's journal names the phase (``Journal.write_phase``), and a requested
         cancellation ends the operation (``CancelledError``, then rollback).
         """
         self.check_cancelled()
         name += self.phase_suffix
         self.record.phase = name
-        self.record.save()
+        self.record.save_phase()
         failpoints.hit(self.record.kind.value, name)
         self.record.emit(EventType.PHASE_STARTED, phase=name)
         progress = PhaseProgress(self.record, name)
@@ -262,7 +267,7 @@ class PhaseRunner:
         self.check_cancelled()
         name += self.phase_suffix
         self.record.phase = name
-        self.record.save()
+        self.record.save_phase()
         failpoints.hit(self.record.kind.value, name)
         self.record.emit(EventType.PHASE_STARTED, phase=name)
         progress = PhaseProgress(self.record, name)

@@ -196,7 +196,12 @@ def _descends_from(pid: int, tree: set[int]) -> bool:
 
 
 def _external_pipes(pids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(pid, fd, outside pid) for pipes of the tree that a process outside it also holds."""
+    """(pid, fd, outside pid) for pipes of the tree that a process outside it also holds.
+
+    Every other process's descriptors are read (one ``readlink`` each, relative to its open ``fd``
+    directory); only a process that holds one of the tree's pipes has its parent chain walked, to tell a
+    child forked since the tree was listed (part of the tree CRIU freezes) from an outside holder.
+    """
     inside: dict[str, tuple[int, int]] = {}
     for p in pids:
         for fd, target in _fds(p):
@@ -207,10 +212,37 @@ def _external_pipes(pids: Sequence[int]) -> list[tuple[int, int, int]]:
     tree = set(pids)
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in tree or _descends_from(int(entry), tree):
+        if not inside:
+            break
+        if not entry.isdigit() or int(entry) in tree:
+            continue
+        held = [t for t in _pipe_targets(int(entry)) if t in inside]
+        if not held or _descends_from(int(entry), tree):
             continue  # a child forked since the tree was listed is part of the tree CRIU freezes
-        for _, target in _fds(int(entry)):
+        for target in held:
             if target in inside:
                 pid, fd = inside.pop(target)
                 found.append((pid, fd, int(entry)))
     return found
+
+
+def _pipe_targets(pid: int) -> list[str]:
+    """The ``pipe:[inode]`` targets of ``pid``'s descriptors."""
+    try:
+        dfd = os.open(f"/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    out = []
+    try:
+        for name in os.listdir(dfd):
+            try:
+                target = os.readlink(name, dir_fd=dfd)
+            except OSError:
+                continue
+            if target.startswith("pipe:["):
+                out.append(target)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+    return out

@@ -3,7 +3,8 @@
 Phases: ``preflight`` (snapshot readable, caller allowed, host compatible, buffers present with their
 sizes, GPU map resolved and GPU preconditions met) → [``fetch-buffers``: blobs the disk tier evicted come
 back from the remote store, each chunk checked (``gpusnap.daemon.remote.evict``)] → ``verify`` (image sizes and digests; with
-``verify_buffers`` the buffers' digests too, in the background, overlapped with the next phases) →
+``verify_buffers`` the buffers' digests too, in the background, overlapped with the next phases; without
+it, buffers outside the RAM tier are read ahead into the page cache meanwhile) →
 ``restore`` (CRIU, by default into a fresh PID namespace; a non-root snapshot's files are checked against
 its owner's rights before CRIU runs and again before any restored task runs, see ``file_rights``) → [``gpu-restore``
 (``cuCheckpointProcessRestore``, with ``gpuPairs`` when remapping) → ``gpu-unlock``] → ``validate`` (CRIU
@@ -127,6 +128,8 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         buffers_checked = None
         if snapshot.buffers and opts.verify_buffers:  # digested while CRIU and CUDA restore run
             buffers_checked = deps.store.buffers.start_verify(snapshot.buffer_uid, snapshot.buffers)
+        elif snapshot.buffers:  # read ahead into the page cache while CRIU restores (a verify reads them anyway)
+            deps.store.buffers.prefetch(snapshot.buffer_uid, snapshot.buffers)
 
     def buffers_verified() -> None:
         if buffers_checked is not None:
@@ -240,11 +243,16 @@ def _restore_copy(
         progress.bytes = snapshot.size_bytes
         # Without a namespace init, ns_pid is the host PID; register before anything else can fail.
         run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, tree.ns_pid))
-        _note_tree(
-            run, init_pid=tree.init_pid, ns_pid=tree.ns_pid, init_start=proc.start_time(tree.init_pid or tree.ns_pid)
-        )
+        init_start = proc.start_time(tree.init_pid or tree.ns_pid)
         root = _host_root_pid(tree.init_pid, tree.ns_pid)
-        _note_tree(run, root=root, root_start=proc.start_time(root))
+        _note_tree(
+            run,
+            init_pid=tree.init_pid,
+            ns_pid=tree.ns_pid,
+            init_start=init_start,
+            root=root,
+            root_start=proc.start_time(root),
+        )
     ctl: GpuTreeController | None = None
     cuda_pids: list[int] = []
     if gpu_map is not None:

@@ -4,6 +4,7 @@ snapshot or an operation needs them, and refused when the store has no room."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,59 @@ def test_two_daemons_cannot_share_a_buffer_store(tmp_path: Path) -> None:
     assert err.value.reason == "STORE_LOCKED"
     first.close()
     _store(tmp_path).close()
+
+
+def _resident_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache (``mincore`` over a read-only mapping, which faults nothing in)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec)
+
+
+def test_prefetch_reads_disk_tier_blobs_into_the_page_cache(tmp_path: Path) -> None:
+    """Restores without --verify-buffers read disk-tier blobs ahead while CRIU runs; RAM-tier ones are skipped."""
+    store = BufferStore(tmp_path / "ram", disk=tmp_path / "disk")
+    store.open()
+    data = os.urandom(1 << 20)
+    staged = store.stage(1000, ["w"], [len(data)])
+    os.pwrite(staged.fds[0], data, 0)
+    staged.start_digests()
+    (ref,) = staged.commit()
+    staged.close()
+    ram_path = store.path(1000, ref.sha256)
+    disk_path = store.tiers[1].blobs / store.key(1000, ref.sha256)
+    disk_path.parent.mkdir(mode=0o700, exist_ok=True)
+    os.rename(ram_path, disk_path)  # as a budget pass moves it
+    assert store.path(1000, ref.sha256) == disk_path
+    fd = os.open(disk_path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped from the cache
+    os.close(fd)
+    if _resident_pages(disk_path) > 16:
+        pytest.skip("this filesystem keeps the blob cached (tmpfs?): nothing to read ahead")
+    assert store.prefetch(1000, [ref]).result(timeout=30) == len(data)
+    deadline = time.monotonic() + 10  # readahead completes asynchronously
+    while _resident_pages(disk_path) < len(data) // 4096 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _resident_pages(disk_path) == len(data) // 4096
+    assert disk_path.read_bytes() == data
+    os.rename(disk_path, ram_path)
+    assert store.prefetch(1000, [ref]).result(timeout=30) == 0, "a RAM-tier blob is not read ahead"

@@ -1,0 +1,70 @@
+"""The operation journal as a log: the last whole line is the entry, a torn line is skipped, the phase file
+overlays a running entry's phase, and an unchanged entry is not appended again."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gpusnap.daemon.store.journal import Journal
+
+
+def _entry(state: str = "running", phase: str = "", **facts: object) -> dict[str, object]:
+    return {
+        "id": "op-abcdefghijklmnopqrstuvwxyz",
+        "state": state,
+        "phase": phase,
+        "started": "2026-12-01T00:00:00",
+        "facts": facts,
+    }
+
+
+def test_last_whole_line_wins_and_a_torn_line_is_skipped(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "journal")
+    j.open()
+    j.write(_entry(phase="preflight", tree_pids=[1, 2]))
+    j.write(_entry(phase="dump", tree_pids=[1, 2], staging="s"))
+    path = tmp_path / "journal" / "op-abcdefghijklmnopqrstuvwxyz.json"
+    with open(path, "ab") as fh:  # a host crash mid-append: half a line
+        fh.write(b'\n{"id": "op-abcdefghijklmnopqrstuvwxyz", "state": "succ')
+    (entry,) = j.entries()
+    assert entry["facts"] == {"tree_pids": [1, 2], "staging": "s"} and entry["phase"] == "dump"
+    j.write(_entry(state="failed", phase="dump", tree_pids=[1, 2], staging="s"))  # a recovered op's next version
+    (entry,) = Journal(tmp_path / "journal").entries()
+    assert entry["state"] == "failed"
+
+
+def test_unchanged_entry_is_not_appended(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "journal")
+    j.open()
+    j.write(_entry(tree_pids=[1]))
+    path = tmp_path / "journal" / "op-abcdefghijklmnopqrstuvwxyz.json"
+    size = path.stat().st_size
+    j.write(_entry(tree_pids=[1]))
+    assert path.stat().st_size == size
+    j.write(_entry(tree_pids=[1, 2]))
+    assert path.stat().st_size > size
+
+
+def test_phase_file_overlays_running_entries_only(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "journal")
+    j.open()
+    j.write(_entry(phase="preflight"))
+    j.write_phase("op-abcdefghijklmnopqrstuvwxyz", "checksum")
+    assert Journal(tmp_path / "journal").entries()[0]["phase"] == "checksum"
+    torn = tmp_path / "journal" / "op-abcdefghijklmnopqrstuvwxyz.phase"
+    torn.write_bytes(b"../\x00bad")  # torn or foreign: ignored
+    assert j.entries()[0]["phase"] == "preflight"
+    j.write_phase("op-abcdefghijklmnopqrstuvwxyz", "publish")
+    j.write(_entry(state="succeeded", phase="finish"))  # a durable version supersedes the phase file
+    assert not (tmp_path / "journal" / "op-abcdefghijklmnopqrstuvwxyz.phase").exists()
+    assert j.entries()[0]["phase"] == "finish"
+
+
+def test_unreadable_entry_is_removed(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "journal")
+    j.open()
+    bad = tmp_path / "journal" / "op-abcdefghijklmnopqrstuvwxy2.json"
+    bad.write_bytes(b"\x00" * 64)
+    os.sync()
+    assert j.entries() == [] and not bad.exists()
