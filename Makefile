@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers bench-overhead bench-remote bench-fanout perf-chart clean help
+.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers bench-gpu-arena bench-overhead bench-remote bench-fanout perf-chart clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -64,6 +64,9 @@ bench-gpu: $(PKG_LINKS) ## GPU checkpoint/restore phases, stock and offload, for
 
 bench-gpu-buffers: $(PKG_LINKS) ## the buffers data path alone (pinned slot kinds, threads) -> bench/results/*.json
 	$(GPU_ENV) $(PYTHON) bench/buffers_probe.py $(BENCH_ARGS)
+
+bench-gpu-arena: $(PKG_LINKS) ## issue 12's pinned-arena lever: pinned memory shared by fd across processes [GIB=4] -> bench/results/*.json
+	$(GPU_ENV) $(PYTHON) bench/arena_probe.py --gib $(or $(GIB),4) $(BENCH_ARGS)
 
 bench-remote: venv criu ## push/pull throughput on a real Ceph RGW (loopback) vs local disk, and boto3 vs obstore -> bench/results/*.json
 	$(PY) -m pip install -q obstore
