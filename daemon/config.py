@@ -83,6 +83,8 @@ class DaemonConfig:
     """Unary RPCs of one uid running at once on the server's 32 threads; more wait, without a thread."""
     max_streams_per_caller: int = 64
     """WaitOperation/WatchOperation streams one uid may hold open (they hold no thread)."""
+    max_connections_per_caller: int = 128
+    """Connections to the API socket one non-root uid may hold open (three descriptors each); 0: no bound."""
     remote: str = ""
     """Remote store for push and pull, ``s3://BUCKET/PREFIX``; empty = none. Credentials come from the AWS
     SDK's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance roles)."""

@@ -143,7 +143,7 @@ def build_daemon(config: DaemonConfig) -> Running:
     private_dir = config.socket.parent / ".gpusnapd-private"
     rundirs.make_own_dir(private_dir, 0o700)
     private = private_dir / "grpc.sock"
-    proxy = PeerCredProxy(config.socket, private, config.socket_group)
+    proxy = PeerCredProxy(config.socket, private, config.socket_group, config.max_connections_per_caller)
     proxy.check_free()
     if private.exists():
         private.unlink()

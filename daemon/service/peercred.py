@@ -37,12 +37,18 @@ class PeerCredProxy:
         public: the API socket callers use.
         private: the gRPC server's own socket (in a 0700 directory).
         group: group allowed to connect.
+        max_connections_per_caller: connections one non-root uid may hold open at once (0: no bound); more
+            are closed as they are accepted. Each costs the daemon three descriptors (this side, the
+            forwarded one, gRPC's), so without a bound one user could take them all.
     """
 
-    def __init__(self, public: Path, private: Path, group: str):
+    def __init__(self, public: Path, private: Path, group: str, max_connections_per_caller: int = 0):
         self.public = public
         self.private = private
         self.group = group
+        self.max_connections_per_caller = max_connections_per_caller
+        self._open: dict[int, int] = {}  # uid -> connections held open (touched on the loop's thread only)
+        self._refused_logged: dict[int, float] = {}
         self._callers: dict[str, Caller] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -128,19 +134,46 @@ class PeerCredProxy:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client_sock: socket.socket = writer.get_extra_info("socket")
         pid, uid, gid = struct.unpack("3i", client_sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if uid != 0 and 0 < self.max_connections_per_caller <= self._open.get(uid, 0):
+            self._log_refused(uid)
+            writer.close()
+            return
+        self._open[uid] = self._open.get(uid, 0) + 1
         try:
+            await self._forward(reader, writer, Caller(pid=pid, uid=uid, gid=gid))
+        finally:
+            self._open[uid] -= 1
+            if not self._open[uid]:
+                del self._open[uid]
+
+    def _log_refused(self, uid: int) -> None:
+        """One warning per uid and minute: a flood is not also a flood of log lines."""
+        now = self._loop.time()
+        if now - self._refused_logged.get(uid, -60.0) >= 60.0:
+            self._refused_logged[uid] = now
+            log.warning(
+                "peercred.refused",
+                uid=uid,
+                open=self._open.get(uid, 0),
+                reason="max_connections_per_caller reached; further connections of this uid are closed",
+            )
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, caller: Caller) -> None:
+        up: socket.socket | None = None
+        try:
+            up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # EMFILE here too: the client is closed then
             up.bind("")  # autobind: the kernel picks a unique abstract name
             name = up.getsockname()[1:].decode()  # b"\0xxxxx"
             up.setblocking(False)
             await self._loop.sock_connect(up, str(self.private))
         except OSError as exc:
             log.error("peercred.forward_failed", error=str(exc))
-            up.close()
+            if up is not None:
+                up.close()
             writer.close()
             return
         with self._lock:
-            self._callers[name] = Caller(pid=pid, uid=uid, gid=gid)
+            self._callers[name] = caller
         up_reader, up_writer = await asyncio.open_unix_connection(sock=up)
         try:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
