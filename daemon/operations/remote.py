@@ -1,6 +1,7 @@
 """Push and pull: snapshots between this node's store and the remote store.
 
-Push phases: ``preflight`` (snapshot readable, caller allowed, buffers present) → ``upload`` (every chunk
+Push phases: ``preflight`` (snapshot readable, caller allowed, buffers present) → [``fetch-buffers``:
+blobs the disk tier evicted, back from the remote, ``gpusnap.daemon.remote.evict``] → ``upload`` (every chunk
 the remote lacks; the chunks read must make up the recorded digests) → ``publish`` (the manifest, last,
 by a conditional put). Nothing is listed remotely before ``publish``; an interrupted push leaves chunks
 that the next push reuses and garbage collection removes after its grace period.
@@ -62,29 +63,34 @@ def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
     """The body of a push operation (see the module docstring)."""
     remote = require_remote(deps)
     store = deps.store
-    with run.phase("preflight"):
-        snap = store.get(ref, caller.uid)
-        check_may_restore(snap, caller)
-        uid = snap.buffer_uid
-        if store.buffers.missing(uid, snap.buffers) and remote.published(snap.id):
-            return TransferResult(snapshot_id=snap.id, remote=str(remote))  # evicted to it: there already
-        store.buffers.check_present(snap.id, uid, snap.buffers)
+    with contextlib.ExitStack() as stack:
+        with run.phase("preflight"):
+            snap = store.get(ref, caller.uid)
+            check_may_restore(snap, caller)
+            uid = snap.buffer_uid
+            blobs = {b.sha256: b for b in snap.buffers}  # a blob shared by two names goes once
+            missing = store.buffers.missing(uid, snap.buffers)
+            if missing and remote.published(snap.id):
+                return TransferResult(snapshot_id=snap.id, remote=str(remote))  # evicted to it: there already
+            store.buffers.pin(uid, blobs)  # before the check: the disk tier must not drop them meanwhile
+            stack.callback(store.buffers.unpin, uid, blobs)
+            refetch = evict.plan(store, remote, snap) if missing else None
+            if refetch is None:
+                store.buffers.check_present(snap.id, uid, snap.buffers)
+            prov = provenance.of_snapshot(deps, snap)
+        if refetch is not None:  # a blob it shares with a snapshot evicted to the remote: back first
+            with run.phase("fetch-buffers") as p:
+                p.bytes = evict.fetch(store, remote, refetch, p.every_percent()).transferred_bytes
+            store.buffers.check_present(snap.id, uid, snap.buffers)
         images = store.images_dir(snap.id)
         items = [Item(f.path, images / f.path, f.size_bytes) for f in snap.files]
-        digests = [f.sha256 for f in snap.files]
-        blobs = {b.sha256: b for b in snap.buffers}  # a blob shared by two names goes once
+        digests = [f.sha256 for f in snap.files] + list(blobs)
         items += [
             Item(f"buffer {b.name}", store.buffers.path(uid, d), b.size_bytes, is_buffer=True) for d, b in blobs.items()
         ]
-        digests += list(blobs)
-        prov = provenance.of_snapshot(deps, snap)
-    store.buffers.pin(uid, blobs)
-    try:
         with run.phase("upload") as p:
             chunk_lists, tally = push_chunks(remote.objects, remote.limits, items, digests, p.every_percent())
             p.bytes = tally.transferred_bytes
-    finally:
-        store.buffers.unpin(uid, blobs)
     n = len(snap.files)
     doc = RemoteManifest(snap, prov, tuple(chunk_lists[:n]), dict(zip(blobs, chunk_lists[n:], strict=True)))
     with run.phase("publish"):

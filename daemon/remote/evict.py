@@ -28,7 +28,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -82,10 +82,8 @@ def read_record(snapshot_dir: Path) -> Record | None:
         return None
 
 
-def chunks_of(record: Record | None, remote: str, ref: BufferRef) -> tuple[str, ...] | None:
-    """The chunk digests of blob ``ref`` in ``remote`` per ``record``, if they make up its digest."""
-    if record is None or record.remote != remote:
-        return None
+def _chunks_in(record: Record, ref: BufferRef) -> tuple[str, ...] | None:
+    """The chunk digests ``record`` gives blob ``ref``, if they make up its digest."""
     chunks = record.buffers.get(ref.sha256)
     if (
         chunks is None
@@ -95,6 +93,25 @@ def chunks_of(record: Record | None, remote: str, ref: BufferRef) -> tuple[str, 
     ):
         return None
     return chunks
+
+
+def sources(
+    store: SnapshotStore, uid: int, ref: BufferRef, first: Snapshot | None = None
+) -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """(snapshot id, remote, chunk digests) for each record of this node's snapshots that holds blob
+    ``ref`` of ``uid`` (``first``'s record first): a blob shared by snapshots is in the remote store if
+    any of them was pushed there."""
+    snaps = [first] if first is not None else []
+    snaps += [s for s in store.list() if first is None or s.id != first.id]
+    for snap in snaps:
+        if snap.buffer_uid != uid or all(
+            b.sha256 != ref.sha256 or b.size_bytes != ref.size_bytes for b in snap.buffers
+        ):
+            continue
+        record = read_record(store.snapshots_dir / snap.id)
+        chunks = _chunks_in(record, ref) if record is not None else None
+        if record is not None and chunks is not None:
+            yield snap.id, record.remote, chunks
 
 
 def _chunk_sizes(size: int) -> list[int]:
@@ -110,14 +127,13 @@ class RemoteEvictor:
 
     def __call__(self, key: str, size: int) -> bool:
         uid, _, digest = key.partition("/")
-        for snap in self.store.list():
-            ref = next((b for b in snap.buffers if b.sha256 == digest and b.size_bytes == size), None)
-            if ref is None or str(snap.buffer_uid) != uid:
-                continue
-            chunks = chunks_of(read_record(self.store.snapshots_dir / snap.id), str(self.remote), ref)
-            if chunks is not None and self._published(snap.id, chunks, size):
-                return True
-        return False
+        ref = BufferRef(name="", size_bytes=size, sha256=digest)
+        here = str(self.remote)
+        return any(
+            self._published(sid, chunks, size)
+            for sid, remote, chunks in sources(self.store, int(uid), ref)
+            if remote == here
+        )
 
     def _published(self, snapshot_id: str, chunks: Sequence[str], size: int) -> bool:
         objects = self.remote.objects
@@ -138,30 +154,22 @@ class RemoteEvictor:
 
 def remote_only(store: SnapshotStore, remote: RemoteStore | None) -> tuple[int, int]:
     """(bytes, blobs) that this node's snapshots reference and that only the remote store holds."""
-    seen: set[str] = set()
-    total = 0
-    for snap in store.list():
+    found: dict[str, int] = {}
+    for snap in store.list() if remote is not None else ():
         for ref in store.buffers.missing(snap.buffer_uid, snap.buffers).values():
             key = store.buffers.key(snap.buffer_uid, ref.sha256)
-            if key in seen or remote is None:
-                continue
-            if chunks_of(read_record(store.snapshots_dir / snap.id), str(remote), ref) is not None:
-                seen.add(key)
-                total += ref.size_bytes
-    return total, len(seen)
+            if key not in found and any(r == str(remote) for _, r, _ in sources(store, snap.buffer_uid, ref, snap)):
+                found[key] = ref.size_bytes
+    return sum(found.values()), len(found)
 
 
 @dataclasses.dataclass(frozen=True)
 class Refetch:
-    """Blobs a restore must fetch back: each with its chunk digests."""
+    """Blobs a restore or push must fetch back: each with its chunk digests."""
 
     snapshot: Snapshot
     refs: tuple[BufferRef, ...]
     chunks: tuple[tuple[str, ...], ...]
-
-    @property
-    def size_bytes(self) -> int:
-        return sum(r.size_bytes for r in self.refs)
 
 
 def plan(store: SnapshotStore, remote: RemoteStore | None, snapshot: Snapshot) -> Refetch | None:
@@ -175,21 +183,23 @@ def plan(store: SnapshotStore, remote: RemoteStore | None, snapshot: Snapshot) -
     missing = store.buffers.missing(snapshot.buffer_uid, snapshot.buffers)
     if not missing:
         return None
-    record = read_record(store.snapshots_dir / snapshot.id)
-    if record is None:
-        return None
-    if remote is None or record.remote != str(remote):
-        raise FailedPreconditionError(
-            f"snapshot {snapshot.id} has {len(missing)} buffers that only the remote store {record.remote} holds "
-            f"(evicted from the disk tier); start gpusnapd with --remote {record.remote} to fetch them back",
-            reason="REMOTE_NOT_CONFIGURED",
-            metadata={"snapshot": snapshot.id},
-        )
     refs = tuple(missing.values())
-    chunks = tuple(chunks_of(record, record.remote, r) for r in refs)
-    if any(c is None for c in chunks):
-        return None
-    return Refetch(snapshot, refs, tuple(c for c in chunks if c is not None))
+    chunks = []
+    for ref in refs:
+        held = list(sources(store, snapshot.buffer_uid, ref, snapshot))
+        usable = [c for _, r, c in held if remote is not None and r == str(remote)]
+        if usable:
+            chunks.append(usable[0])
+        elif held:
+            raise FailedPreconditionError(
+                f"snapshot {snapshot.id} needs buffer {ref.name!r}, which only the remote store {held[0][1]} holds "
+                f"(evicted from the disk tier); start gpusnapd with --remote {held[0][1]} to fetch it back",
+                reason="REMOTE_NOT_CONFIGURED",
+                metadata={"snapshot": snapshot.id},
+            )
+        else:
+            return None
+    return Refetch(snapshot, refs, tuple(chunks))
 
 
 def fetch(store: SnapshotStore, remote: RemoteStore, todo: Refetch, progress: Progress) -> Tally:

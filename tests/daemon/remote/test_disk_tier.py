@@ -78,6 +78,8 @@ def test_only_pushed_unpinned_whole_blobs_leave_and_a_fetch_brings_them_back(
     store: SnapshotStore, remote: RemoteStore, fleet: Fleet
 ) -> None:
     a, b = _with_blob(store, 1), _with_blob(store, 2)
+    shared = _with_blob(store, 1)  # the same weights as a: the same blob, never pushed itself
+    assert shared.buffers == a.buffers
     os.utime(store.buffers.path(0, a.buffers[0].sha256), (1, 1))  # a is the least recently used
     assert store.buffers.enforce_budgets() == 0 and _here(store, a) and _here(store, b), "nothing pushed: all stay"
 
@@ -103,6 +105,8 @@ def test_only_pushed_unpinned_whole_blobs_leave_and_a_fetch_brings_them_back(
     todo = evict.plan(store, remote, a)
     assert todo is not None and [r.sha256 for r in todo.refs] == [a.buffers[0].sha256]
     assert evict.plan(store, remote, b) is None, "nothing missing"
+    via_a = evict.plan(store, remote, shared)
+    assert via_a is not None and via_a.chunks == todo.chunks, "a shared blob comes back through a's record"
 
     fleet.s3.put_object(Bucket=fleet.bucket, Key=chunk_keys[1], Body=b"\x07" * len(tail))
     with pytest.raises(DataLossError) as damaged:
