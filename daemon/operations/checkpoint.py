@@ -103,7 +103,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             if owner_uid != 0:  # a set-user-ID program exec'd since preflight: refused, CRIU resumes the tree
                 proc.check_plain_rights(frozen, owner_uid)
             held, creds = file_rights.record(frozen)
-            shm_files = devshm.files(list(facts.tree_pids))
+            shm_files = devshm.files(frozen)
             if shm_files:
                 with run.phase("dev-shm") as progress:  # CRIU keeps only names and sizes of these
                     progress.bytes = devshm.save(shm_files, staging.images / DEV_SHM_DIR)

@@ -71,3 +71,41 @@ def test_dumps_that_kill_leave_no_link_remap_and_restore(daemon: DaemonProc, tmp
     finally:
         kill_tree(*pids)
         time.sleep(0.1)
+
+
+def test_dev_shm_of_a_child_forked_after_preflight_is_saved(daemon: DaemonProc, tmp_path: Path) -> None:
+    """The /dev/shm files saved beside the images are those of the tree as CRIU froze it: a child forked
+    after preflight (here while the capture waits for a control-directory worker) was dumped by CRIU, but
+    its /dev/shm file was looked for among the preflight tree's only, so the restore had no file to map."""
+    cdir = tmp_path / "ctl"
+    cdir.mkdir()
+    name = f"gsn-late-{tmp_path.name}"
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKLOADS / "late_shm_child.py"), str(cdir), name],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    pids = [proc.pid]
+    try:
+        wait_for((cdir / "started").exists, 20, "late_shm_child did not start")
+        assert psutil.Process(proc.pid).children() == [], "no child before the capture's preflight"
+        op = daemon.cli("dump", str(proc.pid), "--control-dir", str(cdir), "--detach", check=True).stdout.strip()
+        wait_for(
+            lambda: json.loads(daemon.cli("-o", "json", "ops", check=True).stdout)[0]["phase"] == "wait-ready",
+            20,
+            "the capture does not wait for the worker",
+        )
+        (cdir / "go").touch()  # now the worker forks its child
+        done = json.loads(daemon.cli("-o", "json", "wait", op, check=True).stdout)
+        proc.wait(timeout=10)
+        assert "dev-shm" in [p["phase"] for p in done["phases"]], "the child's /dev/shm file was not saved"
+        Path(f"/dev/shm/{name}").unlink()  # the snapshot carries it: the host's copy is not what a restore maps
+        (cdir / "log").write_text("")
+        restored = json.loads(daemon.cli("-o", "json", "restore", done["snapshot"]["id"], check=True).stdout)
+        pids.append(restored["pid"])
+        wait_for(lambda: (cdir / "log").read_text().count("ok") > 5, 20, "the restored child lost its memory")
+    finally:
+        kill_tree(*pids)
+        Path(f"/dev/shm/{name}").unlink(missing_ok=True)
