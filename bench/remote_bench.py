@@ -82,25 +82,24 @@ def _round(tmp: Path, gw: Any, s3: Any, a_dir: Path, snap: dict[str, Any], n: in
             for obj in page.get("Contents", []):  # memstore keeps objects in the OSD's RAM
                 s3.delete_object(Bucket="bench", Key=obj["Key"])
     return {
-        "push": {
-            "seconds": round(push_s, 3),
-            "MiBps": round(mib / push_s, 1),
-            "phases": pushed["phases"],
-            "upload_MiBps": round(mib / pushed["phases"]["upload"], 1),
-            "transferred_bytes": pushed["transferred_bytes"],
-        },
-        "pull": {
-            "seconds": round(pull_s, 3),
-            "MiBps": round(mib / pull_s, 1),
-            "phases": pulled["phases"],
-            "download_MiBps": round(mib / pulled["phases"]["download"], 1),
-            "transferred_bytes": pulled["transferred_bytes"],
-        },
+        "push": _leg(mib, push_s, pushed, "upload"),
+        "pull": _leg(mib, pull_s, pulled, "download"),
         "push_again": {
             "seconds": round(repush_s, 3),
             "transferred_bytes": repushed["transferred_bytes"],
             "skipped_bytes": repushed["skipped_bytes"],
         },
+    }
+
+
+def _leg(mib: float, seconds: float, out: Any, phase: str) -> dict[str, Any]:
+    """One timed push or pull: the whole CLI call and its transfer phase alone."""
+    return {
+        "seconds": round(seconds, 3),
+        "MiBps": round(mib / seconds, 1),
+        "phases": out["phases"],
+        f"{phase}_MiBps": round(mib / out["phases"][phase], 1),
+        "transferred_bytes": out["transferred_bytes"],
     }
 
 

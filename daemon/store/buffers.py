@@ -26,6 +26,7 @@ also grow a blob after its capture: nothing bounds that yet (known gap).
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import secrets
 import shutil
@@ -43,6 +44,10 @@ from gpusnap.daemon.store.durable import fsync_dir
 from gpusnap.daemon.store.tiers import Tier, eviction_order, mark_used, move
 
 log = structlog.get_logger(__name__)
+
+
+def _move_to(dst: Tier, key: str, path: Path, _size: int) -> bool:
+    return move(key, path, dst)
 
 
 class StagedBuffers:
@@ -387,58 +392,42 @@ class BufferStore:
         enforced at staging only (its blobs have nowhere safer to go)."""
         moved = 0
         for tier, slower in zip(self.tiers, self.tiers[1:], strict=False):
-            if not tier.budget_bytes:
-                continue
-            used = tier.used_bytes()
-            if used <= tier.budget_bytes:
-                continue
-            with self._lock:
-                pinned = set(self._pins)
-            for key, path, size in eviction_order(tier, pinned):
-                if used <= tier.budget_bytes:
-                    break
-                if move(key, path, slower):
-                    used -= size
-                    moved += size
-                    log.info("buffers.evicted", blob=key, bytes=size, src=tier.name, dst=slower.name)
-            if used > tier.budget_bytes:
-                log.warning(
-                    "buffers.over_budget",
-                    tier=tier.name,
-                    used=used,
-                    budget=tier.budget_bytes,
-                    why="the rest is pinned by operations in flight",
-                )
-        last = self.tiers[-1]
-        if last.budget_bytes and self.evictor is not None:
-            moved += self._evict_to_remote(last, self.evictor)
+            moved += self._drain(tier, slower.name, functools.partial(_move_to, slower), "pinned by operations")
+        evictor = self.evictor
+        if evictor is not None:
+            moved += self._drain(
+                self.tiers[-1],
+                "remote",
+                lambda key, path, size: evictor(key, size) and self._drop_unpinned(key, path),
+                "pinned, not yet pushed, or not found whole in the remote store",
+            )
         return moved
 
-    def _evict_to_remote(self, tier: Tier, evictor: Callable[[str, int], bool]) -> int:
+    def _drain(self, tier: Tier, dst: str, drop: Callable[[str, Path, int], bool], kept: str) -> int:
+        """Offer ``tier``'s least recently used unpinned blobs to ``drop`` (True: gone from ``tier``) until
+        it is within its budget; returns the bytes gone."""
         used = tier.used_bytes()
-        freed = 0
-        if used <= tier.budget_bytes:
+        if not tier.budget_bytes or used <= tier.budget_bytes:
             return 0
+        gone = 0
         with self._lock:
             pinned = set(self._pins)
         for key, path, size in eviction_order(tier, pinned):
             if used <= tier.budget_bytes:
                 break
-            if not evictor(key, size):
-                continue
-            with self._lock:  # pinned since the order was taken: a restore is about to read it
-                if key in self._pins:
-                    continue
-                path.unlink(missing_ok=True)
-            used -= size
-            freed += size
-            log.info("buffers.evicted", blob=key, bytes=size, src=tier.name, dst="remote")
+            if drop(key, path, size):
+                used -= size
+                gone += size
+                log.info("buffers.evicted", blob=key, bytes=size, src=tier.name, dst=dst)
         if used > tier.budget_bytes:
             log.warning(
-                "buffers.over_budget",
-                tier=tier.name,
-                used=used,
-                budget=tier.budget_bytes,
-                why="the rest is pinned, not yet pushed, or not found whole in the remote store",
+                "buffers.over_budget", tier=tier.name, used=used, budget=tier.budget_bytes, why=f"the rest is {kept}"
             )
-        return freed
+        return gone
+
+    def _drop_unpinned(self, key: str, path: Path) -> bool:
+        with self._lock:  # pinned since the order was taken: an operation is about to read it
+            if key in self._pins:
+                return False
+            path.unlink(missing_ok=True)
+        return True

@@ -1,1 +1,1 @@
-from tests.daemon.remote.fleet import fleet  # noqa: F401  (the fixture)
+from tests.daemon.remote.fleet import fleet, remote  # noqa: F401  (the fixtures)

@@ -14,6 +14,9 @@ import boto3
 import pytest
 from botocore.config import Config
 
+from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
+from gpusnap.daemon.remote.store import RemoteStore
+from gpusnap.daemon.remote.transfer import TransferLimits
 from tests import ceph_rgw
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
 
@@ -89,6 +92,14 @@ def fleet(ceph_gateway: ceph_rgw.Gateway, tmp_path: Path) -> Iterator[Fleet]:
         log = d.log.read_text()
         if "Traceback" in log:
             pytest.fail(f"gpusnapd logged a traceback:\n{log[-4000:]}")
+
+
+@pytest.fixture
+def remote(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> RemoteStore:
+    """The fleet's bucket as this test process's own RemoteStore (in-process tests of the remote store)."""
+    for k, v in fleet.gw.env().items():
+        monkeypatch.setenv(k, v)
+    return RemoteStore(ObjectStore(RemoteUrl.parse(fleet.url), fleet.gw.endpoint), TransferLimits(4, 3600))
 
 
 def cli_json(d: DaemonProc, *args: str, timeout: float = 300) -> Any:

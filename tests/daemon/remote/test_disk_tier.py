@@ -15,22 +15,14 @@ from gpusnap.daemon.api.errors import DataLossError, FailedPreconditionError
 from gpusnap.daemon.api.types import Snapshot
 from gpusnap.daemon.remote import evict, layout
 from gpusnap.daemon.remote.layout import Provenance, RemoteManifest
-from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
 from gpusnap.daemon.remote.store import RemoteStore
-from gpusnap.daemon.remote.transfer import Item, TransferLimits, push_chunks
+from gpusnap.daemon.remote.transfer import Item, push_chunks
 from gpusnap.daemon.store import SnapshotStore
 from tests.daemon.remote.fleet import Fleet
 from tests.daemon.store.test_store import _snapshot
 
 MIB = 1 << 20
 BLOB = 20 * MIB  # two chunks: 16 MiB and 4 MiB
-
-
-@pytest.fixture
-def remote(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> RemoteStore:
-    for k, v in fleet.gw.env().items():
-        monkeypatch.setenv(k, v)
-    return RemoteStore(ObjectStore(RemoteUrl.parse(fleet.url), fleet.gw.endpoint), TransferLimits(4, 3600))
 
 
 @pytest.fixture

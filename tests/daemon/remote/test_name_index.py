@@ -17,22 +17,12 @@ from gpusnap.daemon.api.errors import NotFoundError
 from gpusnap.daemon.api.types import ImageFile, Snapshot
 from gpusnap.daemon.remote import layout
 from gpusnap.daemon.remote.layout import Provenance, RemoteManifest
-from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
 from gpusnap.daemon.remote.store import RemoteStore
-from gpusnap.daemon.remote.transfer import TransferLimits
 from gpusnap.daemon.store import checksum
 from gpusnap.daemon.store.store import new_snapshot_id
-from tests.daemon.remote.fleet import Fleet
 from tests.daemon.store.test_store import _snapshot
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
-
-
-@pytest.fixture
-def remote(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> RemoteStore:
-    for k, v in fleet.gw.env().items():
-        monkeypatch.setenv(k, v)
-    return RemoteStore(ObjectStore(RemoteUrl.parse(fleet.url), fleet.gw.endpoint), TransferLimits(4, 3600))
 
 
 @pytest.fixture
