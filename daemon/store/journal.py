@@ -92,7 +92,14 @@ class Journal:
                 os.close(fd)
 
     def entries(self) -> list[dict[str, Any]]:
-        """Every readable entry, oldest first; unreadable ones are logged and removed."""
+        """Every readable entry, oldest first; unreadable ones are logged and removed.
+
+        Read under the writers' lock: trims run while operations write, and a file just created holds no
+        whole line until its first write returns."""
+        with self._lock:
+            return self._entries()
+
+    def _entries(self) -> list[dict[str, Any]]:
         out = []
         for path in self.dir.glob("op-*.json"):
             try:

@@ -4,8 +4,12 @@ overlays a running entry's phase, and an unchanged entry is not appended again."
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
+import pytest
+
+from gpusnap.daemon.store import journal
 from gpusnap.daemon.store.journal import Journal
 
 
@@ -68,3 +72,33 @@ def test_unreadable_entry_is_removed(tmp_path: Path) -> None:
     bad.write_bytes(b"\x00" * 64)
     os.sync()
     assert j.entries() == [] and not bad.exists()
+
+
+def test_trim_while_a_new_entry_is_being_written_keeps_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trims run while other operations run (every JOURNAL_TRIM_EVERY finished ones): one that reads a journal
+    file its operation has just created, before the first line is in it, took it for unreadable and removed
+    it; the first version, appended to the removed file, was lost (a daemon crash then left that operation
+    unrecovered, e.g. its tree frozen)."""
+    j = Journal(tmp_path / "journal")
+    j.open()
+    created, go_on = threading.Event(), threading.Event()
+    real_write = os.write
+
+    def slow_first_write(fd: int, data: bytes) -> int:  # the writer stalls between O_CREAT and its first line
+        created.set()
+        go_on.wait(10)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(journal.os, "write", slow_first_write)
+    writer = threading.Thread(target=lambda: j.write(_entry(phase="preflight", tree_pids=[7])))
+    writer.start()
+    assert created.wait(10)
+    trimmer = threading.Thread(target=j.trim)
+    trimmer.start()
+    trimmer.join(0.5)  # a trim that takes the journal's lock waits here for the write
+    go_on.set()
+    writer.join(10)
+    trimmer.join(10)
+    monkeypatch.setattr(journal.os, "write", real_write)
+    (entry,) = Journal(tmp_path / "journal").entries()
+    assert entry["facts"] == {"tree_pids": [7]}
