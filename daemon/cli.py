@@ -8,6 +8,7 @@ Exit codes (also in ``gpusnap --help`` and the README):
     3 not found                     8 deadline exceeded
     4 failed precondition or damaged snapshot (FAILED_PRECONDITION, DATA_LOSS)
     9 resources exhausted (RESOURCE_EXHAUSTED)
+  130 cancelled (CANCELLED: Ctrl-C, the operation rolled back)
 """
 
 from __future__ import annotations
@@ -223,10 +224,15 @@ def _labels(values: tuple[str, ...]) -> dict[str, str]:
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Exit codes: 0 ok, 1 internal, 2 usage/invalid argument, 3 not found, 4 failed precondition or "
     "damaged snapshot, 5 conflict (busy tree, name taken), 6 permission denied, 7 daemon unavailable, "
-    "8 deadline exceeded, 9 resources exhausted.",
+    "8 deadline exceeded, 9 resources exhausted, 130 cancelled (Ctrl-C, rolled back).",
 )
 @click.option(
-    "--socket", envvar="GPUSNAP_SOCKET", default=str(DEFAULT_SOCKET), show_default=True, help="gpusnapd socket"
+    "--socket",
+    envvar="GPUSNAP_SOCKET",
+    show_envvar=True,
+    default=str(DEFAULT_SOCKET),
+    show_default=True,
+    help="gpusnapd socket",
 )
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @version_option("gpusnap")
@@ -334,7 +340,7 @@ def _phase_summary(op: operations_pb2.Operation) -> str:
 @main.command()
 @output_option
 @click.argument("pid", type=PID)
-@click.option("--name", default="", help="snapshot name, unique in the store")
+@click.option("--name", default="", help="snapshot name, unique among your snapshots")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="label (repeatable)")
 @click.option("--leave-running", is_flag=True, help="keep the source running after the dump")
 @click.option(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 from rich.console import Console
 
@@ -25,3 +26,16 @@ def test_table_cells_are_neither_markup_nor_escape_sequences() -> None:
 
 def test_safe_keeps_printable_text() -> None:
     assert cli._safe("python3 -c 'x = [1, 2]' é 日本") == "python3 -c 'x = [1, 2]' é 日本"
+
+
+def test_every_exit_code_is_in_the_help_and_the_readme() -> None:
+    """``gpusnap --help`` and the README's table name every exit code the CLI uses (130: cancelled too)."""
+    from click.testing import CliRunner
+
+    from tests.conftest import REPO
+
+    helptext = " ".join(CliRunner().invoke(cli.main, ["--help"]).output.split())
+    readme = (REPO / "README.md").read_text()
+    for code in {1, *cli.EXIT_CODES.values()}:
+        assert re.search(rf"\b{code} [a-z]", helptext), f"exit code {code} is not in gpusnap --help:\n{helptext}"
+        assert re.search(rf"^\| {code} \|", readme, re.M), f"exit code {code} is not in the README's table"
