@@ -18,8 +18,13 @@ ready; ``--gap 0`` shows back-to-back requests, which pay part of that start.
 
 It also times the CLI: ``gpusnap ls`` against an empty store, beside fresh interpreters that only import
 what it loads, step by step (``CLI_IMPORTS``: nothing, click, the generated protobuf messages, grpc, the
-client, the CLI and client), so the floor each library sets is in the same file. Results: bench/results/overhead-<label>-<date>.json with every sample, min and
-median, and the targets of issue 12 (gpusnap ≤ CRIU + 50 ms; ``ls`` ≤ 0.3 s) judged on medians.
+client, the CLI and client), so the floor each library sets is in the same file.
+
+``--baseline DIR`` (a directory holding another gpusnap package, e.g. an older commit's ``build/pkg``)
+runs a second gpusnapd on that code, its rounds interleaved with this checkout's, as ``baseline_gpusnap_*``
+and ``baseline_ls_empty_store``: an A/B under one load. Results: bench/results/overhead-<label>-<date>.json
+with every sample, min and median, and the targets of issue 12 (gpusnap ≤ CRIU + 50 ms; ``ls`` ≤ 0.3 s)
+judged on medians.
 """
 
 from __future__ import annotations
@@ -231,20 +236,46 @@ CLI_IMPORTS = {
 """What ``gpusnap ls`` loads, step by step (each a fresh ``python -c``): the floor under the CLI's start."""
 
 
-def cli_times(daemon: DaemonProc, runs: int) -> dict[str, Any]:
+def cli_times(daemon: DaemonProc, runs: int, baseline: DaemonProc | None = None, base_path: str = "") -> dict[str, Any]:
     """``gpusnap ls`` wall time (the store is empty) and, in the same rounds, a fresh interpreter running each
-    of ``CLI_IMPORTS``, ``runs`` times each."""
+    of ``CLI_IMPORTS`` (and the baseline's ``ls``, with its package first on the path), ``runs`` times each."""
     env = _cli_env()
-    ls = [sys.executable, "-m", "gpusnap.daemon.cli", "--socket", str(daemon.socket), "ls"]
     ls_s: list[float] = []
+    base_s: list[float] = []
     steps: dict[str, list[float]] = {k: [] for k in CLI_IMPORTS}
-    for _ in range(runs):
-        t, res = _timed(lambda: subprocess.run(ls, capture_output=True, text=True, env=env))
+
+    def ls(d: DaemonProc, e: dict[str, str]) -> float:
+        cmd = [sys.executable, "-m", "gpusnap.daemon.cli", "--socket", str(d.socket), "ls"]
+        t, res = _timed(lambda: subprocess.run(cmd, capture_output=True, text=True, env=e))
         assert res.returncode == 0, res.stderr
-        ls_s.append(t)
+        return t
+
+    for _ in range(runs):
+        ls_s.append(ls(daemon, env))
+        if baseline is not None:
+            base_s.append(ls(baseline, {**env, "PYTHONPATH": base_path}))
         for key, code in CLI_IMPORTS.items():
             steps[key].append(_timed(lambda c=code: subprocess.run([sys.executable, "-c", c], env=env, check=True))[0])
-    return {"ls_empty_store": _stats(ls_s), **{k: _stats(v) for k, v in steps.items()}}
+    out = {"ls_empty_store": _stats(ls_s), **{k: _stats(v) for k, v in steps.items()}}
+    if base_s:
+        out["baseline_ls_empty_store"] = _stats(base_s)
+    return out
+
+
+def _versus(prefix: str, k: str, rounds: list[dict[str, Any]], criu: dict[str, Any]) -> dict[str, Any]:
+    """Stats of operation ``k`` over ``rounds`` of one daemon, and its overhead over plain CRIU's ``criu``."""
+    ours = _stats([r[f"{k}_s"] for r in rounds])
+    return {
+        f"{prefix}_{k}": ours,
+        f"{prefix}_{k}_criu_log": _stats([r[f"{k}_log_s"] for r in rounds]),
+        f"{prefix}_{k}_phases_median_s": _phase_medians(rounds, f"{k}_phases"),
+        f"{prefix}_{k}_vs_criu": {
+            "ratio": round(ours["median_s"] / criu["median_s"], 3),
+            "overhead_ms": round((ours["median_s"] - criu["median_s"]) * 1000, 1),
+            "overhead_min_ms": round((ours["min_s"] - criu["min_s"]) * 1000, 1),
+            "target_met": ours["median_s"] <= criu["median_s"] + TARGET_OVERHEAD_S,
+        },
+    }
 
 
 def main() -> int:
@@ -260,44 +291,52 @@ def main() -> int:
         "CRIU helper needs about 0.3 s to start, so back-to-back requests (--gap 0) pay part of it",
     )
     ap.add_argument("--no-write", action="store_true", help="print the summary only")
+    ap.add_argument(
+        "--baseline",
+        default="",
+        help="a directory holding another gpusnap package (e.g. a worktree's build/pkg): a second gpusnapd runs "
+        "it, interleaved round by round with this checkout's, as baseline_gpusnap_* (an A/B under one load)",
+    )
     args = ap.parse_args()
     GAP_S[0] = args.gap
     _become_subreaper()
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-bench-overhead-"))
     daemon = start_daemon(tmp)
+    baseline, path = None, ""
+    if args.baseline:
+        path = os.pathsep.join([str(Path(args.baseline).resolve()), _cli_env()["PYTHONPATH"]])
+        baseline = start_daemon(tmp / "baseline", extra_env={"PYTHONPATH": path})
     result: dict[str, Any] = {
         "host": {"loadavg_start": os.getloadavg()[0]},
         "runs": args.runs,
         "gap_s": args.gap,
+        "baseline": args.baseline,
         "workloads": {},
     }
     try:
         assert daemon.alive(), daemon.log.read_text()
-        result["cli"] = cli_times(daemon, args.runs)
+        result["cli"] = cli_times(daemon, args.runs, baseline, path)
         for kind in args.workloads.split(","):
-            plain, ours = [], []
+            plain, ours, theirs = [], [], []
             for i in range(args.runs):
                 plain.append(plain_criu_round(kind, tmp, i))
                 ours.append(gpusnap_round(daemon, kind, tmp, i))
+                if baseline is not None:
+                    theirs.append(gpusnap_round(baseline, kind, tmp, args.runs + i))
             w: dict[str, Any] = {}
             for action, ours_keys in (("dump", ("dump",)), ("restore", ("restore_host_pidns", "restore"))):
                 w[f"criu_{action}"] = _stats([r[f"{action}_s"] for r in plain])
                 w[f"criu_{action}_log"] = _stats([r[f"{action}_log_s"] for r in plain])
                 for k in ours_keys:
-                    w[f"gpusnap_{k}"] = _stats([r[f"{k}_s"] for r in ours])
-                    w[f"gpusnap_{k}_criu_log"] = _stats([r[f"{k}_log_s"] for r in ours])
-                    w[f"gpusnap_{k}_phases_median_s"] = _phase_medians(ours, f"{k}_phases")
-                    base = w[f"criu_{action}"]["median_s"]
-                    w[f"gpusnap_{k}_vs_criu"] = {
-                        "ratio": round(w[f"gpusnap_{k}"]["median_s"] / base, 3),
-                        "overhead_ms": round((w[f"gpusnap_{k}"]["median_s"] - base) * 1000, 1),
-                        "overhead_min_ms": round((w[f"gpusnap_{k}"]["min_s"] - w[f"criu_{action}"]["min_s"]) * 1000, 1),
-                        "target_met": w[f"gpusnap_{k}"]["median_s"] <= base + TARGET_OVERHEAD_S,
-                    }
+                    for prefix, rounds in (("gpusnap", ours), ("baseline_gpusnap", theirs)):
+                        if rounds:
+                            w.update(_versus(prefix, k, rounds, w[f"criu_{action}"]))
             result["workloads"][kind] = w
             print(json.dumps({kind: {k: v for k, v in w.items() if k.endswith("_vs_criu")}}), flush=True)
     finally:
         stop_daemon(daemon)
+        if baseline is not None:
+            stop_daemon(baseline)
         for p in _children:
             if p.poll() is None:
                 p.kill()
