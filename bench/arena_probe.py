@@ -231,6 +231,34 @@ def _gb_per_s(steps: dict[str, Any], key: str, n: int) -> float | None:
     return round(n / s / 1e9, 2) if s else None
 
 
+def _share(
+    steps: Steps, role: str, prop: Any, n: int, host: int, streams: list[Any], expected: str, device: int
+) -> dict[str, Any]:
+    """Allocate ``prop``'s memory in this process, fill it from the registered blob at ``host`` (twice: the
+    second fill is the steady rate), export it and hand it to a worker process in ``role``; the worker's
+    steps, with ``check_ok`` (its sampled digest equals the blob's ``expected``)."""
+    from cuda.bindings import driver as cu
+
+    size = _rounded(n, prop)
+    handle = steps.run(f"{role}_create", lambda: _ok(cu.cuMemCreate(size, prop, 0)))
+    if handle is None:
+        return {}
+    ptr = steps.run(f"{role}_map", lambda: _map(handle, size, device))
+    if ptr is not None:
+        steps.run(f"{role}_fill_from_registered_blob", lambda: _copy(ptr, host, n, streams))
+        steps.run(f"{role}_fill_again", lambda: _copy(ptr, host, n, streams))
+    kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    fd = steps.run(f"{role}_export", lambda: int(_ok(cu.cuMemExportToShareableHandle(handle, kind, 0))))
+    if fd is None:
+        return {}
+    try:
+        w = _run_worker(role, fd, size, n, device)
+    finally:
+        os.close(fd)
+    w["check_ok"] = w.get("digest") == expected
+    return w
+
+
 def owner(args: argparse.Namespace) -> int:
     from cuda.bindings import driver as cu
 
@@ -263,37 +291,13 @@ def owner(args: argparse.Namespace) -> int:
             lambda: _attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", args.device),
         )
         prop = _prop("host", numa if isinstance(numa, int) and numa >= 0 else 0)
-        size = _rounded(n, prop)
-        h_handle = steps.run("host_arena_create", lambda: _ok(cu.cuMemCreate(size, prop, 0)))
-        if h_handle is not None:
-            h_ptr = steps.run("host_arena_map", lambda: _map(h_handle, size, args.device))
-            if h_ptr is not None:
-                steps.run("host_arena_fill_from_blob", lambda: _copy(h_ptr, host, n, streams))
-            kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-            h_fd = steps.run("host_arena_export", lambda: int(_ok(cu.cuMemExportToShareableHandle(h_handle, kind, 0))))
-            if h_fd is not None:
-                w = _run_worker("host_arena", h_fd, size, n, args.device)
-                w["check_ok"] = w.get("digest") == expected
-                w["copy_gb_per_s"] = _gb_per_s(w, "copy_h2d_again", n)
-                result["host_arena_worker"] = w
-                os.close(h_fd)
+        result["host_arena_worker"] = _share(steps, "host_arena", prop, n, host, streams, expected, args.device)
+        if "copy_h2d_again" in result["host_arena_worker"]:
+            result["host_arena_worker"]["copy_gb_per_s"] = _gb_per_s(result["host_arena_worker"], "copy_h2d_again", n)
 
         # 2. device memory filled by the owner from the registered blob, exported
         dprop = _prop("device", args.device)
-        dsize = _rounded(n, dprop)
-        d_handle = steps.run("device_create", lambda: _ok(cu.cuMemCreate(dsize, dprop, 0)))
-        if d_handle is not None:
-            d_ptr = steps.run("device_map", lambda: _map(d_handle, dsize, args.device))
-            if d_ptr is not None:
-                steps.run("device_fill_from_registered_blob", lambda: _copy(d_ptr, host, n, streams))
-                steps.run("device_fill_again", lambda: _copy(d_ptr, host, n, streams))
-            kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-            d_fd = steps.run("device_export", lambda: int(_ok(cu.cuMemExportToShareableHandle(d_handle, kind, 0))))
-            if d_fd is not None:
-                w = _run_worker("device_export", d_fd, dsize, n, args.device)
-                w["check_ok"] = w.get("digest") == expected
-                result["device_export_worker"] = w
-                os.close(d_fd)
+        result["device_export_worker"] = _share(steps, "device_export", dprop, n, host, streams, expected, args.device)
         steps.run("unregister_blob", lambda: _ok(cu.cuMemHostUnregister(host)))
     except RuntimeError as exc:
         result["error"] = str(exc)
@@ -303,8 +307,8 @@ def owner(args: argparse.Namespace) -> int:
         blob.unlink()
     result["owner_steps"] = steps.out
     result["rates_gb_per_s"] = {
-        "host_arena_fill": _gb_per_s(steps.out, "host_arena_fill_from_blob", n),
-        "device_fill_from_registered_blob": _gb_per_s(steps.out, "device_fill_again", n),
+        "host_arena_fill": _gb_per_s(steps.out, "host_arena_fill_again", n),
+        "device_fill_from_registered_blob": _gb_per_s(steps.out, "device_export_fill_again", n),
         "worker_h2d_from_imported_host_arena": result.get("host_arena_worker", {}).get("copy_gb_per_s"),
     }
     ok = all(result.get(k, {}).get("check_ok") for k in ("host_arena_worker", "device_export_worker"))
