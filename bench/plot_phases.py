@@ -33,16 +33,21 @@ def newest(pattern: str) -> str:
     return names[-1]
 
 
-def _overhead(key: str, kind: str) -> Any:
-    """A gpusnap operation of an overhead run as phases, plus the time outside them ("other")."""
+def _overhead(key: str, kind: str, prefix: str = "gpusnap") -> Any:
+    """A gpusnap operation of an overhead run as phases, plus the time outside them ("other"); ``prefix``
+    ``baseline_gpusnap``: the run's baseline daemon (``--baseline``)."""
 
     def pick(d: dict[str, Any]) -> dict[str, float]:
         w = d["workloads"][kind]
-        phases = dict(w[f"gpusnap_{key}_phases_median_s"])
-        phases["other"] = max(0.0, w[f"gpusnap_{key}"]["median_s"] - sum(phases.values()))
+        medians = w[f"{prefix}_{key}_phases_median_s"]  # by name: put back in the order they ran
+        phases = {n: medians[n] for n in sorted(medians, key=lambda n: RUN_ORDER.index(n) if n in RUN_ORDER else 99)}
+        phases["other"] = max(0.0, w[f"{prefix}_{key}"]["median_s"] - sum(phases.values()))
         return phases
 
     return pick
+
+
+RUN_ORDER = ["preflight", "verify", "dump", "restore", "checksum", "publish", "finish", "validate"]
 
 
 def _criu(action: str, kind: str) -> Any:
@@ -52,7 +57,7 @@ def _criu(action: str, kind: str) -> Any:
 def panels() -> list[tuple[str, list[tuple[str, str, Any]]]]:
     engine_now = newest("gpu-engine-h200-graphs-8b-2*.json")
     gpu_now = newest("gpu-h200-16g-2*.json")
-    overhead_now = newest("overhead-after-2*.json")
+    overhead_now = newest("overhead-ab-2*.json")  # an A/B run (--baseline): the last turn's code beside now
     out: list[tuple[str, list[tuple[str, str, Any]]]] = []
     for op in ("restore", "checkpoint"):
         out.append(
@@ -84,7 +89,8 @@ def panels() -> list[tuple[str, list[tuple[str, str, Any]]]]:
                     ("plain CRIU", overhead_now, _criu(action, "tree")),
                     ("gpusnap, before issue 12", OVERHEAD_START, _overhead(key, "tree")),
                     ("gpusnap, last turn", OVERHEAD_LAST, _overhead(key, "tree")),
-                    ("gpusnap, now", overhead_now, _overhead(key, "tree")),
+                    ("gpusnap, last turn, A/B run", overhead_now, _overhead(key, "tree", "baseline_gpusnap")),
+                    ("gpusnap, now, A/B run", overhead_now, _overhead(key, "tree")),
                 ],
             )
         )
