@@ -30,16 +30,15 @@ gpusnap's account. The plugin itself imports only the standard library and gpusn
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib.abc
-import importlib.machinery
 import logging
 import os
-import sys
 import threading
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from gpusnap.adapters.patching import after as _after
+from gpusnap.adapters.patching import before as _before
+from gpusnap.adapters.patching import when_imported as _when_imported
 
 log = logging.getLogger("gpusnap.vllm_plugin")
 
@@ -49,7 +48,6 @@ _lock = threading.Lock()
 _registered = False
 _adapter: Any = None  # VllmProcessAdapter, created on first use
 _agent: Any = None  # WorkerAgent
-_hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
 
 
 def register() -> None:
@@ -100,42 +98,7 @@ def _start(loop: asyncio.AbstractEventLoop | None) -> None:
     log.info("gpusnap: agent started in %s (role %s)", os.getpid(), _process_adapter().role)
 
 
-def _guarded(what: str, fn: Callable[[], None]) -> None:
-    """Run a hook; a failure is logged and never reaches vLLM (the engine serves without gpusnap)."""
-    try:
-        fn()
-    except Exception:
-        log.exception("gpusnap: the vLLM plugin could not %s; this process has no gpusnap agent", what)
-
-
 # -- patches ----------------------------------------------------------------------------------------
-
-
-def _wrap(cls: type, name: str, hook: Callable[..., None], *, after: bool) -> None:
-    """Wrap ``cls.name`` so that ``hook(self)`` runs before it (``after``: once it returned)."""
-    original = cls.__dict__[name]
-    if getattr(original, "_gpusnap", False):
-        return
-
-    @functools.wraps(original)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not after:
-            _guarded(f"attach to {cls.__name__}", lambda: hook(self))
-        result = original(self, *args, **kwargs)
-        if after:
-            _guarded(f"attach to {cls.__name__}", lambda: hook(self))
-        return result
-
-    wrapper._gpusnap = True  # type: ignore[attr-defined]
-    setattr(cls, name, wrapper)
-
-
-def _after(cls: type, name: str, hook: Callable[..., None]) -> None:
-    _wrap(cls, name, hook, after=True)
-
-
-def _before(cls: type, name: str, hook: Callable[..., None]) -> None:
-    _wrap(cls, name, hook, after=False)
 
 
 def _apply_tensor_parallel_settings(args: Any) -> None:
@@ -210,53 +173,3 @@ def _patch_worker_wrapper(module: ModuleType) -> None:
 
 def _subclasses(module: ModuleType, base: type) -> list[type]:
     return [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, base) and v is not base]
-
-
-# -- patch a module when it is imported -------------------------------------------------------------
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the real loader of a hooked module so its hooks run after it executes."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _hooks:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _HookedLoader(spec.loader)
-                return spec
-        return None
-
-
-class _HookedLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)  # type: ignore[no-any-return]
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)
-        _run_hooks(module)
-
-
-_finder = _PostImportFinder()
-
-
-def _run_hooks(module: ModuleType) -> None:
-    for hook in _hooks.pop(module.__name__, []):
-        _guarded(f"patch {module.__name__}", functools.partial(hook, module))
-
-
-def _when_imported(name: str, hook: Callable[[ModuleType], None]) -> None:
-    """Run ``hook(module)`` now if ``name`` is imported, else right after vLLM imports it."""
-    module = sys.modules.get(name)
-    if module is not None:
-        _guarded(f"patch {name}", functools.partial(hook, module))
-        return
-    _hooks.setdefault(name, []).append(hook)
-    if _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)

@@ -21,25 +21,15 @@ have an agent of its own), and ``weights`` (where the weights go, and why).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
+from gpusnap.adapters.engine_process import MemoryPlan, process_title
 from gpusnap.adapters.vllm import Release, VllmAdapter
 
 log = logging.getLogger("gpusnap.adapters.vllm")
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """What a worker's capture does with its memory; ``why`` explains the weights' place (for ``inspect``)."""
-
-    offload_weights: bool
-    release_kv: bool
-    why: str
 
 
 def memory_plan(vllm_config: Any, device_type: str) -> MemoryPlan:
@@ -258,8 +248,4 @@ def _worker_pids(executor: Any) -> list[int]:
 
 def _title() -> str:
     """The process's title as vLLM set it (``VLLM::Worker_TP0``…), else its command name."""
-    try:
-        with open(f"/proc/{os.getpid()}/cmdline", "rb") as fh:
-            return fh.read().split(b"\0")[0].decode(errors="replace")[:80]
-    except OSError:
-        return ""
+    return process_title()
