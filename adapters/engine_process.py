@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+from gpusnap.adapters.base import EngineAdapter, RestoreContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,3 +64,47 @@ def process_title(pid: int | None = None) -> str:
 def titled(pids: Iterable[int], prefix: str) -> list[int]:
     """The PIDs among ``pids`` whose process title starts with ``prefix`` (an engine's model processes)."""
     return sorted({int(p) for p in pids if process_title(int(p)).startswith(prefix)})
+
+
+class ModelProcessAdapter(EngineAdapter):
+    """The adapter of a process that holds a model (SGLang's schedulers, TensorRT-LLM's executor workers).
+
+    Its agent's role is ``worker``: the daemon quiesces it after the front end (which has stopped work and
+    released the KV cache through the engine), writes the buffers it names to the buffer store, and resumes it
+    before the front end. Subclasses give :attr:`model`, :attr:`rank`, :meth:`graphs`, :attr:`remedy` and
+    ``quiesce`` (what to check before the weights go).
+    """
+
+    remedy = ""
+    """How to move the weights out while CUDA graphs would read them (an engine flag)."""
+
+    @property
+    def model(self) -> Any:
+        """The ``torch.nn.Module`` whose parameters are the weights."""
+        raise NotImplementedError
+
+    @property
+    def rank(self) -> str:
+        """The process's rank, prefixing its buffer names (``tp1``, ``rank0``…)."""
+        raise NotImplementedError
+
+    def graphs(self) -> bool:
+        """Whether the engine captured CUDA graphs in this process."""
+        raise NotImplementedError
+
+    def plan(self) -> MemoryPlan:
+        param = next(iter(self.model.parameters()), None)
+        device = str(param.device.type) if param is not None else "cpu"
+        return graph_plan(device, self.graphs(), self.remedy)
+
+    def info(self) -> dict[str, str]:
+        return {"role": "worker", "process": process_title(), "rank": self.rank, "weights": self.plan().why}
+
+    async def warm_up(self) -> list[int]:
+        return []
+
+    def buffers(self) -> Mapping[str, Any]:
+        return model_weights(self.model, self.rank) if self.plan().offload_weights else {}
+
+    async def resume(self, context: RestoreContext | None) -> None:
+        """Nothing: the weights are back in place already, and the front end re-creates the KV cache."""

@@ -13,7 +13,9 @@ import functools
 import importlib.abc
 import importlib.machinery
 import logging
+import os
 import sys
+import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -112,3 +114,27 @@ def when_imported(name: str, hook: Callable[[ModuleType], None]) -> None:
     _hooks.setdefault(name, []).append(hook)
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
+
+
+ENV_SOCKET = "GPUSNAP_AGENT_SOCKET"
+_activate_lock = threading.Lock()
+_activated: set[str] = set()
+
+
+def activate(engine: str) -> bool:
+    """An engine plugin's first step: ``True`` the first time in this process that ``engine``'s plugin runs with
+    ``GPUSNAP_AGENT_SOCKET`` set, after blocking io_uring in the process and its future children
+    (:func:`gpusnap.adapters.io_uring.block_io_uring`) and applying the capture settings for ``engine``
+    (:func:`gpusnap.adapters.env.configure_capture_env`); ``False`` otherwise (the plugin then does nothing)."""
+    if not os.environ.get(ENV_SOCKET):
+        return False
+    with _activate_lock:
+        if engine in _activated:
+            return False
+        _activated.add(engine)
+    from gpusnap.adapters.env import configure_capture_env
+    from gpusnap.adapters.io_uring import block_io_uring
+
+    block_io_uring()
+    configure_capture_env(engine=engine)
+    return True

@@ -29,33 +29,21 @@ import os
 import threading
 from typing import Any
 
-from gpusnap.adapters.patching import guarded
+from gpusnap.adapters.patching import activate, guarded
 
 log = logging.getLogger("gpusnap.sglang_plugin")
 
-ENV_SOCKET = "GPUSNAP_AGENT_SOCKET"
 SCHEDULER_LOOP = "sglang.srt.managers.scheduler.Scheduler.run_event_loop"
 HANDLE_LOOP = "sglang.srt.managers.tokenizer_manager.TokenizerManager.auto_create_handle_loop"
 
 _lock = threading.Lock()
-_registered = False
 _started = False
 
 
 def register() -> None:
     """The plugin's entry point (see the module docstring); safe to call more than once."""
-    global _registered
-    if not os.environ.get(ENV_SOCKET):
+    if not activate("sglang"):
         return
-    with _lock:
-        if _registered:
-            return
-        _registered = True
-    from gpusnap.adapters.env import configure_capture_env
-    from gpusnap.adapters.io_uring import block_io_uring
-
-    block_io_uring()
-    configure_capture_env(engine="sglang")
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(SCHEDULER_LOOP, _before_scheduler_loop, HookType.BEFORE)

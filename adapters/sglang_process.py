@@ -20,11 +20,9 @@ schedulers hold the model and its KV cache; the detokenizer and the controller h
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
-from gpusnap.adapters.base import EngineAdapter, RestoreContext
-from gpusnap.adapters.engine_process import MemoryPlan, graph_plan, model_weights, process_title, titled
+from gpusnap.adapters.engine_process import ModelProcessAdapter, process_title, titled
 from gpusnap.adapters.sglang import SglangAdapter
 
 SCHEDULER_TITLE = "sglang::scheduler"
@@ -79,15 +77,16 @@ class SglangFrontEnd(SglangAdapter):
         return info
 
 
-class SglangSchedulerAdapter(EngineAdapter):
+class SglangSchedulerAdapter(ModelProcessAdapter):
     """The adapter of one scheduler process (``sglang.srt.managers.scheduler.Scheduler``).
 
     Args:
-        scheduler: the scheduler; the adapter reads ``tp_rank``, ``server_args``, ``offload_tags``,
+        scheduler: the scheduler; the adapter reads ``tp_rank``, ``dp_rank``, ``server_args``, ``offload_tags``,
             ``_is_no_request()`` and ``tp_worker.model_runner.model``.
     """
 
     engine = "sglang"
+    remedy = "start SGLang with --disable-cuda-graph to offload them"
 
     def __init__(self, scheduler: Any):
         self.scheduler = scheduler
@@ -101,17 +100,8 @@ class SglangSchedulerAdapter(EngineAdapter):
     def model(self) -> Any:
         return self.scheduler.tp_worker.model_runner.model
 
-    def plan(self) -> MemoryPlan:
-        param = next(iter(self.model.parameters()), None)
-        device = str(param.device.type) if param is not None else "cpu"
-        graphs = not bool(getattr(self.scheduler.server_args, "disable_cuda_graph", False))
-        return graph_plan(device, graphs, "start SGLang with --disable-cuda-graph to offload them")
-
-    def info(self) -> dict[str, str]:
-        return {"role": "worker", "process": process_title(), "rank": self.rank, "weights": self.plan().why}
-
-    async def warm_up(self) -> list[int]:
-        return []
+    def graphs(self) -> bool:
+        return not bool(getattr(self.scheduler.server_args, "disable_cuda_graph", False))
 
     async def quiesce(self) -> None:
         """Refuse unless the front end's pause and KV release reached this scheduler."""
@@ -122,12 +112,6 @@ class SglangSchedulerAdapter(EngineAdapter):
                 f"SGLang scheduler {self.rank} still holds its KV cache: the front end's "
                 "release_memory_occupation did not reach it (start SGLang with --enable-memory-saver)"
             )
-
-    def buffers(self) -> Mapping[str, Any]:
-        return model_weights(self.model, self.rank) if self.plan().offload_weights else {}
-
-    async def resume(self, context: RestoreContext | None) -> None:
-        """Nothing: the weights are back in place already, and the front end re-creates the KV cache."""
 
 
 def descendants(pid: int) -> list[int]:

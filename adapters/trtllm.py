@@ -1,5 +1,9 @@
 """TensorRT-LLM adapter: warm-up, KV-cache release and re-materialisation through the LLM API.
 
+This is the in-process form: your code starts one agent, and the executor worker processes, which hold the model,
+keep their weights in the image. ``gpusnap.adapters.trtllm_plugin.enable()`` (docs/engines.md) uses this adapter in
+the front end and gives each executor worker an agent of its own.
+
 Build the engine for it (``engine-apis.md`` §3): PyTorch backend, ``sleep_config=SleepConfig()`` (older
 releases: ``enable_sleep=True``), ``kv_cache_config.use_kv_cache_manager_v2=False``, and a world size of 1
 under MPI (multi-rank sleep needs the Ray orchestrator). Then::

@@ -25,34 +25,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from types import ModuleType
 from typing import Any
 
-from gpusnap.adapters.patching import after, around, when_imported
+from gpusnap.adapters.patching import activate, after, around, when_imported
 
 log = logging.getLogger("gpusnap.trtllm_plugin")
-
-ENV_SOCKET = "GPUSNAP_AGENT_SOCKET"
-
-_lock = threading.Lock()
-_enabled = False
 
 
 def enable() -> None:
     """See the module docstring; safe to call more than once."""
-    global _enabled
-    if not os.environ.get(ENV_SOCKET):
+    if not activate("trtllm"):
         return
-    with _lock:
-        if _enabled:
-            return
-        _enabled = True
-    from gpusnap.adapters.env import configure_capture_env
-    from gpusnap.adapters.io_uring import block_io_uring
-
-    block_io_uring()
-    configure_capture_env(engine="trtllm")
     when_imported("tensorrt_llm.executor.proxy", _patch_proxy)
     when_imported("tensorrt_llm.llmapi.llm", _patch_llm)
 

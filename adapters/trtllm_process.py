@@ -20,11 +20,10 @@ that holds the model and its KV cache. Requests and results travel over ZMQ IPC 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from gpusnap.adapters.base import EngineAdapter, RestoreContext
-from gpusnap.adapters.engine_process import MemoryPlan, graph_plan, model_weights, process_title
+from gpusnap.adapters.engine_process import ModelProcessAdapter, process_title
 from gpusnap.adapters.trtllm import TrtLlmAdapter
 
 PID_METHOD = "gpusnap_process"
@@ -58,7 +57,7 @@ def worker_pids(llm: Any) -> list[int]:
     return [int(p) for p in answers or [] if p]
 
 
-class TrtLlmWorkerAdapter(EngineAdapter):
+class TrtLlmWorkerAdapter(ModelProcessAdapter):
     """The adapter of one executor worker process.
 
     Args:
@@ -66,6 +65,7 @@ class TrtLlmWorkerAdapter(EngineAdapter):
     """
 
     engine = "trtllm"
+    remedy = "build the LLM with cuda_graph_config=None to offload them"
 
     def __init__(self, worker: Any):
         self.worker = worker
@@ -78,26 +78,11 @@ class TrtLlmWorkerAdapter(EngineAdapter):
     def model(self) -> Any:
         return self.worker.engine.model_engine.model
 
-    def plan(self) -> MemoryPlan:
-        param = next(iter(self.model.parameters()), None)
-        device = str(param.device.type) if param is not None else "cpu"
-        graphs = getattr(getattr(self.worker, "llm_args", None), "cuda_graph_config", None) is not None
-        return graph_plan(device, graphs, "build the LLM with cuda_graph_config=None to offload them")
-
-    def info(self) -> dict[str, str]:
-        return {"role": "worker", "process": process_title(), "rank": self.rank, "weights": self.plan().why}
-
-    async def warm_up(self) -> list[int]:
-        return []
+    def graphs(self) -> bool:
+        return getattr(getattr(self.worker, "llm_args", None), "cuda_graph_config", None) is not None
 
     async def quiesce(self) -> None:
         """Refuse while the executor still holds requests (the front end's release drains them first)."""
         active = len(getattr(self.worker.engine, "active_requests", ()) or ())
         if active:
             raise RuntimeError(f"TensorRT-LLM executor {self.rank} still holds {active} requests after the KV release")
-
-    def buffers(self) -> Mapping[str, Any]:
-        return model_weights(self.model, self.rank) if self.plan().offload_weights else {}
-
-    async def resume(self, context: RestoreContext | None) -> None:
-        """Nothing: the weights are back in place already, and the front end re-materialises the KV cache."""

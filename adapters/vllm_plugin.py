@@ -32,38 +32,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from types import ModuleType
 from typing import Any
 
+from gpusnap.adapters.patching import activate
 from gpusnap.adapters.patching import after as _after
 from gpusnap.adapters.patching import before as _before
 from gpusnap.adapters.patching import when_imported as _when_imported
 
 log = logging.getLogger("gpusnap.vllm_plugin")
 
-ENV_SOCKET = "GPUSNAP_AGENT_SOCKET"
 
-_lock = threading.Lock()
-_registered = False
 _adapter: Any = None  # VllmProcessAdapter, created on first use
 _agent: Any = None  # WorkerAgent
 
 
 def register() -> None:
     """The plugin's entry point (see the module docstring); safe to call more than once."""
-    global _registered
-    if not os.environ.get(ENV_SOCKET):
+    if not activate("vllm"):
         return
-    with _lock:
-        if _registered:
-            return
-        _registered = True
-    from gpusnap.adapters.env import configure_capture_env
-    from gpusnap.adapters.io_uring import block_io_uring
-
-    block_io_uring()
-    configure_capture_env(engine="vllm")
     _when_imported("vllm.engine.arg_utils", _patch_engine_args)
     _when_imported("vllm.v1.engine.async_llm", _patch_async_llm)
     _when_imported("vllm.entrypoints.llm", _patch_llm)

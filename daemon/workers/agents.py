@@ -103,7 +103,7 @@ class AgentSession:
                     reason="AGENT_LOST",
                 ) from exc
             finally:
-                if not self.closed:  # blocking again: _peer_open's MSG_DONTWAIT peek must not wait out a timeout
+                if not self.closed:  # blocking again, for peer_open's MSG_DONTWAIT peek
                     self.sock.settimeout(None)
         result = reply.result
         if not result.ok:
@@ -113,6 +113,18 @@ class AgentSession:
                 metadata={"pid": str(self.info.pid)},
             )
         return result
+
+    def peer_open(self) -> bool:
+        """False once the agent has closed its end. A session in the middle of a :meth:`call` counts as open
+        (the call sees a closed peer itself): its socket is then in timeout mode, where even a
+        ``MSG_DONTWAIT`` peek waits for data up to the call's timeout, and the registry's lock would be held
+        that long (two agents resumed in parallel: one's hello waited out the other's call)."""
+        if not self._lock.acquire(blocking=False):
+            return not self.closed
+        try:
+            return not self.closed and _peer_open(self.sock)
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         self.closed = True
@@ -218,7 +230,7 @@ class AgentRegistry:
         """The live sessions of agents in ``pids``, in the order of ``pids``."""
         with self._cond:
             sessions = [self._sessions.get(pid) for pid in pids]
-            return [s for s in sessions if s is not None and not s.closed and _peer_open(s.sock)]
+            return [s for s in sessions if s is not None and s.peer_open()]
 
     def capture_env(self, pids: Collection[int]) -> dict[int, dict[str, str]]:
         """Capture settings each live agent among ``pids`` reported in its hello (its process's environment as
@@ -242,8 +254,7 @@ class AgentRegistry:
                         session is not None
                         and session.info.resumed
                         and session.info.instance_id == instance_id
-                        and not session.closed
-                        and _peer_open(session.sock)
+                        and session.peer_open()
                     ):
                         return session
                 remaining = deadline - time.monotonic()
@@ -379,7 +390,7 @@ class AgentRegistry:
             info=dict(h.info),
         )
         with self._cond:
-            for stale in [p for p, s in self._sessions.items() if s.closed or not _peer_open(s.sock)]:
+            for stale in [p for p, s in self._sessions.items() if not s.peer_open()]:
                 self._sessions.pop(stale).close()
             old = self._sessions.get(pid)
             if old is not None:

@@ -102,9 +102,11 @@ def test_plugin_applies_tensor_parallel_settings(monkeypatch: pytest.MonkeyPatch
     """At ``tensor_parallel_size > 1`` the plugin sets the table's tensor-parallel rows (variables and engine
     arguments) before vLLM builds its config; the user's own settings are kept."""
     from gpusnap.adapters import vllm_plugin
+    from gpusnap.adapters.env import CAPTURE_ENV
 
-    for name in ("VLLM_ALLREDUCE_USE_SYMM_MEM", "NCCL_P2P_DISABLE"):
-        monkeypatch.delenv(name, raising=False)
+    for name in CAPTURE_ENV:  # recorded, so what the plugin sets is undone after the test (agents report it)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("NCCL_SHM_DISABLE", "1")
     single = SimpleNamespace(tensor_parallel_size=1, disable_custom_all_reduce=False)
     vllm_plugin._apply_tensor_parallel_settings(single)
