@@ -18,6 +18,7 @@ one model process has no agent is refused, naming that process, and keeps servin
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 from pathlib import Path
@@ -170,3 +171,43 @@ def _executor_worker(engine: Engine) -> int:
         if "spawn_main" in " ".join(child.cmdline()):
             return int(child.pid)
     raise AssertionError("no executor worker process")
+
+
+PLUGIN_PROBE = r"""
+import json, sys
+from importlib.metadata import entry_points
+before = set(sys.modules)
+(ep,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "gpusnap"]
+ep.load()()
+from sglang.srt.plugins.hook_registry import HookRegistry
+import gpusnap.adapters.trtllm_plugin as trt
+trt.enable()
+new = sorted({m.split(".")[0] for m in set(sys.modules) - before})
+print(json.dumps({"target": ep.value, "hooks": sorted(HookRegistry._hooks), "modules": new,
+                  "meta_path": sum(type(f).__name__ == "_PostImportFinder" for f in sys.meta_path)}))
+"""
+
+
+@pytest.mark.parametrize("socket_set", [False, True])
+def test_plugins_inert_without_the_socket_and_light_with_it(
+    gpusnap_target: Path, tmp_path: Path, socket_set: bool
+) -> None:
+    """The SGLang entry point and TensorRT-LLM's enable() register nothing without ``GPUSNAP_AGENT_SOCKET``;
+    with it, SGLang gets its two hooks and TensorRT-LLM its post-import patches, and neither imports the
+    engine's heavy modules (nor torch)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "GPUSNAP_"))}
+    env["PYTHONPATH"] = f"{gpusnap_target}:{FAKES}"
+    if socket_set:
+        env["GPUSNAP_AGENT_SOCKET"] = str(tmp_path / "agent.sock")
+    out = subprocess.run(
+        [str(torch_venv.PYTHON), "-c", PLUGIN_PROBE], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["target"] == "gpusnap.adapters.sglang_plugin:register"
+    expected = [
+        "sglang.srt.managers.scheduler.Scheduler.run_event_loop",
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.auto_create_handle_loop",
+    ]
+    assert got["hooks"] == (expected if socket_set else []), got
+    assert got["meta_path"] == (1 if socket_set else 0), got
+    assert not {"torch", "tensorrt_llm", "grpc", "numpy"} & set(got["modules"]), got["modules"]
