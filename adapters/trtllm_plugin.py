@@ -1,7 +1,7 @@
 """gpusnap for TensorRT-LLM: one startup call gives the LLM API front end and every executor worker an agent.
 
-TensorRT-LLM loads no third-party plugins (it has no entry-point group for them), so a program calls, before it
-builds its ``LLM``::
+TensorRT-LLM loads no third-party plugins (it has no entry-point group for them), so a program calls, first thing
+(before it creates an event loop, since uvloop's loops hold an io_uring, and before it builds its ``LLM``)::
 
     import gpusnap.adapters.trtllm_plugin as gpusnap_trtllm; gpusnap_trtllm.enable()
 

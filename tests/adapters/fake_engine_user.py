@@ -4,7 +4,7 @@
 
 SGLang: ``sgl.Engine(…, enable_memory_saver=True, disable_cuda_graph=True)`` and ``async_generate``, with
 gpusnap's plugin loaded by the engine itself (entry point ``sglang.srt.plugins``). TensorRT-LLM: the one
-documented line ``gpusnap.adapters.trtllm_plugin.enable()``, then ``LLM(…, sleep_config=SleepConfig(),
+documented line ``gpusnap.adapters.trtllm_plugin.enable()`` first, then ``LLM(…, sleep_config=SleepConfig(),
 cuda_graph_config=None)`` and ``generate_async``. WORKDIR/ready appears after the first request;
 WORKDIR/go-N (a JSON prompt) makes the program answer WORKDIR/tokens-N (``{"tokens": [...]}`` or
 ``{"error": "..."}``), greedy, 8 tokens.
@@ -57,9 +57,6 @@ async def sglang_main(wd: Path, tp: int, seed: int) -> None:
 
 
 async def trtllm_main(wd: Path, tp: int, seed: int) -> None:
-    import gpusnap.adapters.trtllm_plugin as gpusnap_trtllm
-
-    gpusnap_trtllm.enable()
     from tensorrt_llm import LLM, SamplingParams
     from tensorrt_llm.llmapi import SleepConfig
 
@@ -79,5 +76,9 @@ if __name__ == "__main__":
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args()
+    if a.engine == "trtllm":  # first thing, before any event loop (uvloop's hold an io_uring) or the LLM exists
+        import gpusnap.adapters.trtllm_plugin as gpusnap_trtllm
+
+        gpusnap_trtllm.enable()
     main = sglang_main if a.engine == "sglang" else trtllm_main
     asyncio.run(main(a.workdir, a.tp, a.seed))
