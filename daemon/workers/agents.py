@@ -26,6 +26,7 @@ from gpusnap.adapters import capture_settings, wire
 from gpusnap.adapters._proto import agent_pb2
 from gpusnap.daemon import rundirs
 from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
+from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.workers import safefs
 
 log = structlog.get_logger(__name__)
@@ -42,6 +43,9 @@ class AgentInfo:
     wake_dir: str
     resumed: bool
     info: dict[str, str]
+    start_time: float = 0.0
+    """When the agent's process started (``proc.start_time``), read as it connected: with the PID it names
+    that one process, so a session never passes for the agent of a later process given the same PID."""
 
     @property
     def role(self) -> str:
@@ -125,6 +129,13 @@ class AgentSession:
             return not self.closed and _peer_open(self.sock)
         finally:
             self._lock.release()
+
+    def live(self) -> bool:
+        """Open (:meth:`peer_open`), and its process is the one that connected (not gone, its PID not given
+        to another)."""
+        return (
+            self.info.start_time != 0.0 and self.peer_open() and proc.start_time(self.info.pid) == self.info.start_time
+        )
 
     def close(self) -> None:
         self.closed = True
@@ -230,14 +241,14 @@ class AgentRegistry:
         """The live sessions of agents in ``pids``, in the order of ``pids``."""
         with self._cond:
             sessions = [self._sessions.get(pid) for pid in pids]
-            return [s for s in sessions if s is not None and s.peer_open()]
+            return [s for s in sessions if s is not None and s.live()]
 
     def capture_env(self, pids: Collection[int]) -> dict[int, dict[str, str]]:
         """Capture settings each live agent among ``pids`` reported in its hello (its process's environment as
         it is now, which ``/proc/<pid>/environ`` does not show; ``capture_settings.report``), by PID."""
         with self._cond:
             sessions = [self._sessions.get(p) for p in pids]
-        return {s.info.pid: capture_settings.reported(s.info.info) for s in sessions if s is not None and not s.closed}
+        return {s.info.pid: capture_settings.reported(s.info.info) for s in sessions if s is not None and s.live()}
 
     def wait_for(self, pids: Collection[int], instance_id: str, timeout_s: float) -> AgentSession:
         """Wait for the agent ``instance_id`` to reconnect (after Quiesce) from one of ``pids``.
@@ -254,7 +265,7 @@ class AgentRegistry:
                         session is not None
                         and session.info.resumed
                         and session.info.instance_id == instance_id
-                        and session.peer_open()
+                        and session.live()
                     ):
                         return session
                 remaining = deadline - time.monotonic()
@@ -325,8 +336,12 @@ class AgentRegistry:
                 log.warning("agent.refused", pid=pid, uid=uid, reason="too many agent connections")
                 conn.close()
                 continue
+            start = proc.start_time(pid)
+            if not start:  # gone already: its PID may name another process by the hello
+                conn.close()
+                continue
             conn.setblocking(False)
-            p = _Pending(pid=pid, uid=uid, deadline=time.monotonic() + HELLO_TIMEOUT_S)
+            p = _Pending(pid=pid, uid=uid, deadline=time.monotonic() + HELLO_TIMEOUT_S, start=start)
             pending[conn] = p
             sel.register(conn, selectors.EVENT_READ, p)
 
@@ -368,9 +383,9 @@ class AgentRegistry:
         except Exception:  # protobuf's DecodeError
             msg = agent_pb2.AgentMessage()
         conn.setblocking(True)
-        self._hello(conn, p.pid, p.uid, msg)
+        self._hello(conn, p.pid, p.uid, msg, p.start)
 
-    def _hello(self, conn: socket.socket, pid: int, uid: int, msg: agent_pb2.AgentMessage) -> None:
+    def _hello(self, conn: socket.socket, pid: int, uid: int, msg: agent_pb2.AgentMessage, start: float) -> None:
         if msg.WhichOneof("message") != "hello" or msg.hello.protocol_version != wire.PROTOCOL_VERSION:
             log.warning("agent.refused", pid=pid, reason="not a protocol-1 hello")
             conn.close()
@@ -388,9 +403,10 @@ class AgentRegistry:
             wake_dir=h.wake_dir,
             resumed=h.resumed,
             info=dict(h.info),
+            start_time=start,
         )
         with self._cond:
-            for stale in [p for p, s in self._sessions.items() if not s.peer_open()]:
+            for stale in [p for p, s in self._sessions.items() if not s.live()]:
                 self._sessions.pop(stale).close()
             old = self._sessions.get(pid)
             if old is not None:
@@ -407,6 +423,8 @@ class _Pending:
     pid: int
     uid: int
     deadline: float
+    start: float
+    """The connecting process's start time (``proc.start_time``)."""
     buf: bytearray = dataclasses.field(default_factory=bytearray)
     size: int | None = None
 

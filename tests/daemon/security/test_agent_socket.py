@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from gpusnap.adapters import wire
 from gpusnap.adapters._proto import agent_pb2
@@ -18,6 +19,7 @@ from tests.conftest import DaemonProc, _cli_env, wait_for
 from tests.users import User
 
 FLOOD = Path(__file__).with_name("flood_agents.py")
+STALE = Path(__file__).with_name("stale_agent.py")
 
 
 def _flood(d: DaemonProc, user: User, mode: str, n: int) -> dict[str, int]:
@@ -77,3 +79,45 @@ def test_oversized_frames_are_refused_before_they_are_read(daemon: DaemonProc, h
     assert daemon.alive()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(daemon.agent_socket))  # the listener still serves
+
+
+def _process_with_pid(pid: int) -> subprocess.Popen[bytes]:
+    """A root ``sleep`` given PID ``pid`` (``ns_last_pid``, as CRIU sets PIDs); skips if others keep taking it."""
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    for _ in range(50):
+        last_pid.write_text(str(pid - 1))
+        p = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd="/")
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    pytest.skip(f"PID {pid} kept being taken by other processes")
+
+
+def test_a_session_outlived_by_its_pid_is_not_the_agent_of_whoever_gets_the_pid(
+    daemon: DaemonProc, hostile: tuple[User, User]
+) -> None:
+    """Sessions are found by PID. An agent whose process exited while a child kept the connection left a live
+    session under a free PID: the next process given that PID (root's here) had the hostile user's "agent",
+    which the daemon sent its warm-up to and whose answer it trusted (it could fail the capture, announce
+    buffers and get buffer-store descriptors). A session is now bound to its process's start time."""
+    a, _ = hostile
+    res = subprocess.run(
+        [*a.argv(), sys.executable, str(STALE), str(daemon.agent_socket)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_cli_env(),
+        check=True,
+    )
+    stale_pid = int(res.stdout)
+    wait_for(lambda: not psutil.pid_exists(stale_pid), 10, "the agent's process did not exit")
+    victim = _process_with_pid(stale_pid)
+    try:
+        out = daemon.cli("-o", "json", "dump", str(victim.pid), "--leave-running")
+        assert "hijacked" not in out.stdout + out.stderr, out.stdout
+        assert out.returncode == 0, out.stderr
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
