@@ -59,6 +59,20 @@ def test_unprivileged_caller_may_only_touch_its_own(open_daemon: DaemonProc, wor
     assert open_daemon.cli("inspect", root_snap["id"], user=NOBODY).returncode == 6
 
 
+def _as_nobody(workloads: Workloads, *argv: str) -> subprocess.Popen[bytes]:
+    """Run ``argv`` as nobody (setpriv execs it in place: the PID is the command's), killed at the end."""
+    p = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv],
+        cwd="/",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    workloads.adopt(p.pid)
+    return p
+
+
 @pytest.mark.parametrize("mode", [0o4755, 0o2755], ids=["setuid-root", "setgid-root"])
 def test_unprivileged_caller_may_not_checkpoint_a_privileged_process_of_its_own(
     open_daemon: DaemonProc, workloads: Workloads, mode: int
@@ -71,15 +85,7 @@ def test_unprivileged_caller_may_not_checkpoint_a_privileged_process_of_its_own(
         os.chmod(d, 0o755)
         shutil.copy("/bin/sleep", d / "sleep")
         os.chmod(d / "sleep", mode)  # root-owned copy: sleep runs with root's effective uid (gid)
-        p = subprocess.Popen(
-            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", str(d / "sleep"), "600"],
-            cwd="/",
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        workloads.adopt(p.pid)
+        p = _as_nobody(workloads, str(d / "sleep"), "600")
         wait_for(lambda: psutil.Process(p.pid).name() == "sleep", 10, "set-id sleep did not start")
         ids = psutil.Process(p.pid).uids() if mode & 0o4000 else psutil.Process(p.pid).gids()
         assert (ids.real, ids.effective) == (NOBODY, 0), "the kernel honoured the set-id bit"
@@ -92,15 +98,7 @@ def test_unprivileged_caller_may_not_checkpoint_a_privileged_process_of_its_own(
 
 
 def test_unprivileged_caller_round_trips_its_own_process(open_daemon: DaemonProc, workloads: Workloads) -> None:
-    own = subprocess.Popen(
-        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "sleep", "600"],
-        cwd="/",
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    workloads.adopt(own.pid)
+    own = _as_nobody(workloads, "sleep", "600")
     wait_for(
         lambda: psutil.Process(own.pid).uids().real == NOBODY and psutil.Process(own.pid).name() == "sleep",
         10,

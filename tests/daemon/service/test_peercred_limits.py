@@ -39,6 +39,19 @@ HOLDER = textwrap.dedent(
 )
 
 
+def _served_as_nobody(sock: Path, n: int) -> int:
+    """How many of ``n`` connections that nobody holds open at once the proxy serves (an echo comes back)."""
+    out = subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", HOLDER]
+        + [str(sock), str(n)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return int(out.stdout)
+
+
 def _echo_server(path: Path) -> socket.socket:
     """The gRPC server's stand-in on the private socket: echoes what the proxy forwards."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -66,15 +79,7 @@ def test_connections_per_uid_are_bounded_and_root_is_not() -> None:
     proxy = PeerCredProxy(d / "pub.sock", d / "priv.sock", "nogroup", max_connections_per_caller=8)
     proxy.start()
     try:
-        out = subprocess.run(
-            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", HOLDER]
-            + [str(d / "pub.sock"), "20"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        assert int(out.stdout) == 8, f"{out.stdout} of 20 connections of one user were served: {out.stderr}"
+        assert _served_as_nobody(d / "pub.sock", 20) == 8, "of 20 connections of one user, only 8 are served"
         roots = []
         for _ in range(20):  # root is never bounded (and is not counted with the user's)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -85,15 +90,7 @@ def test_connections_per_uid_are_bounded_and_root_is_not() -> None:
             s.sendall(b"ping")
             assert s.recv(4) == b"ping"
             s.close()
-        again = subprocess.run(  # the user's connections closed: its slots are free again
-            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", HOLDER]
-            + [str(d / "pub.sock"), "3"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        assert int(again.stdout) == 3
+        assert _served_as_nobody(d / "pub.sock", 3) == 3, "the user's connections closed: its slots are free again"
     finally:
         proxy.stop()
         srv.close()
