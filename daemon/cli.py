@@ -828,7 +828,7 @@ def store(obj: Ctx) -> None:
             t.path,
             _size(t.used_bytes),
             _size(t.budget_bytes) if t.budget_bytes else "-",
-            _size(t.free_bytes),
+            _size(t.free_bytes) if t.name != "remote" else "-",
             str(t.blobs),
         )
     _print_table(table)

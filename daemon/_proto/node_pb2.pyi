@@ -64,7 +64,7 @@ class NodeInfo(_message.Message):
     def gpus(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.GpuInfo]: ...
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoreTier]:
-        """the buffer store's tiers, fastest first"""
+        """the buffer store's tiers, fastest first; then "remote" when configured"""
 
     def __init__(
         self,
@@ -101,7 +101,7 @@ class StoreTier(_message.Message):
     FREE_BYTES_FIELD_NUMBER: _builtins.int
     BLOBS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """"ram" or "disk" """
+    """"ram", "disk", or "remote" (blobs only the remote store holds)"""
     path: _builtins.str
     used_bytes: _builtins.int
     budget_bytes: _builtins.int
