@@ -180,16 +180,25 @@ class DaemonClient:
         )
         return self._start(self._ops.Restore, req)
 
-    def suspend(self, pid: int, *, gpu_lock_timeout_s: float | None = None) -> operations_pb2.Operation:
-        """Start suspending the GPU state of the tree rooted at ``pid`` in place."""
-        req = operations_pb2.SuspendRequest(pid=pid, gpu_lock_timeout=_duration(gpu_lock_timeout_s))
-        return self._call(self._ops.Suspend, req).operation
+    def suspend(
+        self, pid: int, *, gpu_lock_timeout_s: float | None = None, request_id: str = ""
+    ) -> operations_pb2.Operation:
+        """Start suspending the GPU state of the tree rooted at ``pid`` in place (a ``request_id`` used
+        before: that operation)."""
+        req = operations_pb2.SuspendRequest(
+            pid=pid, gpu_lock_timeout=_duration(gpu_lock_timeout_s), request_id=request_id or str(uuid.uuid4())
+        )
+        return self._start(self._ops.Suspend, req)
 
-    def resume(self, pid: int, *, gpu_map: Mapping[str, str] | None = None) -> operations_pb2.Operation:
-        """Start resuming a suspended tree, optionally onto other GPUs (``old -> new``, UUIDs or indexes)."""
-        return self._call(
-            self._ops.Resume, operations_pb2.ResumeRequest(pid=pid, gpu_map=dict(gpu_map or {}))
-        ).operation
+    def resume(
+        self, pid: int, *, gpu_map: Mapping[str, str] | None = None, request_id: str = ""
+    ) -> operations_pb2.Operation:
+        """Start resuming a suspended tree, optionally onto other GPUs (``old -> new``, UUIDs or indexes; a
+        ``request_id`` used before: that operation)."""
+        req = operations_pb2.ResumeRequest(
+            pid=pid, gpu_map=dict(gpu_map or {}), request_id=request_id or str(uuid.uuid4())
+        )
+        return self._start(self._ops.Resume, req)
 
     def push(self, snapshot: str) -> operations_pb2.Operation:
         """Start pushing a local snapshot (id or name) to the daemon's remote store."""

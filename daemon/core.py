@@ -94,8 +94,9 @@ class Daemon:
             if self.deps.remote is None:
                 raise
             # Only in the remote store: pull it first, in the same operation (pull phases, then restore's).
-            snapshot = remote_ops.require_remote(self.deps).find(opts.snapshot, caller.uid).snapshot
-            check_may_restore(snapshot, caller)
+            remote = remote_ops.require_remote(self.deps)
+            snapshot = remote.find(opts.snapshot, caller.uid).snapshot
+            check_may_restore(snapshot, caller, lambda: remote.not_found(opts.snapshot))
             here = dataclasses.replace(opts, snapshot=snapshot.id)
             record = OperationRecord(
                 OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
@@ -108,7 +109,7 @@ class Daemon:
                     run_restore(run, self.deps, here, caller),
                 )[1],
             )
-        check_may_restore(snapshot, caller)
+        check_may_restore(snapshot, caller, lambda: self.deps.store.not_found(opts.snapshot))
         record = OperationRecord(
             OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
         )
@@ -122,8 +123,7 @@ class Daemon:
         """
         _require_identified(caller)
         remote_ops.require_remote(self.deps)
-        snapshot = self.deps.store.get(ref, caller.uid)
-        check_may_restore(snapshot, caller)
+        snapshot = self.snapshot(ref, caller)
         record = OperationRecord(OperationKind.PUSH, target_snapshot=snapshot.id, owner_uid=caller.uid)
         return self.registry.start(record, (), lambda run: remote_ops.run_push(run, self.deps, snapshot.id, caller))
 
@@ -135,8 +135,9 @@ class Daemon:
             UnavailableError (remote unreachable).
         """
         _require_identified(caller)
-        doc = remote_ops.require_remote(self.deps).find(ref, caller.uid)
-        check_may_restore(doc.snapshot, caller)
+        remote = remote_ops.require_remote(self.deps)
+        doc = remote.find(ref, caller.uid)
+        check_may_restore(doc.snapshot, caller, lambda: remote.not_found(ref))
         record = OperationRecord(OperationKind.PULL, target_snapshot=doc.snapshot.id, owner_uid=caller.uid)
         return self.registry.start(record, (), lambda run: remote_ops.run_pull(run, self.deps, doc.snapshot.id, caller))
 
@@ -160,29 +161,39 @@ class Daemon:
         _require_identified(caller)
         remote = remote_ops.require_remote(self.deps)
         snapshot = remote.find(ref, caller.uid).snapshot
-        check_may_restore(snapshot, caller)
+        check_may_restore(snapshot, caller, lambda: remote.not_found(ref))
         remote.delete(snapshot)
         remote.collect_garbage(self.deps.config.remote_gc_grace)
         return snapshot.id
 
-    def suspend(self, pid: int, caller: Caller, lock_timeout_s: float | None = None) -> OperationRecord:
-        """Validate and start a suspend (GPU state checkpointed in place).
+    def suspend(
+        self, pid: int, caller: Caller, lock_timeout_s: float | None = None, request_id: str = ""
+    ) -> OperationRecord:
+        """Validate and start a suspend (GPU state checkpointed in place; a known ``request_id``: the
+        earlier operation).
 
         Raises:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, AbortedError (tree busy).
         """
+        earlier = self._earlier(caller, request_id)
+        if earlier is not None:
+            return earlier
         return self._start_on_tree(
-            OperationKind.SUSPEND, pid, caller, lambda run: run_suspend(run, self.deps, pid, lock_timeout_s)
+            OperationKind.SUSPEND, pid, caller, lambda run: run_suspend(run, self.deps, pid, lock_timeout_s), request_id
         )
 
-    def resume(self, pid: int, gpu_map: Mapping[str, str], caller: Caller) -> OperationRecord:
-        """Validate and start a resume of a suspended tree, optionally onto other GPUs.
+    def resume(self, pid: int, gpu_map: Mapping[str, str], caller: Caller, request_id: str = "") -> OperationRecord:
+        """Validate and start a resume of a suspended tree, optionally onto other GPUs (a known
+        ``request_id``: the earlier operation).
 
         Raises:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, AbortedError (tree busy).
         """
+        earlier = self._earlier(caller, request_id)
+        if earlier is not None:
+            return earlier
         return self._start_on_tree(
-            OperationKind.RESUME, pid, caller, lambda run: run_resume(run, self.deps, pid, gpu_map)
+            OperationKind.RESUME, pid, caller, lambda run: run_resume(run, self.deps, pid, gpu_map), request_id
         )
 
     def _start_on_tree(
@@ -237,7 +248,7 @@ class Daemon:
 
     def snapshot(self, ref: str, caller: Caller) -> Snapshot:
         snapshot = self.deps.store.get(ref, caller.uid)
-        check_may_restore(snapshot, caller)
+        check_may_restore(snapshot, caller, lambda: self.deps.store.not_found(ref))
         return snapshot
 
     def delete_snapshot(self, ref: str, caller: Caller) -> str:
@@ -254,26 +265,30 @@ class Daemon:
             )
         return self.deps.store.delete(snapshot_id)
 
-    def node_info(self) -> NodeInfo:
-        snapshots = self.deps.store.list()
+    def node_info(self, caller: Caller) -> NodeInfo:
+        """The node's facts; the store's use (bytes, snapshots, blobs per tier) is the caller's own, or
+        everyone's for root."""
+        uid = None if caller.is_root else caller.uid
+        snapshots = self.deps.store.list(owner_uid=uid)
         return NodeInfo(
             host=host_facts(self.deps),
             store_path=str(self.deps.store.root),
-            store_used_bytes=self.deps.store.used_bytes(),
+            store_used_bytes=self.deps.store.used_bytes(uid),
             snapshot_count=len(snapshots),
             criu_path=self.deps.criu.binary,
             gpus=tuple(self.deps.gpu.gpus()),
             cuda_checkpoint_supported=self.deps.gpu.available,
             cuda_unavailable_reason=self.deps.gpu.reason,
             remote=str(self.deps.remote or ""),
-            tiers=self._tiers(),
+            tiers=self._tiers(uid),
         )
 
-    def _tiers(self) -> tuple[TierUsage, ...]:
-        tiers = tuple(TierUsage.of(t) for t in self.deps.store.buffers.tiers)
+    def _tiers(self, uid: int | None) -> tuple[TierUsage, ...]:
+        """Each tier's use by ``uid``'s blobs (None: everyone's)."""
+        tiers = tuple(TierUsage.of(t, uid) for t in self.deps.store.buffers.tiers)
         if self.deps.remote is None:
             return tiers
-        used, blobs = evict.remote_only(self.deps.store, self.deps.remote)
+        used, blobs = evict.remote_only(self.deps.store, self.deps.remote, uid)
         return (*tiers, TierUsage("remote", str(self.deps.remote), used, 0, 0, blobs))
 
 

@@ -467,7 +467,7 @@ class CheckpointRequest(_message.Message):
     pid: _builtins.int
     """root of the process tree to capture (host PID)"""
     name: _builtins.str
-    """optional; [a-z0-9][a-z0-9._-]{0,62}, unique in the store"""
+    """optional; [a-z0-9][a-z0-9._-]{0,62}, unique among the caller's snapshots"""
     leave_running: _builtins.bool
     """keep the source running after the dump (default: it is killed)"""
     tcp: Global___TcpMode.ValueType
@@ -568,7 +568,7 @@ class RestoreRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.str
-    """snapshot id or name"""
+    """snapshot id, a name of the caller's own, or UID/NAME (docs/security.md)"""
     host_pid_namespace: _builtins.bool
     """Restore into the daemon's PID namespace with the original PIDs instead of a fresh PID namespace.
     Fails if any original PID is in use.
@@ -721,7 +721,10 @@ class SuspendRequest(_message.Message):
 
     PID_FIELD_NUMBER: _builtins.int
     GPU_LOCK_TIMEOUT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
+    request_id: _builtins.str
+    """idempotency key, as CheckpointRequest.request_id"""
     @_builtins.property
     def gpu_lock_timeout(self) -> _duration_pb2.Duration: ...
     def __init__(
@@ -729,10 +732,11 @@ class SuspendRequest(_message.Message):
         *,
         pid: _builtins.int = ...,
         gpu_lock_timeout: _duration_pb2.Duration | None = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpu_lock_timeout", b"gpu_lock_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_lock_timeout", b"gpu_lock_timeout", "pid", b"pid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_lock_timeout", b"gpu_lock_timeout", "pid", b"pid", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -784,7 +788,10 @@ class ResumeRequest(_message.Message):
 
     PID_FIELD_NUMBER: _builtins.int
     GPU_MAP_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
+    request_id: _builtins.str
+    """idempotency key, as CheckpointRequest.request_id"""
     @_builtins.property
     def gpu_map(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -792,10 +799,11 @@ class ResumeRequest(_message.Message):
         *,
         pid: _builtins.int = ...,
         gpu_map: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_map", b"gpu_map", "pid", b"pid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_map", b"gpu_map", "pid", b"pid", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -235,10 +235,15 @@ class CriuDriver:
         shm_dir: Path | None = None,
         before_resume: Callable[[RestoredTree], None] | None = None,
         private_log: bool = False,
+        before_criu: Callable[[int, int], None] | None = None,
     ) -> RestoredTree:
         """Restore the tree dumped in ``images_dir``; the log goes to ``work_dir/<log_name>``.
 
         Args:
+            before_criu: called with the helper's PID and the namespace init's (0 without ``new_pidns``)
+                before CRIU runs; CRIU runs only once it has returned (so a caller can journal where the
+                tree will be: everything CRIU restores lives under that init, or is started after that
+                helper). If it raises, nothing is restored and the exception is re-raised here.
             before_resume: called at CRIU's ``pre-resume`` notification: every task is restored, with its
                 credentials, and stopped before running an instruction of its own (CRIU's
                 ``finalize_restore``). If it raises, it must have killed the tree (CRIU does not stop
@@ -283,7 +288,9 @@ class CriuDriver:
                 before_resume(RestoredTree(init_pid=int(init), ns_pid=int(root)))
 
             handler = _NotifyHandler({"pre-resume": pre_resume})
-        events = self._run(req, work_dir / log_name, timeout_s, on_notify=handler, private_log=private_log)
+        events = self._run(
+            req, work_dir / log_name, timeout_s, on_notify=handler, private_log=private_log, before_criu=before_criu
+        )
         init_pid = next((e["pid"] for e in events if e.get("event") == "init"), 0)
         result = events[-1]
         return RestoredTree(init_pid=init_pid, ns_pid=int(result["pid"]))
@@ -304,6 +311,7 @@ class CriuDriver:
         on_start: Callable[[int], None] | None = None,
         on_notify: _NotifyHandler | None = None,
         private_log: bool = False,
+        before_criu: Callable[[int, int], None] | None = None,
     ) -> list[dict[str, Any]]:
         req = {**req, "criu": self.binary}
         action = req["action"]
@@ -316,7 +324,7 @@ class CriuDriver:
             proc = self._spawn()
             _send(proc, line)
         try:  # a failed request must not leave the helper's pipes open in the daemon
-            return self._exchange(proc, action, log_path, timeout_s, on_start, on_notify, private_log)
+            return self._exchange(proc, action, log_path, timeout_s, on_start, on_notify, private_log, before_criu)
         finally:
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 if pipe is not None:
@@ -367,7 +375,9 @@ class CriuDriver:
         on_start: Callable[[int], None] | None,
         on_notify: _NotifyHandler | None,
         private_log: bool = False,
+        before_criu: Callable[[int, int], None] | None = None,
     ) -> list[dict[str, Any]]:
+        start_error: BaseException | None = None
         if on_start:
             on_start(proc.pid)
         assert proc.stdin and proc.stdout and proc.stderr
@@ -399,6 +409,14 @@ class CriuDriver:
                     if event.get("event") == "result":  # the last line: no need to wait for EOF
                         buf = b""
                         break
+                    if event.get("event") == "start":  # a restore's CRIU waits for this answer
+                        try:
+                            if before_criu:
+                                before_criu(int(event["helper"]), int(event["init"]))
+                        except BaseException as exc:  # re-raised once the helper has given up
+                            start_error = exc
+                        proc.stdin.write(json.dumps({"ok": start_error is None}).encode() + b"\n")
+                        proc.stdin.flush()
                     if event.get("event") == "notify":
                         ok = on_notify.handle(event, events) if on_notify else True
                         proc.stdin.write(json.dumps({"ok": ok}).encode() + b"\n")
@@ -417,6 +435,8 @@ class CriuDriver:
         stderr = "" if result else proc.stderr.read().decode(errors="replace").strip()
         proc.stderr.close()
         proc.stdout.close()
+        if start_error is not None:
+            raise start_error
         if on_notify and on_notify.error and action == "restore":  # the callback killed the tree
             raise on_notify.error
         if result is None:

@@ -18,6 +18,8 @@ Request (one JSON object)::
 Replies, one JSON object per line::
 
     {"event": "init", "pid": <host PID of the namespace's init>}   # restore with new_pidns only
+    {"event": "start", "helper": <this helper's PID>, "init": <the init's PID, or 0>}   # restore: CRIU
+                                              # runs only once the daemon answers {"ok": true} on stdin
     {"event": "result", "ok": true, "pid": <restored root PID, as CRIU sees it>}
     {"event": "result", "ok": false, "error": "…", "errno": 0}
 
@@ -252,9 +254,14 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any) -> int:
     if req.get("new_netns"):
         _loopback_up()
     r, w = os.pipe()
+    go_r, go_w = os.pipe()
     child = os.fork()
     if child == 0:  # PID 1 of the new namespace
         os.close(r)
+        os.close(go_w)
+        if os.read(go_r, 1) != b"1":  # the daemon did not journal this init: restore nothing
+            os._exit(1)
+        os.close(go_r)
         try:
             os.setsid()
             _mount(None, "/", None, MS_REC | MS_SLAVE)
@@ -277,7 +284,16 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any) -> int:
         _reap_forever()
         os._exit(0)
     os.close(w)
+    os.close(go_r)
     _emit(out, {"event": "init", "pid": child})
+    go = _may_start(out, child)
+    if go:
+        os.write(go_w, b"1")
+    os.close(go_w)
+    if not go:
+        os.waitpid(child, 0)
+        _emit(out, _NOT_STARTED)
+        return 1
     with os.fdopen(r) as fh:
         line = fh.readline()
     if not line:
@@ -288,6 +304,21 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any) -> int:
         os.waitpid(child, 0)
     _emit(out, result)
     return 0 if result["ok"] else 1
+
+
+_NOT_STARTED = {"event": "result", "ok": False, "error": "gpusnapd did not confirm the restore's start", "errno": 0}
+
+
+def _may_start(out: Any, init_pid: int) -> bool:
+    """Before a restore's CRIU runs: report this helper's PID and the namespace init's (0: none) and wait
+    for the daemon's ``{"ok": true}``, sent once it has journaled them, so that whatever CRIU restores can
+    be found again after a daemon crash. End of input (the daemon died) or ``false`` means: restore nothing."""
+    _emit(out, {"event": "start", "helper": os.getpid(), "init": init_pid})
+    answer = sys.stdin.readline()
+    try:
+        return bool(answer) and bool(json.loads(answer).get("ok"))
+    except ValueError:
+        return False
 
 
 def _dump_in_ns_of(req: dict[str, Any], out: Any) -> int:
@@ -323,6 +354,9 @@ def main() -> int:
         return _restore_in_new_pidns(req, out)
     if req["action"] == "dump" and req.get("enter_ns_of"):
         return _dump_in_ns_of(req, out)
+    if req["action"] == "restore" and not _may_start(out, 0):
+        _emit(out, _NOT_STARTED)
+        return 1
     result = _run_criu(req)
     _emit(out, result)
     return 0 if result["ok"] else 1

@@ -259,6 +259,19 @@ def same_user_namespace(pid: int) -> bool:
         return False
 
 
+def group_members(pgid: int, started_since: float) -> list[int]:
+    """Live processes of process group ``pgid`` started at or after ``started_since`` (epoch seconds): the
+    start time tells a group's members from a later group that reuses the number."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.create_time() >= started_since and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
 def start_time(pid: int) -> float:
     """When ``pid`` started (seconds since the epoch, as psutil reports it); 0 if it is gone. With the PID,
     it names one process even after the PID is reused."""

@@ -234,11 +234,31 @@ def _kill_restored(deps: Deps, tree: dict[str, Any]) -> list[int]:
     cuda = _alive(tree.get("cuda_pids", []), None)
     if cuda and deps.gpu.available:  # killing a process with GPU state hangs hosts (cuda-checkpoint#53)
         deps.gpu.controller().release_gpus_for_kill(cuda, lock_timeout_ms=int(deps.config.gpu_lock_timeout * 1000))
-    if not (init_alive or root_alive):
+    strays = _started_by_helper(tree)
+    if not (init_alive or root_alive or strays):
         return []
-    pids = proc.tree_pids_or_empty(root) if root_alive else []
+    pids = sorted(set(proc.tree_pids_or_empty(root) if root_alive else []) | set(strays))
     _kill(init_pid if init_alive else 0, pids)
-    return [init_pid] if init_alive else pids
+    return sorted({init_pid} | set(strays)) if init_alive else pids
+
+
+def _started_by_helper(tree: dict[str, Any]) -> list[int]:
+    """What the journaled CRIU helper of a restore may have left: itself and its process group (CRIU), and,
+    for a restore into gpusnapd's PID namespace, each PID the snapshot's tree had that a process started
+    since the helper holds (CRIU gives restored tasks their old PIDs). Empty when no helper was journaled."""
+    helper, since = int(tree.get("helper_pid", 0)), float(tree.get("helper_start", 0.0))
+    if not helper or not since:
+        return []
+    found = set(_alive([helper], [since])) | set(proc.group_members(helper, since - START_SLACK_S))
+    for pid in tree.get("expect_pids", []):
+        start = proc.start_time(int(pid))
+        if start and start >= since - START_SLACK_S and proc.alive(int(pid)):
+            found.add(int(pid))
+    return sorted(found)
+
+
+START_SLACK_S = 0.02
+"""Start times are in clock ticks (10 ms): a process started right after the helper may read as a tick before."""
 
 
 def _kill(init_pid: int, pids: list[int]) -> None:

@@ -37,22 +37,31 @@ from gpusnap.daemon.drivers import devshm, host, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap, preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController
-from gpusnap.daemon.operations import file_rights, provenance, workers
+from gpusnap.daemon.operations import failpoints, file_rights, provenance, workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.remote import evict
 
 
-def check_may_restore(snapshot: Snapshot, caller: Caller) -> None:
-    """Non-root callers may restore only snapshots they took of their own processes.
+def check_may_restore(snapshot: Snapshot, caller: Caller, missing: Callable[[], NotFoundError]) -> None:
+    """Non-root callers may use only snapshots they took of their own processes.
+
+    Args:
+        missing: the error the store gives for a snapshot it does not have: another user's snapshot gets
+            the same, so that a caller learns nothing of snapshots that are not theirs.
 
     Raises:
-        PermissionDeniedError: reason ``NOT_OWNER``.
+        NotFoundError: another user's snapshot (``missing()``).
+        PermissionDeniedError: the caller's snapshot of another user's processes (reason ``NOT_OWNER``).
     """
-    if not caller.is_root and (snapshot.owner_uid != caller.uid or snapshot.source.uid != caller.uid):
+    if caller.is_root:
+        return
+    if snapshot.owner_uid != caller.uid:
+        raise missing()
+    if snapshot.source.uid != caller.uid:
         raise PermissionDeniedError(
-            f"snapshot {snapshot.id} belongs to uid {snapshot.owner_uid}; only its owner or root may use it",
+            f"snapshot {snapshot.id} holds processes of uid {snapshot.source.uid}; only root may use it",
             reason="NOT_OWNER",
             metadata={"snapshot": snapshot.id},
         )
@@ -83,7 +92,7 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
     with run.phase("preflight"):
         snapshot = deps.store.get(opts.snapshot, caller.uid)
         run.record.target_snapshot = snapshot.id
-        check_may_restore(snapshot, caller)
+        check_may_restore(snapshot, caller, lambda: deps.store.not_found(opts.snapshot))
         check_host_compatible(snapshot)
         provenance.check_pulled(deps, snapshot.id)
         if opts.private_network and opts.host_pid_namespace:
@@ -208,6 +217,17 @@ def _restore_copy(
 
         restored: list[int] = []
 
+        def before_criu(helper: int, init: int) -> None:  # journaled before CRIU restores anything
+            _note_tree(
+                run,
+                helper_pid=helper,
+                helper_start=proc.start_time(helper),
+                init_pid=init,
+                init_start=proc.start_time(init) if init else 0.0,
+                expect_pids=[] if init else list(snapshot.source.tree_pids),  # same PIDs in gpusnapd's namespace
+            )
+            failpoints.hit(run.record.kind.value, "criu-started" + run.phase_suffix)
+
         def before_resume(t: RestoredTree) -> None:  # CRIU's pre-resume: every task restored, none running
             # The root is still CRIU's child here, not yet the namespace init's: look under the init.
             found = (
@@ -216,6 +236,7 @@ def _restore_copy(
                 else [t.ns_pid]
             )
             try:
+                failpoints.hit(run.record.kind.value, "pre-resume" + run.phase_suffix)
                 if not found:
                     raise FailedPreconditionError(
                         f"CRIU's restored PID {t.ns_pid} is not in its namespace", reason="RESTORE_INCOMPLETE"
@@ -238,6 +259,7 @@ def _restore_copy(
             shm_dir=shm_dir if private_shm else None,
             before_resume=before_resume,
             private_log=snapshot.owner_uid != 0,
+            before_criu=before_criu,
         )
         devshm.remove_link_remaps(remaps)  # opened by CRIU: the restored tree holds the file, not the name
         progress.bytes = snapshot.size_bytes

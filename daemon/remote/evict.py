@@ -152,10 +152,11 @@ class RemoteEvictor:
             return False
 
 
-def remote_only(store: SnapshotStore, remote: RemoteStore | None) -> tuple[int, int]:
-    """(bytes, blobs) that this node's snapshots reference and that only the remote store holds."""
+def remote_only(store: SnapshotStore, remote: RemoteStore | None, owner_uid: int | None = None) -> tuple[int, int]:
+    """(bytes, blobs) that this node's snapshots (``owner_uid``'s only, when given) reference and that only
+    the remote store holds."""
     found: dict[str, int] = {}
-    for snap in store.list() if remote is not None else ():
+    for snap in store.list(owner_uid=owner_uid) if remote is not None else ():
         for ref in store.buffers.missing(snap.buffer_uid, snap.buffers).values():
             key = store.buffers.key(snap.buffer_uid, ref.sha256)
             if key not in found and any(r == str(remote) for _, r, _ in sources(store, snap.buffer_uid, ref, snap)):

@@ -48,7 +48,7 @@ class RemoteStore:
         try:
             data = self.objects.get(layout.manifest_key(snapshot_id), 0, layout.MAX_MANIFEST_BYTES + 1)
         except NotFoundError:
-            raise self._not_found(snapshot_id) from None
+            raise self.not_found(snapshot_id) from None
         if len(data) > layout.MAX_MANIFEST_BYTES:
             raise DataLossError(
                 f"remote manifest of {snapshot_id} is larger than {layout.MAX_MANIFEST_BYTES} bytes",
@@ -78,7 +78,7 @@ class RemoteStore:
                 continue
             if (doc.snapshot.owner_uid, doc.snapshot.name) == (uid, name):
                 return doc
-        raise self._not_found(ref)
+        raise self.not_found(ref)
 
     def publish(self, doc: RemoteManifest) -> bool:
         """Put the manifest last, only if absent, then its index entry; False when this snapshot was
@@ -95,7 +95,7 @@ class RemoteStore:
             NotFoundError: no such snapshot.
         """
         if not self.published(snapshot.id):
-            raise self._not_found(snapshot.id)
+            raise self.not_found(snapshot.id)
         self.index.remove(snapshot)
         self.objects.delete(layout.manifest_key(snapshot.id))
 
@@ -134,7 +134,8 @@ class RemoteStore:
             log.info("remote.collected", chunks=count, bytes=size, remote=str(self))
         return count, size
 
-    def _not_found(self, ref: str) -> NotFoundError:
+    def not_found(self, ref: str) -> NotFoundError:
+        """The error for a snapshot ``ref`` the remote store does not have (or the caller may not see)."""
         return NotFoundError(
             f"no snapshot {ref!r} in the remote store {self}; list them with `gpusnap ls --remote`",
             reason="SNAPSHOT_NOT_FOUND",

@@ -96,14 +96,14 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
             if request.HasField("gpu_lock_timeout")
             else None
         )
-        record = self.daemon.suspend(request.pid, self.caller(context), timeout)
+        record = self.daemon.suspend(request.pid, self.caller(context), timeout, request.request_id)
         return operations_pb2.SuspendResponse(operation=convert.operation(record))
 
     @_rpc
     def Resume(
         self, request: operations_pb2.ResumeRequest, context: grpc.ServicerContext
     ) -> operations_pb2.ResumeResponse:
-        record = self.daemon.resume(request.pid, dict(request.gpu_map), self.caller(context))
+        record = self.daemon.resume(request.pid, dict(request.gpu_map), self.caller(context), request.request_id)
         return operations_pb2.ResumeResponse(operation=convert.operation(record))
 
     @_rpc
@@ -179,4 +179,4 @@ class NodeServicer(_Base, node_pb2_grpc.NodeServiceServicer):
     def GetNodeInfo(
         self, request: node_pb2.GetNodeInfoRequest, context: grpc.ServicerContext
     ) -> node_pb2.GetNodeInfoResponse:
-        return node_pb2.GetNodeInfoResponse(node=convert.node_info(self.daemon.node_info()))
+        return node_pb2.GetNodeInfoResponse(node=convert.node_info(self.daemon.node_info(self.caller(context))))

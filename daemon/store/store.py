@@ -303,7 +303,11 @@ class SnapshotStore:
             found = self._index.by_name(name, uid)
             if found is not None:
                 return self.snapshots_dir / found.id
-        raise NotFoundError(
+        raise self.not_found(ref)
+
+    def not_found(self, ref: str) -> NotFoundError:
+        """The error for a snapshot ``ref`` this store does not have (also given for one the caller may not see)."""
+        return NotFoundError(
             f"no snapshot {validate.shown(ref)} in {self.root}; list snapshots with `gpusnap ls`",
             reason="SNAPSHOT_NOT_FOUND",
             metadata={"snapshot": ref},
@@ -356,9 +360,15 @@ class SnapshotStore:
         """The images directory of a published snapshot."""
         return self.snapshots_dir / snapshot_id / IMAGES
 
-    def used_bytes(self) -> int:
-        """Bytes used by published snapshots and the buffer store (each blob once)."""
-        return sum(p.stat().st_size for p in self.snapshots_dir.rglob("*") if p.is_file()) + self.buffers.used_bytes()
+    def used_bytes(self, owner_uid: int | None = None) -> int:
+        """Bytes used by published snapshots and the buffer store (each blob once); of ``owner_uid``'s
+        snapshots and buffer blobs only, when given."""
+        if owner_uid is None:
+            dirs = [self.snapshots_dir]
+        else:
+            dirs = [self.snapshots_dir / s.id for s in self.list(owner_uid=owner_uid)]
+        images = sum(p.stat().st_size for d in dirs for p in d.rglob("*") if p.is_file())
+        return images + sum(t.used_bytes(owner_uid) for t in self.buffers.tiers)
 
     def check_name_free(self, name: str, owner_uid: int = 0) -> None:
         """Raise AlreadyExistsError (reason ``NAME_TAKEN``) if ``owner_uid`` uses ``name`` or is writing it."""

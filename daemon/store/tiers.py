@@ -43,14 +43,17 @@ class Tier:
     def incoming(self) -> Path:
         return self.root / "incoming"
 
-    def blob_files(self) -> Iterator[tuple[str, Path]]:
-        """(``<uid>/<digest>``, path) of every blob in this tier."""
+    def blob_files(self, uid: int | None = None) -> Iterator[tuple[str, Path]]:
+        """(``<uid>/<digest>``, path) of every blob in this tier (of user ``uid`` only, when given)."""
         for user_dir in self.blobs.iterdir():
+            if uid is not None and user_dir.name != str(uid):
+                continue
             for blob in user_dir.iterdir():
                 yield f"{user_dir.name}/{blob.name}", blob
 
-    def used_bytes(self) -> int:
-        return sum(p.stat().st_size for _, p in self.blob_files())
+    def used_bytes(self, uid: int | None = None) -> int:
+        """Bytes of this tier's blobs (of user ``uid`` only, when given)."""
+        return sum(p.stat().st_size for _, p in self.blob_files(uid))
 
     def free_bytes(self) -> int:
         st = os.statvfs(self.root)
@@ -74,8 +77,9 @@ class TierUsage:
     blobs: int
 
     @classmethod
-    def of(cls, tier: Tier) -> TierUsage:
-        files = [p for _, p in tier.blob_files()]
+    def of(cls, tier: Tier, uid: int | None = None) -> TierUsage:
+        """``tier``'s use by the blobs of ``uid`` (None: of everyone)."""
+        files = [p for _, p in tier.blob_files(uid)]
         return cls(
             tier.name,
             str(tier.root),

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from gpusnap.daemon._proto import operations_pb2
-from gpusnap.daemon.api.errors import CancelledError, InvalidArgumentError
+from gpusnap.daemon.api.errors import CancelledError, FailedPreconditionError, InvalidArgumentError
 from tests.conftest import DaemonProc, Workloads, _cli_env, wait_for
 
 
@@ -78,3 +78,13 @@ def test_idempotency_key(daemon: DaemonProc, workloads: Workloads) -> None:
         client.checkpoint(w.pid, request_id="bad key/../" + "x" * 300)
     assert err.value.reason == "INVALID_REQUEST_ID" and "x" * 50 not in err.value.message
     assert json.loads(daemon.cli("-o", "json", "ops", check=True).stdout)[0]["id"] == first.id
+    w2 = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
+    for start in (client.suspend, client.resume):  # no GPU here: each fails, and its key still answers
+        op = start(w2.pid, request_id=f"{start.__name__}-7")
+        with pytest.raises(FailedPreconditionError):
+            client.wait(op.id)
+        assert start(w2.pid, request_id=f"{start.__name__}-7").id == op.id
+        other = start(w2.pid, request_id=f"{start.__name__}-8")
+        assert other.id != op.id, "another key is another request"
+        with pytest.raises(FailedPreconditionError):
+            client.wait(other.id)

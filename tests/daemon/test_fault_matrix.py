@@ -37,7 +37,9 @@ from tests.adapters.test_agent_roundtrip import Toy
 from tests.conftest import DaemonProc, Workload, Workloads, criu_killed, kill_tree, start_daemon, stop_daemon, wait_for
 
 CAPTURE = ["preflight", "dump", "checksum", "publish", "finish"]
-RESTORE = ["preflight", "verify", "restore", "validate"]
+RESTORE = ["preflight", "verify", "restore", "criu-started", "pre-resume", "validate"]
+"""Phases, and two points inside ``restore``: CRIU told to start (helper and namespace init journaled), and
+CRIU's pre-resume (every task restored, none yet running)."""
 FAILED, SUCCEEDED = operations_pb2.OPERATION_STATE_FAILED, operations_pb2.OPERATION_STATE_SUCCEEDED
 
 
@@ -192,10 +194,32 @@ def test_restore_cell(tmp_path: Path, template: tuple[Path, Path], phase: str, f
         if done.state == SUCCEEDED:
             tracked = set(done.restore.pids)
             assert tracked and all(psutil.pid_exists(p) for p in tracked), "an adopted tree runs"
+        elif fault == "kill" and phase == "pre-resume":  # CRIU had restored it: recovery says it killed it
+            assert "was killed" in done.error.message, done.error.message
         time.sleep(0.5)
         assert _copies(workdir) <= tracked, "a restored tree runs untracked"
     finally:
         kill_tree(*tracked)
+        stop_daemon(d)
+
+
+def test_daemon_killed_inside_host_pidns_restore(tmp_path: Path, template: tuple[Path, Path]) -> None:
+    """A restore into gpusnapd's own PID namespace has no namespace init to kill: the tasks CRIU restored
+    (with their old PIDs, started after the journaled helper) are found and killed at recovery."""
+    store, workdir = template
+    _store_copy(store, tmp_path)
+    d = _faulty_daemon(tmp_path, "restore:pre-resume:kill")
+    key = str(uuid.uuid4())
+
+    def start(c: DaemonClient) -> operations_pb2.Operation:
+        return c.restore("base", host_pid_namespace=True, request_id=key)
+
+    try:
+        d, done = _after_crash(d, tmp_path, _start(d, start), start)
+        assert done.state == FAILED and "was killed" in done.error.message, done.error.message
+        wait_for(lambda: not _copies(workdir), 15, "a restored tree runs untracked")
+        _nothing_half_written(d)
+    finally:
         stop_daemon(d)
 
 

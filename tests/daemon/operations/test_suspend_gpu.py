@@ -5,9 +5,13 @@ from __future__ import annotations
 import pytest
 
 from gpusnap.daemon.api.errors import FailedPreconditionError
-from gpusnap.daemon.api.types import GpuProcess
+from gpusnap.daemon.api.types import ROOT_CALLER, GpuProcess
+from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers.cuda import CudaError, ProcessState
+from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations.base import OperationState
+from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.store.journal import Journal
 from tests.daemon.operations.conftest import GPU_BYTES, GpuNode, failed_phase, phase_names, rollback_steps
 from tests.daemon.operations.fakes_nvml import fake_uuid
 
@@ -116,3 +120,31 @@ def test_resume_with_a_gpu_map_of_a_tree_the_daemon_forgot(node: GpuNode) -> Non
     honoured = pairs == [(((U0, U2), (U1, U1), (U2, U0), (U3, U3)),)]  # one-to-one over all visible GPUs
     refused = record.error is not None and node.cuda.state(root) is ProcessState.CHECKPOINTED
     assert honoured or refused, (record.result, pairs)
+
+
+def test_suspend_and_resume_idempotency_keys(node: GpuNode) -> None:
+    """A retried Suspend or Resume with its idempotency key gets the original operation, also from a daemon
+    restarted on the same journal: the tree is suspended and resumed once (the GPU calls say so)."""
+    tree = node.start()
+    journal = Journal(node.tmp / "journal")
+    journal.open()
+    daemon = Daemon(node.deps, OperationRegistry(journal=journal))
+
+    first = daemon.suspend(tree.root, ROOT_CALLER, None, "suspend-1")
+    assert first.wait(30) and first.error is None, first.error
+    assert daemon.suspend(tree.root, ROOT_CALLER, None, "suspend-1") is first
+    assert [c for c in node.cuda.sequence() if c[0] == "checkpoint"] == [("checkpoint", tree.root)]
+
+    restarted = Daemon(node.deps, OperationRegistry(journal=journal))  # a new daemon on the same journal
+    recovery.recover(node.deps, journal, restarted.registry)
+    again = restarted.suspend(tree.root, ROOT_CALLER, None, "suspend-1")
+    assert again.id == first.id and again.state is OperationState.SUCCEEDED
+    assert node.cuda.state(tree.root) is ProcessState.CHECKPOINTED, "recovery leaves a suspended tree suspended"
+
+    resumed = restarted.resume(tree.root, {}, ROOT_CALLER, "resume-1")
+    assert resumed.wait(30) and resumed.error is None, resumed.error
+    assert restarted.resume(tree.root, {}, ROOT_CALLER, "resume-1") is resumed
+    assert [c for c in node.cuda.sequence() if c[0] == "restore"] == [("restore", tree.root)]
+    assert node.cuda.state(tree.root) is ProcessState.RUNNING
+    other = restarted.resume(tree.root, {}, ROOT_CALLER, "resume-2")  # a new key is a new request
+    assert other.wait(30) and other.error is not None and other.error.reason == "NOT_SUSPENDED"
