@@ -101,7 +101,8 @@ def build_daemon(config: DaemonConfig) -> Running:
         config.disk_tier_bytes,
         config.pull_grace,
     )
-    store.open()
+    journal = Journal(config.store / JOURNAL)
+    store.open(hold_buffers=lambda: recovery.held_buffers(journal))  # read once the store is locked
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
     for sock_dir in {config.socket.parent, config.agent_socket.parent}:
         sock_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +129,6 @@ def build_daemon(config: DaemonConfig) -> Running:
             cuda_driver_version=cuda,
         )
     observe = metrics.observe if metrics is not None else None
-    journal = Journal(config.store / JOURNAL)
     journal.open()
     registry = OperationRegistry(
         max_workers=config.max_operations,

@@ -111,7 +111,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             with run.phase("checksum") as progress:
                 files = image_files(staging.images)
                 progress.bytes = sum(f.size_bytes for f in files)
-                buffers = capture.commit()
+                buffers = capture.commit(lambda staged: run.record.note(staged=staged))
             with run.phase("publish"):
                 snapshot = Snapshot(
                     id=staging.snapshot_id,

@@ -1,7 +1,9 @@
 """Recovery at start: finish every operation a crashed daemon left half-done, from its journal entry.
 
 - checkpoint: the source comes back. Stopped processes of its tree are continued, CUDA processes are
-  restored and unlocked (``rollback_to_running``), a quiesced worker is woken and resumed, a control-directory
+  restored and unlocked (``rollback_to_running``), a quiesced worker is woken, given back the buffers it had
+  written out (staged files, kept when the buffer store opened: :func:`held_buffers`, or their committed
+  blobs) and resumed, a control-directory
   worker gets ``restore-complete``; staging was removed when the store opened. A snapshot published before
   the crash is complete and durable and stays listed: the operation then succeeded, with its source left
   running instead of stopped.
@@ -33,6 +35,7 @@ from gpusnap.daemon.operations import workers
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState, PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.store.buffers import HeldFiles
 from gpusnap.daemon.store.journal import Journal
 from gpusnap.daemon.workers import controldir
 from gpusnap.daemon.workers.agents import AgentInfo
@@ -92,8 +95,44 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
         _unlock_strays(deps, sorted(stray_cuda - suspended))
     except Exception:  # the daemon must still start; the processes are named in the log
         log.exception("recovery.cuda_unlock_failed", pids=sorted(stray_cuda - suspended))
+    deps.store.buffers.release_held()  # handed back: the blobs no snapshot names go with the next line
+    deps.store.collect_buffers()
     journal.trim()
     return recovered
+
+
+def held_buffers(journal: Journal) -> tuple[list[Path], list[str]]:
+    """The staged buffer files and committed blob keys (``uid/digest``) of the captures a crashed daemon left
+    unfinished: the buffer store keeps them when it opens (``BufferStore.open``) for :func:`recover` to hand
+    back to their quiesced workers."""
+    paths: list[Path] = []
+    keys: list[str] = []
+    for entry in journal.entries():
+        if entry.get("state") != "running":
+            continue
+        for staged in entry.get("facts", {}).get("staged", []):
+            paths += [Path(p) for p in staged.get("paths", [])]
+            keys += [f"{int(staged['uid'])}/{d}" for d in staged.get("digests", [])]
+    return paths, keys
+
+
+def _held_files(deps: Deps, facts: dict[str, Any], instance_id: str) -> HeldFiles | None:
+    """The buffers an agent wrote out before the crash, wherever they are now: its staged file, or the blob
+    it became at commit. Buffers found in neither were still held by the worker (it skips those at reload)."""
+    for staged in facts.get("staged", []):
+        if staged.get("instance_id") != instance_id:
+            continue
+        uid, digests = int(staged["uid"]), list(staged.get("digests", []))
+        names, paths = [], []
+        for n, (name, path) in enumerate(zip(staged["names"], staged["paths"], strict=True)):
+            found = Path(path)
+            if not found.is_file() and n < len(digests):
+                found = deps.store.buffers.path(uid, digests[n])
+            if found.is_file():
+                names.append(name)
+                paths.append(found)
+        return HeldFiles(names, paths)
+    return None
 
 
 def _record(entry: dict[str, Any]) -> OperationRecord:
@@ -159,8 +198,10 @@ def _recover_capture(deps: Deps, record: OperationRecord, facts: dict[str, Any])
         done.append(f"restored and unlocked the CUDA state of PIDs {cuda}")
     for agent in (AgentInfo(**a) for a in facts.get("agents", [])):
         if proc.alive(agent.pid):
-            workers.resume_source(deps, agent)
-            done.append(f"resumed the worker (PID {agent.pid})")
+            held = _held_files(deps, facts, agent.instance_id)
+            workers.resume_source(deps, agent, held)
+            back = f", with {len(held.names)} buffers read back" if held else ""
+            done.append(f"resumed the worker (PID {agent.pid}){back}")
     if facts.get("control_dir") and tree:
         controldir.signal_file(Path(facts["control_dir"]), record.owner_uid, controldir.RESTORE_COMPLETE)
         done.append("signalled restore-complete to the control-directory worker")

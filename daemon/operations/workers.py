@@ -7,7 +7,8 @@ take and give back work; the others hold memory.
 
 Capture: ``warm-up`` (front ends) → ``quiesce`` (front ends first, then every other agent in parallel: KV
 release) → ``offload`` (every agent's named buffers to the buffer store, in parallel; one progress event
-per process with its bytes and seconds); or ``wait-ready`` (control directory). Every agent that an agent
+per process with its bytes and seconds; the staged files, and at commit their digests, are journaled first,
+so recovery after a daemon crash hands them back to the quiesced worker before resuming it); or ``wait-ready`` (control directory). Every agent that an agent
 names as its engine's process must be attached (``AGENT_MISSING``). Any failure resumes every process the
 capture touched (the others first, with their buffers read back, then the front ends), so the source keeps
 serving. Restore (after CRIU and CUDA are done): ``reload-buffers`` (every agent in parallel) then
@@ -22,13 +23,14 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
 from gpusnap.daemon.api.types import BufferRef, CheckpointOptions, RestoreOptions, Snapshot, WorkerInfo
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.operations.base import PhaseProgress, PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
-from gpusnap.daemon.store.buffers import StagedBuffers
+from gpusnap.daemon.store.buffers import HeldFiles, StagedBuffers
 from gpusnap.daemon.workers import controldir, offload
 from gpusnap.daemon.workers.agents import AgentInfo, AgentRegistry, AgentSession
 from gpusnap.daemon.workers.client import AgentClient, Announced
@@ -83,8 +85,25 @@ class Capture:
     def has_buffers(self) -> bool:
         return any(p.staged is not None for p in self.parts)
 
-    def commit(self) -> tuple[BufferRef, ...]:
-        """Commit every agent's staged buffers; the references name their agent."""
+    def staged_facts(self, digests: bool = False) -> list[dict[str, Any]]:
+        """What recovery needs to hand the buffers back after a daemon crash: per agent, its staged files
+        and (with ``digests``, which waits for them) the blobs they become at commit."""
+        return [
+            {
+                "instance_id": p.info.instance_id,
+                "uid": p.staged.uid,
+                "names": p.staged.names,
+                "paths": [str(x) for x in p.staged.paths],
+                "digests": p.staged.digests() if digests else [],
+            }
+            for p in self.parts
+            if p.staged is not None
+        ]
+
+    def commit(self, journal: Callable[[list[dict[str, Any]]], None] = lambda _: None) -> tuple[BufferRef, ...]:
+        """Commit every agent's staged buffers; the references name their agent. ``journal`` gets
+        :meth:`staged_facts` with the digests before any file moves."""
+        journal(self.staged_facts(digests=True))
         refs: list[BufferRef] = []
         for part in self.parts:
             if part.staged is not None:
@@ -202,6 +221,9 @@ def prepare_capture(
     moving = [p for p in capture.parts if p.announced]
     if moving:
         with run.phase("offload") as progress:
+            for part in moving:
+                part.staged = offload.stage(part.client, deps.store.buffers, part.announced)
+            run.record.note(staged=capture.staged_facts())  # recovery hands them back (module docstring)
             _in_parallel([lambda p=p: _offload(deps, p, progress) for p in moving])  # type: ignore[misc]
             progress.bytes = sum(p.staged.total_bytes for p in moving if p.staged)
     infos = [p.worker_info() for p in fronts + others]
@@ -240,7 +262,7 @@ def _quiesce(part: AgentCapture, offload_buffers: bool, timeout_s: float) -> Non
 
 
 def _offload(deps: Deps, part: AgentCapture, progress: PhaseProgress) -> None:
-    part.staged = offload.stage(part.client, deps.store.buffers, part.announced)
+    assert part.staged is not None
     start = time.monotonic()
     offload.offload(part.client, part.staged, deps.config.quiesce_timeout)
     _report(progress, part.info, part.staged.total_bytes, time.monotonic() - start, "written out")
@@ -375,9 +397,9 @@ def _check_canary(worker: WorkerInfo, tokens: str) -> None:
         )
 
 
-def resume_source(deps: Deps, agent: AgentInfo, staged: StagedBuffers | None = None) -> None:
+def resume_source(deps: Deps, agent: AgentInfo, staged: StagedBuffers | HeldFiles | None = None) -> None:
     """Wake the source's agent after a quiesce, hand it back the buffers it wrote to ``staged``, and resume
-    it (a failed capture, or ``--leave-running``)."""
+    it (a failed capture, ``--leave-running``, or recovery after a daemon crash: ``HeldFiles``)."""
     if not proc.alive(agent.pid):
         return
     AgentRegistry.wake(agent.wake_dir, agent.instance_id, agent.uid)

@@ -6,7 +6,8 @@ mode 0700)::
 
     sha256/<uid>/<digest>   one buffer's bytes, mode 0400, named by its digest (``checksum.DIGEST_ALGORITHM``),
                             under the uid of the worker that wrote it
-    incoming/<random>       being written by a worker; removed at start and when its operation ends
+    incoming/<random>       being written by a worker; removed when its operation ends, and at start
+                            unless a crashed capture's journal entry names it (recovery hands it back)
     pulling/<id>/<digest>   being downloaded by a pull of snapshot <id>; kept across restarts (a retried
                             pull resumes), moved into sha256/ when the pull publishes
 
@@ -92,13 +93,17 @@ class StagedBuffers:
                 )
         self._digests = self.store.jobs.submit(checksum.file_digests, self.paths, self.store.pool)
 
-    def commit(self) -> list[BufferRef]:
-        """Wait for the digests and move each file to ``sha256/<uid>/<digest>`` (or drop it if that
-        exists), fsynced; the digests stay pinned until :meth:`close`. Returns the snapshot's references."""
+    def digests(self) -> list[str]:
+        """The files' digests, in the order of :attr:`names` (waits for them; see :meth:`start_digests`)."""
         if self._digests is None:
             self.start_digests()
         assert self._digests is not None
-        digests = self._digests.result()
+        return self._digests.result()
+
+    def commit(self) -> list[BufferRef]:
+        """Wait for the digests and move each file to ``sha256/<uid>/<digest>`` (or drop it if that
+        exists), fsynced; the digests stay pinned until :meth:`close`. Returns the snapshot's references."""
+        digests = self.digests()
         refs = [
             BufferRef(name=n, size_bytes=s, sha256=d) for n, s, d in zip(self.names, self.sizes, digests, strict=True)
         ]
@@ -130,6 +135,26 @@ class StagedBuffers:
         self.refs = []
 
 
+class HeldFiles:
+    """Buffers a crashed capture had staged or committed, found again from its journal entry: ``names[i]``
+    is in file ``paths[i]``. Gives read-only descriptors as :meth:`StagedBuffers.read_fds` does."""
+
+    def __init__(self, names: Sequence[str], paths: Sequence[Path]):
+        self.names = list(names)
+        self.paths = list(paths)
+
+    def read_fds(self) -> list[int]:
+        fds: list[int] = []
+        try:
+            for path in self.paths:
+                fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+
 class BufferStore:
     """Content-addressed buffer files under ``root`` (see the module docstring)."""
 
@@ -154,6 +179,15 @@ class BufferStore:
         self.evictor: Callable[[str, int], bool] | None = None
         """Says whether blob ``<uid>/<digest>`` of ``size`` bytes is safely in the remote store, so the
         slowest tier may drop it (``gpusnap.daemon.remote.evict``); None: no remote, nothing leaves."""
+        self._held: tuple[set[Path], set[str]] = (set(), set())
+
+    def release_held(self) -> None:
+        """Remove the staged files :meth:`open` kept and unpin the blobs it pinned (recovery is done with them)."""
+        paths, keys = self._held
+        self._held = (set(), set())
+        for path in paths:
+            path.unlink(missing_ok=True)
+        self._unpin_keys(keys)
 
     def close(self) -> None:
         """Release the buffer store's lock."""
@@ -161,8 +195,12 @@ class BufferStore:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def open(self) -> None:
+    def open(self, hold: Callable[[], tuple[Iterable[Path], Iterable[str]]] | None = None) -> None:
         """Create the layout, take the buffer store's lock and remove files left in ``incoming``.
+
+        Args:
+            hold: called once the lock is held; returns staged files to keep in ``incoming`` and blob keys
+                (:meth:`key`) to pin, for recovery to hand back to a worker; :meth:`release_held` ends that.
 
         Raises:
             FailedPreconditionError: another daemon uses this directory (``STORE_LOCKED``): its garbage
@@ -183,7 +221,11 @@ class BufferStore:
                 reason="STORE_LOCKED",
             ) from None
         self._lock_fd = fd
-        for leftover in (p for t in self.tiers for p in t.incoming.iterdir()):
+        if hold is not None:
+            paths, keys = hold()
+            self._held = ({Path(p) for p in paths}, set(keys))
+            self._pin_keys(self._held[1])
+        for leftover in (p for t in self.tiers for p in t.incoming.iterdir() if p not in self._held[0]):
             log.warning("buffers.incoming_removed", path=str(leftover))
             if leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -245,15 +287,19 @@ class BufferStore:
 
     def pin(self, uid: int, digests: Iterable[str]) -> None:
         """Protect blobs from garbage collection while an operation uses them."""
-        with self._lock:
-            for d in digests:
-                k = self.key(uid, d)
-                self._pins[k] = self._pins.get(k, 0) + 1
+        self._pin_keys(self.key(uid, d) for d in digests)
 
     def unpin(self, uid: int, digests: Iterable[str]) -> None:
+        self._unpin_keys(self.key(uid, d) for d in digests)
+
+    def _pin_keys(self, keys: Iterable[str]) -> None:
         with self._lock:
-            for d in digests:
-                k = self.key(uid, d)
+            for k in keys:
+                self._pins[k] = self._pins.get(k, 0) + 1
+
+    def _unpin_keys(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            for k in keys:
                 left = self._pins.get(k, 0) - 1
                 if left > 0:
                     self._pins[k] = left

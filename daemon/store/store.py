@@ -29,7 +29,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -117,8 +117,9 @@ class SnapshotStore:
         self._lock_fd: int | None = None
         self._index = SnapshotIndex()
 
-    def open(self) -> None:
-        """Create the layout, take the store lock and remove staging leftovers.
+    def open(self, hold_buffers: Callable[[], tuple[Iterable[Path], Iterable[str]]] | None = None) -> None:
+        """Create the layout, take the store lock and remove staging leftovers (``hold_buffers``: see
+        :meth:`BufferStore.open`; called once the lock is held).
 
         Raises:
             FailedPreconditionError: another daemon holds the store (reason ``STORE_LOCKED``).
@@ -146,7 +147,7 @@ class SnapshotStore:
             log.warning("store.staging_removed", path=str(leftover))
             shutil.rmtree(leftover, ignore_errors=True)
         try:
-            self.buffers.open()
+            self.buffers.open(hold_buffers)
         except OSError as exc:
             raise FailedPreconditionError(
                 f"cannot use {self.buffers.root} as the buffer store ({exc.strerror}); give gpusnapd a writable "

@@ -5,14 +5,18 @@ once; a failed capture and ``--leave-running`` hand the source its weights back.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from gpusnap.daemon._proto.operations_pb2 import OPERATION_STATE_FAILED, OPERATION_STATE_SUCCEEDED
+from gpusnap.daemon.api.errors import GpusnapError
 from tests.adapters import torch_venv
-from tests.conftest import DaemonProc, criu_killed, kill_tree, wait_for
+from tests.conftest import DaemonProc, criu_killed, kill_tree, start_daemon, stop_daemon, wait_for
 
 WORKER = Path(__file__).resolve().parent / "torch_cpu_worker.py"
 MIB = 256
@@ -200,3 +204,35 @@ def test_address_stable_weights_survive_criu_at_the_same_address(daemon: DaemonP
         assert "resume restored=True resident=268435456 mapped=True" in w.events()
     finally:
         kill_tree(w.proc.pid, restored_pid)
+
+
+@pytest.mark.parametrize("phase", ["dump", "publish", "finish"])
+def test_daemon_killed_after_offload_gives_the_worker_its_weights_back(tmp_path: Path, phase: str) -> None:
+    """gpusnapd is SIGKILLed once the worker's weights left it: staged files (at `dump`), committed blobs of
+    an unpublished snapshot (at `publish`), a published snapshot (at `finish`). The restarted daemon's
+    recovery hands the worker its weights back and resumes it; it serves the same tokens."""
+    mib = 64
+    d = start_daemon(tmp_path / "d", extra_env={"GPUSNAP_FAILPOINT": f"checkpoint:{phase}:kill"})
+    w = Worker(d, tmp_path, "w", "--mib", str(mib))
+    try:
+        before = w.generate()
+        op = d.client().checkpoint(w.proc.pid, request_id=f"offload-{phase}")
+        assert d.proc.wait(timeout=120) == -9, "the failpoint did not kill gpusnapd"
+        for c in d.clients:
+            c.close()
+        d = start_daemon(tmp_path / "d", socket_dir=d.socket.parent)  # same agent socket: the worker finds it
+        with contextlib.suppress(GpusnapError):
+            d.client().wait(op.id, timeout_s=120)
+        done = d.client().get_operation(op.id)
+        durable = phase == "finish"
+        assert done.state == (OPERATION_STATE_SUCCEEDED if durable else OPERATION_STATE_FAILED), done
+        if not durable:
+            assert re.search(r"resumed the worker \(PID \d+\), with 1 buffers read back", done.error.message), done
+        assert f"resume restored=False resident={mib << 20}" in w.events(), w.events()
+        assert w.generate() == before, "the source serves with its own weights again"
+        assert [s.id for s in d.client().list_snapshots()] == ([done.snapshot.id] if durable else [])
+        assert _blob_bytes(d) == (mib << 20 if durable else 0), "blobs of no snapshot are collected"
+        assert not list((d.store / "buffers" / "incoming").iterdir()), "staged files are removed once handed back"
+    finally:
+        kill_tree(w.proc.pid)
+        stop_daemon(d)
