@@ -415,12 +415,10 @@ class CriuDriver:
                                 before_criu(int(event["helper"]), int(event["init"]))
                         except BaseException as exc:  # re-raised once the helper has given up
                             start_error = exc
-                        proc.stdin.write(json.dumps({"ok": start_error is None}).encode() + b"\n")
-                        proc.stdin.flush()
+                        _answer(proc, start_error is None)
                     if event.get("event") == "notify":
                         ok = on_notify.handle(event, events) if on_notify else True
-                        proc.stdin.write(json.dumps({"ok": ok}).encode() + b"\n")
-                        proc.stdin.flush()
+                        _answer(proc, ok)
                         if ok and event["script"] == "post-dump":
                             # The snapshot is published and CRIU now ends the source: killing CRIU for
                             # the deadline here would lose both, so wait for it to finish.
@@ -505,6 +503,17 @@ def _send(proc: subprocess.Popen[bytes], line: bytes) -> None:
     assert proc.stdin
     proc.stdin.write(line)
     proc.stdin.flush()
+
+
+def _answer(proc: subprocess.Popen[bytes], ok: bool) -> None:
+    """Answer the helper's question (a notification, the restore's start). A helper already gone (a
+    callback that refused killed the namespace init it was waiting on) needs no answer: its result, or
+    its end of output, comes next."""
+    assert proc.stdin
+    try:  # unbuffered: a refused write leaves nothing behind for close() to fail on again
+        os.write(proc.stdin.fileno(), json.dumps({"ok": ok}).encode() + b"\n")
+    except BrokenPipeError:
+        pass
 
 
 def _end_helper(proc: subprocess.Popen[bytes]) -> None:
