@@ -307,6 +307,7 @@ SLOW_MODULES = frozenset(
         "tests.systemd.test_unit",
         "tests.adapters.test_vllm_cpu",
         "tests.adapters.test_buffers_cpu",
+        "tests.adapters.test_agent_faults",
         "tests.adapters.test_agent_roundtrip",
         "tests.adapters.test_controldir",
         "tests.daemon.service.test_lists",

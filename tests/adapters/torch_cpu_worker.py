@@ -6,7 +6,9 @@ Its "model" is a random matrix of N MiB (float32, from seed S) plus a tied view 
 generation step multiplies a state vector by the weights and takes the argmax, so the tokens can only be
 reproduced from the same weights. WORKDIR/go-N makes it generate 8 tokens and write WORKDIR/tokens-N
 (JSON: {"tokens": [...], "weights_sum": float}, plus "ptr", the weights' address, with ``--stable-fake``).
-WORKDIR/events logs the adapter calls. ``--stable-fake``: ``TorchAdapter(stable_addresses=True)`` over the fake VMM driver
+WORKDIR/events logs the adapter calls. WORKDIR/fault, while it exists, holds ``PHASE:hang:SECONDS`` or
+``PHASE:die`` (PHASE: quiesce, offload, reload or resume): the worker then sleeps that long, or exits with
+status 3, when that phase starts (tests/adapters/test_agent_faults.py). ``--stable-fake``: ``TorchAdapter(stable_addresses=True)`` over the fake VMM driver
 (tests/fakes/cuda_vmm.py), whose arenas are host mappings, so the weights live in an arena that is
 released (left reserved, ``PROT_NONE``) at capture and re-mapped at the same address after a restore.
 """
@@ -52,6 +54,18 @@ def main() -> None:
         with open(os.path.join(wd, "events"), "a") as fh:
             fh.write(what + "\n")
 
+    def fault(phase: str) -> None:
+        try:
+            spec = Path(wd, "fault").read_text().split(":")
+        except FileNotFoundError:
+            return
+        if spec[0] != phase:
+            return
+        log(f"fault {':'.join(spec)}")
+        if spec[1] == "die":
+            os._exit(3)
+        time.sleep(float(spec[2]))
+
     def generate(prompt: list[int], n: int) -> list[int]:
         with torch.no_grad():
             state = torch.zeros(cols)
@@ -70,8 +84,10 @@ def main() -> None:
     def quiesce() -> None:
         lock.acquire()
         log("quiesce")
+        fault("quiesce")
 
     def resume(ctx: object) -> None:
+        fault("resume")
         arena = getattr(weights["w"], "_arena", None)
         log(
             f"resume restored={ctx is not None} resident={weights['w'].untyped_storage().nbytes()}"
@@ -86,7 +102,11 @@ def main() -> None:
         from gpusnap.adapters import vmm
 
         weights["w"]._arena = vmm.arena_of(weights["w"].data_ptr())  # type: ignore[attr-defined]
-    start_agent(adapter).wait_attached(30)
+    agent = start_agent(adapter)
+    for phase in ("offload", "reload"):  # the agent's own steps: wrapped to meet the fault first
+        step = getattr(agent, f"_{phase}")
+        setattr(agent, f"_{phase}", lambda *a, _p=phase, _s=step, **k: (fault(_p), _s(*a, **k))[1])
+    agent.wait_attached(30)
     open(os.path.join(wd, "ready"), "w").close()
     n = 1
     while True:
