@@ -58,7 +58,9 @@ class Engine:
 
     def generate(self, prompt: list[int]) -> list[int]:
         self.n += 1
-        (self.wd / f"go-{self.n}").write_text(json.dumps(prompt))
+        tmp = self.wd / f".go-{self.n}"  # whole when it appears: the engine reads go-N as soon as it exists
+        tmp.write_text(json.dumps(prompt))
+        tmp.rename(self.wd / f"go-{self.n}")
         out = self.wd / f"tokens-{self.n}"
         wait_for(out.exists, 120, f"engine did not answer request {self.n}: {self.log()}")
         result = json.loads(out.read_text())
