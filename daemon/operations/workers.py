@@ -404,7 +404,13 @@ def resume_source(deps: Deps, agent: AgentInfo, staged: StagedBuffers | HeldFile
         return
     AgentRegistry.wake(agent.wake_dir, agent.instance_id, agent.uid)
     try:
-        client = AgentClient(deps.agents.wait_for([agent.pid], agent.instance_id, deps.config.resume_timeout))
+        try:
+            session = deps.agents.wait_for([agent.pid], agent.instance_id, deps.config.resume_timeout)
+        except FailedPreconditionError as exc:
+            if exc.reason == "AGENT_LOST":  # it died meanwhile: nothing left to resume
+                return
+            raise
+        client = AgentClient(session)
         if staged is not None:
             offload.reload(client, staged.names, staged.read_fds(), deps.config.resume_timeout)
         client.resume(deps.config.resume_timeout, restored=False)

@@ -255,10 +255,16 @@ class AgentRegistry:
 
         Raises:
             DeadlineExceededError: it did not come back in time (reason ``AGENT_TIMEOUT``).
+            FailedPreconditionError: every process of ``pids`` is gone, so it never will (``AGENT_LOST``).
         """
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
+                if not any(proc.alive(p) for p in pids):
+                    raise FailedPreconditionError(
+                        f"the worker of agent {instance_id[:8]}… exited before its agent reconnected",
+                        reason="AGENT_LOST",
+                    )
                 for pid in pids:
                     session = self._sessions.get(pid)
                     if (

@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import psutil
 import pytest
 
 from gpusnap.daemon.api.errors import GpusnapError
-from gpusnap.daemon.store import checksum, manifest
 from tests.adapters import torch_venv
 from tests.adapters.test_buffers_cpu import Worker, _blob_bytes
-from tests.conftest import DaemonProc, kill_tree, start_daemon, stop_daemon, wait_for
+from tests.conftest import kill_tree, start_daemon, stop_daemon, wait_for
+from tests.daemon.test_fault_matrix import _copies, _nothing_half_written
 
 pytestmark = torch_venv.needs_venv
 
@@ -32,28 +31,6 @@ TIMEOUT_S = "4"
 """quiesce_timeout (capture cells) or resume_timeout (restore cells) of the daemon, seconds."""
 HANG_S = 12
 """How long the worker hangs (torch_cpu_worker.py reads it from the fault file)."""
-
-
-def _nothing_half_written(d: DaemonProc) -> list[str]:
-    listed = [s.id for s in d.client().list_snapshots()]
-    for snap_id in listed:
-        snap = manifest.read(d.store / "snapshots" / snap_id)
-        assert checksum.mismatches(d.store / "snapshots" / snap_id / "images", snap.files) == [], snap_id
-    assert list((d.store / "staging").iterdir()) == [], "staging left behind"
-    assert list((d.store / "buffers" / "incoming").iterdir()) == [], "staged buffers left behind"
-    return listed
-
-
-def _copies(workdir: Path) -> set[int]:
-    """Live processes of a worker of ``workdir`` (the source or restored copies)."""
-    out = set()
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if str(workdir) in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
-                out.add(p.pid)
-        except psutil.Error:
-            continue
-    return out
 
 
 def _fault(w: Worker, phase: str, fault: str) -> None:

@@ -51,12 +51,13 @@ def _faulty_daemon(tmp: Path, spec: str) -> DaemonProc:
 
 
 def _nothing_half_written(d: DaemonProc) -> list[str]:
-    """Every listed snapshot is complete; staging is empty. Returns the listed ids."""
+    """Every listed snapshot is complete; staging and staged buffers are empty. Returns the listed ids."""
     listed = [s.id for s in d.client().list_snapshots()]
     for snap_id in listed:
         snap = manifest.read(d.store / "snapshots" / snap_id)
         assert checksum.mismatches(d.store / "snapshots" / snap_id / "images", snap.files) == [], snap_id
     assert list((d.store / "staging").iterdir()) == [], "staging left behind"
+    assert list((d.store / "buffers" / "incoming").iterdir()) == [], "staged buffers left behind"
     return listed
 
 
