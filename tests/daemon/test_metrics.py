@@ -16,12 +16,22 @@ from tests.conftest import DaemonProc, Workloads, start_daemon, stop_daemon, wai
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
+def _started(d: DaemonProc) -> dict[str, object]:
+    """The daemon's ``daemon.started`` log record (logged just after its socket answers: waited for)."""
+
+    def found() -> list[dict[str, object]]:
+        return [json.loads(x) for x in d.log.read_text().splitlines() if '"daemon.started"' in x]
+
+    wait_for(found, 20, "the daemon logged no daemon.started")
+    return found()[0]
+
+
 @pytest.fixture
 def metered(tmp_path: Path) -> Iterator[tuple[DaemonProc, str]]:
     d = start_daemon(tmp_path, extra_env={"GPUSNAP_METRICS_LISTEN": "127.0.0.1:0"})
     assert d.alive(), d.log.read_text()
     try:
-        started = next(json.loads(line) for line in d.log.read_text().splitlines() if '"daemon.started"' in line)
+        started = _started(d)
         yield d, f"http://{started['metrics']}/metrics"
     finally:
         stop_daemon(d)
@@ -114,7 +124,7 @@ def test_metrics_follow_a_dump_and_a_restore(metered: tuple[DaemonProc, str], wo
 
 
 def test_metrics_are_off_by_default_and_loopback_by_default(daemon: DaemonProc) -> None:
-    started = next(json.loads(line) for line in daemon.log.read_text().splitlines() if '"daemon.started"' in line)
+    started = _started(daemon)
     assert started.get("metrics") is None
     assert parse_listen("9464") == ("127.0.0.1", 9464)
     assert parse_listen(":9464") == ("127.0.0.1", 9464)
