@@ -57,7 +57,12 @@ def test_ctrl_c_cancels(daemon: DaemonProc, workloads: Workloads, tmp_path: Path
         text=True,
         env=_cli_env(),
     )
-    wait_for(lambda: any(o.phase == "wait-ready" for o in daemon.client().list_operations()), 30, "not waiting")
+    running = operations_pb2.OPERATION_STATE_RUNNING  # an earlier test's cancelled op also ended in wait-ready
+    wait_for(
+        lambda: any(o.phase == "wait-ready" and o.state == running for o in daemon.client().list_operations()),
+        30,
+        "not waiting",
+    )
     cli.send_signal(signal.SIGINT)
     _, err = cli.communicate(timeout=60)
     assert cli.returncode == 130 and "cancelling" in err, err
