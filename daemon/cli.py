@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC
@@ -297,11 +299,47 @@ def moved(done: int, total: int) -> str:
     return _size(done) if done == total else f"{_size(done)}/{_size(total)}"
 
 
-def _follow(client: DaemonClient, op: operations_pb2.Operation, show_progress: bool) -> operations_pb2.Operation:
+class _HeldInterrupt:
+    """Ctrl-C while an operation is being started is noted, not raised: its id is not known yet, so it could
+    be neither cancelled nor followed. :func:`_follow` cancels it once the id is there."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._previous: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._note)
+
+    def _note(self, _signum: int, _frame: object) -> None:
+        self.pending = True
+
+    def release(self) -> None:
+        """Ctrl-C raises KeyboardInterrupt again (idempotent)."""
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+def _start(fn: Callable[[], operations_pb2.Operation]) -> tuple[operations_pb2.Operation, _HeldInterrupt]:
+    """Start an operation with Ctrl-C held until :func:`_follow` (or the caller) releases it."""
+    held = _HeldInterrupt()
+    try:
+        return _run(fn), held
+    except BaseException:
+        held.release()
+        raise
+
+
+def _follow(
+    client: DaemonClient, op: operations_pb2.Operation, show_progress: bool, held: _HeldInterrupt | None = None
+) -> operations_pb2.Operation:
     from gpusnap.daemon._proto import operations_pb2
     from gpusnap.daemon.client import raise_if_failed
 
     try:
+        if held is not None:
+            held.release()
+            if held.pending:
+                raise KeyboardInterrupt
         with _progress(show_progress) as show:
             for event in client.watch(op.id):
                 show(event)
@@ -329,8 +367,8 @@ def _cancel(client: DaemonClient, op: operations_pb2.Operation) -> operations_pb
 def _run_operation(obj: Ctx, start: Callable[[DaemonClient], operations_pb2.Operation]) -> operations_pb2.Operation:
     """Start an operation and follow it to its end (live phases on a terminal); exits on failure."""
     with obj.client() as client:
-        op = _run(lambda: start(client))
-        return _run(lambda: _follow(client, op, obj.live))
+        op, sigint = _start(lambda: start(client))
+        return _run(lambda: _follow(client, op, obj.live, sigint))
 
 
 def _phase_summary(op: operations_pb2.Operation) -> str:
@@ -394,7 +432,7 @@ def dump(
     its adapter names (weights) go to the buffer store, once per content, instead of the images.
     """
     with obj.client() as client:
-        op = _run(
+        op, sigint = _start(
             lambda: client.checkpoint(
                 pid,
                 name=name,
@@ -409,13 +447,14 @@ def dump(
             )
         )
         if detach:
+            sigint.release()
             if push_after:
                 raise click.UsageError(
                     "--push needs the dump to finish first; drop --detach, or push later with `gpusnap push`"
                 )
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
-        done = _run(lambda: _follow(client, op, obj.live))
+        done = _run(lambda: _follow(client, op, obj.live, sigint))
         snap = done.snapshot
         pushing = _run(lambda: client.push(snap.id)).id if push_after else ""
     if obj.output == "json":
@@ -516,7 +555,7 @@ def restore(
     """
     mapping = _gpu_map(gpu_map)
     with obj.client() as client:
-        op = _run(
+        op, sigint = _start(
             lambda: client.restore(
                 snapshot,
                 host_pid_namespace=host_pidns,
@@ -531,9 +570,10 @@ def restore(
             )
         )
         if detach:
+            sigint.release()
             click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
             return
-        done = _run(lambda: _follow(client, op, obj.live))
+        done = _run(lambda: _follow(client, op, obj.live, sigint))
     res = done.restore
     copies = [
         {"index": r.index, "pid": r.pid, "pids": list(r.pids), "namespace_pid": r.namespace_pid} for r in res.replicas
