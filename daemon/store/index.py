@@ -27,6 +27,7 @@ class SnapshotIndex:
         self._lock = threading.Lock()
         self._by_owner: dict[int, dict[str, Snapshot]] = {}
         self._owner_of: dict[str, int] = {}
+        self._damaged_owner: dict[str, int] = {}  # snapshots damaged since they were indexed: owner kept
 
     def load(self, snapshots_dir: Path) -> None:
         """Index every readable manifest under ``snapshots_dir``; damaged ones are logged and left out."""
@@ -43,11 +44,25 @@ class SnapshotIndex:
 
     def discard(self, snapshot_id: str) -> None:
         with self._lock:
-            owner = self._owner_of.pop(snapshot_id, None)
+            self._damaged_owner.pop(snapshot_id, None)
+            self._drop(snapshot_id)
+
+    def mark_damaged(self, snapshot_id: str) -> int | None:
+        """No longer list a snapshot whose manifest is damaged; returns its owner's uid where it was known
+        (indexed before the damage), so that only they and root are told it is damaged."""
+        with self._lock:
+            owner = self._drop(snapshot_id)
             if owner is not None:
-                self._by_owner[owner].pop(snapshot_id, None)
-                if not self._by_owner[owner]:
-                    del self._by_owner[owner]
+                self._damaged_owner[snapshot_id] = owner
+            return self._damaged_owner.get(snapshot_id)
+
+    def _drop(self, snapshot_id: str) -> int | None:
+        owner = self._owner_of.pop(snapshot_id, None)
+        if owner is not None:
+            self._by_owner[owner].pop(snapshot_id, None)
+            if not self._by_owner[owner]:
+                del self._by_owner[owner]
+        return owner
 
     def list(self, owner_uid: int | None, label_selector: Mapping[str, str]) -> list[Snapshot]:
         """Snapshots of ``owner_uid`` (every owner's for ``None``) whose labels match, oldest first."""

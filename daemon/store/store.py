@@ -282,14 +282,17 @@ class SnapshotStore:
 
         Raises:
             InvalidArgumentError: malformed ref.
-            NotFoundError: no such snapshot (reason ``SNAPSHOT_NOT_FOUND``).
+            NotFoundError: no such snapshot (reason ``SNAPSHOT_NOT_FOUND``); also a damaged one asked for by
+                a non-root ``owner_uid`` that is not known to be its owner.
             DataLossError: its manifest is damaged.
         """
         path = self.path_of(ref, owner_uid)
         try:
             return manifest.read(path)
         except DataLossError:
-            self._index.discard(path.name)  # damaged since it was indexed: no longer listed
+            owner = self._index.mark_damaged(path.name)  # no longer listed
+            if owner_uid != 0 and owner != owner_uid:  # only root and its owner learn that it exists
+                raise self.not_found(ref) from None
             raise
 
     def path_of(self, ref: str, owner_uid: int = 0) -> Path:

@@ -82,3 +82,22 @@ def test_node_shows_a_caller_only_their_own_store_use(
     assert theirs["snapshot_count"] == 0 and theirs["store_used_bytes"] == 0, theirs
     node = _as(d, b, "node")
     assert node.returncode == 0 and "0 snapshots" in node.stdout, node.stdout
+
+
+def test_a_damaged_snapshot_is_damaged_only_to_its_owner_and_root(
+    a_snapshot: tuple[DaemonProc, str], hostile: tuple[User, User]
+) -> None:
+    d, snap_id = a_snapshot
+    a, b = hostile
+    (d.store / "snapshots" / snap_id / "manifest.json").write_text("{ damaged")
+    missing = _as(d, b, "inspect", MISSING_ID)
+    for _ in range(2):  # the first read finds the damage; the second is answered from what it recorded
+        res = _as(d, b, "inspect", snap_id)
+        assert res.returncode == 3, res.stderr
+        assert res.stderr.replace(snap_id, MISSING_ID) == missing.stderr, (
+            "another user's damaged snapshot reads as missing"
+        )
+        mine = _as(d, a, "inspect", snap_id)
+        assert mine.returncode == 4 and "manifest" in mine.stderr, mine.stderr
+    root = d.cli("inspect", snap_id)
+    assert root.returncode == 4 and "manifest" in root.stderr, root.stderr
