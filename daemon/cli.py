@@ -306,7 +306,10 @@ class _HeldInterrupt:
     def __init__(self) -> None:
         self.pending = False
         self._previous: Any = None
-        if threading.current_thread() is threading.main_thread():
+        # Only where Ctrl-C raises: a shell starts a background job with SIGINT ignored, and it stays so.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is (
+            signal.default_int_handler
+        ):
             self._previous = signal.signal(signal.SIGINT, self._note)
 
     def _note(self, _signum: int, _frame: object) -> None:

@@ -56,6 +56,8 @@ def test_ctrl_c_cancels(daemon: DaemonProc, workloads: Workloads, tmp_path: Path
         stderr=subprocess.PIPE,
         text=True,
         env=_cli_env(),
+        # Ctrl-C as at a terminal, even where this suite runs as a background job (SIGINT ignored, inherited)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     running = operations_pb2.OPERATION_STATE_RUNNING  # an earlier test's cancelled op also ended in wait-ready
     wait_for(
