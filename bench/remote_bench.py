@@ -118,17 +118,7 @@ def main() -> None:
     gw = ceph_rgw.start()
     tree = None
     try:
-        import boto3
-        from botocore.config import Config
-
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=gw.endpoint,
-            region_name=ceph_rgw.REGION,
-            aws_access_key_id=ceph_rgw.ACCESS_KEY,
-            aws_secret_access_key=ceph_rgw.SECRET_KEY,
-            config=Config(s3={"addressing_style": "path"}),
-        )
+        s3 = gw.s3_client()
         s3.create_bucket(Bucket="bench")
         a_dir = tmp / "a"
         a_dir.mkdir()

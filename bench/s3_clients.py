@@ -30,18 +30,9 @@ CHUNK = 16 << 20
 
 
 def _boto3(gw: ceph_rgw.Gateway, bucket: str, threads: int) -> dict[str, Any]:
-    import boto3
     from boto3.s3.transfer import TransferConfig
-    from botocore.config import Config
 
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=gw.endpoint,
-        region_name=ceph_rgw.REGION,
-        aws_access_key_id=ceph_rgw.ACCESS_KEY,
-        aws_secret_access_key=ceph_rgw.SECRET_KEY,
-        config=Config(s3={"addressing_style": "path"}, max_pool_connections=threads * 2),
-    )
+    s3 = gw.s3_client(max_pool_connections=threads * 2)
     s3.create_bucket(Bucket=bucket)
 
     def put(key: str, data: bytes) -> None:

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 ACCESS_KEY = "GPUSNAPTESTACCESSKEY"
 SECRET_KEY = "gpusnap-test-secret-key-not-a-real-one"
@@ -51,6 +52,20 @@ class Gateway:
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.rgw_port}"
+
+    def s3_client(self, max_pool_connections: int = 10) -> Any:
+        """A boto3 S3 client of this gateway's test user (path-style; boto3's default pool of 10)."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=REGION,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            config=Config(s3={"addressing_style": "path"}, max_pool_connections=max_pool_connections),
+        )
 
     def env(self) -> dict[str, str]:
         """Credentials through the SDK's usual environment variables."""

@@ -10,9 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
-from botocore.config import Config
 
 from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
 from gpusnap.daemon.remote.store import RemoteStore
@@ -27,14 +25,7 @@ class Fleet:
         self.tmp = tmp
         self.bucket = f"fleet-{secrets.token_hex(6)}"
         self.prefix = "gpusnap/test"
-        self.s3 = boto3.client(
-            "s3",
-            endpoint_url=gw.endpoint,
-            region_name=ceph_rgw.REGION,
-            aws_access_key_id=ceph_rgw.ACCESS_KEY,
-            aws_secret_access_key=ceph_rgw.SECRET_KEY,
-            config=Config(s3={"addressing_style": "path"}),
-        )
+        self.s3 = gw.s3_client()
         self.s3.create_bucket(Bucket=self.bucket)
         self.nodes: list[DaemonProc] = []
 
