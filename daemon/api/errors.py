@@ -88,6 +88,7 @@ _ACTION_BY_REASON: dict[str, Action] = {
     "TCP_ESTABLISHED": Action.FIX,
     "USER_NAMESPACE": Action.FIX,
     "PID_NAMESPACE_INIT": Action.FIX,
+    "SESSION_OUTSIDE_NAMESPACE": Action.FIX,
     "NOT_SUSPENDED": Action.FIX,
     "SUSPENDED_TREE_UNKNOWN": Action.FIX,
     "AGENT_ATTACHED": Action.FIX,

@@ -29,7 +29,7 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool 
 
     Raises:
         FailedPreconditionError: reasons ``TCP_ESTABLISHED``, ``CAPABILITY_MISSING`` (any process of the tree
-            of another user), ``USER_NAMESPACE``, ``PID_NAMESPACE_INIT``, ``TERMINAL`` (one whose other side is
+            of another user), ``USER_NAMESPACE``, ``PID_NAMESPACE_INIT``, ``SESSION_OUTSIDE_NAMESPACE``, ``TERMINAL`` (one whose other side is
             outside the tree), ``IO_URING``, ``CRIU_UNSUPPORTED`` (see ``criu_limits``), ``EXTERNAL_PIPE``.
     """
     pids = list(facts.tree_pids)
@@ -55,6 +55,7 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool 
             "it creates itself; checkpoint the process the init runs instead (its child)",
             reason="PID_NAMESPACE_INIT",
         )
+    check_sessions(pids)
     tty = _outside_terminal(pids)
     if tty:
         raise FailedPreconditionError(tty, reason="TERMINAL")
@@ -83,6 +84,29 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool 
             "instead of a pipe",
             reason="EXTERNAL_PIPE",
         )
+
+
+def check_sessions(pids: Sequence[int]) -> None:
+    """Every process of the tree is in a session and process group whose leader gpusnapd's PID namespace sees.
+
+    A process started by ``docker exec``/``kubectl exec`` or by a supervisor in a parent PID namespace,
+    without a session of its own, reads session 0 in ``/proc/<pid>/stat``. CRIU refuses to dump it ("A session
+    leader of … is outside of its pid namespace", criu/cr-dump.c), after the tree was already frozen.
+
+    Raises:
+        FailedPreconditionError: reason ``SESSION_OUTSIDE_NAMESPACE``, naming the first such process.
+    """
+    for p in pids:
+        fields = _stat_fields(p)
+        if len(fields) > 3 and "0" in (fields[2], fields[3]):
+            raise FailedPreconditionError(
+                f"process {p} is in a session or process group whose leader is outside gpusnapd's PID namespace "
+                "(started by `docker exec`, `kubectl exec` or a supervisor in a parent namespace without a session "
+                "of its own), which CRIU cannot checkpoint; start the worker in a session of its own (`setsid "
+                "CMD`, or start_new_session=True) and checkpoint that",
+                reason="SESSION_OUTSIDE_NAMESPACE",
+                metadata={"pid": str(p)},
+            )
 
 
 def check_tcp(opts: CheckpointOptions, pids: Sequence[int], *, after_quiesce: bool = False) -> None:

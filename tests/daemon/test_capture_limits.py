@@ -132,3 +132,39 @@ def test_a_child_of_another_user_gets_the_capability_message(
     res = daemon.cli("dump", str(p.pid))
     assert res.returncode == 4 and f"process {child} of the tree runs as uid {a.uid}" in res.stderr, res.stderr
     assert "rlimit" not in res.stderr
+
+
+_SESSION_PROBE = """
+import json, subprocess, sys
+from gpusnap.daemon.api.errors import FailedPreconditionError
+from gpusnap.daemon.operations.capture_checks import check_sessions
+out = {}
+for name, own in (("inherited", False), ("own", True)):
+    p = subprocess.Popen(["sleep", "60"], start_new_session=own)
+    try:
+        check_sessions([p.pid])
+        out[name] = ""
+    except FailedPreconditionError as e:
+        out[name] = e.reason + ": " + str(e)
+    p.kill()
+print(json.dumps(out))
+"""
+
+
+def test_a_session_led_outside_the_pid_namespace_is_refused() -> None:
+    """A process run by ``docker exec`` (CI's case) inherits a session whose leader its PID namespace cannot
+    see: /proc says session 0 and CRIU refuses the dump after the freeze. Here the session leader is this test
+    runner, outside a fresh PID namespace in which the check runs against its own /proc."""
+    res = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _SESSION_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        stdin=subprocess.DEVNULL,
+    )
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["inherited"].startswith("SESSION_OUTSIDE_NAMESPACE: process "), out
+    assert "setsid" in out["inherited"]
+    assert out["own"] == "", out

@@ -86,7 +86,9 @@ def _process_with_pid(pid: int) -> subprocess.Popen[bytes]:
     last_pid = Path("/proc/sys/kernel/ns_last_pid")
     for _ in range(50):
         last_pid.write_text(str(pid - 1))
-        p = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd="/")
+        p = subprocess.Popen(
+            ["sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd="/", start_new_session=True
+        )
         if p.pid == pid:
             return p
         p.kill()
