@@ -88,6 +88,7 @@ class Daemon:
         if earlier is not None:
             return earlier
         check_replicas(opts)
+        validate.restore_context(opts.env, opts.unset_env, opts.values)
         try:
             snapshot = self.deps.store.get(opts.snapshot, caller.uid)
         except NotFoundError:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from gpusnap.daemon.api.errors import InvalidArgumentError
 
@@ -14,6 +14,11 @@ LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
 MAX_LABEL_VALUE = 256
 RESERVED_LABEL_PREFIX = "gpusnap.dev/"
 MAX_LABELS = 64
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+CONTEXT_KEY_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9._/-]{0,126}[A-Za-z0-9_])?$")
+MAX_CONTEXT_ENTRIES = 256
+MAX_CONTEXT_VALUE = 32 << 10
+MAX_CONTEXT_BYTES = 256 << 10
 
 
 def _shown(value: str) -> str:
@@ -106,6 +111,38 @@ def labels(value: Mapping[str, str]) -> dict[str, str]:
                 reason="INVALID_LABEL",
             )
     return dict(value)
+
+
+def restore_context(env: Mapping[str, str], unset_env: Sequence[str], values: Mapping[str, str]) -> None:
+    """Check a restore context before anything is restored (the worker applies it only at resume, after
+    CRIU and the GPU restore, where a name ``os.environ`` refuses would fail the whole restore).
+
+    Environment names are POSIX portable names (``[A-Za-z_][A-Za-z0-9_]*``, at most 128 characters); value
+    keys are 1-128 characters of letters, digits, ``.``, ``_``, ``/``, ``-``; no value holds a NUL byte or is
+    over 32 KiB; at most 256 entries and 256 KiB in all.
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_RESTORE_CONTEXT``, naming the first bad entry.
+    """
+
+    def bad(what: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"invalid restore context: {what}", reason="INVALID_RESTORE_CONTEXT")
+
+    if len(env) + len(unset_env) + len(values) > MAX_CONTEXT_ENTRIES:
+        raise bad(f"more than {MAX_CONTEXT_ENTRIES} entries")
+    for name in [*env, *unset_env]:
+        if not ENV_NAME_RE.fullmatch(name):
+            raise bad(f"environment variable name {_shown(name)}: letters, digits and '_', not starting with a digit")
+    for key in values:
+        if not CONTEXT_KEY_RE.fullmatch(key):
+            raise bad(f"value key {_shown(key)}: 1-128 characters of letters, digits, '.', '_', '/', '-'")
+    total = 0
+    for key, val in [*env.items(), *values.items()]:
+        total += len(key) + len(val.encode())
+        if "\0" in val or len(val.encode()) > MAX_CONTEXT_VALUE:
+            raise bad(f"the value of {_shown(key)}: at most {MAX_CONTEXT_VALUE // 1024} KiB, with no NUL byte")
+    if total > MAX_CONTEXT_BYTES:
+        raise bad(f"{total} bytes in all (at most {MAX_CONTEXT_BYTES // 1024} KiB)")
 
 
 def pid(value: int) -> int:

@@ -162,6 +162,31 @@ def test_python_client_raises_domain_errors(daemon: DaemonProc) -> None:
         client.restore("Not Valid")
 
 
+_BAD_CONTEXTS: list[tuple[dict[str, object], str]] = [
+    ({"env": {"1ABC": "x"}}, "environment variable name '1ABC'"),
+    ({"env": {"A=B": "x"}}, "environment variable name 'A=B'"),
+    ({"unset_env": ["PATH\0x"]}, "environment variable name"),
+    ({"env": {"OK": "a\0b"}}, "no NUL byte"),
+    ({"env": {"BIG": "x" * (33 << 10)}}, "at most 32 KiB"),
+    ({"values": {"../port": "1"}}, "value key '../port'"),
+    ({"env": {f"V{i}": "1" for i in range(300)}}, "more than 256 entries"),
+]
+
+
+def test_a_bad_restore_context_is_refused_before_anything_is_restored(daemon: DaemonProc, workloads: Workloads) -> None:
+    """The worker applies its context only at resume, after CRIU and the GPU restore: a name
+    ``os.environ`` refuses failed the whole restore there, at its end."""
+    snap = _snapshot(daemon, workloads, "ctx")
+    for context, words in _BAD_CONTEXTS:
+        with pytest.raises(InvalidArgumentError, match="invalid restore context") as e:
+            daemon.client().restore(str(snap["id"]), **context)  # type: ignore[arg-type]
+        assert e.value.reason == "INVALID_RESTORE_CONTEXT" and words in str(e.value), str(e.value)
+    res = daemon.cli("-o", "json", "restore", "ctx", "--env", "9=x")
+    assert res.returncode == 2 and _error(res)["reason"] == "INVALID_RESTORE_CONTEXT", res.stderr
+    ops = json.loads(daemon.cli("-o", "json", "ops", check=True).stdout)
+    assert not [o for o in ops if o["kind"] == "restore"], "no restore started"
+
+
 def test_unreachable_daemon_exit_code(tmp_path: Path) -> None:
     import subprocess
     import sys
