@@ -18,7 +18,11 @@ Use :func:`stabilize` once the model is built and before any CUDA graph is captu
     # ... capture CUDA graphs, then name the same tensors as buffers (TorchAdapter(buffers=...))
 
 The buffers path (:mod:`gpusnap.adapters.buffers`) recognises arena-backed storages: it copies them out
-and back as usual, and releases/re-maps the arena instead of resizing the storages.
+and back as usual, and releases/re-maps the arena instead of resizing the storages. With
+``gpusnapd --gpu-prefill`` a restore skips that copy: the daemon creates and fills the arena's physical
+memory while CRIU restores the worker and hands it over as shareable handles (POSIX file descriptors),
+which :meth:`Arena.adopt` imports and maps at the same addresses (:meth:`Arena.layout` describes the
+arena for it; ``agent.proto``, MapArenas).
 
 In an engine's worker process (e.g. vLLM's ``Worker``, ``engine-apis.md``): call :func:`stabilize` on the
 model's parameters once they are loaded and post-processed (after ``Worker.load_model``) and before the
@@ -137,13 +141,13 @@ class Arena:
         nbytes: bytes wanted; rounded up to the allocation granularity (2 MiB on Hopper).
         device: CUDA device ordinal.
         driver: the ``cuda.bindings.driver`` module (default), or a fake with the same calls.
-        chunk_bytes: largest single physical allocation (``CHUNK_BYTES``).
+        chunk_bytes: largest single physical allocation (default: ``CHUNK_BYTES`` when called).
 
     Raises:
         VmmError: a driver call failed; nothing stays reserved or allocated.
     """
 
-    def __init__(self, nbytes: int, device: int = 0, *, driver: Any = None, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, nbytes: int, device: int = 0, *, driver: Any = None, chunk_bytes: int | None = None):
         if nbytes <= 0:
             raise ValueError(f"an arena needs a positive size, not {nbytes}")
         self.drv = driver if driver is not None else default_driver()
@@ -166,7 +170,7 @@ class Arena:
         )
         self.granularity = gran
         self.size = _round_up(nbytes, gran)
-        chunk = max(gran, chunk_bytes // gran * gran)
+        chunk = max(gran, (chunk_bytes or CHUNK_BYTES) // gran * gran)
         self._chunks = [(off, min(chunk, self.size - off)) for off in range(0, self.size, chunk)]
         self._handles: list[Any] = [None] * len(self._chunks)
         self._mapped = [False] * len(self._chunks)
@@ -189,6 +193,11 @@ class Arena:
             raise
         with _arenas_lock:
             bisect.insort(_arenas, (self.ptr, self.ptr + self.size, self), key=lambda e: e[0])
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """Sizes in bytes of the physical allocations behind the range, in address order."""
+        return tuple(size for _, size in self._chunks)
 
     @property
     def mapped(self) -> bool:
@@ -237,15 +246,82 @@ class Arena:
                     f"(at {self.ptr + off:#x}, {size} bytes)",
                 )
                 self._mapped[i] = True
-            access = drv.CUmemAccessDesc()
-            access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            access.location.id = self.device
-            access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            _check(drv, "cuMemSetAccess", drv.cuMemSetAccess(self.ptr, self.size, [access], 1))
+            _check(drv, "cuMemSetAccess", drv.cuMemSetAccess(self.ptr, self.size, [self._access()], 1))
         except BaseException:
             for i in reversed(done):
                 self._drop(i)
             raise
+
+    def adopt(self, fds: list[int]) -> None:
+        """Back the released range with physical memory another process created and filled: one shareable
+        handle per chunk (``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``, in address order), imported
+        (``cuMemImportFromShareableHandle``), mapped at the same addresses (``cuMemMap``) and made accessible
+        (``cuMemSetAccess``). The descriptors stay the caller's to close. On failure everything this call
+        imported or mapped is given back, leaving the arena reserved and unmapped.
+
+        Raises:
+            ValueError: the arena is mapped, or ``fds`` does not have one descriptor per chunk.
+            VmmError: a driver call failed (e.g. a descriptor of the wrong size: ``CUDA_ERROR_INVALID_VALUE``).
+        """
+        if self.closed or any(self._mapped) or any(h is not None for h in self._handles):
+            raise ValueError("only a released arena can adopt memory")
+        if len(fds) != len(self._chunks):
+            raise ValueError(f"{len(fds)} descriptors for an arena of {len(self._chunks)} chunks")
+        drv = self.drv
+        self._ensure_context()
+        kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        try:
+            for i, ((off, size), fd) in enumerate(zip(self._chunks, fds, strict=True)):
+                self._handles[i] = _check(
+                    drv, "cuMemImportFromShareableHandle", drv.cuMemImportFromShareableHandle(fd, kind)
+                )
+                _check(
+                    drv,
+                    "cuMemMap",
+                    drv.cuMemMap(self.ptr + off, size, 0, self._handles[i], 0),
+                    f"(an imported chunk at {self.ptr + off:#x}, {size} bytes)",
+                )
+                self._mapped[i] = True
+            _check(drv, "cuMemSetAccess", drv.cuMemSetAccess(self.ptr, self.size, [self._access()], 1))
+        except BaseException:
+            for i in reversed(range(len(self._chunks))):
+                self._drop(i)
+            raise
+
+    def _access(self) -> Any:
+        access = self.drv.CUmemAccessDesc()
+        access.location.type = self.drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = self.drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return access
+
+    def layout(self) -> ArenaLayout:
+        """What another process needs to create this arena's physical memory (:class:`ArenaLayout`).
+
+        Raises:
+            VmmError: ``cuDeviceGetUuid`` failed.
+        """
+        drv = self.drv
+        dev = _check(drv, "cuDeviceGet", drv.cuDeviceGet(self.device))
+        raw = _check(drv, "cuDeviceGetUuid", drv.cuDeviceGetUuid(dev)).bytes
+        h = (raw.encode("latin-1") if isinstance(raw, str) else bytes(raw)).hex()
+        return ArenaLayout(
+            gpu_uuid=f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}",
+            size=self.size,
+            granularity=self.granularity,
+            chunks=self.chunk_sizes,
+            storages=len(self._spans),
+        )
+
+    def offset_of(self, address: int) -> int:
+        """Byte offset from the arena's start of the storage placed at ``address``.
+
+        Raises:
+            KeyError: no storage starts there.
+        """
+        if address not in self._spans:
+            raise KeyError(f"no storage starts at {address:#x} in this arena")
+        return address - self.ptr
 
     def _drop(self, i: int) -> None:
         """Unmap chunk ``i`` (if mapped) and release its handle (if any)."""
@@ -323,6 +399,19 @@ class Arena:
                 f"{address:#x} on cuda:{self.device}"
             )
         return t
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaLayout:
+    """An arena as another process sees it: the GPU (``gpu_uuid``, NVML form), the reserved ``size`` and
+    allocation ``granularity`` in bytes, the sizes of its physical ``chunks`` in address order, and how many
+    ``storages`` are placed in it."""
+
+    gpu_uuid: str
+    size: int
+    granularity: int
+    chunks: tuple[int, ...]
+    storages: int
 
 
 @dataclasses.dataclass(frozen=True)

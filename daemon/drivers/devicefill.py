@@ -1,0 +1,382 @@
+"""Device memory that gpusnapd creates and fills for a restored worker (``--gpu-prefill``), through
+``cuda.bindings.driver``'s virtual memory management (VMM) calls.
+
+A worker's address-stable arena (``gpusnap.adapters.vmm``) is a reserved device address range whose
+physical memory the worker releases at capture. Instead of the worker creating it again and copying its
+buffers in after a restore, :meth:`DeviceFiller.fill` creates it in gpusnapd's own context on the target
+GPU, one allocation per chunk of the arena (``cuMemCreate`` with ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``
+requested), maps it into a range of its own, copies the blobs in by DMA (each blob ``mmap``ed read-only
+and ``cuMemHostRegister``-ed with ``CU_MEMHOSTREGISTER_READ_ONLY``; ``cuMemcpyAsync`` on a few streams),
+unmaps it again and exports one file descriptor per chunk (``cuMemExportToShareableHandle``). The worker
+imports and maps those at the arena's own addresses (:meth:`gpusnap.adapters.vmm.Arena.adopt`); then
+:meth:`FilledArena.release` drops gpusnapd's handles, and the memory belongs to the worker alone (the CUDA
+Driver API, "Virtual Memory Management": physical memory is freed once every handle is released and every
+mapping unmapped). bench/arena_probe.py measured this recipe on an H200 (bench/results/arena-probe-*.json):
+55.4 GB/s fill from a registered tmpfs blob, 0.0008 s import and map of 16 GiB in the worker.
+
+Registrations of blobs in the RAM tier are kept across restores (registering 16 GiB took 0.86 s on the
+H200) and dropped once their file is unlinked (after the store's garbage collection:
+:meth:`DeviceFiller.drop_unlinked`) or when :meth:`DeviceFiller.close` runs; other blobs are registered for one fill only, so no disk page stays pinned.
+
+What this module checks of the blob bytes: every blob descriptor's size (``fstat``) equals the size the
+snapshot records before anything is mapped, so the DMA reads exactly the recorded bytes of the file. It
+computes no digests: the caller (``gpusnap.daemon.gpu.prefill``) keeps today's reload rules (sizes at
+preflight, digests with ``--verify-buffers`` before the memory reaches the worker).
+
+Every failure raises :class:`PrefillError` and gives back everything the call created (handles, mappings,
+address ranges, exported descriptors); nothing here raises gRPC errors. Calls are synchronous driver calls
+without timeouts; the caller runs them on a thread of its own. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+READ_ONLY = 0x08
+"""``CU_MEMHOSTREGISTER_READ_ONLY``: the device only reads the registered pages (a 0400 blob)."""
+PIECE_BYTES = 256 << 20
+"""Bytes per ``cuMemcpyAsync`` (the probe's chunk)."""
+STREAMS = 4
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+DEFAULT_DRIVER: Any = None
+"""The driver a :class:`DeviceFiller` built without one uses; ``None``: ``cuda.bindings.driver``. (A test seam:
+tests/daemon/prefill_daemon.py runs gpusnapd over the fake of tests/fakes/cuda_vmm.py.)"""
+
+
+class PrefillError(RuntimeError):
+    """A fill could not be done; the message names the cause (a driver call and its ``CUresult``, or a
+    precondition such as free device memory). Everything the fill created was given back."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One blob's bytes for one arena: ``fd`` (read-only, the caller's; kept open by a cached
+    registration), ``nbytes`` (the size the snapshot records), ``offset`` in the arena, and ``keep``
+    (keep its registration for later fills: a RAM-tier blob)."""
+
+    fd: int
+    nbytes: int
+    offset: int
+    keep: bool = False
+
+
+@dataclasses.dataclass
+class FilledArena:
+    """An arena's physical memory, filled: ``fds`` (one exported descriptor per chunk, in address order)
+    and gpusnapd's own handles. :meth:`release` closes and releases both; call it once the worker has
+    imported the descriptors, or to give the memory back when it never will."""
+
+    filler: DeviceFiller
+    ordinal: int
+    handles: list[Any]
+    fds: list[int]
+    nbytes: int
+    seconds: float = 0.0
+
+    def release(self) -> None:
+        """Close the exported descriptors and release gpusnapd's handles (idempotent). Memory a worker
+        imported stays with the worker."""
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        handles, self.handles = self.handles, []
+        if handles:
+            self.filler._release(self.ordinal, handles)
+
+
+@dataclasses.dataclass
+class _Registered:
+    fd: int
+    address: int
+    nbytes: int
+
+
+def _call(drv: Any, name: str, *args: Any) -> Any:
+    """The call's results after its ``CUresult``; raises :class:`PrefillError` naming the call."""
+    out = getattr(drv, name)(*args)
+    err, rest = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())
+    if int(err) != 0:
+        raise PrefillError(f"{name} failed with {getattr(err, 'name', None) or f'CUresult({int(err)})'}")
+    return None if not rest else rest[0] if len(rest) == 1 else rest
+
+
+def _uuid_text(raw: Any) -> str:
+    h = (raw.encode("latin-1") if isinstance(raw, str) else bytes(raw)).hex()
+    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+class DeviceFiller:
+    """gpusnapd's contexts (one primary context per GPU, retained on first use and kept) and its fills.
+
+    Args:
+        driver: ``cuda.bindings.driver`` (default, imported on first use) or a fake with the same calls
+            (tests/fakes/cuda_vmm.py).
+    """
+
+    def __init__(self, driver: Any = None):
+        self._drv = driver if driver is not None else DEFAULT_DRIVER
+        self._lock = threading.Lock()
+        self._contexts: dict[int, Any] = {}
+        self._streams: dict[int, list[Any]] = {}
+        self._registered: dict[tuple[int, int], _Registered] = {}
+
+    @property
+    def drv(self) -> Any:
+        if self._drv is None:
+            from cuda.bindings import driver
+
+            _call(driver, "cuInit", 0)
+            self._drv = driver
+        return self._drv
+
+    def probe(self) -> dict[str, str]:
+        """Which GPUs can be filled: GPU UUID (NVML form) → ``""`` where VMM and POSIX-descriptor handles
+        are supported (``CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED``,
+        ``CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED``), else why not. Creates no context.
+
+        Raises:
+            PrefillError: cuda-bindings is missing, ``cuInit`` or a device query failed.
+        """
+        try:
+            drv = self.drv
+        except ImportError as exc:
+            raise PrefillError(f"cuda-bindings is not importable ({exc})") from exc
+        attr = drv.CUdevice_attribute
+        out: dict[str, str] = {}
+        for ordinal in range(int(_call(drv, "cuDeviceGetCount"))):
+            dev = _call(drv, "cuDeviceGet", ordinal)
+            uuid = _uuid_text(_call(drv, "cuDeviceGetUuid", dev).bytes)
+            vmm = _call(drv, "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev)
+            fd = _call(
+                drv, "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev
+            )
+            out[uuid] = (
+                "" if vmm and fd else "no virtual memory management" if not vmm else "no POSIX file descriptor handles"
+            )
+        return out
+
+    def ordinal_of(self, gpu_uuid: str) -> int:
+        """This process's device ordinal of the GPU ``gpu_uuid`` (NVML form, any case).
+
+        Raises:
+            PrefillError: no such GPU.
+        """
+        drv = self.drv
+        for ordinal in range(int(_call(drv, "cuDeviceGetCount"))):
+            if (
+                _uuid_text(_call(drv, "cuDeviceGetUuid", _call(drv, "cuDeviceGet", ordinal)).bytes).lower()
+                == gpu_uuid.lower()
+            ):
+                return ordinal
+        raise PrefillError(f"GPU {gpu_uuid} is not visible to gpusnapd")
+
+    def _enter(self, ordinal: int) -> list[Any]:
+        """Make GPU ``ordinal``'s primary context current on this thread (retained once); its streams."""
+        drv = self.drv
+        with self._lock:
+            if ordinal not in self._contexts:
+                ctx = _call(drv, "cuDevicePrimaryCtxRetain", _call(drv, "cuDeviceGet", ordinal))
+                _call(drv, "cuCtxSetCurrent", ctx)
+                self._streams[ordinal] = [_call(drv, "cuStreamCreate", 0) for _ in range(STREAMS)]
+                self._contexts[ordinal] = ctx
+        _call(drv, "cuCtxSetCurrent", self._contexts[ordinal])
+        return self._streams[ordinal]
+
+    def fill(
+        self,
+        gpu_uuid: str,
+        chunks: Sequence[int],
+        sources: Sequence[Source],
+        *,
+        reserve_bytes: int = 0,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> FilledArena:
+        """Create an arena's physical memory on GPU ``gpu_uuid`` (``chunks``: allocation sizes in bytes, in
+        address order, each a multiple of the granularity), copy every source in, and export it.
+
+        Args:
+            reserve_bytes: device memory to leave free beyond the arena (what the worker's own CUDA restore
+                needs on this GPU); less free than the arena plus this is a :class:`PrefillError`.
+            cancelled: polled between copies; True stops the fill (a :class:`PrefillError`).
+
+        Raises:
+            PrefillError: see the module docstring; nothing stays allocated or registered for the call.
+        """
+        import time
+
+        start = time.monotonic()
+        drv = self.drv
+        size = sum(chunks)
+        if not chunks or any(c <= 0 for c in chunks):
+            raise PrefillError(f"bad chunk sizes {list(chunks)[:4]}")
+        for s in sources:
+            if s.offset < 0 or s.nbytes <= 0 or s.offset + s.nbytes > size:
+                raise PrefillError(
+                    f"a buffer of {s.nbytes} bytes at offset {s.offset} lies outside the arena of {size}"
+                )
+            actual = os.fstat(s.fd).st_size
+            if actual != s.nbytes:
+                raise PrefillError(f"a blob holds {actual} bytes where the snapshot records {s.nbytes}")
+        ordinal = self.ordinal_of(gpu_uuid)
+        streams = self._enter(ordinal)
+        free, _total = _call(drv, "cuMemGetInfo")
+        if int(free) < size + reserve_bytes:
+            raise PrefillError(
+                f"GPU {gpu_uuid} has {int(free) >> 20} MiB free, the arena needs {size >> 20} MiB "
+                f"and the worker's restore {reserve_bytes >> 20} MiB more"
+            )
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = ordinal
+        prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        filled = FilledArena(self, ordinal, [], [], size)
+        base = 0
+        mapped: list[tuple[int, int]] = []
+        once: list[_Registered] = []
+        try:
+            for c in chunks:
+                filled.handles.append(_call(drv, "cuMemCreate", c, prop, 0))
+            base = int(_call(drv, "cuMemAddressReserve", size, 0, 0, 0))
+            off = 0
+            for handle, c in zip(filled.handles, chunks, strict=True):
+                _call(drv, "cuMemMap", base + off, c, 0, handle, 0)
+                mapped.append((base + off, c))
+                off += c
+            access = drv.CUmemAccessDesc()
+            access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            access.location.id = ordinal
+            access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            _call(drv, "cuMemSetAccess", base, size, [access], 1)
+            bounds = [sum(chunks[:i]) for i in range(len(chunks) + 1)]
+            n = 0
+            for s in sources:
+                reg = self._registration(s, once)
+                for dst, length in _pieces(s.offset, s.nbytes, bounds):
+                    if cancelled():
+                        raise PrefillError("the restore ended before the fill")
+                    src = reg.address + dst - s.offset
+                    _call(drv, "cuMemcpyAsync", base + dst, src, length, streams[n % len(streams)])
+                    n += 1
+            for stream in streams:
+                _call(drv, "cuStreamSynchronize", stream)
+            self._unmap(base, size, mapped)
+            base = 0
+            for handle in filled.handles:
+                kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                filled.fds.append(int(_call(drv, "cuMemExportToShareableHandle", handle, kind, 0)))
+        except BaseException:
+            for stream in streams:  # no copy may still target memory released below
+                drv.cuStreamSynchronize(stream)
+            with contextlib.suppress(PrefillError):  # the first failure is the one to report
+                if base:
+                    self._unmap(base, size, mapped, strict=False)
+                filled.release()
+            raise
+        finally:
+            for reg in once:
+                self._unregister(reg)
+        filled.seconds = time.monotonic() - start
+        return filled
+
+    def _unmap(self, base: int, size: int, mapped: list[tuple[int, int]], strict: bool = True) -> None:
+        drv = self.drv
+        for ptr, c in reversed(mapped):
+            out = drv.cuMemUnmap(ptr, c)
+            if strict and int(out[0]) != 0:
+                raise PrefillError(f"cuMemUnmap failed with {out[0]}")
+        mapped.clear()
+        out = drv.cuMemAddressFree(base, size)
+        if strict and int(out[0]) != 0:
+            raise PrefillError(f"cuMemAddressFree failed with {out[0]}")
+
+    def _release(self, ordinal: int, handles: list[Any]) -> None:
+        """Release gpusnapd's handles (every one is tried; the first failure raised)."""
+        drv = self.drv
+        self._enter(ordinal)
+        failed = [h for h in handles if int(drv.cuMemRelease(h)[0]) != 0]
+        if failed:
+            raise PrefillError(f"cuMemRelease failed for {len(failed)} of {len(handles)} handles")
+
+    def _registration(self, source: Source, once: list[_Registered]) -> _Registered:
+        """The blob's read-only registered mapping: cached (``source.keep``) or for this fill (``once``)."""
+        st = os.fstat(source.fd)
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            self._drop_unlinked()
+            reg = self._registered.get(key) if source.keep else None
+            if reg is not None and reg.nbytes == source.nbytes:
+                return reg
+            reg = self._register(source.fd, source.nbytes)
+            (self._registered.__setitem__(key, reg) if source.keep else once.append(reg))
+            return reg
+
+    def _register(self, fd: int, nbytes: int) -> _Registered:
+        address = _libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise PrefillError(f"mmap of a blob failed: {os.strerror(ctypes.get_errno())}")
+        mine = os.dup(fd)
+        try:
+            _call(self.drv, "cuMemHostRegister", address, nbytes, READ_ONLY)
+        except BaseException:
+            _libc.munmap(address, nbytes)
+            os.close(mine)
+            raise
+        return _Registered(mine, int(address), nbytes)
+
+    def _unregister(self, reg: _Registered) -> None:
+        self.drv.cuMemHostUnregister(reg.address)
+        _libc.munmap(reg.address, reg.nbytes)
+        os.close(reg.fd)
+
+    def _drop_unlinked(self) -> None:
+        """Forget cached registrations of blobs the store removed (their pages would stay pinned)."""
+        for key, reg in list(self._registered.items()):
+            if os.fstat(reg.fd).st_nlink == 0:
+                del self._registered[key]
+                self._unregister(reg)
+
+    def drop_unlinked(self) -> None:
+        """Unregister blobs the store has removed (its garbage collection calls this)."""
+        with self._lock:
+            self._drop_unlinked()
+
+    def registered_bytes(self) -> int:
+        """Bytes of blobs whose registration is kept."""
+        with self._lock:
+            return sum(r.nbytes for r in self._registered.values())
+
+    def close(self) -> None:
+        """Drop every kept registration (the contexts stay until the process exits)."""
+        with self._lock:
+            for reg in self._registered.values():
+                self._unregister(reg)
+            self._registered.clear()
+
+
+def _pieces(offset: int, nbytes: int, bounds: Sequence[int]) -> list[tuple[int, int]]:
+    """``(arena offset, bytes)`` pieces of the span, at most ``PIECE_BYTES`` each, none across a chunk
+    boundary (``bounds``: chunk start offsets, then the arena's size)."""
+    out = []
+    pos, end = offset, offset + nbytes
+    i = 0
+    while pos < end:
+        while bounds[i + 1] <= pos:
+            i += 1
+        stop = min(end, bounds[i + 1], pos + PIECE_BYTES)
+        out.append((pos, stop - pos))
+        pos = stop
+    return out

@@ -1,0 +1,165 @@
+"""gpusnapd's device fill (gpusnap.daemon.drivers.devicefill) over the fake VMM driver, whose physical
+allocations are memfds (tests/fakes/cuda_vmm.py): the bytes a fill exports reach another process, which
+imports and maps them at its own arena's reserved addresses (the worker's side, gpusnap.adapters.vmm);
+every failure leaves no handle, mapping, address range, registration or descriptor behind."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon.drivers import devicefill
+from gpusnap.daemon.drivers.devicefill import DeviceFiller, PrefillError, Source
+from tests.conftest import REPO
+from tests.fakes.cuda_vmm import POSIX_FD_ATTRIBUTE, CUresult, FakeVmmDriver
+
+G = 64 << 10
+UUID = "GPU-00000000-1111-4222-8333-000000000000"
+
+WORKER = """
+import hashlib, os, sys, ctypes
+sys.path.insert(0, {repo!r})
+from gpusnap.adapters import vmm
+from tests.fakes.cuda_vmm import FakeVmmDriver
+drv = FakeVmmDriver(granularity={g})
+arena = vmm.Arena({size}, 0, driver=drv, chunk_bytes={chunk})
+arena.release()
+fds = [int(x) for x in sys.argv[1:]]
+arena.adopt(fds)
+for fd in fds:
+    os.close(fd)
+print(arena.ptr, hashlib.sha256(ctypes.string_at(arena.ptr, {nbytes})).hexdigest())
+"""
+
+
+def _blob(tmp: Path, name: str, nbytes: int) -> tuple[int, bytes]:
+    data = os.urandom(nbytes)
+    path = tmp / name
+    path.write_bytes(data)
+    return os.open(path, os.O_RDONLY), data
+
+
+def _clean(drv: FakeVmmDriver, keep: int = 0) -> None:
+    assert drv.live() == 0, "handles or memfds left"
+    assert not drv.reserved and not drv.mappings, "address ranges or mappings left"
+    assert len(drv.registered) == keep, "registrations left"
+
+
+def test_filled_memory_reaches_another_process_through_exported_descriptors(tmp_path: Path) -> None:
+    drv = FakeVmmDriver(granularity=G)
+    filler = DeviceFiller(drv)
+    a, da = _blob(tmp_path, "a", 3 * G + 100)  # crosses the first chunk boundary
+    b, db = _blob(tmp_path, "b", G)
+    off_b = 4 * G
+    chunks = [2 * G, 2 * G, 2 * G]
+    filled = filler.fill(UUID, chunks, [Source(a, len(da), 0), Source(b, len(db), off_b)])
+    os.close(a)
+    os.close(b)
+    assert len(filled.fds) == 3 and not drv.reserved, "gpusnapd's own mapping is gone; the exported memory stays"
+    expected = bytearray(b"\xa5" * (6 * G))  # new memory where nothing was copied
+    expected[: len(da)] = da
+    expected[off_b : off_b + len(db)] = db
+    script = WORKER.format(repo=str(REPO), g=G, size=6 * G, chunk=2 * G, nbytes=6 * G)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, filled.fds)],
+        pass_fds=filled.fds,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[1] == hashlib.sha256(bytes(expected)).hexdigest(), "the worker maps the filled bytes"
+    filled.release()
+    _clean(drv)
+    filled.release()  # idempotent
+
+
+def test_pieces_never_cross_a_chunk_and_stay_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devicefill, "PIECE_BYTES", 3 * G)
+    bounds = [0, 4 * G, 8 * G]
+    assert devicefill._pieces(G, 6 * G, bounds) == [(G, 3 * G), (4 * G, 3 * G)]
+    assert devicefill._pieces(3 * G, 2 * G, bounds) == [(3 * G, G), (4 * G, G)]
+
+
+@pytest.mark.parametrize(
+    ("call", "nth"),
+    [
+        ("cuMemCreate", 2),
+        ("cuMemAddressReserve", 1),
+        ("cuMemMap", 2),
+        ("cuMemSetAccess", 1),
+        ("cuMemHostRegister", 1),
+        ("cuMemcpyAsync", 2),
+        ("cuStreamSynchronize", 2),
+        ("cuMemUnmap", 1),
+        ("cuMemExportToShareableHandle", 2),
+    ],
+)
+def test_every_failure_releases_everything(tmp_path: Path, call: str, nth: int) -> None:
+    drv = FakeVmmDriver(granularity=G)
+    filler = DeviceFiller(drv)
+    fd, data = _blob(tmp_path, "a", 4 * G)
+    before = set(os.listdir("/proc/self/fd"))
+    drv.fail(call, on_call=nth, result=CUresult.CUDA_ERROR_INVALID_VALUE)
+    with pytest.raises(PrefillError, match=call):
+        filler.fill(UUID, [2 * G, 2 * G], [Source(fd, len(data), 0)])
+    _clean(drv)
+    assert set(os.listdir("/proc/self/fd")) == before, "no descriptor left open"
+    os.close(fd)
+
+
+def test_preconditions_are_checked_before_anything_is_allocated(tmp_path: Path) -> None:
+    drv = FakeVmmDriver(granularity=G, capacity=4 * G)
+    filler = DeviceFiller(drv)
+    fd, data = _blob(tmp_path, "a", 2 * G)
+    with pytest.raises(PrefillError, match="MiB free"):
+        filler.fill(UUID, [2 * G, 2 * G], [Source(fd, len(data), 0)], reserve_bytes=G)
+    with pytest.raises(PrefillError, match="where the snapshot records"):
+        filler.fill(UUID, [4 * G], [Source(fd, len(data) + 1, 0)])
+    with pytest.raises(PrefillError, match="outside the arena"):
+        filler.fill(UUID, [2 * G], [Source(fd, len(data), G)])
+    with pytest.raises(PrefillError, match="not visible"):
+        filler.fill("GPU-00000009-1111-4222-8333-000000000009", [2 * G], [Source(fd, len(data), 0)])
+    assert "cuMemCreate" not in drv.names()
+    _clean(drv)
+    os.close(fd)
+
+
+def test_cancelled_fill_releases_everything(tmp_path: Path) -> None:
+    drv = FakeVmmDriver(granularity=G)
+    fd, data = _blob(tmp_path, "a", 2 * G)
+    with pytest.raises(PrefillError, match="ended before"):
+        DeviceFiller(drv).fill(UUID, [2 * G], [Source(fd, len(data), 0)], cancelled=lambda: True)
+    _clean(drv)
+    os.close(fd)
+
+
+def test_ram_tier_registrations_are_kept_until_the_blob_is_unlinked(tmp_path: Path) -> None:
+    drv = FakeVmmDriver(granularity=G)
+    filler = DeviceFiller(drv)
+    fd, data = _blob(tmp_path, "a", 2 * G)
+    for _ in range(2):
+        filler.fill(UUID, [2 * G], [Source(fd, len(data), 0, keep=True)]).release()
+    assert drv.names().count("cuMemHostRegister") == 1, "registered once, reused"
+    assert filler.registered_bytes() == 2 * G
+    os.close(fd)
+    filler.drop_unlinked()
+    assert filler.registered_bytes() == 2 * G, "a blob still in the store stays registered"
+    (tmp_path / "a").unlink()  # the store's garbage collection, which then calls drop_unlinked
+    filler.drop_unlinked()
+    assert filler.registered_bytes() == 0, "the unlinked blob's registration was dropped"
+    _clean(drv)
+
+
+def test_probe_reports_what_each_gpu_lacks() -> None:
+    drv = FakeVmmDriver(devices=2)
+    assert DeviceFiller(drv).probe() == {UUID: "", "GPU-00000001-1111-4222-8333-000000000001": ""}
+    drv.attributes[POSIX_FD_ATTRIBUTE] = 0
+    assert set(DeviceFiller(drv).probe().values()) == {"no POSIX file descriptor handles"}
+    assert "cuDevicePrimaryCtxRetain" not in drv.names(), "the probe creates no context"
