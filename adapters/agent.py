@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpusnap.adapters import buffers, capture_settings, wire
+from gpusnap.adapters import buffers, capture_settings, vmm, wire
 from gpusnap.adapters._proto import agent_pb2
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
 
@@ -78,6 +78,8 @@ class WorkerAgent:
         self._buffers: dict[str, buffers.Buffer] = {}
         self._out: set[str] = set()
         """Names of the buffers written out and freed, until reloaded."""
+        self._arenas: list[vmm.Arena] = []
+        """The arenas the buffers lie in, as announced at quiesce (MapArenas names them by 1-based index)."""
 
     def start(self) -> WorkerAgent:
         """Start the agent's thread; returns ``self``."""
@@ -152,6 +154,9 @@ class WorkerAgent:
                     result.details["tokens"] = _tokens(self._call(self.adapter.health()))
                 elif kind == "quiesce":
                     result.buffers.extend(self._quiesce(msg.quiesce.offload))
+                    result.arenas.extend(self._arena_infos())
+                elif kind == "map_arenas":
+                    result.details.update(self._map_arenas(msg.map_arenas, fds))
                 elif kind == "offload":
                     result.details.update(self._offload(list(msg.offload.names), fds, last=msg.offload.last))
                 elif kind == "reload":
@@ -182,7 +187,71 @@ class WorkerAgent:
         # Quiesced from here on, even if the answer never reaches the daemon (it timed out): the worker
         # then waits for its wake file, and the daemon's rollback resumes it.
         self.quiesced = True
-        return [agent_pb2.BufferInfo(name=b.name, size_bytes=b.nbytes) for b in self._buffers.values()]
+        self._arenas = list(dict.fromkeys(b.arena for b in self._buffers.values() if b.arena is not None))
+        return [
+            agent_pb2.BufferInfo(
+                name=b.name,
+                size_bytes=b.nbytes,
+                arena=self._arenas.index(b.arena) + 1 if b.arena is not None else 0,
+                arena_offset=b.arena.offset_of(b.address) if b.arena is not None else 0,
+            )
+            for b in self._buffers.values()
+        ]
+
+    def _arena_infos(self) -> list[agent_pb2.ArenaInfo]:
+        """The arenas' layouts for the daemon's prefill; none if one cannot be described (it then reloads)."""
+        try:
+            layouts = [a.layout() for a in self._arenas]
+        except Exception as exc:  # noqa: BLE001 (an optional optimisation: the reload path still works)
+            log.warning("gpusnap agent: arena layout unavailable (%s); a restore reads them back instead", exc)
+            return []
+        return [
+            agent_pb2.ArenaInfo(
+                gpu_uuid=a.gpu_uuid,
+                size_bytes=a.size,
+                granularity=a.granularity,
+                chunk_bytes=list(a.chunks),
+                storages=a.storages,
+            )
+            for a in layouts
+        ]
+
+    def _map_arenas(self, msg: agent_pb2.MapArenas, fds: list[int]) -> dict[str, str]:
+        """Adopt the daemon's filled memory as the named arenas (one descriptor per chunk, in order); their
+        buffers count as read back. On failure the arenas adopted by this command are released again."""
+        plan: list[tuple[vmm.Arena, list[buffers.Buffer]]] = []
+        for m in msg.arenas:
+            if not 1 <= m.arena <= len(self._arenas):
+                raise ValueError(f"no arena {m.arena} (the worker has {len(self._arenas)})")
+            arena = self._arenas[m.arena - 1]
+            named = [self._buffers[n] for n in m.names if n in self._buffers]
+            held = [b for b in self._buffers.values() if b.arena is arena]
+            if len(named) != len(m.names) or {b.name for b in named} != {b.name for b in held}:
+                raise ValueError(f"arena {m.arena} holds buffers {sorted(b.name for b in held)[:3]}…, not those named")
+            if not all(b.name in self._out for b in held):
+                raise ValueError(f"arena {m.arena} holds buffers that are not out")
+            plan.append((arena, held))
+        if len(fds) != sum(len(a.chunk_sizes) for a, _ in plan):
+            raise ValueError(f"{len(fds)} descriptors for the arenas' chunks")
+        start = time.monotonic()
+        done: list[vmm.Arena] = []
+        used = 0
+        try:
+            for arena, _ in plan:
+                n = len(arena.chunk_sizes)
+                arena.adopt(fds[used : used + n])
+                used += n
+                done.append(arena)
+        except BaseException:
+            for arena in done:
+                arena.release()
+            raise
+        for _, held in plan:
+            for b in held:
+                b.arena.mark_in(b.address)
+                b.freed = False
+                self._out.discard(b.name)
+        return {"map_s": f"{time.monotonic() - start:.4f}", "arenas": str(len(plan))}
 
     def _check(self, names: list[str], fds: list[int]) -> None:
         if len(names) != len(fds):

@@ -818,6 +818,7 @@ def node(obj: Ctx) -> None:
         ("cpu", h.cpu_model),
         ("nvidia driver", h.nvidia_driver_version or "-"),
         ("cuda checkpoint", "supported" if info.cuda_checkpoint_supported else (info.cuda_unavailable_reason or "-")),
+        ("gpu prefill", info.gpu_prefill or "off"),
     ):
         _row(table, key, value)
     _print_table(table)

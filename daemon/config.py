@@ -102,6 +102,11 @@ class DaemonConfig:
     pull_grace: float = 86400.0
     """What an unfinished pull (a killed daemon, a failed transfer) wrote is kept this long after its last
     write for a retry to resume, then removed (at start and whenever a pull starts); never listed."""
+    gpu_prefill: str = "off"
+    """``off`` or ``auto``: at restore, gpusnapd creates and fills the device memory of a worker's
+    address-stable arenas itself while CRIU restores the worker, and hands it over (``docs/performance.md``,
+    "Device memory filled by gpusnapd"); ``auto`` uses it where the start-time probe passes. It costs a CUDA
+    context in gpusnapd (about 520 MiB of device memory on each GPU it fills)."""
     log_format: str = "auto"
     """``auto`` (JSON unless stderr is a terminal), ``json`` or ``console``."""
     log_level: str = "info"
@@ -161,6 +166,10 @@ class DaemonConfig:
                 reason="BAD_CONFIG",
             )
         self.client_identities()
+        if self.gpu_prefill not in ("off", "auto"):
+            raise InvalidArgumentError(
+                f"gpu_prefill must be off or auto, not {self.gpu_prefill!r}", reason="BAD_CONFIG"
+            )
         if self.log_format not in ("auto", "json", "console"):
             raise InvalidArgumentError(
                 f"log_format must be auto, json or console, not {self.log_format!r}", reason="BAD_CONFIG"

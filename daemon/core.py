@@ -40,6 +40,8 @@ class NodeInfo:
     remote: str = ""
     tiers: tuple[TierUsage, ...] = ()
     """The buffer store's tiers, fastest first, then (with a remote store) ``remote``: what only it holds."""
+    gpu_prefill: str = ""
+    """``gpu_prefill``'s state: ``on (…)`` or ``off…`` with the reason (``gpusnap.daemon.gpu.prefill``)."""
 
 
 class Daemon:
@@ -280,6 +282,7 @@ class Daemon:
             gpus=tuple(self.deps.gpu.gpus()),
             cuda_checkpoint_supported=self.deps.gpu.available,
             cuda_unavailable_reason=self.deps.gpu.reason,
+            gpu_prefill=self.deps.gpu.prefill.state if self.deps.gpu.prefill else "off",
             remote=str(self.deps.remote or ""),
             tiers=self._tiers(uid),
         )

@@ -42,6 +42,11 @@ IN_USE_REASONS = frozenset({"STORE_LOCKED", "SOCKET_IN_USE"})
 @click.option("--metrics-listen", help="serve Prometheus metrics on IP:PORT (a bare port: 127.0.0.1) [off]")
 @click.option("--criu", "criu_binary", help="criu executable [criu on PATH]")
 @click.option("--pycriu-path", help="directory that holds the pycriu package")
+@click.option(
+    "--gpu-prefill",
+    type=click.Choice(["off", "auto"]),
+    help="fill address-stable weights on the GPU while CRIU restores (a CUDA context in gpusnapd) [off]",
+)
 @click.option("--log-format", type=click.Choice(["auto", "json", "console"]))
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.version_option(__version__, prog_name="gpusnapd")

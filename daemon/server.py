@@ -24,6 +24,7 @@ from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import host
 from gpusnap.daemon.drivers.criu import CriuDriver
+from gpusnap.daemon.gpu.prefill import PrefillSupport
 from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations.base import OperationKind
@@ -104,6 +105,9 @@ def build_daemon(config: DaemonConfig) -> Running:
     journal = Journal(config.store / JOURNAL)
     store.open(hold_buffers=lambda: recovery.held_buffers(journal))  # read once the store is locked
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
+    gpu.prefill = PrefillSupport.probe(config.gpu_prefill)
+    if gpu.prefill.filler is not None:  # blobs the store removes are unregistered (their pages unpinned)
+        store.buffers.after_collect = gpu.prefill.filler.drop_unlinked
     for sock_dir in {config.socket.parent, config.agent_socket.parent}:
         sock_dir.mkdir(parents=True, exist_ok=True)
         rundirs.check_socket_dir(sock_dir)

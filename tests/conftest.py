@@ -86,8 +86,12 @@ def start_daemon(
     bin_dir: Path | None = None,
     base_env: dict[str, str] | None = None,
     socket_dir: Path | None = None,
+    launcher: Path | None = None,
 ) -> DaemonProc:
     """Start gpusnapd with a socket in a world-traversable temp dir and a store under ``tmp``.
+
+    ``launcher``: a script of this checkout that sets fakes up and runs gpusnapd's ``main`` (e.g.
+    tests/daemon/prefill_daemon.py).
 
     ``bin_dir``: run the ``gpusnapd`` and ``gpusnap`` scripts installed there (with ``base_env`` instead
     of this interpreter's environment) rather than this checkout's modules.
@@ -106,7 +110,13 @@ def start_daemon(
         "GPUSNAP_AGENT_SOCKET": str(sock_dir / "agent.sock"),
         **(extra_env or {}),
     }
-    daemon_argv = [str(bin_dir / "gpusnapd")] if bin_dir else [sys.executable, "-m", "gpusnap.daemon.main"]
+    daemon_argv = (
+        [str(bin_dir / "gpusnapd")]
+        if bin_dir
+        else [sys.executable, str(launcher)]
+        if launcher
+        else [sys.executable, "-m", "gpusnap.daemon.main"]
+    )
     cmd = [
         *daemon_argv,
         "--socket",

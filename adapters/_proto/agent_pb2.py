@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gpusnap/v1/agent.proto\x12\ngpusnap.v1\"\xcb\x01\n\nAgentHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x0f\n\x07resumed\x18\x04 \x01(\x08\x12\x10\n\x08wake_dir\x18\x05 \x01(\t\x12.\n\x04info\x18\x06 \x03(\x0b\x32 .gpusnap.v1.AgentHello.InfoEntry\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xea\x01\n\rCommandResult\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x37\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32&.gpusnap.v1.CommandResult.DetailsEntry\x12\x18\n\x10\x64uration_seconds\x18\x05 \x01(\x01\x12\'\n\x07\x62uffers\x18\x06 \x03(\x0b\x32\x16.gpusnap.v1.BufferInfo\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\".\n\nBufferInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"o\n\x0c\x41gentMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.gpusnap.v1.AgentHelloH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.gpusnap.v1.CommandResultH\x00\x42\t\n\x07message\"\x08\n\x06WarmUp\"\x1a\n\x07Quiesce\x12\x0f\n\x07offload\x18\x01 \x01(\x08\"\xe8\x01\n\x0eRestoreContext\x12\x30\n\x03\x65nv\x18\x01 \x03(\x0b\x32#.gpusnap.v1.RestoreContext.EnvEntry\x12\x11\n\tunset_env\x18\x02 \x03(\t\x12\x36\n\x06values\x18\x03 \x03(\x0b\x32&.gpusnap.v1.RestoreContext.ValuesEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\x06Resume\x12\x10\n\x08restored\x18\x01 \x01(\x08\x12+\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x1a.gpusnap.v1.RestoreContext\"\x08\n\x06Health\"&\n\x07Offload\x12\r\n\x05names\x18\x01 \x03(\t\x12\x0c\n\x04last\x18\x02 \x01(\x08\"\x17\n\x06Reload\x12\r\n\x05names\x18\x01 \x03(\t\"\x97\x02\n\rDaemonMessage\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12%\n\x07warm_up\x18\x02 \x01(\x0b\x32\x12.gpusnap.v1.WarmUpH\x00\x12&\n\x07quiesce\x18\x03 \x01(\x0b\x32\x13.gpusnap.v1.QuiesceH\x00\x12$\n\x06resume\x18\x04 \x01(\x0b\x32\x12.gpusnap.v1.ResumeH\x00\x12$\n\x06health\x18\x05 \x01(\x0b\x32\x12.gpusnap.v1.HealthH\x00\x12&\n\x07offload\x18\x06 \x01(\x0b\x32\x13.gpusnap.v1.OffloadH\x00\x12$\n\x06reload\x18\x07 \x01(\x0b\x32\x12.gpusnap.v1.ReloadH\x00\x42\t\n\x07\x63ommandb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gpusnap/v1/agent.proto\x12\ngpusnap.v1\"\xcb\x01\n\nAgentHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x0f\n\x07resumed\x18\x04 \x01(\x08\x12\x10\n\x08wake_dir\x18\x05 \x01(\t\x12.\n\x04info\x18\x06 \x03(\x0b\x32 .gpusnap.v1.AgentHello.InfoEntry\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x91\x02\n\rCommandResult\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x37\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32&.gpusnap.v1.CommandResult.DetailsEntry\x12\x18\n\x10\x64uration_seconds\x18\x05 \x01(\x01\x12\'\n\x07\x62uffers\x18\x06 \x03(\x0b\x32\x16.gpusnap.v1.BufferInfo\x12%\n\x06\x61renas\x18\x07 \x03(\x0b\x32\x15.gpusnap.v1.ArenaInfo\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\tArenaInfo\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bgranularity\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x03(\x04\x12\x10\n\x08storages\x18\x05 \x01(\r\"S\n\nBufferInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x61rena\x18\x03 \x01(\r\x12\x14\n\x0c\x61rena_offset\x18\x04 \x01(\x04\"o\n\x0c\x41gentMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.gpusnap.v1.AgentHelloH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.gpusnap.v1.CommandResultH\x00\x42\t\n\x07message\"\x08\n\x06WarmUp\"\x1a\n\x07Quiesce\x12\x0f\n\x07offload\x18\x01 \x01(\x08\"\xe8\x01\n\x0eRestoreContext\x12\x30\n\x03\x65nv\x18\x01 \x03(\x0b\x32#.gpusnap.v1.RestoreContext.EnvEntry\x12\x11\n\tunset_env\x18\x02 \x03(\t\x12\x36\n\x06values\x18\x03 \x03(\x0b\x32&.gpusnap.v1.RestoreContext.ValuesEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\x06Resume\x12\x10\n\x08restored\x18\x01 \x01(\x08\x12+\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x1a.gpusnap.v1.RestoreContext\"\x08\n\x06Health\"&\n\x07Offload\x12\r\n\x05names\x18\x01 \x03(\t\x12\x0c\n\x04last\x18\x02 \x01(\x08\"\x17\n\x06Reload\x12\r\n\x05names\x18\x01 \x03(\t\"4\n\tMapArenas\x12\'\n\x06\x61renas\x18\x01 \x03(\x0b\x32\x17.gpusnap.v1.MappedArena\"+\n\x0bMappedArena\x12\r\n\x05\x61rena\x18\x01 \x01(\r\x12\r\n\x05names\x18\x02 \x03(\t\"\xc4\x02\n\rDaemonMessage\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12%\n\x07warm_up\x18\x02 \x01(\x0b\x32\x12.gpusnap.v1.WarmUpH\x00\x12&\n\x07quiesce\x18\x03 \x01(\x0b\x32\x13.gpusnap.v1.QuiesceH\x00\x12$\n\x06resume\x18\x04 \x01(\x0b\x32\x12.gpusnap.v1.ResumeH\x00\x12$\n\x06health\x18\x05 \x01(\x0b\x32\x12.gpusnap.v1.HealthH\x00\x12&\n\x07offload\x18\x06 \x01(\x0b\x32\x13.gpusnap.v1.OffloadH\x00\x12$\n\x06reload\x18\x07 \x01(\x0b\x32\x12.gpusnap.v1.ReloadH\x00\x12+\n\nmap_arenas\x18\x08 \x01(\x0b\x32\x15.gpusnap.v1.MapArenasH\x00\x42\t\n\x07\x63ommandb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,31 +44,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AGENTHELLO_INFOENTRY']._serialized_start=199
   _globals['_AGENTHELLO_INFOENTRY']._serialized_end=242
   _globals['_COMMANDRESULT']._serialized_start=245
-  _globals['_COMMANDRESULT']._serialized_end=479
-  _globals['_COMMANDRESULT_DETAILSENTRY']._serialized_start=433
-  _globals['_COMMANDRESULT_DETAILSENTRY']._serialized_end=479
-  _globals['_BUFFERINFO']._serialized_start=481
-  _globals['_BUFFERINFO']._serialized_end=527
-  _globals['_AGENTMESSAGE']._serialized_start=529
-  _globals['_AGENTMESSAGE']._serialized_end=640
-  _globals['_WARMUP']._serialized_start=642
-  _globals['_WARMUP']._serialized_end=650
-  _globals['_QUIESCE']._serialized_start=652
-  _globals['_QUIESCE']._serialized_end=678
-  _globals['_RESTORECONTEXT']._serialized_start=681
-  _globals['_RESTORECONTEXT']._serialized_end=913
-  _globals['_RESTORECONTEXT_ENVENTRY']._serialized_start=824
-  _globals['_RESTORECONTEXT_ENVENTRY']._serialized_end=866
-  _globals['_RESTORECONTEXT_VALUESENTRY']._serialized_start=868
-  _globals['_RESTORECONTEXT_VALUESENTRY']._serialized_end=913
-  _globals['_RESUME']._serialized_start=915
-  _globals['_RESUME']._serialized_end=986
-  _globals['_HEALTH']._serialized_start=988
-  _globals['_HEALTH']._serialized_end=996
-  _globals['_OFFLOAD']._serialized_start=998
-  _globals['_OFFLOAD']._serialized_end=1036
-  _globals['_RELOAD']._serialized_start=1038
-  _globals['_RELOAD']._serialized_end=1061
-  _globals['_DAEMONMESSAGE']._serialized_start=1064
-  _globals['_DAEMONMESSAGE']._serialized_end=1343
+  _globals['_COMMANDRESULT']._serialized_end=518
+  _globals['_COMMANDRESULT_DETAILSENTRY']._serialized_start=472
+  _globals['_COMMANDRESULT_DETAILSENTRY']._serialized_end=518
+  _globals['_ARENAINFO']._serialized_start=520
+  _globals['_ARENAINFO']._serialized_end=629
+  _globals['_BUFFERINFO']._serialized_start=631
+  _globals['_BUFFERINFO']._serialized_end=714
+  _globals['_AGENTMESSAGE']._serialized_start=716
+  _globals['_AGENTMESSAGE']._serialized_end=827
+  _globals['_WARMUP']._serialized_start=829
+  _globals['_WARMUP']._serialized_end=837
+  _globals['_QUIESCE']._serialized_start=839
+  _globals['_QUIESCE']._serialized_end=865
+  _globals['_RESTORECONTEXT']._serialized_start=868
+  _globals['_RESTORECONTEXT']._serialized_end=1100
+  _globals['_RESTORECONTEXT_ENVENTRY']._serialized_start=1011
+  _globals['_RESTORECONTEXT_ENVENTRY']._serialized_end=1053
+  _globals['_RESTORECONTEXT_VALUESENTRY']._serialized_start=1055
+  _globals['_RESTORECONTEXT_VALUESENTRY']._serialized_end=1100
+  _globals['_RESUME']._serialized_start=1102
+  _globals['_RESUME']._serialized_end=1173
+  _globals['_HEALTH']._serialized_start=1175
+  _globals['_HEALTH']._serialized_end=1183
+  _globals['_OFFLOAD']._serialized_start=1185
+  _globals['_OFFLOAD']._serialized_end=1223
+  _globals['_RELOAD']._serialized_start=1225
+  _globals['_RELOAD']._serialized_end=1248
+  _globals['_MAPARENAS']._serialized_start=1250
+  _globals['_MAPARENAS']._serialized_end=1302
+  _globals['_MAPPEDARENA']._serialized_start=1304
+  _globals['_MAPPEDARENA']._serialized_end=1347
+  _globals['_DAEMONMESSAGE']._serialized_start=1350
+  _globals['_DAEMONMESSAGE']._serialized_end=1674
 # @@protoc_insertion_point(module_scope)

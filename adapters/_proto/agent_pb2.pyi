@@ -24,6 +24,15 @@ and frees the memory. The Offload with last = true ends the exchange: the worker
 after answering it successfully. Before Resume, the daemon sends Reload commands the same way
 (read-only descriptors); the worker allocates the buffers again and reads them back, skipping any it
 still holds. A Resume while a buffer is still out fails.
+
+Device memory filled by the daemon (gpusnapd --gpu-prefill): Quiesce's result also describes the
+worker's address-stable arenas (CommandResult.arenas, gpusnap.adapters.vmm) and where each buffer lies
+in one (BufferInfo.arena, .arena_offset). At restore the daemon may create an arena's physical memory
+itself, fill it from the blobs, and send MapArenas before Reload with one exported CUDA shareable handle
+(a POSIX file descriptor, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) per chunk attached, in the order of
+MapArenas.arenas and then of each arena's chunks; the worker imports and maps them at the arena's
+reserved addresses and its buffers there count as read back. A failed MapArenas leaves the arenas
+unmapped (the worker gives back what it imported) and the daemon falls back to Reload.
 """
 
 from collections import abc as _abc
@@ -133,6 +142,7 @@ class CommandResult(_message.Message):
     DETAILS_FIELD_NUMBER: _builtins.int
     DURATION_SECONDS_FIELD_NUMBER: _builtins.int
     BUFFERS_FIELD_NUMBER: _builtins.int
+    ARENAS_FIELD_NUMBER: _builtins.int
     command_id: _builtins.int
     ok: _builtins.bool
     error: _builtins.str
@@ -146,6 +156,10 @@ class CommandResult(_message.Message):
     def buffers(self) -> _containers.RepeatedCompositeFieldContainer[Global___BufferInfo]:
         """Quiesce: buffers the worker can keep out of the image, largest first"""
 
+    @_builtins.property
+    def arenas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ArenaInfo]:
+        """Quiesce (with buffers): the address-stable arenas they lie in"""
+
     def __init__(
         self,
         *,
@@ -155,14 +169,55 @@ class CommandResult(_message.Message):
         details: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         duration_seconds: _builtins.float = ...,
         buffers: _abc.Iterable[Global___BufferInfo] | None = ...,
+        arenas: _abc.Iterable[Global___ArenaInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffers", b"buffers", "command_id", b"command_id", "details", b"details", "duration_seconds", b"duration_seconds", "error", b"error", "ok", b"ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arenas", b"arenas", "buffers", b"buffers", "command_id", b"command_id", "details", b"details", "duration_seconds", b"duration_seconds", "error", b"error", "ok", b"ok"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommandResult: _TypeAlias = CommandResult  # noqa: Y015
+
+@_typing.final
+class ArenaInfo(_message.Message):
+    """One address-stable arena (a reserved device address range backed by physical chunks)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPU_UUID_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    GRANULARITY_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    STORAGES_FIELD_NUMBER: _builtins.int
+    gpu_uuid: _builtins.str
+    """the GPU it lives on, "GPU-xxxxxxxx-xxxx-…" (cuDeviceGetUuid)"""
+    size_bytes: _builtins.int
+    """the reserved range, a multiple of granularity"""
+    granularity: _builtins.int
+    """allocation granularity (cuMemGetAllocationGranularity, minimum)"""
+    storages: _builtins.int
+    """storages placed in it (all must be buffers for the daemon to fill it)"""
+    @_builtins.property
+    def chunk_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """sizes of its physical allocations, in address order"""
+
+    def __init__(
+        self,
+        *,
+        gpu_uuid: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        granularity: _builtins.int = ...,
+        chunk_bytes: _abc.Iterable[_builtins.int] | None = ...,
+        storages: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "gpu_uuid", b"gpu_uuid", "granularity", b"granularity", "size_bytes", b"size_bytes", "storages", b"storages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ArenaInfo: _TypeAlias = ArenaInfo  # noqa: Y015
 
 @_typing.final
 class BufferInfo(_message.Message):
@@ -170,18 +225,26 @@ class BufferInfo(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    ARENA_FIELD_NUMBER: _builtins.int
+    ARENA_OFFSET_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """unique within the worker"""
     size_bytes: _builtins.int
+    arena: _builtins.int
+    """1-based index into CommandResult.arenas; 0: not in an arena"""
+    arena_offset: _builtins.int
+    """byte offset of the buffer's storage from the arena's start"""
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         size_bytes: _builtins.int = ...,
+        arena: _builtins.int = ...,
+        arena_offset: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena", b"arena", "arena_offset", b"arena_offset", "name", b"name", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -420,6 +483,54 @@ class Reload(_message.Message):
 Global___Reload: _TypeAlias = Reload  # noqa: Y015
 
 @_typing.final
+class MapArenas(_message.Message):
+    """Import and map the attached handles as the named arenas' physical memory (see the header)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ARENAS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def arenas(self) -> _containers.RepeatedCompositeFieldContainer[Global___MappedArena]: ...
+    def __init__(
+        self,
+        *,
+        arenas: _abc.Iterable[Global___MappedArena] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arenas", b"arenas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MapArenas: _TypeAlias = MapArenas  # noqa: Y015
+
+@_typing.final
+class MappedArena(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ARENA_FIELD_NUMBER: _builtins.int
+    NAMES_FIELD_NUMBER: _builtins.int
+    arena: _builtins.int
+    """1-based index into the Quiesce result's arenas"""
+    @_builtins.property
+    def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the buffers whose bytes the memory holds (all of the arena's)"""
+
+    def __init__(
+        self,
+        *,
+        arena: _builtins.int = ...,
+        names: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena", b"arena", "names", b"names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MappedArena: _TypeAlias = MappedArena  # noqa: Y015
+
+@_typing.final
 class DaemonMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -430,6 +541,7 @@ class DaemonMessage(_message.Message):
     HEALTH_FIELD_NUMBER: _builtins.int
     OFFLOAD_FIELD_NUMBER: _builtins.int
     RELOAD_FIELD_NUMBER: _builtins.int
+    MAP_ARENAS_FIELD_NUMBER: _builtins.int
     command_id: _builtins.int
     @_builtins.property
     def warm_up(self) -> Global___WarmUp: ...
@@ -443,6 +555,8 @@ class DaemonMessage(_message.Message):
     def offload(self) -> Global___Offload: ...
     @_builtins.property
     def reload(self) -> Global___Reload: ...
+    @_builtins.property
+    def map_arenas(self) -> Global___MapArenas: ...
     def __init__(
         self,
         *,
@@ -453,12 +567,13 @@ class DaemonMessage(_message.Message):
         health: Global___Health | None = ...,
         offload: Global___Offload | None = ...,
         reload: Global___Reload | None = ...,
+        map_arenas: Global___MapArenas | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "health", b"health", "offload", b"offload", "quiesce", b"quiesce", "reload", b"reload", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "health", b"health", "map_arenas", b"map_arenas", "offload", b"offload", "quiesce", b"quiesce", "reload", b"reload", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "command_id", b"command_id", "health", b"health", "offload", b"offload", "quiesce", b"quiesce", "reload", b"reload", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "command_id", b"command_id", "health", b"health", "map_arenas", b"map_arenas", "offload", b"offload", "quiesce", b"quiesce", "reload", b"reload", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["warm_up", "quiesce", "resume", "health", "offload", "reload"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["warm_up", "quiesce", "resume", "health", "offload", "reload", "map_arenas"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 

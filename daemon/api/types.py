@@ -86,6 +86,24 @@ class BufferRef:
     """Digest of the blob (``checksum.DIGEST_ALGORITHM``), which is also its name in the buffer store."""
     agent: str = ""
     """Instance id of the agent whose process holds it (empty: the snapshot's ``worker``, as before agents)."""
+    arena: int = 0
+    """1-based index into its worker's ``arenas`` when it lies in an address-stable arena; 0: not."""
+    arena_offset: int = 0
+    """Byte offset of its storage from the arena's start."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaLayout:
+    """A worker's address-stable arena (``gpusnap.adapters.vmm``), as its agent reported it at capture: what
+    gpusnapd needs to create and fill its physical memory at restore (``--gpu-prefill``)."""
+
+    gpu_uuid: str
+    size_bytes: int
+    granularity: int
+    chunk_bytes: tuple[int, ...]
+    """Sizes of its physical allocations, in address order (they sum to ``size_bytes``)."""
+    storages: int
+    """Storages placed in it; gpusnapd fills it only when all of them are the snapshot's buffers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +129,8 @@ class WorkerInfo:
     """The process's title at capture (``VLLM::Worker``…), for messages."""
     weights: str = ""
     """Where the process's weights went, and why (``offloaded: …`` or ``in image: …``), from its adapter."""
+    arenas: tuple[ArenaLayout, ...] = ()
+    """Its address-stable arenas holding buffers (``BufferRef.arena`` indexes them); empty in older snapshots."""
 
     @property
     def is_front(self) -> bool:

@@ -36,6 +36,7 @@ from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snap
 from gpusnap.daemon.drivers import devshm, host, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap, preflight
+from gpusnap.daemon.gpu import prefill as gpu_prefill
 from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.operations import failpoints, file_rights, provenance, workers
 from gpusnap.daemon.operations.base import PhaseRunner
@@ -210,6 +211,9 @@ def _restore_copy(
     run.record.note(
         snapshot_id=snapshot.id, env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values)
     )
+    prefill = gpu_prefill.start(deps.gpu.prefill, deps.store.buffers, snapshot, gpu_map)  # while CRIU runs
+    if prefill is not None:
+        run.on_failure("release-prefill", prefill.close)
     with run.phase("restore") as progress:
         workers.before_restore(snapshot)
         shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
@@ -313,7 +317,7 @@ def _restore_copy(
             )
         pids = proc.tree_pids(root)
     _note_tree(run, validated=True, pids=pids)
-    workers.resume_restored(run, deps, snapshot, opts, pids, buffers_verified)
+    workers.resume_restored(run, deps, snapshot, opts, pids, buffers_verified, prefill)
     return RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
 from gpusnap.daemon.api.types import BufferRef, CheckpointOptions, RestoreOptions, Snapshot, WorkerInfo
 from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.gpu.prefill import Prefill, hand_over
 from gpusnap.daemon.operations.base import PhaseProgress, PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.buffers import HeldFiles, StagedBuffers
@@ -69,6 +70,7 @@ class AgentCapture:
             role=i.role,
             process=i.info.get("process", ""),
             weights=i.info.get("weights", ""),
+            arenas=self.client.arenas if self.announced else (),
         )
 
 
@@ -107,7 +109,16 @@ class Capture:
         refs: list[BufferRef] = []
         for part in self.parts:
             if part.staged is not None:
-                refs.extend(dataclasses.replace(r, agent=part.info.instance_id) for r in part.staged.commit())
+                where = {a.name: a for a in part.announced}
+                refs.extend(
+                    dataclasses.replace(
+                        r,
+                        agent=part.info.instance_id,
+                        arena=where[r.name].arena,
+                        arena_offset=where[r.name].arena_offset,
+                    )
+                    for r in part.staged.commit()
+                )
         return tuple(refs)
 
     def close(self) -> None:
@@ -328,10 +339,28 @@ def resume_restored(
     opts: RestoreOptions,
     pids: Collection[int],
     buffers_verified: Callable[[], None] = lambda: None,
+    prefill: Prefill | None = None,
 ) -> str:
     """Wake the restored workers, hand them their buffers (once ``buffers_verified()`` returns; it raises for
     damaged ones), give them the restore context and check the front ends' canaries; returns the first's
-    tokens."""
+    tokens. ``prefill``: arenas gpusnapd filled meanwhile (``gpusnap.daemon.gpu.prefill``), handed over
+    instead of read back where they are ready; released here either way."""
+    try:
+        return _resume_restored(run, deps, snapshot, opts, pids, buffers_verified, prefill)
+    finally:
+        if prefill is not None:
+            prefill.close()
+
+
+def _resume_restored(
+    run: PhaseRunner,
+    deps: Deps,
+    snapshot: Snapshot,
+    opts: RestoreOptions,
+    pids: Collection[int],
+    buffers_verified: Callable[[], None],
+    prefill: Prefill | None,
+) -> str:
     worker = snapshot.worker
     if worker is None:
         return ""
@@ -356,7 +385,7 @@ def resume_restored(
             buffers_verified()
             _in_parallel(
                 [
-                    lambda w=w: _reload(deps, snapshot, w, clients[w.instance_id], progress)  # type: ignore[misc]
+                    lambda w=w: _reload(deps, snapshot, w, clients[w.instance_id], progress, prefill)  # type: ignore[misc]
                     for w in workers
                     if snapshot.buffers_of(w)
                 ]
@@ -380,8 +409,24 @@ def resume_restored(
     return tokens[worker.instance_id]
 
 
-def _reload(deps: Deps, snapshot: Snapshot, worker: WorkerInfo, client: AgentClient, progress: PhaseProgress) -> None:
+def _reload(
+    deps: Deps,
+    snapshot: Snapshot,
+    worker: WorkerInfo,
+    client: AgentClient,
+    progress: PhaseProgress,
+    prefill: Prefill | None = None,
+) -> None:
     refs = snapshot.buffers_of(worker)
+    if prefill is not None:  # after buffers_verified(): the filled memory reaches the worker only now
+        mapped = hand_over(prefill, worker, client, deps.config.resume_timeout)
+        nbytes = sum(b.size_bytes for b in refs if b.name in mapped)
+        why = prefill.why_not(worker.instance_id)
+        if nbytes or why:
+            _report(progress, worker, nbytes, prefill.fill_s, "prefilled" + (f" (not all: {why})" if why else ""))
+        refs = tuple(b for b in refs if b.name not in mapped)
+    if not refs:
+        return
     fds = deps.store.buffers.open_for_read(snapshot.buffer_uid, list(refs))
     start = time.monotonic()
     offload.reload(client, [b.name for b in refs], fds, deps.config.resume_timeout)

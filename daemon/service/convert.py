@@ -19,6 +19,7 @@ from gpusnap.daemon.api.types import (
     Snapshot,
     TcpMode,
     TransferResult,
+    WorkerInfo,
 )
 from gpusnap.daemon.core import NodeInfo
 from gpusnap.daemon.operations.base import EventType, OperationEvent, OperationKind, OperationRecord, OperationState
@@ -173,9 +174,14 @@ def snapshot(s: Snapshot) -> types_pb2.Snapshot:
         owner_uid=s.owner_uid,
         manifest_version=manifest.MANIFEST_VERSION,
         gpu_processes=[gpu_process(g) for g in s.gpu_processes],
-        worker=types_pb2.WorkerInfo(**dataclasses.asdict(s.worker)) if s.worker else None,
-        agents=[types_pb2.WorkerInfo(**dataclasses.asdict(w)) for w in s.agents],
+        worker=worker_info(s.worker) if s.worker else None,
+        agents=[worker_info(w) for w in s.agents],
     )
+
+
+def worker_info(w: WorkerInfo) -> types_pb2.WorkerInfo:
+    """The API's view of a worker (its arenas' layouts stay in the manifest: they are for gpusnapd's prefill)."""
+    return types_pb2.WorkerInfo(**{k: v for k, v in dataclasses.asdict(w).items() if k != "arenas"})
 
 
 def operation(r: OperationRecord) -> operations_pb2.Operation:
@@ -257,6 +263,7 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
         ],
         cuda_checkpoint_supported=n.cuda_checkpoint_supported,
         cuda_unavailable_reason=n.cuda_unavailable_reason,
+        gpu_prefill=n.gpu_prefill,
         remote=n.remote,
         tiers=[
             node_pb2.StoreTier(

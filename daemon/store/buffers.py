@@ -180,6 +180,8 @@ class BufferStore:
         """Says whether blob ``<uid>/<digest>`` of ``size`` bytes is safely in the remote store, so the
         slowest tier may drop it (``gpusnap.daemon.remote.evict``); None: no remote, nothing leaves."""
         self._held: tuple[set[Path], set[str]] = (set(), set())
+        self.after_collect: Callable[[], None] | None = None
+        """Called after a garbage collection removed blobs (gpusnapd's prefill then unregisters them)."""
 
     def release_held(self) -> None:
         """Remove the staged files :meth:`open` kept and unpin the blobs it pinned (recovery is done with them)."""
@@ -417,6 +419,8 @@ class BufferStore:
                         user_dir.rmdir()
         if freed:
             log.info("buffers.collected", bytes=freed)
+            if self.after_collect is not None:
+                self.after_collect()
         return freed
 
     def used_bytes(self) -> int:

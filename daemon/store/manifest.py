@@ -13,9 +13,14 @@ Schema (``manifest_version`` 3; version 1 lacks ``buffers``, version 2 ``agents`
      "gpu_processes": [{"pid": 1234, "gpu_uuids": ["GPU-…"], "gpu_memory_bytes": 0}],
      "worker": {…} or null,
      "agents": [{…}],
-     "buffers": [{"name": "model.embed_tokens.weight", "size_bytes": 1050673152, "sha256": "…", "agent": "…"}],
+     "buffers": [{"name": "model.embed_tokens.weight", "size_bytes": 1050673152, "sha256": "…", "agent": "…",
+                  "arena": 1, "arena_offset": 0}],
      "held_files": [{"pid": 1234, "what": "fd 3", "path": "/home/u/log", "dev": 2049, "ino": 131, "access": 2}],
      "owner_creds": {"uid": 1000, "gid": 1000, "groups": [1000, 27]}}
+
+``worker.arenas``/``agents[].arenas`` (``[{gpu_uuid, size_bytes, granularity, chunk_bytes, storages}]``) and
+``buffers[].arena``/``arena_offset`` (optional, absent in older manifests: their restores read every buffer
+back) describe address-stable arenas for ``--gpu-prefill``.
 
 ``held_files`` and ``owner_creds`` (optional, absent in older manifests) let a restore check that the
 snapshot's owner may still open every file CRIU reopens by path (``gpusnap.daemon.operations.file_rights``).
@@ -39,6 +44,7 @@ from typing import Any
 
 from gpusnap.daemon.api.errors import DataLossError
 from gpusnap.daemon.api.types import (
+    ArenaLayout,
     BufferRef,
     Creds,
     GpuProcess,
@@ -131,14 +137,16 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
                 )
                 for g in doc.get("gpu_processes", [])
             ),
-            worker=WorkerInfo(**doc["worker"]) if doc.get("worker") else None,
-            agents=tuple(WorkerInfo(**w) for w in doc.get("agents", [])),
+            worker=_worker(doc["worker"]) if doc.get("worker") else None,
+            agents=tuple(_worker(w) for w in doc.get("agents", [])),
             buffers=tuple(
                 BufferRef(
                     name=str(b["name"]),
                     size_bytes=int(b["size_bytes"]),
                     sha256=str(b["sha256"]),
                     agent=str(b.get("agent", "")),
+                    arena=int(b.get("arena", 0)),
+                    arena_offset=int(b.get("arena_offset", 0)),
                 )
                 for b in doc.get("buffers", [])
             ),
@@ -151,6 +159,20 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DataLossError(f"manifest is malformed ({type(exc).__name__}: {exc})", reason="MANIFEST_CORRUPT") from exc
+
+
+def _worker(doc: dict[str, Any]) -> WorkerInfo:
+    arenas = tuple(
+        ArenaLayout(
+            gpu_uuid=str(a["gpu_uuid"]),
+            size_bytes=int(a["size_bytes"]),
+            granularity=int(a["granularity"]),
+            chunk_bytes=tuple(int(c) for c in a["chunk_bytes"]),
+            storages=int(a["storages"]),
+        )
+        for a in doc.get("arenas", ())
+    )
+    return WorkerInfo(**{**doc, "arenas": arenas})
 
 
 def write(directory: Path, snapshot: Snapshot, *, sync: bool = True) -> None:

@@ -10,15 +10,19 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from gpusnap.adapters._proto import agent_pb2
+from gpusnap.daemon.api.types import ArenaLayout
 from gpusnap.daemon.workers.agents import AgentInfo, AgentSession
 
 
 @dataclasses.dataclass(frozen=True)
 class Announced:
-    """A buffer the worker offers to keep out of its image."""
+    """A buffer the worker offers to keep out of its image (``arena``: 1-based index into the arenas its
+    quiesce reported, 0 for none; ``arena_offset``: where in that arena)."""
 
     name: str
     size_bytes: int
+    arena: int = 0
+    arena_offset: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,8 @@ class AgentClient:
 
     def __init__(self, session: AgentSession):
         self.session = session
+        self.arenas: tuple[ArenaLayout, ...] = ()
+        """The address-stable arenas the worker's last quiesce reported (as the worker said: unchecked)."""
 
     @property
     def info(self) -> AgentInfo:
@@ -57,7 +63,10 @@ class AgentClient:
         done = self.session.call(
             agent_pb2.DaemonMessage(quiesce=agent_pb2.Quiesce(offload=offload)), timeout_s, "quiesce"
         )
-        return [Announced(b.name, b.size_bytes) for b in done.buffers]
+        self.arenas = tuple(
+            ArenaLayout(a.gpu_uuid, a.size_bytes, a.granularity, tuple(a.chunk_bytes), a.storages) for a in done.arenas
+        )
+        return [Announced(b.name, b.size_bytes, b.arena, b.arena_offset) for b in done.buffers]
 
     def offload(self, names: Sequence[str], fds: Sequence[int], last: bool, timeout_s: float) -> Moved:
         """Have the worker write the named buffers to ``fds`` and free them (``last``: the channel closes)."""
@@ -69,6 +78,17 @@ class AgentClient:
         """Have the worker read the named buffers back from ``fds`` (read-only)."""
         msg = agent_pb2.DaemonMessage(reload=agent_pb2.Reload(names=list(names)))
         done = self.session.call(msg, timeout_s, "read its buffers back", fds=fds)
+        return Moved(done.duration_seconds, dict(done.details))
+
+    def map_arenas(self, arenas: Sequence[tuple[int, Sequence[str]]], fds: Sequence[int], timeout_s: float) -> Moved:
+        """Have the worker import and map the daemon-filled memory of ``arenas`` ((1-based index, the names of
+        its buffers)); ``fds``: one exported handle per chunk, arena after arena."""
+        msg = agent_pb2.DaemonMessage(
+            map_arenas=agent_pb2.MapArenas(
+                arenas=[agent_pb2.MappedArena(arena=i, names=list(names)) for i, names in arenas]
+            )
+        )
+        done = self.session.call(msg, timeout_s, "map its prefilled arenas", fds=fds)
         return Moved(done.duration_seconds, dict(done.details))
 
     def resume(

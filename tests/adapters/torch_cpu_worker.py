@@ -1,6 +1,6 @@
 """A PyTorch worker on CPU whose weights are named buffers: they leave the process image at capture.
 
-    python torch_cpu_worker.py WORKDIR [--mib N] [--seed S] [--stable-fake]
+    python torch_cpu_worker.py WORKDIR [--mib N] [--seed S] [--stable-fake [--chunk-mib M] [--fake-fail CALL]]
 
 Its "model" is a random matrix of N MiB (float32, from seed S) plus a tied view of its first rows. Each
 generation step multiplies a state vector by the weights and takes the argmax, so the tokens can only be
@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stable-fake", action="store_true")
+    ap.add_argument("--chunk-mib", type=int, default=0, help="arena chunk size (--stable-fake)")
+    ap.add_argument("--fake-fail", default="", help="CALL: the fake driver's first CALL fails (--stable-fake)")
     args = ap.parse_args()
     if args.stable_fake:
         sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for tests.fakes
@@ -42,6 +44,10 @@ def main() -> None:
         from tests.fakes.cuda_vmm import FakeVmmDriver
 
         vmm._driver_module = FakeVmmDriver()
+        if args.chunk_mib:
+            vmm.CHUNK_BYTES = args.chunk_mib << 20
+        if args.fake_fail:  # counted from now: the fault outlives CRIU in the image, like the rest of the fake
+            vmm._driver_module.fail(args.fake_fail, result=1)
     wd = args.workdir
     gen = torch.Generator().manual_seed(args.seed)
     cols = 1024

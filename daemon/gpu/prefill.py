@@ -1,0 +1,339 @@
+"""Device memory filled by gpusnapd during a restore (``gpu_prefill = "auto"``, ``gpusnapd --gpu-prefill``).
+
+Without it a restored worker gets its buffers back after CRIU and the CUDA restore: the agent reads each
+blob and copies it to the device (``reload-buffers``, 0.90 s for 16 GB on an H200). With it, for every
+address-stable arena of the snapshot (``WorkerInfo.arenas``, reported by the agent at capture) gpusnapd
+creates the arena's physical memory on the target GPU and fills it from the blobs
+(:class:`gpusnap.daemon.drivers.devicefill.DeviceFiller`) on a thread of its own, *while* CRIU and the CUDA
+driver restore the worker; at ``reload-buffers`` it hands the exported descriptors to the restored tree's
+agent (``MapArenas``), which maps them at the arena's addresses (CUDA graphs stay valid), and releases its
+own handles. Buffers outside an arena, and arenas it could not fill, are read back as before; the
+phase's progress says per process how many bytes were prefilled and how many read back, and why prefill
+was not used where it was not.
+
+Falls back to the reload, never fails a restore: probe off or failed at start, a snapshot without arena
+layouts (taken before gpusnap recorded them), a layout that does not check out (it comes from the worker,
+so it is checked like any input: sizes, chunking, bounds, one buffer per placed storage), a GPU gpusnapd
+cannot fill, too little free device memory (the arena plus what the worker's CUDA restore needs), any
+driver error, or the worker refusing the handles. Every descriptor and handle gpusnapd created is released
+on every path (:meth:`Prefill.close`, registered as a rollback step and run when the restore copy ends).
+
+What is verified, and when (as strongly as the reload path: ``gpusnap.daemon.store.buffers``): the blobs'
+sizes at preflight (``check_present``) and again on the opened descriptor before any byte is mapped
+(``DeviceFiller.fill``); with ``--verify-buffers`` their digests, computed in the background from the
+restore's start and checked (``buffers_verified``) before the filled memory reaches the worker, as before
+a reload hands the worker its blob descriptors. Exported descriptors go only to the agent session found
+among the restored tree's processes for that worker's instance id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from gpusnap.adapters import wire
+from gpusnap.daemon.api.errors import GpusnapError
+from gpusnap.daemon.api.types import ArenaLayout, BufferRef, Snapshot, WorkerInfo
+from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid
+from gpusnap.daemon.drivers.devicefill import DeviceFiller, FilledArena, PrefillError, Source
+from gpusnap.daemon.gpu import gpumap
+from gpusnap.daemon.store.buffers import BufferStore
+
+if TYPE_CHECKING:
+    from gpusnap.daemon.workers.client import AgentClient
+
+log = structlog.get_logger(__name__)
+
+MAX_CHUNKS = wire.MAX_FDS
+"""Chunks one arena may claim (one descriptor each, in one frame; 1 GiB chunks: 200 GiB)."""
+
+
+class PrefillSupport:
+    """The node's prefill setting and what its start-time probe found.
+
+    Args:
+        mode: ``off`` or ``auto``.
+        filler: the driver layer, ``None`` when off or the probe failed.
+        gpus: GPU UUID → ``""`` (usable) or why not, from :meth:`DeviceFiller.probe`.
+        reason: why prefill is off (empty when on).
+    """
+
+    def __init__(
+        self, mode: str, filler: DeviceFiller | None = None, gpus: Mapping[str, str] | None = None, reason: str = ""
+    ):
+        self.mode = mode
+        self.filler = filler
+        self.gpus = dict(gpus or {})
+        self.reason = reason if filler is None else ""
+
+    @classmethod
+    def probe(cls, mode: str, driver: Any = None) -> PrefillSupport:
+        """Probe the driver when ``mode`` is ``auto`` (cuda.bindings importable, ``cuInit``, VMM and POSIX
+        descriptor handles per GPU); never raises: a failed probe leaves prefill off with its reason."""
+        if mode != "auto":
+            return cls(mode, reason="off (gpu_prefill = off)")
+        filler = DeviceFiller(driver)
+        try:
+            gpus = filler.probe()
+        except PrefillError as exc:
+            log.warning("gpu.prefill_unavailable", reason=str(exc))
+            return cls(mode, reason=f"probe failed: {exc}")
+        if not any(v == "" for v in gpus.values()):
+            why = "; ".join(f"{u}: {v}" for u, v in gpus.items()) or "no GPU"
+            log.warning("gpu.prefill_unavailable", reason=why)
+            return cls(mode, reason=f"no GPU supports it ({why})")
+        log.info("gpu.prefill", gpus={u: v or "ok" for u, v in gpus.items()})
+        return cls(mode, filler, gpus)
+
+    @property
+    def enabled(self) -> bool:
+        return self.filler is not None
+
+    @property
+    def state(self) -> str:
+        """For ``gpusnap node``: ``on (N GPUs)`` or ``off: why``."""
+        if self.filler is None:
+            return self.reason if self.reason.startswith("off") else f"off: {self.reason}"
+        usable = sum(1 for v in self.gpus.values() if not v)
+        return f"on ({usable} of {len(self.gpus)} GPUs)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """One arena to fill: its worker's agent, its 1-based index there, its layout, the target GPU, its
+    buffers (by offset) and the device memory the worker's CUDA restore needs on that GPU."""
+
+    agent: str
+    index: int
+    layout: ArenaLayout
+    target: str
+    refs: tuple[BufferRef, ...]
+    reserve_bytes: int
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def check_layout(layout: ArenaLayout, refs: Sequence[BufferRef]) -> str:
+    """Why the worker's description of one arena and the buffers in it cannot be filled; ``""`` when it can.
+
+    The layout comes from the worker: it must chunk its size in multiples of a power-of-two granularity,
+    hold exactly its placed storages as non-overlapping buffers, and be no larger than they need."""
+    g, chunks = layout.granularity, layout.chunk_bytes
+    if g < 4096 or g & (g - 1) or not 0 < len(chunks) <= MAX_CHUNKS:
+        return f"granularity {g} or {len(chunks)} chunks"
+    if any(c <= 0 or c % g for c in chunks) or sum(chunks) != layout.size_bytes:
+        return "chunks that are not multiples of the granularity or do not add up to its size"
+    if layout.storages != len(refs) or not refs:
+        return (
+            f"{layout.storages} storages placed but {len(refs)} of them buffers of the snapshot (others are not stable)"
+        )
+    end = 0
+    for r in sorted(refs, key=lambda r: r.arena_offset):
+        if r.arena_offset < end:
+            return f"buffer {r.name!r} overlapping another"
+        end = r.arena_offset + r.size_bytes
+    if end > layout.size_bytes or layout.size_bytes > _round_up(end, g):
+        return f"a size of {layout.size_bytes} bytes for {end} bytes of buffers"
+    return ""
+
+
+def plan(snapshot: Snapshot, gpu_map: Mapping[str, str] | None) -> tuple[list[Planned], list[str]]:
+    """The arenas of ``snapshot`` to fill, and why the others (or all) are not (one line each)."""
+    plans: list[Planned] = []
+    skipped: list[str] = []
+    need = gpumap.memory_needed(snapshot.gpu_processes) if snapshot.gpu_processes else {}
+    moved = {normalize_gpu_uuid(k): normalize_gpu_uuid(v) for k, v in (gpu_map or {}).items()}
+    for worker in snapshot.all_workers:
+        refs = snapshot.buffers_of(worker)
+        in_arenas = [r for r in refs if r.arena]
+        if in_arenas and not worker.arenas:
+            skipped.append(f"{_label(worker)}: the snapshot records no arena layout (taken before gpusnap did)")
+            continue
+        for index, layout in enumerate(worker.arenas, start=1):
+            mine = tuple(r for r in in_arenas if r.arena == index)
+            why = check_layout(layout, mine)
+            try:
+                source = normalize_gpu_uuid(layout.gpu_uuid)
+            except GpusnapError:
+                why = why or f"GPU {layout.gpu_uuid!r}"
+                source = ""
+            if why:
+                skipped.append(f"{_label(worker)}: arena {index} not filled: the worker reported {why}")
+                continue
+            reserve = sum(v for k, v in need.items() if normalize_gpu_uuid(k) == source)
+            plans.append(Planned(worker.instance_id, index, layout, moved.get(source, source), mine, reserve))
+        stray = [r.name for r in in_arenas if not 0 < r.arena <= len(worker.arenas)]
+        if stray:
+            skipped.append(f"{_label(worker)}: buffers {stray[:3]} name no recorded arena")
+    return plans, skipped
+
+
+def _label(worker: WorkerInfo) -> str:
+    return f"{worker.engine or 'worker'} process {worker.process or ''} (PID {worker.pid})".replace("  ", " ")
+
+
+class Prefill:
+    """One restore copy's fills, run on a thread of their own from :meth:`start` on.
+
+    Args:
+        support: the node's :class:`PrefillSupport` (enabled).
+        store: the buffer store the blobs are read from.
+        uid: the snapshot's buffer uid.
+    """
+
+    def __init__(
+        self, support: PrefillSupport, store: BufferStore, uid: int, plans: Sequence[Planned], skipped: Sequence[str]
+    ):
+        assert support.filler is not None
+        self.filler = support.filler
+        self.support = support
+        self.store = store
+        self.uid = uid
+        self.plans = list(plans)
+        self.problems: dict[str, list[str]] = {}
+        """Agent instance id → why some of its arenas were not filled."""
+        self.general = list(skipped)
+        self._filled: dict[str, list[tuple[Planned, FilledArena]]] = {}
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpusnap-prefill", daemon=True)
+        self.fill_s = 0.0
+
+    def start(self) -> Prefill:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        for p in self.plans:
+            if self._cancel.is_set():
+                break
+            why = self.support.gpus.get(p.target, "a GPU gpusnapd does not see")
+            if why:
+                self._problem(p, f"GPU {p.target}: {why}")
+                continue
+            fds = self.store.open_for_read(self.uid, list(p.refs)) if p.refs else []
+            try:
+                ram = [t.blobs for t in self.store.tiers if t.name == "ram"]
+                sources = [
+                    Source(
+                        fd,
+                        r.size_bytes,
+                        r.arena_offset,
+                        keep=any(self.store.path(self.uid, r.sha256).is_relative_to(b) for b in ram),
+                    )
+                    for fd, r in zip(fds, p.refs, strict=True)
+                ]
+                filled = self.filler.fill(
+                    p.target,
+                    p.layout.chunk_bytes,
+                    sources,
+                    reserve_bytes=p.reserve_bytes,
+                    cancelled=self._cancel.is_set,
+                )
+            except (PrefillError, OSError) as exc:
+                self._problem(p, str(exc))
+                continue
+            except BaseException as exc:  # noqa: BLE001 (a fill never fails the restore: it falls back)
+                log.exception("prefill.failed")
+                self._problem(p, f"{type(exc).__name__}: {exc}")
+                continue
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            with self._lock:
+                if self._cancel.is_set():
+                    filled.release()
+                    break
+                self._filled.setdefault(p.agent, []).append((p, filled))
+            log.info(
+                "prefill.filled", arena=p.index, gpu=p.target, bytes=filled.nbytes, seconds=round(filled.seconds, 3)
+            )
+        self.fill_s = time.monotonic() - start
+
+    def _problem(self, p: Planned, why: str) -> None:
+        log.warning("prefill.fallback", arena=p.index, gpu=p.target, reason=why)
+        with self._lock:
+            self.problems.setdefault(p.agent, []).append(f"arena {p.index}: {why}")
+
+    def take(self, agent: str, timeout_s: float) -> list[tuple[Planned, FilledArena]]:
+        """Wait for the fills (at most ``timeout_s``) and take ``agent``'s filled arenas; the caller releases
+        them (:meth:`FilledArena.release`) once handed over. A fill still running after the timeout is
+        cancelled and its arenas are read back instead."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._cancel.set()
+            self.general.append(f"the fill took longer than {timeout_s:.0f} s")
+        with self._lock:
+            return self._filled.pop(agent, [])
+
+    def why_not(self, agent: str) -> str:
+        """Why some or all of ``agent``'s arenas were not prefilled (one line; empty when they all were)."""
+        with self._lock:
+            return "; ".join(self.general + self.problems.get(agent, []))
+
+    def close(self) -> None:
+        """Stop the fills and release every arena not handed over (idempotent; the rollback step)."""
+        self._cancel.set()
+        if self._thread.ident is not None:
+            self._thread.join()
+        with self._lock:
+            left = [f for arenas in self._filled.values() for _, f in arenas]
+            self._filled.clear()
+        for f in left:
+            f.release()
+
+
+def start(
+    support: PrefillSupport | None, store: BufferStore, snapshot: Snapshot, gpu_map: Mapping[str, str] | None
+) -> Prefill | None:
+    """Start filling ``snapshot``'s arenas on the GPUs ``gpu_map`` sends them to (``None`` for a snapshot
+    without GPU state: the GPUs they were on); ``None`` when prefill is off or nothing has an arena."""
+    if support is None or not support.enabled or not any(b.arena for b in snapshot.buffers):
+        return None
+    plans, skipped = plan(snapshot, gpu_map)
+    return Prefill(support, store, snapshot.buffer_uid, plans, skipped).start()
+
+
+def hand_over(prefill: Prefill, worker: WorkerInfo, client: AgentClient, timeout_s: float) -> set[str]:
+    """Give ``worker``'s filled arenas to its restored agent (``client``: the session found among the
+    restored tree's processes) and release gpusnapd's handles; returns the names of the buffers the worker
+    now holds. Never raises for a refusal: the worker's arenas are then read back (the reason is in
+    :meth:`Prefill.why_not`)."""
+    filled = prefill.take(worker.instance_id, timeout_s)
+    done: set[str] = set()
+    try:
+        for batch in _batches(filled):
+            fds = [fd for _, f in batch for fd in f.fds]
+            client.map_arenas([(p.index, [r.name for r in p.refs]) for p, _ in batch], fds, timeout_s)
+            done.update(r.name for p, _ in batch for r in p.refs)
+    except GpusnapError as exc:
+        log.warning("prefill.refused", pid=worker.pid, error=str(exc))
+        with prefill._lock:
+            prefill.problems.setdefault(worker.instance_id, []).append(f"the worker did not map them ({exc})")
+    finally:
+        for _, f in filled:
+            f.release()
+    return done
+
+
+def _batches(filled: Sequence[tuple[Planned, FilledArena]]) -> list[list[tuple[Planned, FilledArena]]]:
+    """Arenas grouped so that each MapArenas frame carries at most ``wire.MAX_FDS`` descriptors."""
+    out: list[list[tuple[Planned, FilledArena]]] = [[]]
+    count = 0
+    for item in filled:
+        n = len(item[1].fds)
+        if count + n > wire.MAX_FDS and out[-1]:
+            out.append([])
+            count = 0
+        out[-1].append(item)
+        count += n
+    return [b for b in out if b]

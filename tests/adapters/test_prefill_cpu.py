@@ -1,0 +1,115 @@
+"""Device memory filled by gpusnapd (``--gpu-prefill auto``), end to end with real CRIU on CPU: a PyTorch
+worker keeps its weights in an address-stable arena over the fake VMM driver (tests/fakes/cuda_vmm.py,
+whose physical allocations are memfds); gpusnapd (tests/daemon/prefill_daemon.py: the same fake for its
+own driver) creates the arena's memory, fills it from the blob while CRIU restores the worker, and hands
+the exported descriptors to the restored worker's agent, which maps them at the arena's addresses. The
+restored worker gives identical tokens from the same address; faults in the daemon's fill or in the
+worker's import fall back to today's reload; gpusnapd keeps no allocation (memfd) afterwards."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.adapters import torch_venv
+from tests.adapters.test_buffers_cpu import WEIGHT_BYTES, Worker
+from tests.conftest import REPO, DaemonProc, kill_tree, start_daemon, stop_daemon
+
+LAUNCHER = REPO / "tests" / "daemon" / "prefill_daemon.py"
+CHUNK_MIB = 64  # the 256 MiB arena in four chunks: four descriptors, copies split at chunk boundaries
+
+pytestmark = torch_venv.needs_venv
+
+
+def _daemon(tmp: Path, **env: str) -> DaemonProc:
+    return start_daemon(tmp / "d", extra_env={"GPUSNAP_GPU_PREFILL": "auto", **env}, launcher=LAUNCHER)
+
+
+def _memfds(pid: int) -> list[str]:
+    """The fake's physical allocations gpusnapd still holds: memfd descriptors and mappings."""
+    fds = [p.readlink() for p in Path(f"/proc/{pid}/fd").iterdir() if "fake-cuda-physical" in str(p.readlink())]
+    maps = [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "fake-cuda-physical" in line]
+    return [str(f) for f in fds] + maps
+
+
+def _reload_messages(d: DaemonProc, op_id: str) -> list[str]:
+    return [e.message for e in d.client().watch(op_id) if e.phase == "reload-buffers" and e.message]
+
+
+def _roundtrip(
+    held: list[object], d: DaemonProc, tmp: Path, *worker_args: str
+) -> tuple[list[str], dict[str, object], dict[str, object], Worker]:
+    w = Worker(d, tmp, "w", "--stable-fake", "--chunk-mib", str(CHUNK_MIB), *worker_args)
+    held.append(w)
+    before = w.generate()
+    dumped = json.loads(d.cli("-o", "json", "dump", str(w.proc.pid), check=True).stdout)
+    assert dumped["buffer_bytes"] == WEIGHT_BYTES
+    assert w.proc.wait(timeout=30) == -9
+    op = d.client().restore(dumped["id"])
+    done = d.client().wait(op.id, timeout_s=300)
+    assert done.error.message == "", done.error
+    w.restored = done.restore.pid  # type: ignore[attr-defined]
+    return _reload_messages(d, op.id), before, w.generate(), w
+
+
+@pytest.fixture
+def cleanup():  # type: ignore[no-untyped-def]
+    held: list[object] = []  # daemons and workers
+    yield held
+    for x in held:
+        if isinstance(x, Worker):
+            kill_tree(x.proc.pid, getattr(x, "restored", 0))
+    for x in held:
+        if isinstance(x, DaemonProc):
+            stop_daemon(x)
+
+
+def test_prefilled_weights_come_back_at_the_same_address(tmp_path: Path, cleanup: list) -> None:  # type: ignore[type-arg]
+    d = _daemon(tmp_path)
+    cleanup.append(d)
+    assert re.search(r"gpu prefill\s+on \(1 of 1 GPUs\)", d.cli("node", check=True).stdout)
+    messages, before, after, w = _roundtrip(cleanup, d, tmp_path)
+    assert after["ptr"] == before["ptr"], "the weights came back at the same address"
+    assert after == before, "identical tokens and weights"
+    assert any(f"{WEIGHT_BYTES} bytes prefilled" in m for m in messages), messages
+    assert not any("read back" in m for m in messages), messages
+    assert "resume restored=True resident=268435456 mapped=True" in w.events()
+    assert _memfds(d.proc.pid) == [], "gpusnapd released its handles after the hand-over"
+
+
+@pytest.mark.parametrize(
+    ("where", "fault", "expect"),
+    [
+        ("daemon", "cuMemcpyAsync:3", "cuMemcpyAsync failed"),  # mid-fill: two pieces copied already
+        ("daemon", "cuMemExportToShareableHandle:2", "cuMemExportToShareableHandle failed"),
+        ("worker", "cuMemImportFromShareableHandle", "did not map them"),
+    ],
+)
+def test_a_failed_prefill_falls_back_to_the_reload(
+    tmp_path: Path,
+    cleanup: list,  # type: ignore[type-arg]
+    where: str,
+    fault: str,
+    expect: str,
+) -> None:
+    d = _daemon(tmp_path, **({"GPUSNAP_TEST_PREFILL_FAIL": fault} if where == "daemon" else {}))
+    cleanup.append(d)
+    messages, before, after, w = _roundtrip(
+        cleanup, d, tmp_path, *(("--fake-fail", fault) if where == "worker" else ())
+    )
+    assert after == before, "identical tokens, weights and address after the fallback"
+    assert any(expect in m for m in messages), messages
+    assert any(f"{WEIGHT_BYTES} bytes read back" in m for m in messages), messages
+    assert _memfds(d.proc.pid) == [], "every allocation of the failed prefill was released"
+
+
+def test_too_little_device_memory_falls_back(tmp_path: Path, cleanup: list) -> None:  # type: ignore[type-arg]
+    d = _daemon(tmp_path, GPUSNAP_TEST_PREFILL_CAPACITY=str(128 << 20))
+    cleanup.append(d)
+    messages, before, after, w = _roundtrip(cleanup, d, tmp_path)
+    assert after == before
+    assert any("MiB free, the arena needs 256 MiB" in m for m in messages), messages
+    assert any(f"{WEIGHT_BYTES} bytes read back" in m for m in messages), messages

@@ -1,0 +1,163 @@
+"""The restore's prefill orchestration (gpusnap.daemon.gpu.prefill) over the fake VMM driver and a real
+buffer store: which arenas a snapshot lets it fill (the layout comes from the worker and is checked like
+any input), the GPU map it follows, and that every allocation is released however the restore ends
+(a refused hand-over, a restore that fails before it, a fill cut short). The whole path, with real CRIU
+and a real worker, is tests/adapters/test_prefill_cpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon.api.errors import FailedPreconditionError
+from gpusnap.daemon.api.types import ArenaLayout, BufferRef, HostFacts, ProcessFacts, Snapshot, WorkerInfo
+from gpusnap.daemon.gpu import prefill
+from gpusnap.daemon.store.buffers import BufferStore
+from tests.fakes.cuda_vmm import FakeVmmDriver
+
+G = 64 << 10
+GPU0 = "GPU-00000000-1111-4222-8333-000000000000"
+GPU1 = "GPU-00000001-1111-4222-8333-000000000001"
+
+
+def _snapshot(store: BufferStore, layouts: tuple[ArenaLayout, ...], sizes: list[tuple[int, int, int]]) -> Snapshot:
+    """A snapshot whose one worker has ``layouts`` and buffers (arena, offset, bytes) with real blobs."""
+    refs = []
+    for i, (arena, offset, n) in enumerate(sizes):
+        data = os.urandom(n)
+        digest = hashlib.sha256(data).hexdigest()
+        path = store.tiers[0].blobs / "0" / digest
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data)
+        refs.append(BufferRef(f"b{i}", n, digest, "agent", arena, offset))
+    worker = WorkerInfo(engine="torch", instance_id="agent", pid=7, arenas=layouts)
+    return Snapshot(
+        id="snap-1",
+        name="",
+        created=datetime.datetime.now(datetime.UTC),
+        labels={},
+        owner_uid=0,
+        source=ProcessFacts(pid=7, comm="w", cmdline=(), uid=0, gid=0, tree_pids=(7,), rss_bytes=0, cwd="/"),
+        host=HostFacts("h", "k", "x86_64", "", "", "", ()),
+        files=(),
+        phases=(),
+        worker=worker,
+        buffers=tuple(refs),
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> BufferStore:
+    s = BufferStore(tmp_path / "buffers")
+    s.open()
+    yield s  # type: ignore[misc]
+    s.close()
+
+
+def _support(drv: FakeVmmDriver) -> prefill.PrefillSupport:
+    support = prefill.PrefillSupport.probe("auto", drv)
+    assert support.enabled, support.reason
+    return support
+
+
+LAYOUT = ArenaLayout(GPU0, 4 * G, G, (2 * G, 2 * G), 2)
+
+
+def test_layout_checks() -> None:
+    refs = [BufferRef("a", 3 * G, "x", "", 1, 0), BufferRef("b", 512, "y", "", 1, 3 * G)]
+    assert prefill.check_layout(LAYOUT, refs) == ""
+    bad = {
+        "granularity": dataclasses.replace(LAYOUT, granularity=3000),
+        "chunks": dataclasses.replace(LAYOUT, chunk_bytes=(2 * G, G)),
+        "storages": dataclasses.replace(LAYOUT, storages=3),
+        "a size of": dataclasses.replace(LAYOUT, size_bytes=8 * G, chunk_bytes=(4 * G, 4 * G)),  # more than needed
+    }
+    for why, layout in bad.items():
+        assert why in prefill.check_layout(layout, refs), why
+    overlapping = [refs[0], dataclasses.replace(refs[1], arena_offset=G)]
+    assert "overlapping" in prefill.check_layout(LAYOUT, overlapping)
+    outside = [refs[0], dataclasses.replace(refs[1], arena_offset=4 * G)]
+    assert "a size of" in prefill.check_layout(LAYOUT, outside)
+
+
+def test_plan_follows_the_gpu_map_and_reports_what_it_skips(store: BufferStore) -> None:
+    snap = _snapshot(store, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)])
+    plans, skipped = prefill.plan(snap, {GPU0.upper(): GPU1})
+    assert [(p.index, p.target, [r.name for r in p.refs]) for p in plans] == [(1, GPU1, ["b0", "b1"])] and not skipped
+    old = dataclasses.replace(snap, worker=dataclasses.replace(snap.worker, arenas=()))  # type: ignore[arg-type]
+    plans, skipped = prefill.plan(old, None)
+    assert not plans and "records no arena layout" in skipped[0]
+    hostile = dataclasses.replace(
+        snap, worker=dataclasses.replace(snap.worker, arenas=(dataclasses.replace(LAYOUT, storages=5),))
+    )  # type: ignore[arg-type]
+    plans, skipped = prefill.plan(hostile, None)
+    assert not plans and "not stable" in skipped[0]
+
+
+def test_fill_hand_over_and_release(store: BufferStore) -> None:
+    drv = FakeVmmDriver(granularity=G)
+    snap = _snapshot(store, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)])
+    run = prefill.start(_support(drv), store, snap, None)
+    assert run is not None
+
+    class Client:
+        got: list[tuple[object, list[int]]] = []
+
+        def map_arenas(self, arenas: object, fds: list[int], timeout_s: float) -> None:
+            self.got.append((arenas, [os.fstat(fd).st_size for fd in fds]))
+
+    assert prefill.hand_over(run, snap.worker, Client(), 30) == {"b0", "b1"}  # type: ignore[arg-type]
+    assert Client.got == [([(1, ["b0", "b1"])], [2 * G, 2 * G])]
+    assert drv.live() == 0 and not drv.reserved, "gpusnapd's handles are released once handed over"
+    run.close()
+
+
+def test_a_refused_hand_over_releases_and_reports(store: BufferStore) -> None:
+    drv = FakeVmmDriver(granularity=G)
+    snap = _snapshot(store, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)])
+    run = prefill.start(_support(drv), store, snap, None)
+    assert run is not None
+
+    class Refusing:
+        def map_arenas(self, arenas: object, fds: list[int], timeout_s: float) -> None:
+            raise FailedPreconditionError("the worker's agent failed: VmmError", reason="AGENT_COMMAND_FAILED")
+
+    assert prefill.hand_over(run, snap.worker, Refusing(), 30) == set()  # type: ignore[arg-type]
+    assert "did not map them" in run.why_not("agent")
+    assert drv.live() == 0
+    run.close()
+
+
+def test_a_restore_failing_before_the_hand_over_releases_the_filled_memory(store: BufferStore) -> None:
+    drv = FakeVmmDriver(granularity=G)
+    snap = _snapshot(store, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)])
+    run = prefill.start(_support(drv), store, snap, None)
+    assert run is not None
+    run._thread.join()
+    assert len(drv.handles) == 2, "filled and exported, waiting for the worker"
+    run.close()  # the rollback step
+    assert drv.live() == 0 and not drv.reserved
+
+
+def test_a_gpu_the_probe_refused_is_not_filled(store: BufferStore) -> None:
+    drv = FakeVmmDriver(granularity=G)
+    support = _support(drv)
+    support.gpus[GPU0] = "no POSIX file descriptor handles"
+    snap = _snapshot(store, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)])
+    run = prefill.start(support, store, snap, None)
+    assert run is not None
+    assert run.take("agent", 30) == [] and "no POSIX file descriptor handles" in run.why_not("agent")
+    assert "cuMemCreate" not in drv.names()
+    run.close()
+
+
+def test_off_and_a_failed_probe_say_why() -> None:
+    assert prefill.PrefillSupport.probe("off").state == "off (gpu_prefill = off)"
+    drv = FakeVmmDriver(attributes={})
+    state = prefill.PrefillSupport.probe("auto", drv).state
+    assert state.startswith("off: no GPU supports it") and "no virtual memory management" in state
