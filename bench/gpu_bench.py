@@ -3,8 +3,12 @@
 For each size and mode, a PyTorch worker (tests/gpu/torch_worker.py) fills that many GiB of device
 memory; gpusnap dumps it and restores it; the restored worker's checksum is verified. Modes: ``stock``
 (no agent: the CUDA checkpoint and CRIU carry the data) and ``offload`` (the worker's agent names the
-data as buffers: they go to the buffer store and come back through pinned memory). Results are written as
-JSON to bench/results/gpu-<kind>-<date>.json:
+data as buffers: they go to the buffer store and come back through pinned memory), ``stable`` (offload
+with the buffers in an address-stable arena and a CUDA graph reading them: today's reload re-maps the arena
+and copies them in) and ``prefill`` (the same worker restored by a second gpusnapd with ``--gpu-prefill
+auto``: it fills the arena's device memory while CRIU restores the worker; ``docs/performance.md``). With
+both ``stable`` and ``prefill`` the result carries ``prefill_ratio`` per size: stable's restore total over
+prefill's, in the same run. Results are written as JSON to bench/results/gpu-<kind>-<date>.json:
 
     {"host": {...}, "runs": [{"gib": 2, "checkpoint": {"phases": {...}, "total_s": …, "gb_per_s": …},
                               "restore": {...}, "image_bytes": …, "verified": true}]}
@@ -50,7 +54,9 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
         "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket),  # type: ignore[attr-defined]
         "GPUSNAP_WAKE_DIR": str(tmp / "wake"),
     }
-    extra = ["--agent"] if mode == "offload" else []
+    extra = {"offload": ["--agent"], "stable": ["--agent", "--stable"], "prefill": ["--agent", "--stable"]}.get(
+        mode, []
+    )
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), str(wd), "--gib", str(gib), *extra],
         stdin=subprocess.DEVNULL,
@@ -74,7 +80,7 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
     now = wd / "now"
     os.kill(restored["pid"], signal.SIGUSR1)
     wait_for(now.exists, 300, "restored worker did not answer")
-    verified = now.read_text().split()[:2] == expected
+    verified = now.read_text().split()[: len(expected)] == expected
     second = None
     if mode == "offload":
         store_before = _buffer_store_bytes(buffers_root)
@@ -88,6 +94,7 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
         daemon.cli("rm", again["id"], check=True)  # type: ignore[attr-defined]
     else:
         os.kill(restored["pid"], signal.SIGKILL)
+        wait_for(lambda: not Path(f"/proc/{restored['pid']}").exists(), 60, "restored worker did not exit")
     daemon.cli("rm", dumped["id"], check=True)  # type: ignore[attr-defined]
     gpu_bytes = gib * 2**30
     ck_total = sum(dumped["phases"].values())
@@ -117,6 +124,26 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
     }
 
 
+def _prefill_ratios(runs: list[dict[str, object]]) -> dict[str, dict[str, float]]:
+    """Per size with both modes: restore totals and reload phases of ``stable`` (the worker reads its arena
+    back) and ``prefill`` (gpusnapd filled it during the restore), and stable's total over prefill's."""
+    out: dict[str, dict[str, float]] = {}
+    by = {(r["gib"], r["mode"]): r["restore"] for r in runs}
+    for (gib, mode), rs in by.items():
+        other = by.get((gib, "prefill"))
+        if mode != "stable" or other is None:
+            continue
+        a, b = rs["total_s"], other["total_s"]  # type: ignore[index]
+        out[str(gib)] = {
+            "stable_restore_s": round(a, 3),
+            "prefill_restore_s": round(b, 3),
+            "stable_reload_s": round(rs["phases"].get("reload-buffers", 0.0), 3),  # type: ignore[index]
+            "prefill_reload_s": round(other["phases"].get("reload-buffers", 0.0), 3),  # type: ignore[index]
+            "stable_over_prefill": round(a / b, 3) if b else 0.0,
+        }
+    return out
+
+
 def _rss(pid: int) -> int:
     """Resident CPU memory of ``pid``, bytes (VmRSS)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -134,23 +161,38 @@ def main() -> int:
     ap.add_argument(
         "--modes",
         default="stock,offload",
-        help="stock (no agent) and/or offload (the worker names its data as buffers), comma separated",
+        help="stock (no agent), offload (the worker names its data as buffers), stable (offload, in an "
+        "address-stable arena read by a CUDA graph) and/or prefill (stable, restored by a gpusnapd with "
+        "--gpu-prefill auto), comma separated",
     )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-bench-", dir=args.store_parent))
-    daemon = start_daemon(tmp, extra_env={"GPUSNAP_BUFFER_DIR": args.buffer_dir} if args.buffer_dir else None)
+    modes = args.modes.split(",")
+    daemons = {}
     runs = []
     try:
-        node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
+        for kind in dict.fromkeys("prefill" if m == "prefill" else "plain" for m in modes):
+            buffer_dir = f"{args.buffer_dir}-{kind}" if args.buffer_dir and kind == "prefill" else args.buffer_dir
+            env = {"GPUSNAP_BUFFER_DIR": buffer_dir} if buffer_dir else {}
+            env.update({"GPUSNAP_GPU_PREFILL": "auto"} if kind == "prefill" else {})
+            daemons[kind] = (start_daemon(tmp / kind, extra_env=env), buffer_dir)
+        node = json.loads(next(iter(daemons.values()))[0].cli("-o", "json", "node", check=True).stdout)
+        if "prefill" in daemons:
+            print(
+                "gpu prefill:",
+                json.loads(daemons["prefill"][0].cli("-o", "json", "node", check=True).stdout).get("gpu_prefill"),
+            )
         for size in (float(s) for s in args.sizes.split(",")):
-            for mode in args.modes.split(","):
-                run = run_size(
-                    daemon, size, tmp, mode, Path(args.buffer_dir) if args.buffer_dir else daemon.store / "buffers"
-                )
+            for mode in modes:
+                daemon, buffer_dir = daemons["prefill" if mode == "prefill" else "plain"]
+                run = run_size(daemon, size, tmp, mode, Path(buffer_dir) if buffer_dir else daemon.store / "buffers")
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     finally:
-        stop_daemon(daemon)
+        for daemon, buffer_dir in daemons.values():
+            stop_daemon(daemon)
+            if buffer_dir and buffer_dir != args.buffer_dir:
+                shutil.rmtree(buffer_dir, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
     gpus = node.get("gpus", [])
     result = {
@@ -162,8 +204,11 @@ def main() -> int:
             "store": args.store_parent or "disk (temp dir)",
         },
         "runs": runs,
+        "prefill_ratio": _prefill_ratios(runs),
     }
     results_file.write(result, "gpu", args.out, args.label)
+    for gib, ratio in result["prefill_ratio"].items():  # type: ignore[attr-defined]
+        print(f"PREFILL {gib} GiB: {json.dumps(ratio)}")
     return 0 if all(r["verified"] for r in runs) else 1
 
 

@@ -48,6 +48,7 @@ class NodeInfo(_message.Message):
     CRIU_PATH_FIELD_NUMBER: _builtins.int
     REMOTE_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
+    GPU_PREFILL_FIELD_NUMBER: _builtins.int
     store_path: _builtins.str
     store_used_bytes: _builtins.int
     snapshot_count: _builtins.int
@@ -58,6 +59,8 @@ class NodeInfo(_message.Message):
     criu_path: _builtins.str
     remote: _builtins.str
     """remote store URL (s3://bucket/prefix), empty when none"""
+    gpu_prefill: _builtins.str
+    """restores fill address-stable weights on the GPU: "on (…)" or "off…: why" """
     @_builtins.property
     def host(self) -> _types_pb2.HostFacts: ...
     @_builtins.property
@@ -79,10 +82,11 @@ class NodeInfo(_message.Message):
         criu_path: _builtins.str = ...,
         remote: _builtins.str = ...,
         tiers: _abc.Iterable[Global___StoreTier] | None = ...,
+        gpu_prefill: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["host", b"host"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["criu_path", b"criu_path", "cuda_checkpoint_supported", b"cuda_checkpoint_supported", "cuda_unavailable_reason", b"cuda_unavailable_reason", "gpus", b"gpus", "host", b"host", "remote", b"remote", "snapshot_count", b"snapshot_count", "store_path", b"store_path", "store_used_bytes", b"store_used_bytes", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["criu_path", b"criu_path", "cuda_checkpoint_supported", b"cuda_checkpoint_supported", "cuda_unavailable_reason", b"cuda_unavailable_reason", "gpu_prefill", b"gpu_prefill", "gpus", b"gpus", "host", b"host", "remote", b"remote", "snapshot_count", b"snapshot_count", "store_path", b"store_path", "store_used_bytes", b"store_used_bytes", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,6 +1,6 @@
 """A PyTorch process holding GPU memory, for GPU checkpoint/restore tests (run as a script).
 
-    python torch_worker.py WORKDIR --gib N [--device I] [--agent]
+    python torch_worker.py WORKDIR --gib N [--device I] [--agent [--stable]]
 
 - fills N GiB of device memory with a known pattern and writes its checksum to WORKDIR/expected;
 - captures a CUDA graph (y = x * 3 + 1 over a 64 MiB buffer) and writes its result checksum too;
@@ -11,7 +11,10 @@ WORKDIR/ready appears once all of that runs.
 
 With ``--agent`` it attaches the gpusnap agent (PyTorch adapter) and names the pattern chunks as buffers,
 so a capture keeps them out of the image; the canary is the pattern checksum, so a restore whose buffers
-came back wrong fails its canary.
+came back wrong fails its canary. ``--stable`` moves the chunks into an address-stable arena
+(``gpusnap.adapters.vmm.stabilize``) before any graph is captured, and captures a second CUDA graph that
+reads them (an int64 sum of a sample of every chunk): its result, the third field of WORKDIR/expected and
+WORKDIR/now, is right after a restore only if the chunks came back at the same addresses with the same bytes.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--agent", action="store_true")
+    ap.add_argument("--stable", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda", args.device)
     torch.cuda.set_device(dev)
@@ -54,6 +58,30 @@ def main() -> None:
         chunks.append(pattern(i, n, dev))
         total -= n
         i += 1
+    wgraph = None
+    if args.stable:
+        from gpusnap.adapters import vmm
+
+        vmm.stabilize({f"chunk{i}": c for i, c in enumerate(chunks)})
+        wsum = torch.zeros(1, dtype=torch.int64, device=dev)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph, as torch requires
+            wsum.copy_(torch.stack([c[: 1 << 20].to(torch.int64).sum() for c in chunks]).sum().reshape(1))
+        torch.cuda.current_stream().wait_stream(side)
+        wgraph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(wgraph):
+            wsum.copy_(torch.stack([c[: 1 << 20].to(torch.int64).sum() for c in chunks]).sum().reshape(1))
+
+    def weights_graph() -> str:
+        if wgraph is None:
+            return ""
+        wsum.zero_()
+        wgraph.replay()
+        torch.cuda.synchronize()
+        return f" {int(wsum.item())}"
+
     static_x = torch.linspace(0, 1, 16 << 20, device=dev)
     static_y = torch.empty_like(static_x)
     s = torch.cuda.Stream()
@@ -70,7 +98,7 @@ def main() -> None:
     graph_sum = float(static_y.double().sum().item())
     wd = args.workdir
     with open(os.path.join(wd, "expected"), "w") as fh:
-        fh.write(f"{checksum(chunks)} {graph_sum:.6f}")
+        fh.write(f"{checksum(chunks)} {graph_sum:.6f}{weights_graph()}")
 
     lock = threading.Lock()
     if args.agent:
@@ -108,7 +136,8 @@ def main() -> None:
                 torch.cuda.synchronize()
                 now_uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
                 with open(os.path.join(wd, "now.tmp"), "w") as fh:
-                    fh.write(f"{checksum(chunks)} {float(static_y.double().sum().item()):.6f} {now_uuid}")
+                    graphs = f"{float(static_y.double().sum().item()):.6f}{weights_graph()}"
+                    fh.write(f"{checksum(chunks)} {graphs} {now_uuid}")
                 os.rename(os.path.join(wd, "now.tmp"), os.path.join(wd, "now"))
         time.sleep(0.05)
 
