@@ -39,6 +39,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gpusnap.daemon.drivers.cuda import format_gpu_uuid
+
 READ_ONLY = 0x08
 """``CU_MEMHOSTREGISTER_READ_ONLY``: the device only reads the registered pages (a 0400 blob)."""
 PIECE_BYTES = 256 << 20
@@ -114,8 +116,8 @@ def _call(drv: Any, name: str, *args: Any) -> Any:
 
 
 def _uuid_text(raw: Any) -> str:
-    h = (raw.encode("latin-1") if isinstance(raw, str) else bytes(raw)).hex()
-    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+    """``CUuuid.bytes`` (``bytes``; ``str`` in some cuda-bindings releases) in NVML form."""
+    return format_gpu_uuid(raw.encode("latin-1") if isinstance(raw, str) else bytes(raw))
 
 
 class DeviceFiller:

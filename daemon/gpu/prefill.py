@@ -81,7 +81,7 @@ class PrefillSupport:
         filler = DeviceFiller(driver)
         try:
             gpus = filler.probe()
-        except PrefillError as exc:
+        except Exception as exc:  # noqa: BLE001 (never fails the daemon's start: prefill stays off)
             log.warning("gpu.prefill_unavailable", reason=str(exc))
             return cls(mode, reason=f"probe failed: {exc}")
         if not any(v == "" for v in gpus.values()):
@@ -145,17 +145,23 @@ def check_layout(layout: ArenaLayout, refs: Sequence[BufferRef]) -> str:
     return ""
 
 
-def plan(snapshot: Snapshot, gpu_map: Mapping[str, str] | None) -> tuple[list[Planned], list[str]]:
-    """The arenas of ``snapshot`` to fill, and why the others (or all) are not (one line each)."""
+def plan(snapshot: Snapshot, gpu_map: Mapping[str, str] | None) -> tuple[list[Planned], dict[str, list[str]]]:
+    """The arenas of ``snapshot`` to fill, and per agent (instance id) why its other buffers are not."""
     plans: list[Planned] = []
-    skipped: list[str] = []
+    skipped: dict[str, list[str]] = {}
     need = gpumap.memory_needed(snapshot.gpu_processes) if snapshot.gpu_processes else {}
     moved = {normalize_gpu_uuid(k): normalize_gpu_uuid(v) for k, v in (gpu_map or {}).items()}
     for worker in snapshot.all_workers:
         refs = snapshot.buffers_of(worker)
         in_arenas = [r for r in refs if r.arena]
+        why_not = skipped.setdefault(worker.instance_id, [])
+        if len(in_arenas) < len(refs):
+            why_not.append(
+                f"{len(refs) - len(in_arenas)} buffers lie in no address-stable arena, or the snapshot records none "
+                "(taken before gpusnap recorded arena layouts)"
+            )
         if in_arenas and not worker.arenas:
-            skipped.append(f"{_label(worker)}: the snapshot records no arena layout (taken before gpusnap did)")
+            why_not.append("the snapshot records no arena layout")
             continue
         for index, layout in enumerate(worker.arenas, start=1):
             mine = tuple(r for r in in_arenas if r.arena == index)
@@ -166,18 +172,14 @@ def plan(snapshot: Snapshot, gpu_map: Mapping[str, str] | None) -> tuple[list[Pl
                 why = why or f"GPU {layout.gpu_uuid!r}"
                 source = ""
             if why:
-                skipped.append(f"{_label(worker)}: arena {index} not filled: the worker reported {why}")
+                why_not.append(f"arena {index}: the worker reported {why}")
                 continue
             reserve = sum(v for k, v in need.items() if normalize_gpu_uuid(k) == source)
             plans.append(Planned(worker.instance_id, index, layout, moved.get(source, source), mine, reserve))
         stray = [r.name for r in in_arenas if not 0 < r.arena <= len(worker.arenas)]
         if stray:
-            skipped.append(f"{_label(worker)}: buffers {stray[:3]} name no recorded arena")
-    return plans, skipped
-
-
-def _label(worker: WorkerInfo) -> str:
-    return f"{worker.engine or 'worker'} process {worker.process or ''} (PID {worker.pid})".replace("  ", " ")
+            why_not.append(f"buffers {stray[:3]} name no recorded arena")
+    return plans, {k: v for k, v in skipped.items() if v}
 
 
 class Prefill:
@@ -190,7 +192,12 @@ class Prefill:
     """
 
     def __init__(
-        self, support: PrefillSupport, store: BufferStore, uid: int, plans: Sequence[Planned], skipped: Sequence[str]
+        self,
+        support: PrefillSupport,
+        store: BufferStore,
+        uid: int,
+        plans: Sequence[Planned],
+        skipped: Mapping[str, Sequence[str]],
     ):
         assert support.filler is not None
         self.filler = support.filler
@@ -198,9 +205,9 @@ class Prefill:
         self.store = store
         self.uid = uid
         self.plans = list(plans)
-        self.problems: dict[str, list[str]] = {}
-        """Agent instance id → why some of its arenas were not filled."""
-        self.general = list(skipped)
+        self.problems: dict[str, list[str]] = {k: list(v) for k, v in skipped.items()}
+        """Agent instance id → why some of its buffers were not prefilled."""
+        self.general: list[str] = []
         self._filled: dict[str, list[tuple[Planned, FilledArena]]] = {}
         self._lock = threading.Lock()
         self._cancel = threading.Event()
@@ -220,8 +227,9 @@ class Prefill:
             if why:
                 self._problem(p, f"GPU {p.target}: {why}")
                 continue
-            fds = self.store.open_for_read(self.uid, list(p.refs)) if p.refs else []
+            fds: list[int] = []
             try:
+                fds = self.store.open_for_read(self.uid, list(p.refs))
                 ram = [t.blobs for t in self.store.tiers if t.name == "ram"]
                 sources = [
                     Source(
@@ -242,7 +250,7 @@ class Prefill:
             except (PrefillError, OSError) as exc:
                 self._problem(p, str(exc))
                 continue
-            except BaseException as exc:  # noqa: BLE001 (a fill never fails the restore: it falls back)
+            except Exception as exc:  # noqa: BLE001 (a fill never fails the restore: it falls back)
                 log.exception("prefill.failed")
                 self._problem(p, f"{type(exc).__name__}: {exc}")
                 continue
@@ -296,8 +304,8 @@ def start(
     support: PrefillSupport | None, store: BufferStore, snapshot: Snapshot, gpu_map: Mapping[str, str] | None
 ) -> Prefill | None:
     """Start filling ``snapshot``'s arenas on the GPUs ``gpu_map`` sends them to (``None`` for a snapshot
-    without GPU state: the GPUs they were on); ``None`` when prefill is off or nothing has an arena."""
-    if support is None or not support.enabled or not any(b.arena for b in snapshot.buffers):
+    without GPU state: the GPUs they were on); ``None`` when prefill is off or the snapshot has no buffers."""
+    if support is None or not support.enabled or not snapshot.buffers:
         return None
     plans, skipped = plan(snapshot, gpu_map)
     return Prefill(support, store, snapshot.buffer_uid, plans, skipped).start()

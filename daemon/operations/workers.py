@@ -279,10 +279,12 @@ def _offload(deps: Deps, part: AgentCapture, progress: PhaseProgress) -> None:
     _report(progress, part.info, part.staged.total_bytes, time.monotonic() - start, "written out")
 
 
-def _report(progress: PhaseProgress, info: AgentInfo | WorkerInfo, nbytes: int, seconds: float, what: str) -> None:
-    """One progress event for one process: its bytes, and a message with its seconds."""
+def _report(
+    progress: PhaseProgress, info: AgentInfo | WorkerInfo, nbytes: int, seconds: float, what: str, tail: str = ""
+) -> None:
+    """One progress event for one process: its bytes, and a message with its seconds (then ``tail``)."""
     label = info.label if isinstance(info, AgentInfo) else f"{info.engine} process {info.process} (PID {info.pid})"
-    progress.report(nbytes, nbytes, message=f"{label}: {nbytes} bytes {what} in {seconds:.3f} s")
+    progress.report(nbytes, nbytes, message=f"{label}: {nbytes} bytes {what} in {seconds:.3f} s{tail}")
 
 
 def _undo(deps: Deps, capture: Capture, tree_pids: Collection[int]) -> None:
@@ -423,7 +425,7 @@ def _reload(
         nbytes = sum(b.size_bytes for b in refs if b.name in mapped)
         why = prefill.why_not(worker.instance_id)
         if nbytes or why:
-            _report(progress, worker, nbytes, prefill.fill_s, "prefilled" + (f" (not all: {why})" if why else ""))
+            _report(progress, worker, nbytes, prefill.fill_s, "prefilled", f"; not prefilled: {why}" if why else "")
         refs = tuple(b for b in refs if b.name not in mapped)
     if not refs:
         return

@@ -91,12 +91,15 @@ def test_plan_follows_the_gpu_map_and_reports_what_it_skips(store: BufferStore) 
     assert [(p.index, p.target, [r.name for r in p.refs]) for p in plans] == [(1, GPU1, ["b0", "b1"])] and not skipped
     old = dataclasses.replace(snap, worker=dataclasses.replace(snap.worker, arenas=()))  # type: ignore[arg-type]
     plans, skipped = prefill.plan(old, None)
-    assert not plans and "records no arena layout" in skipped[0]
+    assert not plans and "records no arena layout" in skipped["agent"][-1]
+    plain = _snapshot(store, (), [(0, 0, 512)])
+    plans, skipped = prefill.plan(plain, None)
+    assert not plans and "1 buffers lie in no address-stable arena" in skipped["agent"][0]
     hostile = dataclasses.replace(
         snap, worker=dataclasses.replace(snap.worker, arenas=(dataclasses.replace(LAYOUT, storages=5),))
     )  # type: ignore[arg-type]
     plans, skipped = prefill.plan(hostile, None)
-    assert not plans and "not stable" in skipped[0]
+    assert not plans and "not stable" in skipped["agent"][0]
 
 
 def test_fill_hand_over_and_release(store: BufferStore) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,7 +17,7 @@ from gpusnap.daemon.api.errors import (
     FailedPreconditionError,
     NotFoundError,
 )
-from gpusnap.daemon.api.types import HostFacts, ProcessFacts, Snapshot
+from gpusnap.daemon.api.types import ArenaLayout, BufferRef, HostFacts, ProcessFacts, Snapshot, WorkerInfo
 from gpusnap.daemon.store import SnapshotStore, checksum, manifest
 
 
@@ -106,6 +108,24 @@ def test_manifest_round_trip_and_refusals(tmp_path: Path) -> None:
         manifest.from_json({**doc, "digest_algorithm": "md5"})
     with pytest.raises(DataLossError):
         manifest.from_json({k: v for k, v in doc.items() if k != "source"})
+
+
+def test_manifest_keeps_arena_layouts_and_reads_older_ones_without(tmp_path: Path) -> None:
+    (tmp_path / "img").mkdir()
+    base = _snapshot("snap-" + "b" * 26, "n", tmp_path / "img")
+    layout = ArenaLayout("GPU-00000000-1111-4222-8333-000000000000", 4 << 20, 2 << 20, (2 << 20, 2 << 20), 1)
+    snap = dataclasses.replace(
+        base,
+        worker=WorkerInfo(engine="torch", instance_id="i", arenas=(layout,)),
+        buffers=(BufferRef("w", 3 << 20, "d" * 64, "", arena=1, arena_offset=512),),
+    )
+    assert manifest.from_json(json.loads(json.dumps(manifest.to_json(snap)))) == snap
+    old = json.loads(json.dumps(manifest.to_json(snap)))
+    del old["worker"]["arenas"]
+    for b in old["buffers"]:
+        del b["arena"], b["arena_offset"]
+    back = manifest.from_json(old)
+    assert back.worker is not None and back.worker.arenas == () and back.buffers[0].arena == 0
 
 
 def test_unfinished_pulls_expire_after_their_grace_never_while_in_flight(tmp_path: Path) -> None:
