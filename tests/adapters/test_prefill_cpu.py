@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.daemon.api.errors import DataLossError
 from tests.adapters import torch_venv
 from tests.adapters.test_buffers_cpu import WEIGHT_BYTES, Worker
 from tests.conftest import REPO, DaemonProc, kill_tree, start_daemon, stop_daemon
@@ -52,6 +53,7 @@ def _roundtrip(
     done = d.client().wait(op.id, timeout_s=300)
     assert done.error.message == "", done.error
     w.restored = done.restore.pid  # type: ignore[attr-defined]
+    w.phases = {p.phase: round(p.duration_seconds, 3) for p in done.phases}  # type: ignore[attr-defined]
     return _reload_messages(d, op.id), before, w.generate(), w
 
 
@@ -78,6 +80,7 @@ def test_prefilled_weights_come_back_at_the_same_address(tmp_path: Path, cleanup
     assert not any("read back" in m for m in messages), messages
     assert "resume restored=True resident=268435456 mapped=True" in w.events()
     assert _memfds(d.proc.pid) == [], "gpusnapd released its handles after the hand-over"
+    print(f"\nMEASURED prefill on CPU (fake driver, {WEIGHT_BYTES >> 20} MiB): {w.phases}; {messages}")  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -113,3 +116,29 @@ def test_too_little_device_memory_falls_back(tmp_path: Path, cleanup: list) -> N
     assert after == before
     assert any("MiB free, the arena needs 256 MiB" in m for m in messages), messages
     assert any(f"{WEIGHT_BYTES} bytes read back" in m for m in messages), messages
+
+
+def test_verify_buffers_checks_digests_before_the_filled_memory_reaches_the_worker(
+    tmp_path: Path,
+    cleanup: list,  # type: ignore[type-arg]
+) -> None:
+    """A blob changed after the capture (same size: the preflight's size check passes) is caught by
+    ``--verify-buffers`` before the hand-over, as on the reload path; the filled memory never reaches the
+    restored worker and gpusnapd releases it."""
+    d = _daemon(tmp_path)
+    cleanup.append(d)
+    w = Worker(d, tmp_path, "w", "--stable-fake", "--chunk-mib", str(CHUNK_MIB))
+    cleanup.append(w)
+    dumped = json.loads(d.cli("-o", "json", "dump", str(w.proc.pid), check=True).stdout)
+    assert w.proc.wait(timeout=30) == -9
+    (blob,) = [p for p in (d.store / "buffers" / "sha256").rglob("*") if p.is_file()]
+    with open(blob, "r+b") as fh:
+        fh.seek(WEIGHT_BYTES // 2)
+        byte = fh.read(1)
+        fh.seek(WEIGHT_BYTES // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    op = d.client().restore(dumped["id"], verify_buffers=True)
+    with pytest.raises(DataLossError, match="buffer w: checksum mismatch"):
+        d.client().wait(op.id, timeout_s=300)
+    assert not any("prefilled" in m for m in _reload_messages(d, op.id)), "nothing was handed over"
+    assert _memfds(d.proc.pid) == [], "the filled memory was released"
