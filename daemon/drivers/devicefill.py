@@ -6,7 +6,7 @@ physical memory the worker releases at capture. Instead of the worker creating i
 buffers in after a restore, :meth:`DeviceFiller.fill` creates it in gpusnapd's own context on the target
 GPU, one allocation per chunk of the arena (``cuMemCreate`` with ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``
 requested), maps it into a range of its own, copies the blobs in by DMA (each blob ``mmap``ed read-only
-and ``cuMemHostRegister``-ed with ``CU_MEMHOSTREGISTER_READ_ONLY``; ``cuMemcpyAsync`` on a few streams),
+and ``cuMemHostRegister``-ed read-only and portable: :data:`REGISTER_FLAGS`; ``cuMemcpyAsync`` on a few streams),
 unmaps it again and exports one file descriptor per chunk (``cuMemExportToShareableHandle``). The worker
 imports and maps those at the arena's own addresses (:meth:`gpusnap.adapters.vmm.Arena.adopt`); then
 :meth:`FilledArena.release` drops gpusnapd's handles, and the memory belongs to the worker alone (the CUDA
@@ -41,8 +41,10 @@ from typing import Any
 
 from gpusnap.daemon.drivers.cuda import format_gpu_uuid
 
-READ_ONLY = 0x08
-"""``CU_MEMHOSTREGISTER_READ_ONLY``: the device only reads the registered pages (a 0400 blob)."""
+REGISTER_FLAGS = 0x08 | 0x01
+"""``CU_MEMHOSTREGISTER_READ_ONLY`` (the device only reads the registered pages: a 0400 blob) and
+``CU_MEMHOSTREGISTER_PORTABLE`` (pinned for every context, so a kept registration serves fills on any GPU
+and can be dropped from any thread that makes one current)."""
 PIECE_BYTES = 256 << 20
 """Bytes per ``cuMemcpyAsync`` (the probe's chunk)."""
 STREAMS = 4
@@ -104,6 +106,8 @@ class _Registered:
     fd: int
     address: int
     nbytes: int
+    ordinal: int
+    """The GPU whose context was current at registration (made current again to unregister)."""
 
 
 def _call(drv: Any, name: str, *args: Any) -> Any:
@@ -130,7 +134,7 @@ class DeviceFiller:
 
     def __init__(self, driver: Any = None):
         self._drv = driver if driver is not None else DEFAULT_DRIVER
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._contexts: dict[int, Any] = {}
         self._streams: dict[int, list[Any]] = {}
         self._registered: dict[tuple[int, int], _Registered] = {}
@@ -266,7 +270,7 @@ class DeviceFiller:
             bounds = [sum(chunks[:i]) for i in range(len(chunks) + 1)]
             n = 0
             for s in sources:
-                reg = self._registration(s, once)
+                reg = self._registration(s, once, ordinal)
                 for dst, length in _pieces(s.offset, s.nbytes, bounds):
                     if cancelled():
                         raise PrefillError("the restore ended before the fill")
@@ -313,7 +317,7 @@ class DeviceFiller:
         if failed:
             raise PrefillError(f"cuMemRelease failed for {len(failed)} of {len(handles)} handles")
 
-    def _registration(self, source: Source, once: list[_Registered]) -> _Registered:
+    def _registration(self, source: Source, once: list[_Registered], ordinal: int) -> _Registered:
         """The blob's read-only registered mapping: cached (``source.keep``) or for this fill (``once``)."""
         st = os.fstat(source.fd)
         key = (st.st_dev, st.st_ino)
@@ -322,24 +326,28 @@ class DeviceFiller:
             reg = self._registered.get(key) if source.keep else None
             if reg is not None and reg.nbytes == source.nbytes:
                 return reg
-            reg = self._register(source.fd, source.nbytes)
+            reg = self._register(source.fd, source.nbytes, ordinal)
             (self._registered.__setitem__(key, reg) if source.keep else once.append(reg))
             return reg
 
-    def _register(self, fd: int, nbytes: int) -> _Registered:
+    def _register(self, fd: int, nbytes: int, ordinal: int) -> _Registered:
         address = _libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if address in (None, ctypes.c_void_p(-1).value):
             raise PrefillError(f"mmap of a blob failed: {os.strerror(ctypes.get_errno())}")
         mine = os.dup(fd)
         try:
-            _call(self.drv, "cuMemHostRegister", address, nbytes, READ_ONLY)
+            try:
+                _call(self.drv, "cuMemHostRegister", address, nbytes, REGISTER_FLAGS)
+            except PrefillError:  # a driver without portable read-only registration: this context's only
+                _call(self.drv, "cuMemHostRegister", address, nbytes, REGISTER_FLAGS & ~0x01)
         except BaseException:
             _libc.munmap(address, nbytes)
             os.close(mine)
             raise
-        return _Registered(mine, int(address), nbytes)
+        return _Registered(mine, int(address), nbytes, ordinal)
 
     def _unregister(self, reg: _Registered) -> None:
+        self._enter(reg.ordinal)  # (a garbage collection's thread has no context current)
         self.drv.cuMemHostUnregister(reg.address)
         _libc.munmap(reg.address, reg.nbytes)
         os.close(reg.fd)

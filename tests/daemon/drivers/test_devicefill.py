@@ -107,6 +107,8 @@ def test_every_failure_releases_everything(tmp_path: Path, call: str, nth: int) 
     fd, data = _blob(tmp_path, "a", 4 * G)
     before = set(os.listdir("/proc/self/fd"))
     drv.fail(call, on_call=nth, result=CUresult.CUDA_ERROR_INVALID_VALUE)
+    if call == "cuMemHostRegister":  # the retry without CU_MEMHOSTREGISTER_PORTABLE fails too
+        drv.fail(call, on_call=nth + 1, result=CUresult.CUDA_ERROR_INVALID_VALUE)
     with pytest.raises(PrefillError, match=call):
         filler.fill(UUID, [2 * G, 2 * G], [Source(fd, len(data), 0)])
     _clean(drv)
@@ -163,3 +165,14 @@ def test_probe_reports_what_each_gpu_lacks() -> None:
     drv.attributes[POSIX_FD_ATTRIBUTE] = 0
     assert set(DeviceFiller(drv).probe().values()) == {"no POSIX file descriptor handles"}
     assert "cuDevicePrimaryCtxRetain" not in drv.names(), "the probe creates no context"
+
+
+def test_registration_retries_without_portable(tmp_path: Path) -> None:
+    drv = FakeVmmDriver(granularity=G)
+    fd, data = _blob(tmp_path, "a", 2 * G)
+    drv.fail("cuMemHostRegister", result=CUresult.CUDA_ERROR_NOT_SUPPORTED)
+    DeviceFiller(drv).fill(UUID, [2 * G], [Source(fd, len(data), 0)]).release()
+    flags = [args[2] for name, args in drv.calls if name == "cuMemHostRegister"]
+    assert flags == [0x09, 0x08], "read-only and portable, then read-only alone"
+    _clean(drv)
+    os.close(fd)
