@@ -13,7 +13,8 @@ names as its engine's process must be attached (``AGENT_MISSING``). Any failure 
 capture touched (the others first, with their buffers read back, then the front ends), so the source keeps
 serving. Restore (after CRIU and CUDA are done): ``reload-buffers`` (every agent in parallel) then
 ``resume-worker`` (the others in parallel, then the front ends, whose canaries must give the capture-time
-tokens).
+tokens). With ``gpu_prefill``, ``reload-buffers`` first hands each worker the arenas gpusnapd filled during
+the restore (``gpusnap.daemon.gpu.prefill``) and reads back only the rest.
 """
 
 from __future__ import annotations
