@@ -13,10 +13,11 @@ was not used where it was not.
 
 Falls back to the reload, never fails a restore: probe off or failed at start, a snapshot without arena
 layouts (taken before gpusnap recorded them), a layout that does not check out (it comes from the worker,
-so it is checked like any input: sizes, chunking, bounds, one buffer per placed storage), a GPU gpusnapd
-cannot fill, too little free device memory (the arena plus what the worker's CUDA restore needs), any
-driver error, or the worker refusing the handles. Every descriptor and handle gpusnapd created is released
-on every path (:meth:`Prefill.close`, registered as a rollback step and run when the restore copy ends).
+so it is checked like any input: sizes, chunking, bounds, one buffer per placed storage, a GPU its process
+used at capture), a GPU gpusnapd cannot fill, too little free device memory (the arena plus what the
+worker's CUDA restore needs), any driver error, or the worker refusing the handles. Every descriptor and
+handle gpusnapd created is released on every path (:meth:`Prefill.close`, registered as a rollback step
+and run when the restore copy ends).
 
 What is verified, and when (as strongly as the reload path: ``gpusnap.daemon.store.buffers``): the blobs'
 sizes at preflight (``check_present``) and again on the opened descriptor before any byte is mapped
@@ -52,6 +53,10 @@ log = structlog.get_logger(__name__)
 
 MAX_CHUNKS = wire.MAX_FDS
 """Chunks one arena may claim (one descriptor each, in one frame; 1 GiB chunks: 200 GiB)."""
+REQUIRE_GPU_USE = True
+"""Fill an arena only on a GPU its worker's process held memory on at capture (``Snapshot.gpu_processes``,
+from NVML), mapped as the restore maps it. A test seam: tests/daemon/prefill_daemon.py clears it, as its
+CPU workers' snapshots record no GPU use."""
 
 
 class PrefillSupport:
@@ -146,11 +151,18 @@ def check_layout(layout: ArenaLayout, refs: Sequence[BufferRef]) -> str:
 
 
 def plan(snapshot: Snapshot, gpu_map: Mapping[str, str] | None) -> tuple[list[Planned], dict[str, list[str]]]:
-    """The arenas of ``snapshot`` to fill, and per agent (instance id) why its other buffers are not."""
+    """The arenas of ``snapshot`` to fill, and per agent (instance id) why its other buffers are not.
+
+    An arena's GPU is the worker's word: it is filled only where the worker's process held device memory at
+    capture (:data:`REQUIRE_GPU_USE`), on the GPU ``gpu_map`` sends that one to, so a worker cannot have
+    gpusnapd allocate on a GPU outside its tree's (another tenant's)."""
     plans: list[Planned] = []
     skipped: dict[str, list[str]] = {}
     need = gpumap.memory_needed(snapshot.gpu_processes) if snapshot.gpu_processes else {}
     moved = {normalize_gpu_uuid(k): normalize_gpu_uuid(v) for k, v in (gpu_map or {}).items()}
+    used: dict[int, set[str]] = {}
+    for g in snapshot.gpu_processes:
+        used.setdefault(g.pid, set()).update(normalize_gpu_uuid(u) for u in g.gpu_uuids)
     for worker in snapshot.all_workers:
         refs = snapshot.buffers_of(worker)
         in_arenas = [r for r in refs if r.arena]
@@ -171,6 +183,12 @@ def plan(snapshot: Snapshot, gpu_map: Mapping[str, str] | None) -> tuple[list[Pl
             except GpusnapError:
                 why = why or f"GPU {layout.gpu_uuid!r}"
                 source = ""
+            if not why and REQUIRE_GPU_USE and source not in used.get(worker.pid, ()):
+                why = f"GPU {layout.gpu_uuid}, " + (
+                    "a GPU its process did not use at capture"
+                    if snapshot.gpu_processes
+                    else "but the snapshot records no GPU use"
+                )
             if why:
                 why_not.append(f"arena {index}: the worker reported {why}")
                 continue

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for tests.fakes
 
 from gpusnap.daemon.drivers import devicefill  # noqa: E402
+from gpusnap.daemon.gpu import prefill  # noqa: E402
 from gpusnap.daemon.main import main  # noqa: E402
 from tests.fakes.cuda_vmm import CUresult, FakeVmmDriver  # noqa: E402
 
@@ -25,6 +26,7 @@ if fault:
     call, _, nth = fault.partition(":")
     driver.fail(call, on_call=int(nth or 1), result=CUresult.CUDA_ERROR_INVALID_VALUE)
 devicefill.DEFAULT_DRIVER = driver
+prefill.REQUIRE_GPU_USE = False  # the CPU workers' snapshots record no GPU use (no NVML process)
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.api.errors import FailedPreconditionError
-from gpusnap.daemon.api.types import ArenaLayout, BufferRef, HostFacts, ProcessFacts, Snapshot, WorkerInfo
+from gpusnap.daemon.api.types import (
+    ArenaLayout,
+    BufferRef,
+    GpuProcess,
+    HostFacts,
+    ProcessFacts,
+    Snapshot,
+    WorkerInfo,
+)
 from gpusnap.daemon.gpu import prefill
 from gpusnap.daemon.store.buffers import BufferStore
 from tests.fakes.cuda_vmm import FakeVmmDriver
@@ -48,6 +56,7 @@ def _snapshot(store: BufferStore, layouts: tuple[ArenaLayout, ...], sizes: list[
         phases=(),
         worker=worker,
         buffers=tuple(refs),
+        gpu_processes=(GpuProcess(pid=7, gpu_uuids=(GPU0,), gpu_memory_bytes=0),),
     )
 
 
@@ -100,6 +109,22 @@ def test_plan_follows_the_gpu_map_and_reports_what_it_skips(store: BufferStore) 
     )  # type: ignore[arg-type]
     plans, skipped = prefill.plan(hostile, None)
     assert not plans and "not stable" in skipped["agent"][0]
+
+
+def test_a_worker_cannot_name_a_gpu_it_did_not_use(store: BufferStore) -> None:
+    """The layout's GPU comes from the worker: an arena it says lies on a GPU its process held no memory on
+    at capture (another tenant's GPU, outside the restore's GPU map) is not filled there, nor is one of a
+    snapshot that records no GPU use at all (its worker had no CUDA context: the layout is made up)."""
+    snap = _snapshot(store, (dataclasses.replace(LAYOUT, gpu_uuid=GPU1),), [(1, 0, 3 * G), (1, 3 * G, 512)])
+    plans, skipped = prefill.plan(snap, {GPU0: GPU0})
+    assert not plans and "a GPU its process did not use" in skipped["agent"][0], skipped
+    drv = FakeVmmDriver(granularity=G, devices=2)
+    run = prefill.start(_support(drv), store, snap, {GPU0: GPU0})
+    assert run is not None and run.take("agent", 30) == [] and "cuMemCreate" not in drv.names()
+    run.close()
+    cpu_only = dataclasses.replace(_snapshot(store, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)]), gpu_processes=())
+    plans, skipped = prefill.plan(cpu_only, None)
+    assert not plans and "records no GPU use" in skipped["agent"][0], skipped
 
 
 def test_fill_hand_over_and_release(store: BufferStore) -> None:
