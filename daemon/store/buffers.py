@@ -181,7 +181,8 @@ class BufferStore:
         slowest tier may drop it (``gpusnap.daemon.remote.evict``); None: no remote, nothing leaves."""
         self._held: tuple[set[Path], set[str]] = (set(), set())
         self.after_collect: Callable[[], None] | None = None
-        """Called after a garbage collection removed blobs (gpusnapd's prefill then unregisters them)."""
+        """Called after a garbage collection removed blobs or a budget pass moved them out of a tier (gpusnapd's
+        prefill then unregisters their unlinked files, whose pages a kept registration would pin)."""
 
     def release_held(self) -> None:
         """Remove the staged files :meth:`open` kept and unpin the blobs it pinned (recovery is done with them)."""
@@ -451,6 +452,8 @@ class BufferStore:
                 lambda key, path, size: evictor(key, size) and self._drop_unpinned(key, path),
                 "pinned, not yet pushed, or not found whole in the remote store",
             )
+        if moved and self.after_collect is not None:
+            self.after_collect()
         return moved
 
     def _drain(self, tier: Tier, dst: str, drop: Callable[[str, Path, int], bool], kept: str) -> int:

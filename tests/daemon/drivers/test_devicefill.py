@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.daemon.api.types import BufferRef
 from gpusnap.daemon.drivers import devicefill
 from gpusnap.daemon.drivers.devicefill import DeviceFiller, PrefillError, Source
+from gpusnap.daemon.store.buffers import BufferStore
 from tests.conftest import REPO
 from tests.fakes.cuda_vmm import POSIX_FD_ATTRIBUTE, CUresult, FakeVmmDriver
 
@@ -176,3 +178,27 @@ def test_registration_retries_without_portable(tmp_path: Path) -> None:
     assert flags == [0x09, 0x08], "read-only and portable, then read-only alone"
     _clean(drv)
     os.close(fd)
+
+
+def test_a_blob_the_ram_budget_moves_to_disk_is_unregistered(tmp_path: Path) -> None:
+    """The RAM tier's budget moves least recently used blobs to the disk tier (unlinking them in RAM); a kept
+    registration would keep the moved blob's tmpfs pages allocated and pinned, past the budget, until some
+    later fill or garbage collection noticed. The store tells the filler after a budget pass too."""
+    store = BufferStore(tmp_path / "ram", disk=tmp_path / "disk", ram_budget_bytes=G)
+    store.open()
+    drv = FakeVmmDriver(granularity=G)
+    filler = DeviceFiller(drv)
+    store.after_collect = filler.drop_unlinked  # as gpusnapd wires it (daemon/server.py)
+    data = os.urandom(2 * G)
+    digest = hashlib.sha256(data).hexdigest()
+    path = store.tiers[0].blobs / "0" / digest
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    [fd] = store.open_for_read(0, [BufferRef("b", len(data), digest)])
+    filler.fill(UUID, [2 * G], [Source(fd, len(data), 0, keep=True)]).release()
+    os.close(fd)
+    assert filler.registered_bytes() == 2 * G
+    assert store.enforce_budgets() == 2 * G and not path.exists(), "moved to the disk tier"
+    assert filler.registered_bytes() == 0, "the moved blob's RAM copy is no longer pinned"
+    _clean(drv)
+    store.close()
