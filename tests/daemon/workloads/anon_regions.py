@@ -1,0 +1,76 @@
+"""A process with large dirty private anonymous regions, as a Python/torch heap has (run as a script).
+
+    python anon_regions.py WORKDIR [--regions N] [--mb M] [--sparse-mb S] [--hugepage none|before-fill|before-dump]
+
+- maps N private anonymous regions of M MiB each (the VMA kind glibc gives large allocations), fills each
+  with a per-region pattern; maps one more region of S MiB (default 64) and touches one 4 KiB page in each
+  2 MiB of it (a sparse heap: what huge pages would bloat); writes the sha256 of all of them to
+  WORKDIR/expected_sha;
+- ``--hugepage before-fill``: ``madvise(MADV_HUGEPAGE)`` every region before touching it (its pages are born
+  2 MiB where THP allows); ``before-dump``: after (what an agent does right before a dump: the VMAs carry
+  VM_HUGEPAGE, the pages stay 4 KiB);
+- on SIGUSR1 it re-hashes the regions into WORKDIR/sha_now.
+WORKDIR/ready appears once the regions are filled (and advised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import mmap
+import os
+import signal
+import time
+
+MIB = 1 << 20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workdir")
+    ap.add_argument("--regions", type=int, default=6)
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--sparse-mb", type=int, default=64)
+    ap.add_argument("--hugepage", choices=("none", "before-fill", "before-dump"), default="none")
+    args = ap.parse_args()
+    wd = args.workdir
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    regions = [mmap.mmap(-1, args.mb * MIB, flags=flags) for _ in range(args.regions)]
+    sparse = mmap.mmap(-1, args.sparse_mb * MIB, flags=flags) if args.sparse_mb else None
+    every = [*regions, *([sparse] if sparse is not None else [])]
+    if args.hugepage == "before-fill":
+        for m in every:
+            m.madvise(mmap.MADV_HUGEPAGE)
+    for n, buf in enumerate(regions):
+        chunk = bytes((i * 7 + n * 13 + 1) % 251 for i in range(4096)) * 256
+        for off in range(0, len(buf), len(chunk)):
+            buf[off : off + len(chunk)] = chunk
+    if sparse is not None:
+        for off in range(0, len(sparse), 2 * MIB):
+            sparse[off : off + 8] = off.to_bytes(8, "little")
+    if args.hugepage == "before-dump":
+        for m in every:
+            m.madvise(mmap.MADV_HUGEPAGE)
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        for buf in every:
+            h.update(buf)
+        return h.hexdigest()
+
+    with open(os.path.join(wd, "expected_sha"), "w") as fh:
+        fh.write(digest())
+
+    def on_usr1(signum: int, frame: object) -> None:
+        with open(os.path.join(wd, "sha_now.tmp"), "w") as fh:
+            fh.write(digest())
+        os.rename(os.path.join(wd, "sha_now.tmp"), os.path.join(wd, "sha_now"))
+
+    signal.signal(signal.SIGUSR1, on_usr1)
+    open(os.path.join(wd, "ready"), "w").close()
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    main()
