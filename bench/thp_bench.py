@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import results_file  # noqa: E402
-from bench.overhead_bench import CRIU_OPTS, _become_subreaper, _criu, _criu_log_seconds, _reap  # noqa: E402
+from bench.overhead_bench import CRIU_OPTS, _become_subreaper, _criu, _criu_log_seconds, _reap, _stats  # noqa: E402
 from tests.conftest import DaemonProc, criu_prefix, kill_tree, start_daemon, stop_daemon, wait_for  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "daemon" / "workloads" / "anon_regions.py"
@@ -282,14 +282,6 @@ def ceiling(tmp: Path, size: int, runs: int) -> dict[str, Any]:
     out["flag_vs_no_flag"] = round(out["flag_before_read"]["median_s"] / out["no_flag"]["median_s"], 3)
     out["flag_vs_no_flag_cpu"] = round(out["flag_before_read_cpu"]["median_s"] / out["no_flag_cpu"]["median_s"], 3)
     return out
-
-
-def _stats(samples: list[float]) -> dict[str, Any]:
-    return {
-        "min_s": round(min(samples), 4),
-        "median_s": round(statistics.median(samples), 4),
-        "samples_s": [round(s, 4) for s in samples],
-    }
 
 
 def _summary(rounds: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]:
