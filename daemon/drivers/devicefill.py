@@ -189,6 +189,34 @@ class DeviceFiller:
                 return ordinal
         raise PrefillError(f"GPU {gpu_uuid} is not visible to gpusnapd")
 
+    def granularity(self, gpu_uuid: str) -> int:
+        """The minimum allocation granularity in bytes of device memory on GPU ``gpu_uuid``
+        (``cuMemGetAllocationGranularity``, ``CU_MEM_ALLOC_GRANULARITY_MINIMUM``, for the allocations
+        :meth:`fill` makes).
+
+        Raises:
+            PrefillError: no such GPU, or the query failed.
+        """
+        return int(
+            _call(
+                self.drv,
+                "cuMemGetAllocationGranularity",
+                self._prop(self.ordinal_of(gpu_uuid)),
+                self.drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        )
+
+    def _prop(self, ordinal: int) -> Any:
+        """``CUmemAllocationProp`` of a fill's allocations: pinned device memory on GPU ``ordinal``,
+        exportable as POSIX file descriptors."""
+        drv = self.drv
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = ordinal
+        prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return prop
+
     def _enter(self, ordinal: int) -> list[Any]:
         """Make GPU ``ordinal``'s primary context current on this thread (retained once); its streams."""
         drv = self.drv
@@ -244,11 +272,7 @@ class DeviceFiller:
                 f"GPU {gpu_uuid} has {int(free) >> 20} MiB free, the arena needs {size >> 20} MiB "
                 f"and the worker's restore {reserve_bytes >> 20} MiB more"
             )
-        prop = drv.CUmemAllocationProp()
-        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = ordinal
-        prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        prop = self._prop(ordinal)
         filled = FilledArena(self, ordinal, [], [], size)
         base = 0
         mapped: list[tuple[int, int]] = []

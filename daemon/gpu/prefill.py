@@ -247,6 +247,15 @@ class Prefill:
                 continue
             fds: list[int] = []
             try:
+                # The layout's granularity is the worker's word: a made-up one (16 times the GPU's) let one
+                # small buffer's arena pass check_layout at up to all free device memory. The GPU's own decides.
+                granularity = self.filler.granularity(p.target)
+                why = check_layout(dataclasses.replace(p.layout, granularity=granularity), p.refs)
+                if why:
+                    self._problem(
+                        p, f"GPU {p.target} allocates in {granularity}-byte granules: the worker reported {why}"
+                    )
+                    continue
                 fds = self.store.open_for_read(self.uid, list(p.refs))
                 ram = [t.blobs for t in self.store.tiers if t.name == "ram"]
                 sources = [

@@ -127,6 +127,21 @@ def test_a_worker_cannot_name_a_gpu_it_did_not_use(store: BufferStore) -> None:
     assert not plans and "records no GPU use" in skipped["agent"][0], skipped
 
 
+def test_a_made_up_granularity_does_not_inflate_the_arena(store: BufferStore) -> None:
+    """The granularity is the worker's word too: claiming 16 times the GPU's own let a 512-byte buffer's
+    arena pass the layout check at 16 granules (1 MiB here; up to all free device memory on a GPU), which
+    root's daemon then allocated. The GPU's own granularity (cuMemGetAllocationGranularity) decides."""
+    hostile = ArenaLayout(GPU0, 16 * G, 16 * G, (16 * G,), 1)
+    snap = _snapshot(store, (hostile,), [(1, 0, 512)])
+    assert prefill.check_layout(hostile, snap.buffers) == "", "the worker's own granularity admits it"
+    drv = FakeVmmDriver(granularity=G)
+    run = prefill.start(_support(drv), store, snap, None)
+    assert run is not None and run.take("agent", 30) == []
+    assert "a size of 1048576 bytes for 512 bytes of buffers" in run.why_not("agent"), run.why_not("agent")
+    assert "cuMemCreate" not in drv.names() and drv.live() == 0
+    run.close()
+
+
 def test_fill_hand_over_and_release(store: BufferStore) -> None:
     drv = FakeVmmDriver(granularity=G)
     snap = _snapshot(store, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)])
