@@ -33,7 +33,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -286,7 +286,7 @@ class Prefill:
                     os.close(fd)
             with self._lock:
                 if self._cancel.is_set():
-                    filled.release()
+                    release([filled])
                     break
                 self._filled.setdefault(p.agent, []).append((p, filled))
             log.info(
@@ -323,8 +323,7 @@ class Prefill:
         with self._lock:
             left = [f for arenas in self._filled.values() for _, f in arenas]
             self._filled.clear()
-        for f in left:
-            f.release()
+        release(left)
 
 
 def start(
@@ -355,9 +354,19 @@ def hand_over(prefill: Prefill, worker: WorkerInfo, client: AgentClient, timeout
         with prefill._lock:
             prefill.problems.setdefault(worker.instance_id, []).append(f"the worker did not map them ({exc})")
     finally:
-        for _, f in filled:
-            f.release()
+        release(f for _, f in filled)
     return done
+
+
+def release(arenas: Iterable[FilledArena]) -> None:
+    """Release gpusnapd's handles and descriptors of every arena in ``arenas``. A release the driver refuses
+    is logged, never raised: it must neither keep the other arenas with gpusnapd nor fail a restore whose
+    worker already holds the memory (what stays is gpusnapd's handle, freed with its context at exit)."""
+    for f in arenas:
+        try:
+            f.release()
+        except PrefillError as exc:
+            log.warning("prefill.release_failed", error=str(exc))
 
 
 def _batches(filled: Sequence[tuple[Planned, FilledArena]]) -> list[list[tuple[Planned, FilledArena]]]:

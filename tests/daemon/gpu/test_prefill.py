@@ -26,7 +26,7 @@ from gpusnap.daemon.api.types import (
 )
 from gpusnap.daemon.gpu import prefill
 from gpusnap.daemon.store.buffers import BufferStore
-from tests.fakes.cuda_vmm import FakeVmmDriver
+from tests.fakes.cuda_vmm import CUresult, FakeVmmDriver
 
 G = 64 << 10
 GPU0 = "GPU-00000000-1111-4222-8333-000000000000"
@@ -157,6 +157,29 @@ def test_fill_hand_over_and_release(store: BufferStore) -> None:
     assert prefill.hand_over(run, snap.worker, Client(), 30) == {"b0", "b1"}  # type: ignore[arg-type]
     assert Client.got == [([(1, ["b0", "b1"])], [2 * G, 2 * G])]
     assert drv.live() == 0 and not drv.reserved, "gpusnapd's handles are released once handed over"
+    run.close()
+
+
+def test_a_failed_release_after_the_hand_over_neither_fails_the_restore_nor_leaks_the_rest(
+    store: BufferStore,
+) -> None:
+    """gpusnapd's cuMemRelease of a handed-over arena failing (the worker holds the memory now) raised out of
+    hand_over, failing a restore whose worker had mapped everything, and left the next arenas' handles and
+    exported descriptors with gpusnapd for good. It is logged; every other arena is released."""
+    drv = FakeVmmDriver(granularity=G)
+    second = ArenaLayout(GPU0, G, G, (G,), 1)
+    snap = _snapshot(store, (LAYOUT, second), [(1, 0, 3 * G), (1, 3 * G, 512), (2, 0, G)])
+    run = prefill.start(_support(drv), store, snap, None)
+    assert run is not None
+
+    class Client:
+        def map_arenas(self, arenas: object, fds: list[int], timeout_s: float) -> None:
+            pass
+
+    run._thread.join()
+    drv.fail("cuMemRelease", result=CUresult.CUDA_ERROR_INVALID_VALUE)
+    assert prefill.hand_over(run, snap.worker, Client(), 30) == {"b0", "b1", "b2"}  # type: ignore[arg-type]
+    assert len(drv.handles) == 1, "only the handle whose release failed is left"
     run.close()
 
 
