@@ -142,20 +142,29 @@ def test_a_made_up_granularity_does_not_inflate_the_arena(store: BufferStore) ->
     run.close()
 
 
-def test_fill_hand_over_and_release(store: BufferStore) -> None:
+class _Client:
+    """A restored worker's agent that maps whatever it is handed (records the arenas and descriptor sizes)."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[object, list[int]]] = []
+
+    def map_arenas(self, arenas: object, fds: list[int], timeout_s: float) -> None:
+        self.got.append((arenas, [os.fstat(fd).st_size for fd in fds]))
+
+
+def _started(store: BufferStore, snap: Snapshot) -> tuple[FakeVmmDriver, prefill.Prefill]:
     drv = FakeVmmDriver(granularity=G)
-    snap = _snapshot(store, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)])
     run = prefill.start(_support(drv), store, snap, None)
     assert run is not None
+    return drv, run
 
-    class Client:
-        got: list[tuple[object, list[int]]] = []
 
-        def map_arenas(self, arenas: object, fds: list[int], timeout_s: float) -> None:
-            self.got.append((arenas, [os.fstat(fd).st_size for fd in fds]))
-
-    assert prefill.hand_over(run, snap.worker, Client(), 30) == {"b0", "b1"}  # type: ignore[arg-type]
-    assert Client.got == [([(1, ["b0", "b1"])], [2 * G, 2 * G])]
+def test_fill_hand_over_and_release(store: BufferStore) -> None:
+    snap = _snapshot(store, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)])
+    drv, run = _started(store, snap)
+    client = _Client()
+    assert prefill.hand_over(run, snap.worker, client, 30) == {"b0", "b1"}  # type: ignore[arg-type]
+    assert client.got == [([(1, ["b0", "b1"])], [2 * G, 2 * G])]
     assert drv.live() == 0 and not drv.reserved, "gpusnapd's handles are released once handed over"
     run.close()
 
@@ -166,28 +175,19 @@ def test_a_failed_release_after_the_hand_over_neither_fails_the_restore_nor_leak
     """gpusnapd's cuMemRelease of a handed-over arena failing (the worker holds the memory now) raised out of
     hand_over, failing a restore whose worker had mapped everything, and left the next arenas' handles and
     exported descriptors with gpusnapd for good. It is logged; every other arena is released."""
-    drv = FakeVmmDriver(granularity=G)
     second = ArenaLayout(GPU0, G, G, (G,), 1)
     snap = _snapshot(store, (LAYOUT, second), [(1, 0, 3 * G), (1, 3 * G, 512), (2, 0, G)])
-    run = prefill.start(_support(drv), store, snap, None)
-    assert run is not None
-
-    class Client:
-        def map_arenas(self, arenas: object, fds: list[int], timeout_s: float) -> None:
-            pass
-
+    drv, run = _started(store, snap)
     run._thread.join()
     drv.fail("cuMemRelease", result=CUresult.CUDA_ERROR_INVALID_VALUE)
-    assert prefill.hand_over(run, snap.worker, Client(), 30) == {"b0", "b1", "b2"}  # type: ignore[arg-type]
+    assert prefill.hand_over(run, snap.worker, _Client(), 30) == {"b0", "b1", "b2"}  # type: ignore[arg-type]
     assert len(drv.handles) == 1, "only the handle whose release failed is left"
     run.close()
 
 
 def test_a_refused_hand_over_releases_and_reports(store: BufferStore) -> None:
-    drv = FakeVmmDriver(granularity=G)
     snap = _snapshot(store, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)])
-    run = prefill.start(_support(drv), store, snap, None)
-    assert run is not None
+    drv, run = _started(store, snap)
 
     class Refusing:
         def map_arenas(self, arenas: object, fds: list[int], timeout_s: float) -> None:
