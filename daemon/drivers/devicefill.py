@@ -371,8 +371,16 @@ class DeviceFiller:
         return _Registered(mine, int(address), nbytes, ordinal)
 
     def _unregister(self, reg: _Registered) -> None:
-        self._enter(reg.ordinal)  # (a garbage collection's thread has no context current)
-        self.drv.cuMemHostUnregister(reg.address)
+        """Unregister, unmap and close ``reg`` in the context it was made in, then make the caller's context
+        current again: a fill that drops another GPU's registration goes on issuing copies to its own
+        context's streams (a garbage collection's thread has none current)."""
+        previous = _call(self.drv, "cuCtxGetCurrent")
+        self._enter(reg.ordinal)
+        try:
+            self.drv.cuMemHostUnregister(reg.address)
+        finally:
+            if int(previous or 0):
+                _call(self.drv, "cuCtxSetCurrent", previous)
         _libc.munmap(reg.address, reg.nbytes)
         os.close(reg.fd)
 

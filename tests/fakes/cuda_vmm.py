@@ -19,8 +19,9 @@ Semantics modelled on the CUDA Driver API ("Virtual Memory Management"):
   MAP_FIXED`` over the reserved ``PROT_NONE`` range, so both processes see the same bytes.
 * The daemon's side of a fill: devices (``cuDeviceGetCount``, ``cuDeviceGetUuid``: ordinal ``i`` is
   ``uuid_of(i)``), ``cuDeviceGetAttribute`` (``attributes``), ``cuMemGetInfo`` (``capacity`` minus what live
-  handles hold), streams, ``cuMemHostRegister``/``cuMemHostUnregister`` (tracked in ``registered``) and
-  ``cuMemcpyAsync`` (a ``memmove`` from host memory into mapped, accessible memory).
+  handles hold), streams (each of the context current at ``cuStreamCreate``), ``cuMemHostRegister``/
+  ``cuMemHostUnregister`` (tracked in ``registered``) and ``cuMemcpyAsync`` (a ``memmove`` from host memory
+  into mapped, accessible memory, on a stream of the current context: ``CUDA_ERROR_INVALID_CONTEXT`` else).
 
 :meth:`FakeVmmDriver.fail` makes the Nth call of a function return an error; :attr:`FakeVmmDriver.calls`
 records every call in order.
@@ -42,6 +43,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_OUT_OF_MEMORY = 2
     CUDA_ERROR_INVALID_DEVICE = 101
+    CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_NOT_SUPPORTED = 801
 
 
@@ -118,7 +120,7 @@ class FakeVmmDriver:
         self.exportable: set[int] = set()  # handles created with POSIX descriptors requested
         self.fresh: set[int] = set()  # handles never mapped (their first map fills 0xA5)
         self.registered: dict[int, int] = {}  # host address -> bytes (cuMemHostRegister)
-        self.streams: set[int] = set()
+        self.streams: dict[int, int] = {}  # stream -> the context current at its creation
         self.mappings: dict[int, tuple[int, int]] = {}  # start -> (size, handle)
         self.accessible: set[int] = set()  # mapping starts with access set
         self.context = 0
@@ -333,7 +335,7 @@ class FakeVmmDriver:
         if err is not None:
             return (err, 0)
         stream = 0x5000 + len(self.streams)
-        self.streams.add(stream)
+        self.streams[stream] = self.context
         return (OK, stream)
 
     def cuStreamSynchronize(self, stream: int) -> tuple[CUresult]:  # noqa: N802
@@ -360,6 +362,8 @@ class FakeVmmDriver:
         err = self._enter("cuMemcpyAsync", dst, src, size, stream)
         if err is not None:
             return (err,)
+        if self.streams.get(stream) != self.context:
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)  # a stream's work is issued in its own context
         inside = [m for m, (n, _) in self.mappings.items() if m <= dst and dst + size <= m + n]
         registered = any(p <= src and src + size <= p + n for p, n in self.registered.items())
         if not inside or inside[0] not in self.accessible or not registered:

@@ -22,6 +22,7 @@ from tests.fakes.cuda_vmm import POSIX_FD_ATTRIBUTE, CUresult, FakeVmmDriver
 
 G = 64 << 10
 UUID = "GPU-00000000-1111-4222-8333-000000000000"
+UUID1 = "GPU-00000001-1111-4222-8333-000000000001"
 
 WORKER = """
 import hashlib, os, sys, ctypes
@@ -202,3 +203,21 @@ def test_a_blob_the_ram_budget_moves_to_disk_is_unregistered(tmp_path: Path) -> 
     assert filler.registered_bytes() == 0, "the moved blob's RAM copy is no longer pinned"
     _clean(drv)
     store.close()
+
+
+def test_dropping_another_gpus_registration_mid_fill_keeps_the_fills_context(tmp_path: Path) -> None:
+    """A fill drops kept registrations whose blob was unlinked before it registers its own; unregistering
+    one made on another GPU made that GPU's context current on the filling thread, whose next copies then
+    went to streams of a context no longer current (the driver refuses them: the fill fell back)."""
+    drv = FakeVmmDriver(granularity=G, devices=2)
+    filler = DeviceFiller(drv)
+    fd1, d1 = _blob(tmp_path, "one", G)
+    filler.fill(UUID1, [G], [Source(fd1, len(d1), 0, keep=True)]).release()  # kept, made on GPU 1
+    os.close(fd1)
+    (tmp_path / "one").unlink()  # the store moved or removed it, not yet told
+    fd0, d0 = _blob(tmp_path, "zero", 2 * G)
+    filled = filler.fill(UUID, [2 * G], [Source(fd0, len(d0), 0)])
+    os.close(fd0)
+    assert filler.registered_bytes() == 0, "the unlinked blob's registration was dropped"
+    filled.release()
+    _clean(drv)
