@@ -39,6 +39,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import structlog
+
 from gpusnap.daemon.drivers.cuda import format_gpu_uuid
 
 REGISTER_FLAGS = 0x08 | 0x01
@@ -48,6 +50,8 @@ and can be dropped from any thread that makes one current)."""
 PIECE_BYTES = 256 << 20
 """Bytes per ``cuMemcpyAsync`` (the probe's chunk)."""
 STREAMS = 4
+
+log = structlog.get_logger(__name__)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -385,14 +389,20 @@ class DeviceFiller:
         os.close(reg.fd)
 
     def _drop_unlinked(self) -> None:
-        """Forget cached registrations of blobs the store removed (their pages would stay pinned)."""
+        """Forget cached registrations of blobs the store removed (their pages would stay pinned). One the
+        driver cannot unregister now is logged and kept, to be tried again at the next call; never raises."""
         for key, reg in list(self._registered.items()):
             if os.fstat(reg.fd).st_nlink == 0:
+                try:
+                    self._unregister(reg)
+                except PrefillError as exc:
+                    log.warning("devicefill.unregister_failed", bytes=reg.nbytes, error=str(exc))
+                    continue
                 del self._registered[key]
-                self._unregister(reg)
 
     def drop_unlinked(self) -> None:
-        """Unregister blobs the store has removed (its garbage collection calls this)."""
+        """Unregister blobs the store has removed (its garbage collection and budget passes call this, so it
+        never raises: a snapshot's deletion must not fail after the fact)."""
         with self._lock:
             self._drop_unlinked()
 

@@ -221,3 +221,21 @@ def test_dropping_another_gpus_registration_mid_fill_keeps_the_fills_context(tmp
     assert filler.registered_bytes() == 0, "the unlinked blob's registration was dropped"
     filled.release()
     _clean(drv)
+
+
+def test_a_registration_the_driver_cannot_drop_now_is_kept_for_later_and_nothing_raises(tmp_path: Path) -> None:
+    """The store's garbage collection calls drop_unlinked after a snapshot's deletion: a driver error there
+    raised out of ``gpusnap delete`` (the snapshot gone, the command failed) and lost the registration for
+    good (forgotten before it was unregistered: its pages stayed pinned until gpusnapd exited)."""
+    drv = FakeVmmDriver(granularity=G)
+    filler = DeviceFiller(drv)
+    fd, data = _blob(tmp_path, "a", 2 * G)
+    filler.fill(UUID, [2 * G], [Source(fd, len(data), 0, keep=True)]).release()
+    os.close(fd)
+    (tmp_path / "a").unlink()
+    drv.fail("cuCtxSetCurrent", result=CUresult.CUDA_ERROR_INVALID_VALUE)
+    filler.drop_unlinked()
+    assert filler.registered_bytes() == 2 * G, "kept, to be dropped later"
+    filler.drop_unlinked()
+    assert filler.registered_bytes() == 0
+    _clean(drv)
