@@ -12,6 +12,8 @@ and serves greedy generations through the gpusnap PyTorch adapter.
 
 ``--graphs``: every worker decodes with a captured CUDA graph over its weights, which it first moves into
 VMM arenas (tests/gpu/graph_decode.py), so the offload path must bring them back at the same addresses.
+``--prefill`` (with ``--graphs``): gpusnapd runs with ``--gpu-prefill auto`` and fills those arenas on the
+GPU while CRIU restores the worker (docs/performance.md).
 
 JSON is written to bench/results/gpu-engine-<label>-<date>.json.
 """
@@ -85,6 +87,7 @@ def main() -> int:
     )
     ap.add_argument("--model-parent", default=None, help="where the saved model goes (default: the temp dir)")
     ap.add_argument("--graphs", action="store_true", help="decode with a CUDA graph over address-stable weights")
+    ap.add_argument("--prefill", action="store_true", help="gpusnapd --gpu-prefill auto (needs --graphs to matter)")
     args = ap.parse_args()
     g = ["--graphs"] if args.graphs else []
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-engine-bench-"))
@@ -104,7 +107,9 @@ def main() -> int:
         ],
         check=True,
     )
-    daemon = start_daemon(tmp, extra_env={"GPUSNAP_BUFFER_DIR": args.buffer_dir} if args.buffer_dir else None)
+    env = {"GPUSNAP_BUFFER_DIR": args.buffer_dir} if args.buffer_dir else {}
+    env.update({"GPUSNAP_GPU_PREFILL": "auto"} if args.prefill else {})
+    daemon = start_daemon(tmp, extra_env=env)
     stock = None
     try:
         proc, random_init = cold_start(daemon, tmp / "random-init", args.size, "--no-agent", *g)
@@ -144,6 +149,7 @@ def main() -> int:
         },
         "model": {"size": args.size, "parameters": ready["params"], "dtype": "bfloat16"},
         "cuda_graphs": args.graphs,
+        "gpu_prefill": node.get("gpu_prefill", "off"),
         "worker_gpu_allocated_bytes": ready.get("gpu_allocated_bytes"),
         "graph_matches_eager": ready.get("graph_tokens") == ready.get("eager_tokens") if args.graphs else None,
         "cold_start_to_first_token_s": cold,
