@@ -15,8 +15,10 @@ mapping unmapped). bench/arena_probe.py measured this recipe on an H200 (bench/r
 55.4 GB/s fill from a registered tmpfs blob, 0.0008 s import and map of 16 GiB in the worker.
 
 Registrations of blobs in the RAM tier are kept across restores (registering 16 GiB took 0.86 s on the
-H200) and dropped once their file is unlinked (after the store's garbage collection:
-:meth:`DeviceFiller.drop_unlinked`) or when :meth:`DeviceFiller.close` runs; other blobs are registered for one fill only, so no disk page stays pinned.
+H200) and dropped once their file is unlinked (after the store's garbage collection or a budget pass:
+:meth:`DeviceFiller.drop_unlinked`, and at every fill's start) or when :meth:`DeviceFiller.close` runs.
+Other blobs are registered for one fill only, :data:`WINDOW_BYTES` at a time (copied, then unregistered),
+so no disk page stays pinned and a fill pins at most that much page cache, whatever the snapshot's size.
 
 What this module checks of the blob bytes: every blob descriptor's size (``fstat``) equals the size the
 snapshot records before anything is mapped, so the DMA reads exactly the recorded bytes of the file. It
@@ -49,6 +51,10 @@ REGISTER_FLAGS = 0x08 | 0x01
 and can be dropped from any thread that makes one current)."""
 PIECE_BYTES = 256 << 20
 """Bytes per ``cuMemcpyAsync`` (the probe's chunk)."""
+WINDOW_BYTES = 1 << 30
+"""Bytes of a blob outside the RAM tier registered (so pinned in memory) at a time: a whole disk-tier blob
+of a user's snapshot could be larger than the node's free memory (a multiple of ``PIECE_BYTES`` and of the
+page size)."""
 STREAMS = 4
 
 log = structlog.get_logger(__name__)
@@ -270,6 +276,7 @@ class DeviceFiller:
                 raise PrefillError(f"a blob holds {actual} bytes where the snapshot records {s.nbytes}")
         ordinal = self.ordinal_of(gpu_uuid)
         streams = self._enter(ordinal)
+        self.drop_unlinked()  # (unpinned before this fill pins more)
         free, _total = _call(drv, "cuMemGetInfo")
         if int(free) < size + reserve_bytes:
             raise PrefillError(
@@ -298,15 +305,24 @@ class DeviceFiller:
             bounds = [sum(chunks[:i]) for i in range(len(chunks) + 1)]
             n = 0
             for s in sources:
-                reg = self._registration(s, once, ordinal)
-                for dst, length in _pieces(s.offset, s.nbytes, bounds):
-                    if cancelled():
-                        raise PrefillError("the restore ended before the fill")
-                    src = reg.address + dst - s.offset
-                    _call(drv, "cuMemcpyAsync", base + dst, src, length, streams[n % len(streams)])
-                    n += 1
-            for stream in streams:
-                _call(drv, "cuStreamSynchronize", stream)
+                windows = [(0, s.nbytes)] if s.keep else _windows(s.nbytes)
+                for start_at, nbytes in windows:
+                    if s.keep:
+                        reg = self._registration(s, ordinal)
+                    else:
+                        reg = self._register(s.fd, nbytes, ordinal, start_at)
+                        once.append(reg)
+                    for dst, length in _pieces(s.offset + start_at, nbytes, bounds):
+                        if cancelled():
+                            raise PrefillError("the restore ended before the fill")
+                        src = reg.address + dst - s.offset - start_at
+                        _call(drv, "cuMemcpyAsync", base + dst, src, length, streams[n % len(streams)])
+                        n += 1
+                    for stream in streams:  # the window's pages are copied before they are unpinned
+                        _call(drv, "cuStreamSynchronize", stream)
+                    if not s.keep:
+                        once.remove(reg)
+                        self._unregister(reg)
             self._unmap(base, size, mapped)
             base = 0
             for handle in filled.handles:
@@ -321,8 +337,9 @@ class DeviceFiller:
                 filled.release()
             raise
         finally:
-            for reg in once:
-                self._unregister(reg)
+            for reg in once:  # (a failed fill's last window)
+                with contextlib.suppress(PrefillError):
+                    self._unregister(reg)
         filled.seconds = time.monotonic() - start
         return filled
 
@@ -345,21 +362,28 @@ class DeviceFiller:
         if failed:
             raise PrefillError(f"cuMemRelease failed for {len(failed)} of {len(handles)} handles")
 
-    def _registration(self, source: Source, once: list[_Registered], ordinal: int) -> _Registered:
-        """The blob's read-only registered mapping: cached (``source.keep``) or for this fill (``once``)."""
+    def _registration(self, source: Source, ordinal: int) -> _Registered:
+        """The whole blob's read-only registered mapping, kept for later fills (``source.keep``: a RAM-tier
+        blob, whose pages are resident in tmpfs anyway)."""
         st = os.fstat(source.fd)
         key = (st.st_dev, st.st_ino)
         with self._lock:
-            self._drop_unlinked()
-            reg = self._registered.get(key) if source.keep else None
+            reg = self._registered.get(key)
             if reg is not None and reg.nbytes == source.nbytes:
                 return reg
-            reg = self._register(source.fd, source.nbytes, ordinal)
-            (self._registered.__setitem__(key, reg) if source.keep else once.append(reg))
+            if reg is not None:  # (a blob's size never changes: sizes are checked before)
+                del self._registered[key]
+                self._unregister(reg)
+            reg = self._registered[key] = self._register(source.fd, source.nbytes, ordinal)
             return reg
 
-    def _register(self, fd: int, nbytes: int, ordinal: int) -> _Registered:
-        address = _libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    def _register(self, fd: int, nbytes: int, ordinal: int, offset: int = 0) -> _Registered:
+        """``nbytes`` of ``fd`` from ``offset`` (page-aligned) mapped read-only and registered.
+
+        Raises:
+            PrefillError: ``mmap`` or ``cuMemHostRegister`` failed (nothing is left mapped).
+        """
+        address = _libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
         if address in (None, ctypes.c_void_p(-1).value):
             raise PrefillError(f"mmap of a blob failed: {os.strerror(ctypes.get_errno())}")
         mine = os.dup(fd)
@@ -417,6 +441,11 @@ class DeviceFiller:
             for reg in self._registered.values():
                 self._unregister(reg)
             self._registered.clear()
+
+
+def _windows(nbytes: int) -> list[tuple[int, int]]:
+    """``(offset, bytes)`` windows of a blob of ``nbytes``, ``WINDOW_BYTES`` each but the last."""
+    return [(w, min(WINDOW_BYTES, nbytes - w)) for w in range(0, nbytes, WINDOW_BYTES)]
 
 
 def _pieces(offset: int, nbytes: int, bounds: Sequence[int]) -> list[tuple[int, int]]:

@@ -239,3 +239,37 @@ def test_a_registration_the_driver_cannot_drop_now_is_kept_for_later_and_nothing
     filler.drop_unlinked()
     assert filler.registered_bytes() == 0
     _clean(drv)
+
+
+def test_a_blob_outside_the_ram_tier_is_pinned_a_window_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registering pins every page of the range. A disk-tier blob was registered whole for the whole fill:
+    a user's snapshot with buffers larger than the node's free memory had root's daemon lock that much page
+    cache at once (the reload streams it through the page cache instead). It is registered, copied and
+    unregistered ``WINDOW_BYTES`` at a time; a RAM-tier blob (already resident in tmpfs) stays whole and kept."""
+    monkeypatch.setattr(devicefill, "WINDOW_BYTES", 2 * G)
+    drv = FakeVmmDriver(granularity=G)
+    filler = DeviceFiller(drv)
+    fd, data = _blob(tmp_path, "a", 5 * G + 100)
+    filled = filler.fill(UUID, [3 * G, 3 * G], [Source(fd, len(data), 0)])
+    os.close(fd)
+    pins = [
+        (n, a[1] if n == "cuMemHostRegister" else None)
+        for n, a in drv.calls
+        if "HostRegister" in n or "HostUnregister" in n
+    ]
+    assert [size for n, size in pins if size is not None] == [2 * G, 2 * G, G + 100], pins
+    assert [n for n, _ in pins] == ["cuMemHostRegister", "cuMemHostUnregister"] * 3, "one window pinned at a time"
+    script = WORKER.format(repo=str(REPO), g=G, size=6 * G, chunk=3 * G, nbytes=len(data))
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, filled.fds)],
+        pass_fds=filled.fds,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[1] == hashlib.sha256(data).hexdigest(), "every window's bytes arrived"
+    filled.release()
+    _clean(drv)
