@@ -151,6 +151,12 @@ class DeviceFiller:
 
     @property
     def drv(self) -> Any:
+        """The driver module; ``cuda.bindings.driver`` is imported and ``cuInit`` run on first use.
+
+        Raises:
+            ImportError: cuda-bindings is not installed.
+            PrefillError: ``cuInit`` failed.
+        """
         if self._drv is None:
             from cuda.bindings import driver
 

@@ -98,6 +98,7 @@ class PrefillSupport:
 
     @property
     def enabled(self) -> bool:
+        """True when the probe found at least one GPU to fill."""
         return self.filler is not None
 
     @property
@@ -206,7 +207,10 @@ class Prefill:
     Args:
         support: the node's :class:`PrefillSupport` (enabled).
         store: the buffer store the blobs are read from.
-        uid: the snapshot's buffer uid.
+        uid: the snapshot's buffer uid (its blobs are ``sha256/<uid>/<digest>``).
+        plans: the arenas to fill, in order (:func:`plan`).
+        skipped: agent instance id → why some of its buffers are not planned (:func:`plan`), for the
+            progress messages.
     """
 
     def __init__(
@@ -233,6 +237,7 @@ class Prefill:
         self.fill_s = 0.0
 
     def start(self) -> Prefill:
+        """Start the fills on their thread; returns ``self``."""
         self._thread.start()
         return self
 
