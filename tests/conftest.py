@@ -239,7 +239,9 @@ def workloads(tmp_path: Path) -> Iterator[Workloads]:
 
 @contextlib.contextmanager
 def criu_killed(daemon_pid: int, delay_s: float = 0.0, timeout_s: float = 600) -> Iterator[list[int]]:
-    """Kill the first ``criu swrk`` under the daemon ``delay_s`` after it appears; yields the PIDs killed."""
+    """Kill the first ``criu swrk`` under the daemon that serves a request, ``delay_s`` after it is seen;
+    yields the PIDs killed. Serving: it has opened its log (a CRIU the spare helper started ahead waits
+    for its request with no file open)."""
     import psutil
 
     killed: list[int] = []
@@ -253,7 +255,7 @@ def criu_killed(daemon_pid: int, delay_s: float = 0.0, timeout_s: float = 600) -
                 return
             for p in procs:
                 try:
-                    if "swrk" in " ".join(p.cmdline()):
+                    if "swrk" in " ".join(p.cmdline()) and any(f.path.endswith(".log") for f in p.open_files()):
                         time.sleep(delay_s)
                         p.kill()
                         killed.append(p.pid)

@@ -1,14 +1,20 @@
 """Runs one CRIU request through pycriu in a short-lived helper process.
 
 gpusnapd never forks CRIU from its own (multi-threaded) process. It starts
-``python -m gpusnap.daemon.drivers.criu_exec``, writes one JSON request on its stdin and reads JSON
+``python -m gpusnap.daemon.drivers.criu_exec CRIU-COMMAND…`` (the command that runs CRIU, e.g. the
+prefix's ``bin/criu``; ``swrk <fd>`` is appended), writes one JSON request on its stdin and reads JSON
 lines from its stdout. The helper is single-threaded, so it may safely fork, enter namespaces and
-let pycriu spawn ``criu swrk``. It loads pycriu before it reads its request, so gpusnapd can start it
-ahead of need (``CriuDriver.keep_spare_helper``); one that reads end of file instead exits at once.
+start ``criu swrk`` (as pycriu's own binary transport does, with the command given). It loads pycriu
+and starts a ``criu swrk`` before it reads its request, so gpusnapd can start it ahead of need
+(``CriuDriver.keep_spare_helper``): CRIU's start (its ``exec`` and dynamic linking) is then paid between
+requests, and that CRIU waits for its request on the socket, doing nothing. A dump in gpusnapd's own
+namespaces and a restore into its PID namespace use it; a request that must run CRIU in other namespaces
+ends it (at end of stream CRIU exits) and starts its own there. A helper that reads end of file
+instead exits at once.
 
 Request (one JSON object)::
 
-    {"action": "dump" | "restore", "criu": "/path/to/criu", "images_dir": "…", "work_dir": "…",
+    {"action": "dump" | "restore", "images_dir": "…", "work_dir": "…",
      "opts": {criu_opts field: value, …},      # see images/rpc.proto in CRIU
      "new_pidns": false,                       # restore: into a fresh PID + mount namespace
      "new_netns": false,                       # restore (with new_pidns): also a fresh network namespace, lo up
@@ -19,13 +25,13 @@ Replies, one JSON object per line::
 
     {"event": "init", "pid": <host PID of the namespace's init>}   # restore with new_pidns only
     {"event": "start", "helper": <this helper's PID>, "init": <the init's PID, or 0>}   # restore: CRIU
-                                              # runs only once the daemon answers {"ok": true} on stdin
+                                              # gets its request only once the daemon answers {"ok": true}
     {"event": "result", "ok": true, "pid": <restored root PID, as CRIU sees it>}
     {"event": "result", "ok": false, "error": "…", "errno": 0}
 
 With ``new_pidns`` the helper unshares a PID and a mount namespace and forks the namespace's init:
-that init (PID 1 inside) makes mounts slaves of the host's, mounts a fresh /proc, runs the CRIU
-restore, reports, and then stays as the tree's reaper until the tree ends, so restored PIDs can
+that init (PID 1 inside) makes mounts slaves of the host's, mounts a fresh /proc and starts CRIU
+while the daemon journals it, then (once the daemon has answered) sends CRIU its restore request, reports, and then stays as the tree's reaper until the tree ends, so restored PIDs can
 never clash with PIDs in use and the tree outlives both the helper and gpusnapd. The recipe is
 ``unshare --pid --mount --fork --mount-proc`` (util-linux) followed by ``criu restore``.
 """
@@ -106,14 +112,65 @@ def _pycriu() -> tuple[Any, Any]:
     return client.criu, rpc_pb2
 
 
+class Swrk:
+    """A ``criu swrk`` started by this helper: ``sk`` is this end of its RPC socket pair, ``pid`` its PID.
+
+    The start is pycriu's ``_criu_comm_bin.connect`` (a ``SOCK_SEQPACKET`` pair, CRIU with no stdio and the
+    other end as ``swrk <fd>``) with a command of the caller's, which pycriu's transport cannot take.
+    """
+
+    def __init__(self, command: list[str]):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ours.close()
+                os.set_inheritable(theirs.fileno(), True)
+                for fd in (0, 1, 2):
+                    os.close(fd)
+                os.execvp(command[0], [*command, "swrk", str(theirs.fileno())])
+            finally:
+                os._exit(1)
+        theirs.close()
+        self.sk, self.pid = ours, pid
+        self.reaped = False
+
+    def alive(self) -> bool:
+        """Whether this CRIU still runs (one that exited is reaped here)."""
+        try:
+            self.reaped = os.waitpid(self.pid, os.WNOHANG)[0] != 0
+        except ChildProcessError:
+            self.reaped = True
+        return not self.reaped
+
+    def close(self, wait: bool = True) -> None:
+        """Close the socket (an idle CRIU exits at end of stream) and, with ``wait``, reap CRIU; a second
+        call does nothing. Without ``wait`` an exiting CRIU is left to be reaped when this helper exits."""
+        self.sk.close()
+        if wait and not self.reaped:
+            self.reaped = True
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def _ready(warm: Swrk, command: list[str]) -> Swrk:
+    """``warm`` if it still runs, else a fresh CRIU (one that died while it waited is replaced)."""
+    if warm.alive():
+        return warm
+    warm.close()
+    return Swrk(command)
+
+
 ASKED_SCRIPTS = frozenset({"post-dump", "post-restore", "pre-resume"})
 """CRIU notifications the daemon answers itself; all others are acknowledged here at once."""
 CRIU_POLL_S = 0.2
 """How often the helper checks that CRIU still runs while it waits for CRIU's next message."""
 
 
-def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
-    """Run the request's CRIU action in this process; returns the result event.
+def _run_criu(req: dict[str, Any], swrk: Swrk) -> dict[str, Any]:
+    """Run the request's CRIU action on ``swrk`` (a CRIU this process started); returns the result event.
 
     CRIU's notifications (``notify_scripts``) are relayed: for ``post-dump`` (images complete, tree
     still frozen), ``post-restore`` (tree restored; ``pid`` is the root's PID as CRIU sees it) and
@@ -126,7 +183,6 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
     """
     criu_class, rpc = _pycriu()
     c = criu_class()
-    c.use_binary(req["criu"])
     images_fd = os.open(req["images_dir"], os.O_DIRECTORY)
     work_fd = os.open(req["work_dir"], os.O_DIRECTORY)
     try:
@@ -138,13 +194,13 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
         msg = rpc.criu_req()
         msg.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[req["action"]]
         msg.opts.MergeFrom(c.opts)
-        sk = c._comm.connect(False)
+        sk = swrk.sk
         reaped = False
         try:
             sk.send(msg.SerializeToString())
             while True:
                 resp = rpc.criu_resp()
-                size, reaped = _next_size(sk, c._comm.swrk)
+                size, reaped = _next_size(sk, swrk.pid)
                 if size == 0:  # end of stream: criu is gone (killed or crashed) without answering
                     raise ConnectionError("criu closed the connection without answering (killed?)")
                 resp.ParseFromString(sk.recv(size))
@@ -160,10 +216,8 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
                 ack.notify_success = ok
                 sk.send(ack.SerializeToString())
         finally:
-            if reaped:
-                sk.close()
-            else:
-                c._comm.disconnect()
+            swrk.reaped = swrk.reaped or reaped
+            swrk.close()
         if not resp.success:
             err = resp.cr_errmsg or os.strerror(resp.cr_errno) if resp.cr_errno else resp.cr_errmsg
             return {"event": "result", "ok": False, "error": err or "CRIU reported failure", "errno": resp.cr_errno}
@@ -177,6 +231,7 @@ def _run_criu(req: dict[str, Any]) -> dict[str, Any]:
             "errno": getattr(exc, "errno", 0) or 0,
         }
     finally:
+        swrk.close()
         os.close(images_fd)
         os.close(work_fd)
 
@@ -249,7 +304,7 @@ def _private_dev_shm(saved: str) -> None:
         subprocess.run(["cp", "-a", "--sparse=always", "--", *names, "/dev/shm/"], check=True)
 
 
-def _restore_in_new_pidns(req: dict[str, Any], out: Any) -> int:
+def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> int:
     _unshare(CLONE_NEWPID | CLONE_NEWNS | (CLONE_NEWNET if req.get("new_netns") else 0))
     if req.get("new_netns"):
         _loopback_up()
@@ -259,16 +314,25 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any) -> int:
     if child == 0:  # PID 1 of the new namespace
         os.close(r)
         os.close(go_w)
-        if os.read(go_r, 1) != b"1":  # the daemon did not journal this init: restore nothing
-            os._exit(1)
-        os.close(go_r)
-        try:
+        swrk: Swrk | None = None
+        failed: BaseException | None = None
+        try:  # while the daemon journals this init: nothing here is seen outside the new namespaces
             os.setsid()
             _mount(None, "/", None, MS_REC | MS_SLAVE)
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             if req.get("shm_dir"):
                 _private_dev_shm(req["shm_dir"])
-            result = _run_criu(req)
+            swrk = Swrk(command)  # on the fresh /proc: CRIU keeps the /proc it first opens
+        except BaseException as exc:
+            failed = exc
+        if os.read(go_r, 1) != b"1":  # the daemon did not journal this init: restore nothing
+            os._exit(1)
+        os.close(go_r)
+        try:
+            if failed is not None:
+                raise failed
+            assert swrk is not None
+            result = _run_criu(req, swrk)
         except BaseException as exc:  # report anything, never hang the daemon
             result = {
                 "event": "result",
@@ -321,7 +385,7 @@ def _may_start(out: Any, init_pid: int) -> bool:
         return False
 
 
-def _dump_in_ns_of(req: dict[str, Any], out: Any) -> int:
+def _dump_in_ns_of(req: dict[str, Any], out: Any, command: list[str]) -> int:
     host_pid = int(req["enter_ns_of"])
     # Load pycriu while still in gpusnapd's own mount namespace. CRIU itself is then run by path inside
     # the target's, which is safe only because the daemon enters mount namespaces owned by the initial
@@ -332,7 +396,7 @@ def _dump_in_ns_of(req: dict[str, Any], out: Any) -> int:
     if child == 0:
         try:
             _setns(f"/proc/{host_pid}/ns/mnt", CLONE_NEWNS)
-            result = _run_criu(req)
+            result = _run_criu(req, Swrk(command))
         except BaseException as exc:
             result = {"event": "result", "ok": False, "error": f"entering namespaces of {host_pid}: {exc}", "errno": 0}
         _emit(out, result)
@@ -342,22 +406,28 @@ def _dump_in_ns_of(req: dict[str, Any], out: Any) -> int:
 
 
 def main() -> int:
-    # Load pycriu (and protobuf) before the request: a spare helper started ahead (``CriuDriver.
-    # keep_spare_helper``) has then paid for its imports by the time a request comes.
+    # Load pycriu (and protobuf) and start CRIU before the request: a spare helper started ahead
+    # (``CriuDriver.keep_spare_helper``) has then paid for both by the time a request comes.
     _pycriu()
+    command = sys.argv[1:] or ["criu"]
+    warm = Swrk(command)
     line = sys.stdin.readline()
     if not line:  # a spare ended without a request
+        warm.close()
         return 0
     req = json.loads(line)
     out = sys.stdout
     if req["action"] == "restore" and req.get("new_pidns"):
-        return _restore_in_new_pidns(req, out)
+        warm.close(wait=False)  # CRIU must start inside the namespaces made for it
+        return _restore_in_new_pidns(req, out, command)
     if req["action"] == "dump" and req.get("enter_ns_of"):
-        return _dump_in_ns_of(req, out)
+        warm.close(wait=False)
+        return _dump_in_ns_of(req, out, command)
     if req["action"] == "restore" and not _may_start(out, 0):
+        warm.close()
         _emit(out, _NOT_STARTED)
         return 1
-    result = _run_criu(req)
+    result = _run_criu(req, _ready(warm, command))
     _emit(out, result)
     return 0 if result["ok"] else 1
 
