@@ -12,7 +12,9 @@ load drifts hit both alike:
 - CRIU's self-time: the last timestamp of each CRIU log (CRIU's own clock, from its start
   to its last line), for both paths.
 
-Each timed operation starts ``--gap`` seconds (default 1) after the previous one ended, CRIU's and
+Each round runs its steps (plain CRIU, then each daemon) starting one step later than the round before,
+so that no daemon always follows the same one (a spare helper's restart, the disk's writeback of the step
+before). Each timed operation starts ``--gap`` seconds (default 1) after the previous one ended, CRIU's and
 gpusnap's alike: gpusnapd keeps a spare CRIU helper started ahead, which needs about 0.3 s to become
 ready; ``--gap 0`` shows back-to-back requests, which pay part of that start.
 
@@ -22,7 +24,9 @@ client, the CLI and client), so the floor each library sets is in the same file.
 
 ``--baseline DIR`` (a directory holding another gpusnap package, e.g. an older commit's ``build/pkg``)
 runs a second gpusnapd on that code, its rounds interleaved with this checkout's, as ``baseline_gpusnap_*``
-and ``baseline_ls_empty_store``: an A/B under one load. Results: bench/results/overhead-<label>-<date>.json
+and ``baseline_ls_empty_store``: an A/B under one load. ``--variant NAME=DIR`` (repeatable) adds further
+daemons the same way, as ``NAME_gpusnap_*`` and ``NAME_ls_empty_store``: e.g. the baseline plus one
+change alone, so each change of a set is measured in the same run. Results: bench/results/overhead-<label>-<date>.json
 with every sample, min and median, and the targets of issue 12 (gpusnap ≤ CRIU + 50 ms; ``ls`` ≤ 0.3 s)
 judged on medians.
 """
@@ -236,12 +240,13 @@ CLI_IMPORTS = {
 """What ``gpusnap ls`` loads, step by step (each a fresh ``python -c``): the floor under the CLI's start."""
 
 
-def cli_times(daemon: DaemonProc, runs: int, baseline: DaemonProc | None = None, base_path: str = "") -> dict[str, Any]:
+def cli_times(daemon: DaemonProc, runs: int, others: dict[str, tuple[DaemonProc, str]]) -> dict[str, Any]:
     """``gpusnap ls`` wall time (the store is empty) and, in the same rounds, a fresh interpreter running each
-    of ``CLI_IMPORTS`` (and the baseline's ``ls``, with its package first on the path), ``runs`` times each."""
+    of ``CLI_IMPORTS`` (and each of ``others``' ``ls``: name -> its daemon and its package's path, put first),
+    ``runs`` times each."""
     env = _cli_env()
     ls_s: list[float] = []
-    base_s: list[float] = []
+    other_s: dict[str, list[float]] = {name: [] for name in others}
     steps: dict[str, list[float]] = {k: [] for k in CLI_IMPORTS}
 
     def ls(d: DaemonProc, e: dict[str, str]) -> float:
@@ -250,15 +255,16 @@ def cli_times(daemon: DaemonProc, runs: int, baseline: DaemonProc | None = None,
         assert res.returncode == 0, res.stderr
         return t
 
-    for _ in range(runs):
-        ls_s.append(ls(daemon, env))
-        if baseline is not None:
-            base_s.append(ls(baseline, {**env, "PYTHONPATH": base_path}))
+    clis = [(ls_s, daemon, env), *((other_s[n], d, {**env, "PYTHONPATH": p}) for n, (d, p) in others.items())]
+    for i in range(runs):
+        start = i % len(clis)  # rotated, as the operations' rounds
+        for samples, d, e in clis[start:] + clis[:start]:
+            samples.append(ls(d, e))
         for key, code in CLI_IMPORTS.items():
             steps[key].append(_timed(lambda c=code: subprocess.run([sys.executable, "-c", c], env=env, check=True))[0])
     out = {"ls_empty_store": _stats(ls_s), **{k: _stats(v) for k, v in steps.items()}}
-    if base_s:
-        out["baseline_ls_empty_store"] = _stats(base_s)
+    for name, samples in other_s.items():
+        out[f"{name}_ls_empty_store"] = _stats(samples)
     return out
 
 
@@ -297,46 +303,64 @@ def main() -> int:
         help="a directory holding another gpusnap package (e.g. a worktree's build/pkg): a second gpusnapd runs "
         "it, interleaved round by round with this checkout's, as baseline_gpusnap_* (an A/B under one load)",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="one more gpusnap package, run and interleaved like --baseline, reported as NAME_gpusnap_* (repeatable)",
+    )
     args = ap.parse_args()
     GAP_S[0] = args.gap
     _become_subreaper()
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-bench-overhead-"))
     daemon = start_daemon(tmp)
-    baseline, path = None, ""
-    if args.baseline:
-        path = os.pathsep.join([str(Path(args.baseline).resolve()), _cli_env()["PYTHONPATH"]])
-        baseline = start_daemon(tmp / "baseline", extra_env={"PYTHONPATH": path})
+    packages = [("baseline", args.baseline)] if args.baseline else []
+    for spec in args.variant:
+        name, sep, directory = spec.partition("=")
+        if not sep or not name.isidentifier() or name in ("gpusnap", *(n for n, _ in packages)):
+            ap.error(f"--variant {spec!r}: give NAME=DIR with a NAME of its own")
+        packages.append((name, directory))
+    others: dict[str, tuple[DaemonProc, str]] = {}
+    for name, directory in packages:
+        path = os.pathsep.join([str(Path(directory).resolve()), _cli_env()["PYTHONPATH"]])
+        others[name] = (start_daemon(tmp / name, extra_env={"PYTHONPATH": path}), path)
     result: dict[str, Any] = {
         "host": {"loadavg_start": os.getloadavg()[0]},
         "runs": args.runs,
         "gap_s": args.gap,
         "baseline": args.baseline,
+        "variants": dict(packages),
         "workloads": {},
     }
     try:
         assert daemon.alive(), daemon.log.read_text()
-        result["cli"] = cli_times(daemon, args.runs, baseline, path)
+        result["cli"] = cli_times(daemon, args.runs, others)
         for kind in args.workloads.split(","):
-            plain, ours, theirs = [], [], []
-            for i in range(args.runs):
-                plain.append(plain_criu_round(kind, tmp, i))
-                ours.append(gpusnap_round(daemon, kind, tmp, i))
-                if baseline is not None:
-                    theirs.append(gpusnap_round(baseline, kind, tmp, args.runs + i))
+            plain: list[dict[str, float]] = []
+            rounds: dict[str, list[dict[str, Any]]] = {"gpusnap": [], **{f"{n}_gpusnap": [] for n in others}}
+            order: list[tuple[str, DaemonProc | None, int]] = [("criu", None, 0), ("gpusnap", daemon, 0)]
+            order += [(f"{name}_gpusnap", d, n * args.runs) for n, (name, (d, _)) in enumerate(others.items(), 1)]
+            for i in range(args.runs):  # each round starts one step later: no daemon always follows the same one
+                start = i % len(order)
+                for key, d, offset in order[start:] + order[:start]:
+                    if d is None:
+                        plain.append(plain_criu_round(kind, tmp, i))
+                    else:
+                        rounds[key].append(gpusnap_round(d, kind, tmp, offset + i))
             w: dict[str, Any] = {}
             for action, ours_keys in (("dump", ("dump",)), ("restore", ("restore_host_pidns", "restore"))):
                 w[f"criu_{action}"] = _stats([r[f"{action}_s"] for r in plain])
                 w[f"criu_{action}_log"] = _stats([r[f"{action}_log_s"] for r in plain])
                 for k in ours_keys:
-                    for prefix, rounds in (("gpusnap", ours), ("baseline_gpusnap", theirs)):
-                        if rounds:
-                            w.update(_versus(prefix, k, rounds, w[f"criu_{action}"]))
+                    for prefix, samples in rounds.items():
+                        w.update(_versus(prefix, k, samples, w[f"criu_{action}"]))
             result["workloads"][kind] = w
             print(json.dumps({kind: {k: v for k, v in w.items() if k.endswith("_vs_criu")}}), flush=True)
     finally:
         stop_daemon(daemon)
-        if baseline is not None:
-            stop_daemon(baseline)
+        for d, _ in others.values():
+            stop_daemon(d)
         for p in _children:
             if p.poll() is None:
                 p.kill()
