@@ -23,6 +23,9 @@ ENGINE_LAST = "gpu-engine-h200-final-8b-20261129T223031.json"
 GPU_LAST = "gpu-h200-offload-ramstore-20261129T222235.json"
 OVERHEAD_START = "overhead-before-20261201T124030.json"
 OVERHEAD_LAST = "overhead-after-20261201T134043.json"
+OVERHEAD_NOW = ("overhead-ab-20261201T195631.json", "helper_only_gpusnap")
+"""The A/B run of the third pass and its daemon running the code kept (its ``gpusnap`` daemon ran changes
+that were dropped; docs/performance.md); its ``baseline_gpusnap`` is the second pass's code."""
 
 
 def newest(pattern: str) -> str:
@@ -57,7 +60,7 @@ def _criu(action: str, kind: str) -> Any:
 def panels() -> list[tuple[str, list[tuple[str, str, Any]]]]:
     engine_now = newest("gpu-engine-h200-graphs-8b-2*.json")
     gpu_now = newest("gpu-h200-16g-2*.json")
-    overhead_now = newest("overhead-ab-2*.json")  # an A/B run (--baseline): the last turn's code beside now
+    overhead_now, now_prefix = OVERHEAD_NOW  # an A/B run (--baseline): the last turn's code beside now
     out: list[tuple[str, list[tuple[str, str, Any]]]] = []
     for op in ("restore", "checkpoint"):
         out.append(
@@ -90,7 +93,7 @@ def panels() -> list[tuple[str, list[tuple[str, str, Any]]]]:
                     ("gpusnap, before issue 12", OVERHEAD_START, _overhead(key, "tree")),
                     ("gpusnap, last turn", OVERHEAD_LAST, _overhead(key, "tree")),
                     ("gpusnap, last turn, A/B run", overhead_now, _overhead(key, "tree", "baseline_gpusnap")),
-                    ("gpusnap, now, A/B run", overhead_now, _overhead(key, "tree")),
+                    ("gpusnap, now, A/B run", overhead_now, _overhead(key, "tree", now_prefix)),
                 ],
             )
         )
