@@ -122,9 +122,10 @@ class CriuDriver:
         """From now on keep one helper process started ahead, waiting for its request.
 
         A helper's interpreter start and its imports (pycriu and protobuf: 0.3–0.6 s on a loaded
-        2-core host, ``make bench-overhead``) then run between requests instead of inside one. The
+        2-core host, ``make bench-overhead``) and the start of its ``criu swrk`` (idle on its socket
+        until the request comes; ``criu_exec``) then run between requests instead of inside one. The
         spare has read nothing yet, so it is as fresh as a new one: it forks and enters namespaces
-        only once it has its request. :meth:`close` ends it.
+        only once it has its request. :meth:`close` ends it (and its CRIU, at end of stream).
         """
         with self._spare_lock:
             self._keep_spare = True
