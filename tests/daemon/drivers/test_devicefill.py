@@ -53,6 +53,22 @@ def _clean(drv: FakeVmmDriver, keep: int = 0) -> None:
     assert len(drv.registered) == keep, "registrations left"
 
 
+def _worker_digest(filled: devicefill.FilledArena, *, chunk: int, nbytes: int) -> str:
+    """SHA-256 of the first ``nbytes`` of the arena another process (WORKER) adopts from ``filled``'s
+    descriptors, its chunks ``chunk`` bytes each."""
+    script = WORKER.format(repo=str(REPO), g=G, size=filled.nbytes, chunk=chunk, nbytes=nbytes)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, filled.fds)],
+        pass_fds=filled.fds,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()[1]
+
+
 def test_filled_memory_reaches_another_process_through_exported_descriptors(tmp_path: Path) -> None:
     drv = FakeVmmDriver(granularity=G)
     filler = DeviceFiller(drv)
@@ -67,17 +83,8 @@ def test_filled_memory_reaches_another_process_through_exported_descriptors(tmp_
     expected = bytearray(b"\xa5" * (6 * G))  # new memory where nothing was copied
     expected[: len(da)] = da
     expected[off_b : off_b + len(db)] = db
-    script = WORKER.format(repo=str(REPO), g=G, size=6 * G, chunk=2 * G, nbytes=6 * G)
-    done = subprocess.run(
-        [sys.executable, "-c", script, *map(str, filled.fds)],
-        pass_fds=filled.fds,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[1] == hashlib.sha256(bytes(expected)).hexdigest(), "the worker maps the filled bytes"
+    digest = _worker_digest(filled, chunk=2 * G, nbytes=6 * G)
+    assert digest == hashlib.sha256(bytes(expected)).hexdigest(), "the worker maps the filled bytes"
     filled.release()
     _clean(drv)
     filled.release()  # idempotent
@@ -261,15 +268,6 @@ def test_a_blob_outside_the_ram_tier_is_pinned_a_window_at_a_time(
     ]
     assert [size for n, size in pins if size is not None] == [2 * G, 2 * G, G + 100], pins
     assert [n for n, _ in pins] == ["cuMemHostRegister", "cuMemHostUnregister"] * 3, "one window pinned at a time"
-    script = WORKER.format(repo=str(REPO), g=G, size=6 * G, chunk=3 * G, nbytes=len(data))
-    done = subprocess.run(
-        [sys.executable, "-c", script, *map(str, filled.fds)],
-        pass_fds=filled.fds,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[1] == hashlib.sha256(data).hexdigest(), "every window's bytes arrived"
+    assert _worker_digest(filled, chunk=3 * G, nbytes=len(data)) == hashlib.sha256(data).hexdigest(), "every window"
     filled.release()
     _clean(drv)
