@@ -309,10 +309,12 @@ class Prefill:
         them (:meth:`FilledArena.release`) once handed over. A fill still running after the timeout is
         cancelled and its arenas are read back instead."""
         self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            self._cancel.set()
-            self.general.append(f"the fill took longer than {timeout_s:.0f} s")
         with self._lock:
+            if self._thread.is_alive():
+                self._cancel.set()
+                late = f"the fill took longer than {timeout_s:.0f} s"
+                if late not in self.general:  # (every worker's reload takes its arenas, in parallel)
+                    self.general.append(late)
             return self._filled.pop(agent, [])
 
     def why_not(self, agent: str) -> str:

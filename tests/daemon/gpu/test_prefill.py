@@ -10,6 +10,9 @@ import dataclasses
 import datetime
 import hashlib
 import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,7 @@ from gpusnap.daemon.api.types import (
     Snapshot,
     WorkerInfo,
 )
+from gpusnap.daemon.drivers.devicefill import PrefillError
 from gpusnap.daemon.gpu import prefill
 from gpusnap.daemon.store.buffers import BufferStore
 from tests.fakes.cuda_vmm import CUresult, FakeVmmDriver
@@ -208,6 +212,30 @@ def test_a_restore_failing_before_the_hand_over_releases_the_filled_memory(store
     assert len(drv.handles) == 2, "filled and exported, waiting for the worker"
     run.close()  # the rollback step
     assert drv.live() == 0 and not drv.reserved
+
+
+def test_a_fill_past_the_timeout_is_cancelled_and_said_once(store: BufferStore) -> None:
+    """Every worker's reload takes its arenas (in parallel): each one that waited out the timeout added the
+    same reason again, unlocked, to every worker's message."""
+    snap = _snapshot(store, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)])
+    drv = FakeVmmDriver(granularity=G)
+    support = _support(drv)
+    started = threading.Event()
+
+    def slow_fill(*args: object, cancelled: Callable[[], bool], **kwargs: object) -> object:
+        started.set()
+        while not cancelled():
+            time.sleep(0.01)
+        time.sleep(0.5)  # a driver call in flight: the thread outlives the cancel
+        raise PrefillError("the restore ended before the fill")
+
+    support.filler.fill = slow_fill  # type: ignore[union-attr,method-assign,assignment]
+    run = prefill.start(support, store, snap, None)
+    assert run is not None and started.wait(10)
+    assert run.take("agent", 0.05) == [] and run.take("other", 0.05) == []
+    assert run.why_not("agent").count("the fill took longer than") == 1, run.why_not("agent")
+    run.close()
+    assert drv.live() == 0
 
 
 def test_a_gpu_the_probe_refused_is_not_filled(store: BufferStore) -> None:
