@@ -99,13 +99,19 @@ class FilledArena:
     fds: list[int]
     nbytes: int
     seconds: float = 0.0
+    promised: int = 0
+    """Device memory this arena's fill promised the worker's CUDA restore on its GPU (bytes), which other
+    fills on that GPU do not count as free until :meth:`release`."""
 
     def release(self) -> None:
-        """Close the exported descriptors and release gpusnapd's handles (idempotent). Memory a worker
-        imported stays with the worker."""
+        """Close the exported descriptors and release gpusnapd's handles (idempotent; the promise to the
+        worker's CUDA restore ends with it). Memory a worker imported stays with the worker."""
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+        promised, self.promised = self.promised, 0
+        if promised:
+            self.filler._keep_promise(self.ordinal, -promised)
         handles, self.handles = self.handles, []
         if handles:
             self.filler._release(self.ordinal, handles)
@@ -148,6 +154,9 @@ class DeviceFiller:
         self._contexts: dict[int, Any] = {}
         self._streams: dict[int, list[Any]] = {}
         self._registered: dict[tuple[int, int], _Registered] = {}
+        self._promised: dict[int, int] = {}
+        """GPU ordinal → device memory (bytes) promised to CUDA restores of workers whose arenas are
+        filled and not yet released: two restores onto one GPU must not both count the same free bytes."""
 
     @property
     def drv(self) -> Any:
@@ -283,20 +292,25 @@ class DeviceFiller:
         ordinal = self.ordinal_of(gpu_uuid)
         streams = self._enter(ordinal)
         self.drop_unlinked()  # (unpinned before this fill pins more)
-        free, _total = _call(drv, "cuMemGetInfo")
-        if int(free) < size + reserve_bytes:
-            raise PrefillError(
-                f"GPU {gpu_uuid} has {int(free) >> 20} MiB free, the arena needs {size >> 20} MiB "
-                f"and the worker's restore {reserve_bytes >> 20} MiB more"
-            )
         prop = self._prop(ordinal)
         filled = FilledArena(self, ordinal, [], [], size)
         base = 0
         mapped: list[tuple[int, int]] = []
         once: list[_Registered] = []
         try:
-            for c in chunks:
-                filled.handles.append(_call(drv, "cuMemCreate", c, prop, 0))
+            with self._lock:  # check, allocate and promise as one step against other restores' fills
+                free, _total = _call(drv, "cuMemGetInfo")
+                promised = self._promised.get(ordinal, 0)
+                if int(free) - promised < size + reserve_bytes:
+                    raise PrefillError(
+                        f"GPU {gpu_uuid} has {max(0, int(free) - promised) >> 20} MiB free (not promised to other "
+                        f"restores), the arena needs {size >> 20} MiB and the worker's restore {reserve_bytes >> 20} "
+                        "MiB more"
+                    )
+                for c in chunks:
+                    filled.handles.append(_call(drv, "cuMemCreate", c, prop, 0))
+                self._keep_promise(ordinal, reserve_bytes)
+                filled.promised = reserve_bytes
             base = int(_call(drv, "cuMemAddressReserve", size, 0, 0, 0))
             off = 0
             for handle, c in zip(filled.handles, chunks, strict=True):
@@ -348,6 +362,10 @@ class DeviceFiller:
                     self._unregister(reg)
         filled.seconds = time.monotonic() - start
         return filled
+
+    def _keep_promise(self, ordinal: int, delta: int) -> None:
+        with self._lock:
+            self._promised[ordinal] = self._promised.get(ordinal, 0) + delta
 
     def _unmap(self, base: int, size: int, mapped: list[tuple[int, int]], strict: bool = True) -> None:
         drv = self.drv

@@ -59,6 +59,11 @@ from NVML), mapped as the restore maps it. A test seam: tests/daemon/prefill_dae
 CPU workers' snapshots record no GPU use."""
 
 
+CLOSE_WAIT_S = 60.0
+"""How long a restore's end waits for its fill thread to see the cancel (each copy checks it) before
+leaving it, logged, rather than hanging the restore on a driver call that never returns."""
+
+
 class PrefillSupport:
     """The node's prefill setting and what its start-time probe found.
 
@@ -326,7 +331,9 @@ class Prefill:
         """Stop the fills and release every arena not handed over (idempotent; the rollback step)."""
         self._cancel.set()
         if self._thread.ident is not None:
-            self._thread.join()
+            self._thread.join(CLOSE_WAIT_S)
+            if self._thread.is_alive():  # a driver call that never returns: its arena is left to the thread
+                log.error("prefill.fill_hung", waited_s=CLOSE_WAIT_S)
         with self._lock:
             left = [f for arenas in self._filled.values() for _, f in arenas]
             self._filled.clear()

@@ -143,6 +143,24 @@ def test_preconditions_are_checked_before_anything_is_allocated(tmp_path: Path) 
     os.close(fd)
 
 
+def test_a_second_restore_on_the_gpu_does_not_count_memory_promised_to_the_first(tmp_path: Path) -> None:
+    """Two restores onto one GPU both read the free memory before either worker's CUDA restore took its share:
+    both fills passed, and one worker's restore then ran out of device memory instead of reading back."""
+    drv = FakeVmmDriver(granularity=G, capacity=6 * G)
+    filler = DeviceFiller(drv)
+    fd, data = _blob(tmp_path, "a", 2 * G)
+    first = filler.fill(UUID, [2 * G], [Source(fd, len(data), 0)], reserve_bytes=2 * G)
+    with pytest.raises(PrefillError, match="not promised to other restores"):
+        filler.fill(UUID, [2 * G], [Source(fd, len(data), 0)], reserve_bytes=2 * G)
+    first.release()  # the first worker has imported its arena and its CUDA restore is done
+    second = filler.fill(UUID, [2 * G], [Source(fd, len(data), 0)], reserve_bytes=2 * G)
+    second.release()
+    second.release()  # (idempotent: the promise ends once)
+    assert filler._promised == {0: 0}
+    _clean(drv)
+    os.close(fd)
+
+
 def test_cancelled_fill_releases_everything(tmp_path: Path) -> None:
     drv = FakeVmmDriver(granularity=G)
     fd, data = _blob(tmp_path, "a", 2 * G)
