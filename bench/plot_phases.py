@@ -60,6 +60,7 @@ def _criu(action: str, kind: str) -> Any:
 def panels() -> list[tuple[str, list[tuple[str, str, Any]]]]:
     engine_now = newest("gpu-engine-h200-graphs-8b-2*.json")
     gpu_now = newest("gpu-h200-16g-2*.json")
+    prefill_now = newest("gpu-prefill-2*.json")  # make bench-gpu --modes stable,prefill
     overhead_now, now_prefix = OVERHEAD_NOW  # an A/B run (--baseline): the last turn's code beside now
     out: list[tuple[str, list[tuple[str, str, Any]]]] = []
     for op in ("restore", "checkpoint"):
@@ -81,6 +82,18 @@ def panels() -> list[tuple[str, list[tuple[str, str, Any]]]]:
                     ("stock, disk store", gpu_now, lambda d, op=op: _mode(d, "stock")[op]["phases"]),
                     ("gpusnap, last turn", GPU_LAST, lambda d, op=op: _mode(d, "offload")[op]["phases"]),
                     ("gpusnap, now", gpu_now, lambda d, op=op: _mode(d, "offload")[op]["phases"]),
+                    ("gpusnap, now, arena", prefill_now, lambda d, op=op: _mode(d, "stable")[op]["phases"]),
+                    *(
+                        [
+                            (
+                                "gpusnap, now, prefill (warm)",
+                                prefill_now,
+                                lambda d: _mode(d, "prefill")["restore_again"]["phases"],
+                            )
+                        ]
+                        if op == "restore"
+                        else []
+                    ),
                 ],
             )
         )
