@@ -247,10 +247,8 @@ class WorkerAgent:
                 arena.release()
             raise
         for _, held in plan:
-            for b in held:
-                b.arena.mark_in(b.address)
-                b.freed = False
-                self._out.discard(b.name)
+            buffers.back_in(held)
+            self._out.difference_update(b.name for b in held)
         return {"map_s": f"{time.monotonic() - start:.4f}", "arenas": str(len(plan))}
 
     def _check(self, names: list[str], fds: list[int]) -> None:

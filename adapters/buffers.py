@@ -317,8 +317,14 @@ def read(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = No
             dst.copy_(slot[: step.size], non_blocking=True)
 
     _run_parallel(_steps(buffers, fds), work, threads or _default_threads())
+    back_in(buffers)
+    return {"alloc_s": t1 - t0, "copy_s": time.monotonic() - t1}
+
+
+def back_in(buffers: Iterable[Buffer]) -> None:
+    """Count the arena-backed ``buffers`` as back in their arena, whose memory is mapped again and holds their
+    bytes (read back by :func:`read`, or adopted from gpusnapd's prefill: the agent's ``MapArenas``)."""
     for buf in buffers:
         if buf.arena is not None:
             buf.arena.mark_in(buf.address)
             buf.freed = False
-    return {"alloc_s": t1 - t0, "copy_s": time.monotonic() - t1}

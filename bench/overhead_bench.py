@@ -85,6 +85,14 @@ def _start(kind: str, workdir: Path) -> int:
 _children: list[subprocess.Popen[bytes]] = []
 
 
+def end_children(children: list[subprocess.Popen[bytes]]) -> None:
+    """Kill every workload this bench started that still runs, and reap them all."""
+    for p in children:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 def _tree(pid: int) -> list[int]:
     return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
 
@@ -361,10 +369,7 @@ def main() -> int:
         stop_daemon(daemon)
         for d, _ in others.values():
             stop_daemon(d)
-        for p in _children:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        end_children(_children)
         shutil.rmtree(tmp, ignore_errors=True)
     ls = result["cli"]["ls_empty_store"]
     result["cli"]["ls_target_met"] = ls["median_s"] <= TARGET_LS_S

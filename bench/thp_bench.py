@@ -56,7 +56,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import results_file  # noqa: E402
-from bench.overhead_bench import CRIU_OPTS, _become_subreaper, _criu, _criu_log_seconds, _reap, _stats  # noqa: E402
+from bench.overhead_bench import (  # noqa: E402
+    CRIU_OPTS,
+    _become_subreaper,
+    _criu,
+    _criu_log_seconds,
+    _reap,
+    _stats,
+    end_children,
+)
 from tests.conftest import DaemonProc, criu_prefix, kill_tree, start_daemon, stop_daemon, wait_for  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "daemon" / "workloads" / "anon_regions.py"
@@ -357,10 +365,7 @@ def main() -> int:
     finally:
         if daemon is not None:
             stop_daemon(daemon)
-        for proc in _children:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+        end_children(_children)
         shutil.rmtree(tmp, ignore_errors=True)
     result["criu"] = {v: _summary(r, ("dump_s", "restore_s", "restore_log_s")) for v, r in plain.items()}
     result["criu_patched"] = {v: _summary(r, ("restore_s", "restore_log_s")) for v, r in patched.items() if r}

@@ -38,6 +38,7 @@ import dataclasses
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -274,8 +275,6 @@ class DeviceFiller:
         Raises:
             PrefillError: see the module docstring; nothing stays allocated or registered for the call.
         """
-        import time
-
         start = time.monotonic()
         drv = self.drv
         size = sum(chunks)
