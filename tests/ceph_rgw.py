@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,10 +35,27 @@ def available() -> str:
     return f"Ceph binaries missing: {', '.join(missing)} (apt-get install radosgw ceph-mon ceph-osd)" if missing else ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# Ports are drawn below Linux's ephemeral range (32768-60999 by default): a port the kernel hands out
+# for bind(0) is also the local end of the next outgoing connection, and a monitor whose port was taken
+# that way never binds, so every ``ceph`` command waits for it until its own timeout.
+PORT_RANGE = (20000, 32767)
+START_ATTEMPTS = 3
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports that were free a moment ago (a start that loses one retries)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randint(*PORT_RANGE)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 @dataclasses.dataclass
@@ -71,11 +89,51 @@ class Gateway:
         """Credentials through the SDK's usual environment variables."""
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION}
 
-    def _run(self, *args: str) -> str:
-        res = subprocess.run([args[0], "-c", str(self.conf), *args[1:]], capture_output=True, text=True, timeout=60)
+    def _run(self, *args: str, timeout: float = 60) -> str:
+        cmd = [args[0], "-c", str(self.conf), *args[1:]]
+        if args[0] == "ceph":
+            # Without it the CLI waits for an unreachable monitor for ever.
+            cmd[3:3] = ["--connect-timeout", str(int(timeout))]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 10)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{' '.join(args)} timed out after {timeout + 10:.0f} s\n{self.logs()}") from None
         if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(args)} failed ({res.returncode}): {res.stderr[-2000:]}")
+            raise RuntimeError(f"{' '.join(args)} failed ({res.returncode}): {res.stderr[-2000:]}\n{self.logs()}")
         return res.stdout
+
+    def logs(self, chars: int = 1500) -> str:
+        """The tail of each daemon's output and log, for a failure's message."""
+        parts = []
+        for name in sorted(self.procs):
+            proc = self.procs[name]
+            state = "running" if proc.poll() is None else f"exited {proc.returncode}"
+            parts.append(f"--- {name} ({state}) ---")
+            for path in (self.root / f"{name}.out", *sorted((self.root / "log").glob(f"*{name}*.log"))):
+                if path.is_file():
+                    parts.append(f"{path.name}: {path.read_text(errors='replace')[-chars:]}")
+        return "\n".join(parts)
+
+    def wait_mon(self, timeout: float = 30) -> None:
+        """Wait until the monitor answers; raise at once if it exits (e.g. it could not bind its port)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            mon = self.procs["mon"]
+            if mon.poll() is not None:
+                raise RuntimeError(f"ceph-mon exited ({mon.returncode})\n{self.logs()}")
+            try:
+                res = subprocess.run(
+                    ["ceph", "-c", str(self.conf), "--connect-timeout", "3", "mon", "stat"],
+                    capture_output=True,
+                    timeout=15,
+                )
+                if res.returncode == 0:
+                    return
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ceph-mon did not answer in {timeout:.0f} s\n{self.logs()}")
+            time.sleep(0.2)
 
     def _spawn(self, name: str, *args: str) -> None:
         log = open(self.root / f"{name}.out", "ab")
@@ -131,11 +189,24 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def start(memstore_bytes: int = 4 << 30) -> Gateway:
     """Start a cluster under a fresh temporary directory and create the S3 user (``ACCESS_KEY``).
 
+    A start that fails (a port taken between choosing it and binding it, a daemon slow on a loaded
+    machine) is retried from scratch with new ports, ``START_ATTEMPTS`` times in all.
+
     Raises:
-        RuntimeError: a daemon failed to start (its output is in the message).
+        RuntimeError: every attempt failed; the message has each attempt's cause and the daemons' output.
     """
+    errors: list[str] = []
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _start_once(memstore_bytes)
+        except RuntimeError as e:
+            errors.append(f"attempt {attempt}: {e}")
+    raise RuntimeError("the test Ceph cluster did not start:\n" + "\n".join(errors))
+
+
+def _start_once(memstore_bytes: int) -> Gateway:
     root = Path(tempfile.mkdtemp(prefix="gpusnap-ceph-"))
-    mon_port, rgw_port = _free_port(), _free_port()
+    mon_port, rgw_port = _free_ports(2)
     fsid = str(uuid.uuid4())
     conf = root / "ceph.conf"
     conf.write_text(f"""[global]
@@ -150,6 +221,7 @@ auth client required = none
 ms mon client mode = crc secure
 paxos propose interval = 0.01
 mon data avail warn = 1
+mon data avail crit = 0
 mon warn on insecure global id reclaim allowed = false
 run dir = {root}/run
 admin socket = {root}/run/$name.asok
@@ -199,6 +271,7 @@ rgw frontends = beast endpoint=127.0.0.1:{rgw_port}
         )
         gw._run("ceph-mon", "--mkfs", "-i", "a", "--monmap", str(root / "monmap"))
         gw._spawn("mon", "ceph-mon", "-i", "a")
+        gw.wait_mon()
         osd_uuid = str(uuid.uuid4())
         osd_id = gw._run("ceph", "osd", "new", osd_uuid).strip()
         (root / f"osd.{osd_id}").mkdir()
