@@ -6,7 +6,9 @@ memory; gpusnap dumps it and restores it; the restored worker's checksum is veri
 data as buffers: they go to the buffer store and come back through pinned memory), ``stable`` (offload
 with the buffers in an address-stable arena and a CUDA graph reading them: today's reload re-maps the arena
 and copies them in) and ``prefill`` (the same worker restored by a second gpusnapd with ``--gpu-prefill
-auto``: it fills the arena's device memory while CRIU restores the worker; ``docs/performance.md``). With
+auto``: it fills the arena's device memory while CRIU restores the worker; before its first restore the
+bench waits until that gpusnapd has registered the new snapshot's blobs ahead, as it does in the background
+after every checkpoint: ``registered_ahead``; ``docs/performance.md``). With
 both ``stable`` and ``prefill`` the result carries ``prefill_ratio`` per size: stable's restore total over
 prefill's, in the same run. Results are written as JSON to bench/results/gpu-<kind>-<date>.json:
 
@@ -74,6 +76,7 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
     dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), check=True, timeout=3600).stdout)  # type: ignore[attr-defined]
     dump_wall = time.monotonic() - t0
     proc.wait(timeout=120)
+    ahead = _wait_registered_ahead(daemon) if mode == "prefill" else None
     t0 = time.monotonic()
     restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=3600).stdout)  # type: ignore[attr-defined]
     restore_wall = time.monotonic() - t0
@@ -134,7 +137,22 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
         },
         "second_snapshot": second,
         "restore_again": again_restore,
+        "registered_ahead": ahead,
     }
+
+
+def _wait_registered_ahead(daemon: object, timeout_s: float = 120) -> dict[str, object]:
+    """Wait until the prefill daemon has registered the new snapshot's blobs ahead of its restore (``gpusnap
+    node``'s gpu prefill state; it does so in the background after the checkpoint), so the first restore
+    measures the warm path a restore some time after its checkpoint gets. Returns the wait and the state."""
+    t0 = time.monotonic()
+    state = ""
+    while time.monotonic() - t0 < timeout_s:
+        state = json.loads(daemon.cli("-o", "json", "node", check=True).stdout).get("gpu_prefill", "")  # type: ignore[attr-defined]
+        if "GiB of blobs registered" in state and "registering" not in state:
+            break
+        time.sleep(0.2)
+    return {"wait_s": round(time.monotonic() - t0, 3), "state": state}
 
 
 def _gone(pid: int, timeout_s: float = 30) -> None:
@@ -146,8 +164,9 @@ def _gone(pid: int, timeout_s: float = 30) -> None:
 
 def _prefill_ratios(runs: list[dict[str, object]]) -> dict[str, dict[str, float]]:
     """Per size with both modes: restore totals and reload phases of ``stable`` (the worker reads its arena
-    back) and ``prefill`` (gpusnapd filled it during the restore), and stable's total over prefill's; the
-    ``again_`` keys for the second restore (prefill's context and blob registration are then warm)."""
+        back) and ``prefill`` (gpusnapd filled it during the restore), and stable's total over prefill's; the
+        ``again_`` keys for the second restore of the same snapshot. Prefill's contexts are created at gpusnapd's
+    start and the blobs registered after the checkpoint, so both restores run warm."""
     out: dict[str, dict[str, float]] = {}
     by = {(r["gib"], r["mode"]): r for r in runs}
     for (gib, mode), run in by.items():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from gpusnap.daemon._proto import (
     snapshots_pb2_grpc,
 )
 from gpusnap.daemon.api.errors import FailedPreconditionError
+from gpusnap.daemon.api.types import Snapshot
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import host
@@ -27,7 +30,7 @@ from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.prefill import PrefillSupport
 from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.operations import recovery
-from gpusnap.daemon.operations.base import OperationKind
+from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.remote.evict import RemoteEvictor
@@ -108,6 +111,7 @@ def build_daemon(config: DaemonConfig) -> Running:
     gpu.prefill = PrefillSupport.probe(config.gpu_prefill)
     if gpu.prefill.filler is not None:  # blobs the store removes are unregistered (their pages unpinned)
         store.buffers.after_collect = gpu.prefill.filler.drop_unlinked
+        gpu.prefill.warm(store.buffers, store.list)  # contexts and registrations, in the background
     for sock_dir in {config.socket.parent, config.agent_socket.parent}:
         sock_dir.mkdir(parents=True, exist_ok=True)
         rundirs.check_socket_dir(sock_dir)
@@ -133,6 +137,8 @@ def build_daemon(config: DaemonConfig) -> Running:
             cuda_driver_version=cuda,
         )
     observe = metrics.observe if metrics is not None else None
+    if gpu.prefill.filler is not None:  # a published snapshot's blobs are registered ahead of its restore
+        observe = functools.partial(_after_operation, gpu.prefill, observe)
     journal.open()
     registry = OperationRegistry(
         max_workers=config.max_operations,
@@ -212,10 +218,22 @@ def wake_dir(config: DaemonConfig) -> Path:
     return config.agent_socket.parent / "wake"
 
 
+def _after_operation(
+    prefill: PrefillSupport, observe: Callable[[OperationRecord], None] | None, record: OperationRecord
+) -> None:
+    """Each finished operation: to the metrics, and a snapshot a checkpoint or pull published to prefill."""
+    if observe is not None:
+        observe(record)
+    if record.state is OperationState.SUCCEEDED and isinstance(record.result, Snapshot):
+        prefill.after_publish(record.result)
+
+
 def _release(daemon: Daemon) -> None:
     """Release what :func:`build_daemon` acquired before the servers started (agent socket, spare CRIU
     helper, store lock)."""
     daemon.registry.shutdown(wait=True)
+    if daemon.deps.gpu.prefill is not None:
+        daemon.deps.gpu.prefill.close()
     daemon.deps.agents.stop()
     daemon.deps.criu.close()
     daemon.deps.store.close()

@@ -17,6 +17,10 @@ mapping unmapped). bench/arena_probe.py measured this recipe on an H200 (bench/r
 Registrations of blobs in the RAM tier are kept across restores (registering 16 GiB took 0.86 s on the
 H200) and dropped once their file is unlinked (after the store's garbage collection or a budget pass:
 :meth:`DeviceFiller.drop_unlinked`, and at every fill's start) or when :meth:`DeviceFiller.close` runs.
+gpusnapd may also make them ahead of any restore (:meth:`DeviceFiller.register_ahead`, after a checkpoint
+and at start) and create its contexts early (:meth:`DeviceFiller.warm`), so that the first restore of a
+snapshot is as fast as the next ones. Registrations made ahead fit a budget (``keep_budget_bytes``) and are
+the first to go when a fill's own kept registration needs the room; a fill's own are never dropped for it.
 Other blobs are registered for one fill only, :data:`WINDOW_BYTES` at a time (copied, then unregistered),
 so no disk page stays pinned and a fill pins at most that much page cache, whatever the snapshot's size.
 
@@ -57,6 +61,10 @@ WINDOW_BYTES = 1 << 30
 of a user's snapshot could be larger than the node's free memory (a multiple of ``PIECE_BYTES`` and of the
 page size)."""
 STREAMS = 4
+KEEP_SHARE = 0.5
+"""Share of the host's physical memory that kept registrations may pin once registrations made ahead of a
+restore are counted (:meth:`DeviceFiller.register_ahead`): RAM-tier pages are resident anyway, but pinned
+pages cannot be reclaimed or swapped."""
 
 log = structlog.get_logger(__name__)
 
@@ -125,6 +133,8 @@ class _Registered:
     nbytes: int
     ordinal: int
     """The GPU whose context was current at registration (made current again to unregister)."""
+    ahead: bool = False
+    """Made by :meth:`DeviceFiller.register_ahead` and not yet used by a fill (dropped first for room)."""
 
 
 def _call(drv: Any, name: str, *args: Any) -> Any:
@@ -147,10 +157,17 @@ class DeviceFiller:
     Args:
         driver: ``cuda.bindings.driver`` (default, imported on first use) or a fake with the same calls
             (tests/fakes/cuda_vmm.py).
+        keep_budget_bytes: bytes of blob that registrations made ahead may bring the kept registrations to
+            (default: :data:`KEEP_SHARE` of the host's physical memory).
     """
 
-    def __init__(self, driver: Any = None):
+    def __init__(self, driver: Any = None, keep_budget_bytes: int | None = None):
         self._drv = driver if driver is not None else DEFAULT_DRIVER
+        self.keep_budget_bytes = (
+            keep_budget_bytes
+            if keep_budget_bytes is not None
+            else int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KEEP_SHARE)
+        )
         self._lock = threading.RLock()
         self._contexts: dict[int, Any] = {}
         self._streams: dict[int, list[Any]] = {}
@@ -254,6 +271,48 @@ class DeviceFiller:
                 self._contexts[ordinal] = ctx
         _call(drv, "cuCtxSetCurrent", self._contexts[ordinal])
         return self._streams[ordinal]
+
+    def warm(self, gpu_uuid: str) -> None:
+        """Retain GPU ``gpu_uuid``'s primary context and create its streams now, not at the first fill.
+
+        Raises:
+            PrefillError: no such GPU, or a driver call failed (a later fill tries again).
+        """
+        self._enter(self.ordinal_of(gpu_uuid))
+
+    def register_ahead(self, fd: int, nbytes: int, gpu_uuid: str) -> bool:
+        """Register the whole blob ``fd`` (``nbytes``, a RAM-tier blob of a snapshot's arena) now and keep
+        it, as a fill's :class:`Source` with ``keep`` would, so a later fill finds it registered. False,
+        registering nothing, when it is registered already or would bring the kept registrations past
+        ``keep_budget_bytes``. Holds the filler's lock while it registers: a fill started meanwhile waits
+        for it and then uses it, rather than pinning the same pages twice.
+
+        Raises:
+            PrefillError: the size is not ``nbytes``, or a driver call failed (nothing stays registered).
+        """
+        st = os.fstat(fd)
+        if st.st_size != nbytes:
+            raise PrefillError(f"a blob holds {st.st_size} bytes where the snapshot records {nbytes}")
+        ordinal = self.ordinal_of(gpu_uuid)
+        with self._lock:
+            if (st.st_dev, st.st_ino) in self._registered:
+                return False
+            if self.registered_bytes() + nbytes > self.keep_budget_bytes:
+                return False
+            self._enter(ordinal)
+            reg = self._register(fd, nbytes, ordinal)
+            reg.ahead = True
+            self._registered[(st.st_dev, st.st_ino)] = reg
+            self._drop_unlinked()  # (unlinked while it registered: the store's after_collect ran before)
+        return True
+
+    def holds(self, fd: int) -> str:
+        """How blob ``fd`` is registered: ``"ahead"`` (by :meth:`register_ahead`, no fill used it yet),
+        ``"kept"`` (used by a fill) or ``""`` (not)."""
+        st = os.fstat(fd)
+        with self._lock:
+            reg = self._registered.get((st.st_dev, st.st_ino))
+        return "" if reg is None else "ahead" if reg.ahead else "kept"
 
     def fill(
         self,
@@ -393,12 +452,28 @@ class DeviceFiller:
         with self._lock:
             reg = self._registered.get(key)
             if reg is not None and reg.nbytes == source.nbytes:
+                reg.ahead = False
                 return reg
             if reg is not None:  # (a blob's size never changes: sizes are checked before)
                 del self._registered[key]
                 self._unregister(reg)
             reg = self._registered[key] = self._register(source.fd, source.nbytes, ordinal)
+            self._trim()
             return reg
+
+    def _trim(self) -> None:
+        """Drop registrations made ahead (oldest first) while the kept ones exceed ``keep_budget_bytes``; a
+        fill's own stay (no fill is using one made ahead: a fill's use turns it into its own). Never raises."""
+        for key, reg in list(self._registered.items()):
+            if self.registered_bytes() <= self.keep_budget_bytes:
+                return
+            if reg.ahead:
+                try:
+                    self._unregister(reg)
+                except PrefillError as exc:
+                    log.warning("devicefill.unregister_failed", bytes=reg.nbytes, error=str(exc))
+                    continue
+                del self._registered[key]
 
     def _register(self, fd: int, nbytes: int, ordinal: int, offset: int = 0) -> _Registered:
         """``nbytes`` of ``fd`` from ``offset`` (page-aligned) mapped read-only and registered.

@@ -25,6 +25,14 @@ sizes at preflight (``check_present``) and again on the opened descriptor before
 restore's start and checked (``buffers_verified``) before the filled memory reaches the worker, as before
 a reload hands the worker its blob descriptors. Exported descriptors go only to the agent session found
 among the restored tree's processes for that worker's instance id.
+
+So that a snapshot's first restore is as fast as its next ones, gpusnapd prepares in the background
+(:meth:`PrefillSupport.warm`, at start): it creates its context on every GPU it can fill, then registers
+ahead (``DeviceFiller.register_ahead``) the RAM-tier blobs of the arenas of the snapshots already in the
+store, most recently used first, and those of each snapshot a checkpoint or pull publishes afterwards
+(:meth:`PrefillSupport.after_publish`), within the filler's budget for kept registrations. Nothing there
+delays the daemon's start or an operation, and nothing there can fail one: a failure is logged, and the
+restore then does that work itself or falls back as above.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -47,6 +56,8 @@ from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.store.buffers import BufferStore
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from gpusnap.daemon.workers.client import AgentClient
 
 log = structlog.get_logger(__name__)
@@ -81,6 +92,14 @@ class PrefillSupport:
         self.filler = filler
         self.gpus = dict(gpus or {})
         self.reason = reason if filler is None else ""
+        self.contexts = ""
+        """gpusnapd's contexts: ``""`` (not asked for), ``creating``, ``ready`` or ``failed (why)``."""
+        self._store: BufferStore | None = None
+        self._jobs: ThreadPoolExecutor | None = None
+        self._last: Future[None] | None = None
+        self._queued = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
 
     @classmethod
     def probe(cls, mode: str, driver: Any = None) -> PrefillSupport:
@@ -112,7 +131,118 @@ class PrefillSupport:
         if self.filler is None:
             return self.reason if self.reason.startswith("off") else f"off: {self.reason}"
         usable = sum(1 for v in self.gpus.values() if not v)
-        return f"on ({usable} of {len(self.gpus)} GPUs)"
+        parts = [f"on ({usable} of {len(self.gpus)} GPUs)"]
+        if self.contexts:
+            parts.append(f"contexts {self.contexts}")
+        pinned = self.filler.registered_bytes()
+        if pinned:
+            parts.append(f"{pinned / 2**30:.1f} GiB of blobs registered")
+        if self._queued:
+            parts.append("registering blobs")
+        return "; ".join(parts)
+
+    def warm(self, store: BufferStore, snapshots: Callable[[], Iterable[Snapshot]]) -> None:
+        """Start, in the background, creating gpusnapd's context on every GPU it can fill, then registering
+        ahead the RAM-tier arena blobs of ``snapshots()`` (the store's, at start), most recently used first;
+        later :meth:`after_publish` calls queue behind it. Returns at once; nothing when prefill is off."""
+        if self.filler is None:
+            return
+        self._store = store
+        self._jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpusnap-prefill-warm")
+        self.contexts = "creating"
+        self._submit(self._create_contexts)
+        self._submit(lambda: self._register_ahead(snapshots()))
+
+    def after_publish(self, snapshot: Snapshot) -> None:
+        """Queue the registration ahead of ``snapshot``'s RAM-tier arena blobs (a checkpoint or pull just
+        published it); returns at once."""
+        if self.filler is not None and self._jobs is not None:
+            self._submit(lambda: self._register_ahead([snapshot]))
+
+    def settle(self) -> None:
+        """Wait until everything queued so far is done (tests, benchmarks)."""
+        last = self._last
+        if last is not None:
+            last.result()
+
+    def close(self) -> None:
+        """Stop the background work (gpusnapd's stop): what is queued is dropped, a registration in
+        progress finishes."""
+        self._stop.set()
+        if self._jobs is not None:
+            self._jobs.shutdown(wait=False, cancel_futures=True)
+
+    def _submit(self, job: Callable[[], object]) -> None:
+        def run() -> None:
+            try:
+                if not self._stop.is_set():
+                    job()
+            except Exception:  # never fails anything: a restore does the work itself, or falls back
+                log.exception("prefill.warm_failed")
+            finally:
+                with self._lock:
+                    self._queued -= 1
+
+        assert self._jobs is not None
+        with self._lock:
+            self._queued += 1
+        try:
+            self._last = self._jobs.submit(run)
+        except RuntimeError:  # (closed)
+            with self._lock:
+                self._queued -= 1
+
+    def _create_contexts(self) -> None:
+        assert self.filler is not None
+        failed = []
+        for uuid, why in self.gpus.items():
+            if not why:
+                try:
+                    self.filler.warm(uuid)
+                except PrefillError as exc:
+                    failed.append(f"{uuid}: {exc}")
+        self.contexts = f"failed ({'; '.join(failed)})" if failed else "ready"
+        if failed:
+            log.warning("prefill.context_failed", reason=self.contexts)
+        else:
+            log.info("prefill.contexts_ready", gpus=sum(1 for v in self.gpus.values() if not v))
+
+    def _register_ahead(self, snapshots: Iterable[Snapshot]) -> None:
+        """Register the RAM-tier blobs of the arenas :func:`plan` would fill for ``snapshots`` (on their own
+        GPUs), most recently used first (the tier's LRU mark), as far as the filler's budget allows."""
+        store, filler = self._store, self.filler
+        assert store is not None and filler is not None
+        ram = [t.blobs for t in store.tiers if t.name == "ram"]
+        found: dict[Path, tuple[int, str]] = {}
+        for snapshot in snapshots:
+            for p in plan(snapshot, None)[0] if ram else ():
+                if self.gpus.get(p.target, "a GPU gpusnapd does not see"):
+                    continue
+                for r in p.refs:
+                    path = store.path(snapshot.buffer_uid, r.sha256)
+                    if any(path.is_relative_to(b) for b in ram):
+                        found.setdefault(path, (r.size_bytes, p.target))
+
+        def last_used(path: Path) -> float:
+            try:
+                return os.stat(path).st_mtime
+            except OSError:
+                return 0.0
+
+        for path in sorted(found, key=last_used, reverse=True):
+            if self._stop.is_set():
+                return
+            nbytes, gpu = found[path]
+            try:  # (no mark_used: registering is not a use)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                continue  # removed meanwhile
+            try:
+                filler.register_ahead(fd, nbytes, gpu)
+            except (PrefillError, OSError) as exc:
+                log.warning("prefill.register_ahead_failed", bytes=nbytes, error=str(exc))
+            finally:
+                os.close(fd)
 
 
 @dataclasses.dataclass(frozen=True)

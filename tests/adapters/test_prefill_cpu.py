@@ -17,7 +17,7 @@ import pytest
 from gpusnap.daemon.api.errors import DataLossError
 from tests.adapters import torch_venv
 from tests.adapters.test_buffers_cpu import WEIGHT_BYTES, Worker
-from tests.conftest import REPO, DaemonProc, kill_tree, start_daemon, stop_daemon
+from tests.conftest import REPO, DaemonProc, kill_tree, start_daemon, stop_daemon, wait_for
 
 LAUNCHER = REPO / "tests" / "daemon" / "prefill_daemon.py"
 CHUNK_MIB = 64  # the 256 MiB arena in four chunks: four descriptors, copies split at chunk boundaries
@@ -81,6 +81,33 @@ def test_prefilled_weights_come_back_at_the_same_address(tmp_path: Path, cleanup
     assert "resume restored=True resident=268435456 mapped=True" in w.events()
     assert _memfds(d.proc.pid) == [], "gpusnapd released its handles after the hand-over"
     print(f"\nMEASURED prefill on CPU (fake driver, {WEIGHT_BYTES >> 20} MiB): {w.phases}; {messages}")  # type: ignore[attr-defined]
+
+
+def test_the_first_restore_after_a_checkpoint_finds_its_blob_registered(tmp_path: Path, cleanup: list) -> None:  # type: ignore[type-arg]
+    """With a RAM tier, gpusnapd creates its context at start and registers the checkpoint's arena blob as
+    soon as the snapshot is published, both in the background: ``gpusnap node`` says so before the first
+    restore, which is prefilled."""
+    d = _daemon(tmp_path, GPUSNAP_BUFFER_DIR=str(tmp_path / "ram"))
+    cleanup.append(d)
+
+    def prefill_state() -> str:
+        return str(json.loads(d.cli("-o", "json", "node", check=True).stdout)["gpu_prefill"])
+
+    wait_for(lambda: "contexts ready" in prefill_state(), 60, "gpusnapd's contexts were not created at start")
+    assert "GiB of blobs registered" not in prefill_state(), "an empty store registers nothing"
+    w = Worker(d, tmp_path, "w", "--stable-fake", "--chunk-mib", str(CHUNK_MIB))
+    cleanup.append(w)
+    before = w.generate()
+    dumped = json.loads(d.cli("-o", "json", "dump", str(w.proc.pid), check=True).stdout)
+    assert w.proc.wait(timeout=30) == -9
+    registered = f"{WEIGHT_BYTES / 2**30:.1f} GiB of blobs registered"
+    wait_for(lambda: registered in prefill_state(), 60, "the checkpoint's blob was not registered ahead")
+    op = d.client().restore(dumped["id"])
+    done = d.client().wait(op.id, timeout_s=300)
+    assert done.error.message == "", done.error
+    w.restored = done.restore.pid  # type: ignore[attr-defined]
+    assert any(f"{WEIGHT_BYTES} bytes prefilled" in m for m in _reload_messages(d, op.id))
+    assert w.generate() == before
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
 """Device memory filled by gpusnapd (``--gpu-prefill auto``) on a real GPU (``make test-gpu``).
 
 A PyTorch worker (torch_worker.py ``--agent --stable``) keeps ``GPUSNAP_TEST_GIB`` GiB in an address-stable
-arena and has captured a CUDA graph that reads it. After dump → restore through a daemon with prefill on,
-the reload-buffers phase reports every byte prefilled (none read back), the pattern checksum and both
+arena and has captured a CUDA graph that reads it. After dump → restore through a daemon with prefill on
+(its context created at start, the snapshot's blob registered ahead after the checkpoint), the reload-buffers phase reports every byte prefilled (none read back), the pattern checksum and both
 graphs' outputs equal those at start, and the canary (the pattern checksum) passed. The CPU tests of the
 same path, faults and fallbacks included, are tests/adapters/test_prefill_cpu.py.
 """
@@ -52,6 +52,13 @@ def test_prefilled_arena_and_its_graph_survive_dump_and_restore(tmp_path: Path) 
         dumped = json.loads(d.cli("-o", "json", "dump", str(proc.pid), check=True, timeout=900).stdout)
         assert dumped["buffer_bytes"] == int(GIB * 2**30)
         assert proc.wait(timeout=60) == -signal.SIGKILL
+
+        def state() -> str:
+            return str(json.loads(d.cli("-o", "json", "node", check=True).stdout)["gpu_prefill"])
+
+        # gpusnapd created its context at start and registers the new snapshot's blob in the background
+        wait_for(lambda: "GiB of blobs registered" in state() and "registering" not in state(), 120, state())
+        assert "contexts ready" in state(), state()
         op = d.client().restore(dumped["id"])
         done = d.client().wait(op.id, timeout_s=900)
         assert done.error.message == "", done.error

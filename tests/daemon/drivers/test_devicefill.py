@@ -289,3 +289,41 @@ def test_a_blob_outside_the_ram_tier_is_pinned_a_window_at_a_time(
     assert _worker_digest(filled, chunk=3 * G, nbytes=len(data)) == hashlib.sha256(data).hexdigest(), "every window"
     filled.release()
     _clean(drv)
+
+
+def test_warm_creates_the_context_before_any_fill() -> None:
+    drv = FakeVmmDriver(granularity=G)
+    DeviceFiller(drv).warm(UUID)
+    assert drv.names().count("cuDevicePrimaryCtxRetain") == 1 and "cuStreamCreate" in drv.names()
+    assert "cuMemCreate" not in drv.names()
+
+
+def test_a_registration_made_ahead_serves_the_next_fill_within_the_budget(tmp_path: Path) -> None:
+    """Registering a RAM-tier blob ahead of its restore (after the checkpoint) makes the first fill use it, as
+    a second restore's fill uses the first one's; registrations made ahead stop at the budget and are the
+    first dropped when a fill's own kept registration needs the room, while a fill's own stay."""
+    drv = FakeVmmDriver(granularity=G)
+    filler = DeviceFiller(drv, keep_budget_bytes=3 * G)
+    a, da = _blob(tmp_path, "a", 2 * G)
+    b, db = _blob(tmp_path, "b", 2 * G)
+    assert filler.register_ahead(a, len(da), UUID) and filler.holds(a) == "ahead"
+    assert not filler.register_ahead(a, len(da), UUID), "registered once"
+    assert not filler.register_ahead(b, len(db), UUID) and filler.holds(b) == "", "past the budget"
+    with pytest.raises(PrefillError, match="where the snapshot records"):
+        filler.register_ahead(b, len(db) + 1, UUID)
+    registers = drv.names().count("cuMemHostRegister")
+    filled = filler.fill(UUID, [2 * G], [Source(a, len(da), 0, keep=True)])
+    assert drv.names().count("cuMemHostRegister") == registers, "the fill used the registration made ahead"
+    assert filler.holds(a) == "kept"
+    assert _worker_digest(filled, chunk=2 * G, nbytes=len(da)) == hashlib.sha256(da).hexdigest()
+    filled.release()
+    filler.keep_budget_bytes = 5 * G
+    c, dc = _blob(tmp_path, "c", 2 * G)
+    assert filler.register_ahead(c, len(dc), UUID)
+    filler.fill(UUID, [2 * G], [Source(b, len(db), 0, keep=True)]).release()  # 6 G kept: past 5 G
+    assert (filler.holds(a), filler.holds(b), filler.holds(c)) == ("kept", "kept", ""), "the one made ahead went"
+    assert filler.registered_bytes() == 4 * G == sum(drv.registered.values())
+    for fd in (a, b, c):
+        os.close(fd)
+    filler.close()
+    _clean(drv)

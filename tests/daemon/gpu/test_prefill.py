@@ -255,3 +255,102 @@ def test_off_and_a_failed_probe_say_why() -> None:
     drv = FakeVmmDriver(attributes={})
     state = prefill.PrefillSupport.probe("auto", drv).state
     assert state.startswith("off: no GPU supports it") and "no virtual memory management" in state
+
+
+@pytest.fixture
+def tiered(tmp_path: Path) -> BufferStore:
+    """A buffer store with a RAM tier (blobs whose registrations are kept) over a disk tier."""
+    s = BufferStore(tmp_path / "ram", disk=tmp_path / "disk", ram_budget_bytes=8 * G)
+    s.open()
+    yield s  # type: ignore[misc]
+    s.close()
+
+
+def _blob_fd(store: BufferStore, snap: Snapshot, i: int = 0) -> int:
+    return os.open(store.path(snap.buffer_uid, snap.buffers[i].sha256), os.O_RDONLY)
+
+
+def test_off_creates_no_context() -> None:
+    drv = FakeVmmDriver(granularity=G)
+    support = prefill.PrefillSupport.probe("off", drv)
+    support.warm(BufferStore(Path("/nonexistent")), lambda: [])
+    support.after_publish(None)  # type: ignore[arg-type]
+    support.settle()
+    assert drv.calls == [], "off: gpusnapd makes no driver call at all"
+
+
+def test_warm_creates_contexts_and_registers_the_store_s_snapshots_ahead(tiered: BufferStore) -> None:
+    """At start (auto) gpusnapd creates its context and registers the RAM-tier blobs of existing snapshots,
+    in the background; the first restore's fill then registers nothing and is handed over as before."""
+    snap = _snapshot(tiered, (LAYOUT,), [(1, 0, 3 * G), (1, 3 * G, 512)])
+    drv = FakeVmmDriver(granularity=G)
+    support = _support(drv)
+    assert "cuDevicePrimaryCtxRetain" not in drv.names(), "the probe creates no context"
+    support.warm(tiered, lambda: [snap])
+    support.settle()
+    assert drv.names().count("cuDevicePrimaryCtxRetain") == 1 and support.contexts == "ready"
+    fds = [_blob_fd(tiered, snap, i) for i in range(2)]
+    assert [support.filler.holds(fd) for fd in fds] == ["ahead", "ahead"]  # type: ignore[union-attr]
+    assert "contexts ready" in support.state and "GiB of blobs registered" in support.state, support.state
+    registers = drv.names().count("cuMemHostRegister")
+    run = prefill.start(support, tiered, snap, None)
+    assert run is not None
+    assert prefill.hand_over(run, snap.worker, _Client(), 30) == {"b0", "b1"}  # type: ignore[arg-type]
+    assert drv.names().count("cuMemHostRegister") == registers, "the first restore's fill registered nothing"
+    assert [support.filler.holds(fd) for fd in fds] == ["kept", "kept"]  # type: ignore[union-attr]
+    run.close()
+    for fd in fds:
+        os.close(fd)
+    support.close()
+
+
+def test_a_published_snapshot_is_registered_ahead_most_recent_first_within_the_budget(tiered: BufferStore) -> None:
+    drv = FakeVmmDriver(granularity=G)
+    support = _support(drv)
+    support.filler.keep_budget_bytes = 3 * G  # type: ignore[union-attr]
+    old = _snapshot(tiered, (ArenaLayout(GPU0, 2 * G, G, (2 * G,), 1),), [(1, 0, 2 * G)])
+    new = _snapshot(tiered, (ArenaLayout(GPU0, 2 * G, G, (2 * G,), 1),), [(1, 0, 2 * G)])
+    os.utime(tiered.path(0, old.buffers[0].sha256), (1, 1))  # used long ago
+    support.warm(tiered, lambda: [])
+    support.after_publish(old)  # two checkpoints published; only one fits the budget
+    support.settle()
+    first = _blob_fd(tiered, old)
+    assert support.filler.holds(first) == "ahead"  # type: ignore[union-attr]
+    support.after_publish(new)
+    support.settle()
+    second = _blob_fd(tiered, new)
+    assert support.filler.holds(second) == "" and support.filler.registered_bytes() == 2 * G  # type: ignore[union-attr]
+    support.close()
+    fresh = _support(FakeVmmDriver(granularity=G))  # a daemon's start: most recently used first
+    fresh.filler.keep_budget_bytes = 3 * G  # type: ignore[union-attr]
+    fresh.warm(tiered, lambda: [old, new])
+    fresh.settle()
+    assert (fresh.filler.holds(first), fresh.filler.holds(second)) == ("", "ahead")  # type: ignore[union-attr]
+    for fd in (first, second):
+        os.close(fd)
+    fresh.close()
+
+
+@pytest.mark.parametrize("how", ["delete", "evict"])
+def test_a_blob_registered_ahead_can_still_be_deleted_or_evicted(tiered: BufferStore, how: str) -> None:
+    """A registration made ahead pins nothing in the store: the snapshot's deletion (garbage collection)
+    or the RAM budget's move to disk goes on, and the store's after_collect unregisters the blob (its tmpfs
+    pages are freed) as for a fill's own kept registration."""
+    snap = _snapshot(tiered, (ArenaLayout(GPU0, 4 * G, G, (4 * G,), 1),), [(1, 0, 4 * G)])
+    drv = FakeVmmDriver(granularity=G)
+    support = _support(drv)
+    tiered.after_collect = support.filler.drop_unlinked  # type: ignore[union-attr]  # as daemon/server.py does
+    support.warm(tiered, lambda: [snap])
+    support.settle()
+    assert support.filler.registered_bytes() == 4 * G  # type: ignore[union-attr]
+    path = tiered.path(0, snap.buffers[0].sha256)
+    if how == "delete":
+        assert tiered.collect_garbage(set) == 4 * G
+    else:  # a newer capture's blob puts the RAM tier past its budget of 8 G
+        _snapshot(tiered, (), [(0, 0, 6 * G)])
+        os.utime(path, (1, 1))
+        assert tiered.enforce_budgets() == 4 * G
+        assert tiered.path(0, snap.buffers[0].sha256).is_relative_to(tiered.tiers[1].blobs), "moved to disk"
+    assert not path.exists()
+    assert support.filler.registered_bytes() == 0 and drv.registered == {}  # type: ignore[union-attr]
+    support.close()
