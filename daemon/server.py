@@ -221,7 +221,7 @@ def wake_dir(config: DaemonConfig) -> Path:
 def _after_operation(
     prefill: PrefillSupport, observe: Callable[[OperationRecord], None] | None, record: OperationRecord
 ) -> None:
-    """Each finished operation: to the metrics, and a snapshot a checkpoint or pull published to prefill."""
+    """Each finished operation: to the metrics, and a snapshot a checkpoint published to prefill."""
     if observe is not None:
         observe(record)
     if record.state is OperationState.SUCCEEDED and isinstance(record.result, Snapshot):

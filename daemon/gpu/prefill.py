@@ -29,7 +29,7 @@ among the restored tree's processes for that worker's instance id.
 So that a snapshot's first restore is as fast as its next ones, gpusnapd prepares in the background
 (:meth:`PrefillSupport.warm`, at start): it creates its context on every GPU it can fill, then registers
 ahead (``DeviceFiller.register_ahead``) the RAM-tier blobs of the arenas of the snapshots already in the
-store, most recently used first, and those of each snapshot a checkpoint or pull publishes afterwards
+store, most recently used first, and those of each snapshot a checkpoint publishes afterwards
 (:meth:`PrefillSupport.after_publish`), within the filler's budget for kept registrations. Nothing there
 delays the daemon's start or an operation, and nothing there can fail one: a failure is logged, and the
 restore then does that work itself or falls back as above.
@@ -154,8 +154,9 @@ class PrefillSupport:
         self._submit(lambda: self._register_ahead(snapshots()))
 
     def after_publish(self, snapshot: Snapshot) -> None:
-        """Queue the registration ahead of ``snapshot``'s RAM-tier arena blobs (a checkpoint or pull just
-        published it); returns at once."""
+        """Queue the registration ahead of ``snapshot``'s RAM-tier arena blobs (a checkpoint just published
+        it; a pulled one is registered by its first restore's fill, or at gpusnapd's next start); returns
+        at once."""
         if self.filler is not None and self._jobs is not None:
             self._submit(lambda: self._register_ahead([snapshot]))
 
