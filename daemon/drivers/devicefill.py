@@ -468,12 +468,17 @@ class DeviceFiller:
             if self.registered_bytes() <= self.keep_budget_bytes:
                 return
             if reg.ahead:
-                try:
-                    self._unregister(reg)
-                except PrefillError as exc:
-                    log.warning("devicefill.unregister_failed", bytes=reg.nbytes, error=str(exc))
-                    continue
-                del self._registered[key]
+                self._forget(key, reg)
+
+    def _forget(self, key: tuple[int, int], reg: _Registered) -> None:
+        """Unregister a kept registration and forget it; one the driver cannot unregister now is logged and
+        kept, to be tried again at a later call. Never raises."""
+        try:
+            self._unregister(reg)
+        except PrefillError as exc:
+            log.warning("devicefill.unregister_failed", bytes=reg.nbytes, error=str(exc))
+            return
+        del self._registered[key]
 
     def _register(self, fd: int, nbytes: int, ordinal: int, offset: int = 0) -> _Registered:
         """``nbytes`` of ``fd`` from ``offset`` (page-aligned) mapped read-only and registered.
@@ -515,12 +520,7 @@ class DeviceFiller:
         driver cannot unregister now is logged and kept, to be tried again at the next call; never raises."""
         for key, reg in list(self._registered.items()):
             if os.fstat(reg.fd).st_nlink == 0:
-                try:
-                    self._unregister(reg)
-                except PrefillError as exc:
-                    log.warning("devicefill.unregister_failed", bytes=reg.nbytes, error=str(exc))
-                    continue
-                del self._registered[key]
+                self._forget(key, reg)
 
     def drop_unlinked(self) -> None:
         """Unregister blobs the store has removed (its garbage collection and budget passes call this, so it
