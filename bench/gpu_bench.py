@@ -164,9 +164,9 @@ def _gone(pid: int, timeout_s: float = 30) -> None:
 
 def _prefill_ratios(runs: list[dict[str, object]]) -> dict[str, dict[str, float]]:
     """Per size with both modes: restore totals and reload phases of ``stable`` (the worker reads its arena
-        back) and ``prefill`` (gpusnapd filled it during the restore), and stable's total over prefill's; the
-        ``again_`` keys for the second restore of the same snapshot. Prefill's contexts are created at gpusnapd's
-    start and the blobs registered after the checkpoint, so both restores run warm."""
+    back) and ``prefill`` (gpusnapd filled it during the restore), and stable's total over prefill's; the
+    ``again_`` keys for the second restore of the same snapshot. Prefill's contexts are created at
+    gpusnapd's start and the blobs registered after the checkpoint, so both restores run warm."""
     out: dict[str, dict[str, float]] = {}
     by = {(r["gib"], r["mode"]): r for r in runs}
     for (gib, mode), run in by.items():
