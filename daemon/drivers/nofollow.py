@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
 
-def walk(path: str | Path, *, final_flags: int = os.O_RDONLY) -> int:
+def walk(
+    path: str | Path, *, final_flags: int = os.O_RDONLY, searchable: Callable[[os.stat_result], bool] | None = None
+) -> int:
     """Open ``path`` one component at a time from ``/``, never through a symlink; returns the fd of the
     last component, opened with ``final_flags`` (plus ``O_NOFOLLOW | O_CLOEXEC``); the caller closes it.
 
@@ -16,8 +20,13 @@ def walk(path: str | Path, *, final_flags: int = os.O_RDONLY) -> int:
     component swapped for a symlink at any depth, before or during the walk, fails with ``ELOOP`` or
     ``ENOTDIR`` instead of being followed. ``.`` and ``..`` components are refused.
 
+    ``searchable``: told each directory's ``fstat`` before anything in it is looked up; ``False`` stops the
+    walk there with ``EACCES``, as the kernel's path walk does for a user without search permission
+    (path_resolution(7)), so a walk done as root on a user's behalf tells nothing of what lies beyond.
+
     Raises:
-        OSError: a component is missing, a symlink (``ELOOP``/``ENOTDIR``), ``.``/``..`` (``EINVAL``).
+        OSError: a component is missing, a symlink (``ELOOP``/``ENOTDIR``), ``.``/``..`` (``EINVAL``), a
+            directory ``searchable`` refused (``EACCES``, its ``filename`` the path up to it).
     """
     text = os.fspath(path)
     if not os.path.isabs(text):
@@ -30,6 +39,8 @@ def walk(path: str | Path, *, final_flags: int = os.O_RDONLY) -> int:
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             flags = (final_flags if last else os.O_PATH | os.O_DIRECTORY) | os.O_NOFOLLOW | os.O_CLOEXEC
+            if searchable is not None and not searchable(os.fstat(fd)):
+                raise OSError(errno.EACCES, "no search permission", "/" + "/".join(parts[:i]))
             nxt = os.open(part, flags, dir_fd=fd)
             os.close(fd)
             fd = nxt
@@ -41,3 +52,17 @@ def walk(path: str | Path, *, final_flags: int = os.O_RDONLY) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+def searchable_by(uid: int, gids: frozenset[int]) -> Callable[[os.stat_result], bool]:
+    """``walk``'s ``searchable`` for user ``uid`` with groups ``gids``: the directory's owner, group or other
+    execute bit, chosen as the kernel chooses (owner first, then group), ignoring ACLs (path_resolution(7))."""
+
+    def check(st: os.stat_result) -> bool:
+        if st.st_uid == uid:
+            return bool(st.st_mode & stat.S_IXUSR)
+        if st.st_gid in gids:
+            return bool(st.st_mode & stat.S_IXGRP)
+        return bool(st.st_mode & stat.S_IXOTH)
+
+    return check

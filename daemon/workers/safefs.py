@@ -8,11 +8,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pwd
 from collections.abc import Iterator
 from pathlib import Path
 
 from gpusnap.daemon.api.errors import InvalidArgumentError, PermissionDeniedError
-from gpusnap.daemon.drivers.nofollow import walk
+from gpusnap.daemon.drivers.nofollow import searchable_by, walk
 
 _shared_dirs: set[tuple[int, int]] = set()
 """(st_dev, st_ino) of sticky directories the daemon made itself (its wake directory), usable by all."""
@@ -30,13 +31,27 @@ def open_dir(path: str | Path, owner_uid: int, *, shared_ok: bool = False) -> It
 
     ``shared_ok`` also accepts a sticky directory the daemon made for everyone (:func:`trust_shared_dir`).
 
+    The walk (done as root) stops, as the owner's own would, at a directory ``owner_uid`` may not search,
+    so no answer tells a caller whether anything exists below a directory it cannot search.
+
     Raises:
         InvalidArgumentError: not an absolute path to a directory, or a symlink in any component (reason
             ``BAD_DIRECTORY``).
-        PermissionDeniedError: the directory is not ``owner_uid``'s (reason ``NOT_OWNER``).
+        PermissionDeniedError: the directory is not ``owner_uid``'s, or a directory on the way is one
+            ``owner_uid`` may not search (reason ``NOT_OWNER``).
     """
     try:
-        fd = walk(path, final_flags=os.O_RDONLY | os.O_DIRECTORY)
+        fd = walk(
+            path,
+            final_flags=os.O_RDONLY | os.O_DIRECTORY,
+            searchable=searchable_by(owner_uid, _groups(owner_uid)) if owner_uid else None,
+        )
+    except PermissionError as exc:
+        raise PermissionDeniedError(
+            f"{path} is not a directory uid {owner_uid} can reach (it may not search {exc.filename}); "
+            "use a directory of your own",
+            reason="NOT_OWNER",
+        ) from exc
     except OSError as exc:
         why = "a component is a symlink" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
         raise InvalidArgumentError(
@@ -53,6 +68,15 @@ def open_dir(path: str | Path, owner_uid: int, *, shared_ok: bool = False) -> It
         yield fd
     finally:
         os.close(fd)
+
+
+def _groups(uid: int) -> frozenset[int]:
+    """The groups of user ``uid`` by the user database (``getgrouplist(3)``); none for an unknown uid."""
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return frozenset()
+    return frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))
 
 
 def create(dir_fd: int, name: str, content: str = "") -> None:

@@ -4,9 +4,11 @@ runtime directories, another daemon's sockets (issue 10, breaks 3 and 5, and the
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,20 @@ from tests.conftest import start_daemon, stop_daemon
 from tests.users import User
 
 
-def test_a_symlink_in_a_middle_component_is_not_followed(tmp_path: Path, hostile: tuple[User, User]) -> None:
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A directory every user may search (pytest's tmp_path sits below root's 0700 directory, where a
+    user's own walk, and so gpusnapd's walk for the user, stops)."""
+    d = Path(tempfile.mkdtemp(prefix="gpusnap-dirs-"))
+    os.chmod(d, 0o711)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_symlink_in_a_middle_component_is_not_followed(open_tmp: Path, hostile: tuple[User, User]) -> None:
     """Break 3: `--control-dir ~/l/x` with `~/l` swapped for a link to a root directory."""
     a, _ = hostile
+    tmp_path = open_tmp
     home = tmp_path / "home"
     (home / "real" / "x").mkdir(parents=True)
     os.chown(home / "real" / "x", a.uid, a.gid)
@@ -36,6 +49,42 @@ def test_a_symlink_in_a_middle_component_is_not_followed(tmp_path: Path, hostile
     with pytest.raises(InvalidArgumentError):
         with safefs.open_dir(str(home / "real" / ".." / "real" / "x"), a.uid):
             pass
+
+
+def test_no_answer_tells_what_lies_below_a_directory_the_caller_cannot_search(
+    open_tmp: Path, hostile: tuple[User, User]
+) -> None:
+    """gpusnapd walks a caller's --control-dir (and wake directory) as root: below root's 0700 directory,
+    a missing path, a file, a symlink and a directory (the caller's own, even) once got four different
+    answers (no such file / symlink / not owned), an existence oracle for any path the caller cannot
+    stat. Now the walk stops where the caller's own would, with one answer for all."""
+    a, _ = hostile
+    private = open_tmp / "private"
+    (private / "dir").mkdir(parents=True)
+    os.chmod(private, 0o700)
+    (private / "file").write_text("secret")
+    (private / "link").symlink_to("/etc")
+    os.chown(private / "dir", a.uid, a.gid)
+    answers = set()
+    for name in ("missing", "file", "link", "dir"):
+        with pytest.raises(PermissionDeniedError) as exc:
+            controldir.check_dir(str(private / name), a.uid)
+        assert exc.value.reason == "NOT_OWNER"
+        answers.add(exc.value.message.replace(f"/{name} is", "/NAME is"))
+    assert answers == {
+        f"{private}/NAME is not a directory uid {a.uid} can reach (it may not search {private}); "
+        "use a directory of your own"
+    }
+    os.chmod(private, 0o711)  # searchable: the caller could now stat these itself, and is told
+    controldir.check_dir(str(private / "dir"), a.uid)
+    with pytest.raises(InvalidArgumentError, match="No such file"):
+        controldir.check_dir(str(private / "missing"), a.uid)
+    os.chown(private, a.uid, a.gid)
+    os.chmod(private, 0o611)  # the owner's bits count for the owner, not others'
+    with pytest.raises(PermissionDeniedError, match="may not search"):
+        controldir.check_dir(str(private / "dir"), a.uid)
+    os.chown(private / "dir", 0, 0)
+    controldir.check_dir(str(private / "dir"), 0)  # root's own walk is not limited
 
 
 def test_only_the_callers_own_directory_is_accepted(tmp_path: Path, hostile: tuple[User, User]) -> None:

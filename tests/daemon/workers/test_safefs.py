@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,9 +38,16 @@ def test_directory_must_be_real_and_owned(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError):
         with safefs.open_dir("relative/dir", 0):
             pass
-    os.chown(real, 65534, 65534)
-    with pytest.raises(PermissionDeniedError):
-        with safefs.open_dir(real, 1000):
+    searchable = Path(tempfile.mkdtemp(prefix="gpusnap-safefs-"))  # tmp_path's parent is root's 0700
+    try:
+        os.chmod(searchable, 0o711)
+        real = searchable / "real"
+        real.mkdir()
+        os.chown(real, 65534, 65534)
+        with pytest.raises(PermissionDeniedError):
+            with safefs.open_dir(real, 1000):
+                pass
+        with safefs.open_dir(real, 65534):
             pass
-    with safefs.open_dir(real, 65534):
-        pass
+    finally:
+        shutil.rmtree(searchable)
