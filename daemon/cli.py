@@ -82,6 +82,10 @@ TABLE_WIDTH = 80
 """Width of tables when the output is not a terminal (pipes, files, CI logs); $COLUMNS overrides it."""
 
 
+LS_WIDE = 120
+"""Narrower than this, ``ls`` leaves out SOURCE and GPUS (``inspect`` and ``-o json`` keep them) so NAME has room."""
+
+
 @functools.cache
 def _console(stderr: bool = False) -> Console:
     from rich.console import Console
@@ -696,13 +700,18 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
     if obj.output == "json":
         click.echo(_json(snaps, LS_OMIT))
         return
-    table = _table("ID", "NAME", "CREATED", "SIZE", "SOURCE", "GPUS")
-    for i in (0, 2, 3):  # ID, CREATED and SIZE stay on one line; names and sources fold
+    wide = _console().width >= LS_WIDE
+    headers = ("ID", "NAME", "CREATED", "SIZE") + (("SOURCE", "GPUS") if wide else ())
+    table = _table(*headers)
+    for i in (0, 2, 3):  # ID, CREATED and SIZE stay on one line; names (and sources) fold
         table.columns[i].no_wrap = True
     for s in snaps:
-        created = s.created.ToDatetime(tzinfo=UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S")
-        gpus = len({u for g in s.gpu_processes for u in g.gpu_uuids})
-        _row(table, s.id, s.name or "-", created, _size(s.size_bytes), f"{s.source.pid} {s.source.comm}", str(gpus))
+        created = s.created.ToDatetime(tzinfo=UTC).astimezone().strftime("%Y-%m-%d %H:%M")
+        cells = [s.id, s.name or "-", created, _size(s.size_bytes)]
+        if wide:
+            gpus = len({u for g in s.gpu_processes for u in g.gpu_uuids})
+            cells += [f"{s.source.pid} {s.source.comm}", str(gpus)]
+        _row(table, *cells)
     _print_table(table)
 
 

@@ -49,7 +49,13 @@ def test_tables_fit_80_columns_off_a_terminal(daemon: DaemonProc, workloads: Wor
     snap = json.loads(daemon.cli("-o", "json", "inspect", LONG_NAME, check=True).stdout)
     narrow = daemon.cli("ls", check=True, env={"COLUMNS": ""}).stdout
     row = next(line for line in narrow.splitlines() if snap["id"] in line)  # the id is never folded
-    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", row), f"the created time is split:\n{narrow}"
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d", row), f"the created time is split:\n{narrow}"
+    assert "SOURCE" not in narrow and "SOURCE" in listed, "at 80 columns NAME gets the room SOURCE/GPUS took"
+    # 80 - ID 31 - CREATED 16 - SIZE 8 - padding leaves NAME 17 columns: a long name folds into few whole lines
+    lines = narrow.splitlines()
+    start, end = lines[0].index("NAME"), lines[0].index("CREATED")
+    folded = "".join(line[start:end].strip() for line in lines[1 : 1 + (len(LONG_NAME) + 16) // 17])
+    assert folded == LONG_NAME, f"the name is not intact:\n{narrow}"
 
 
 def test_phase_bytes_column() -> None:
