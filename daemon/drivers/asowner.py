@@ -36,7 +36,7 @@ from typing import Any
 
 from gpusnap.daemon.api.errors import InternalError
 from gpusnap.daemon.api.types import Creds
-from gpusnap.daemon.drivers.nofollow import walk
+from gpusnap.daemon.drivers.nofollow import permits, walk
 
 CLONE_NEWNS = 0x00020000
 
@@ -89,18 +89,6 @@ def check(creds: Creds, items: Sequence[Item], *, mnt_ns_of: int = 0, timeout_s:
     return problems
 
 
-def _allowed(st: os.stat_result, want: int, creds: Creds) -> bool:
-    mode = st.st_mode
-    if st.st_uid == creds.uid:
-        shift = 6
-    elif st.st_gid == creds.gid or st.st_gid in creds.groups:
-        shift = 3
-    else:
-        shift = 0
-    have = (mode >> shift) & 0o7  # rwx bits in that class: 4 = R_OK, 2 = W_OK, 1 = X_OK
-    return want & ~have == 0
-
-
 def _one(item: dict[str, Any], creds: Creds) -> str | None:
     try:
         fd = walk(item["path"], final_flags=os.O_PATH)
@@ -118,7 +106,7 @@ def _one(item: dict[str, Any], creds: Creds) -> str | None:
         return "symlink"
     if item["dev"] != -1 and (st.st_dev, st.st_ino) != (item["dev"], item["ino"]):
         return "replaced"
-    if not _allowed(st, int(item["access"]), creds):
+    if not permits(st, int(item["access"]), creds.uid, {creds.gid, *creds.groups}):
         return "denied"
     return None
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 
@@ -54,15 +53,21 @@ def walk(
         raise
 
 
+def permits(st: os.stat_result, want: int, uid: int, gids: Collection[int]) -> bool:
+    """Whether ``st``'s mode bits grant ``want`` (``os.R_OK | os.W_OK | os.X_OK`` bits) to user ``uid`` with
+    groups ``gids``: the owner's bits, else the group's, else the others', chosen as the kernel chooses
+    (path_resolution(7)); ACLs are not consulted, so what only an ACL grants is refused (the safe side)."""
+    if st.st_uid == uid:
+        shift = 6
+    elif st.st_gid in gids:
+        shift = 3
+    else:
+        shift = 0
+    have = (st.st_mode >> shift) & 0o7
+    return want & ~have == 0
+
+
 def searchable_by(uid: int, gids: frozenset[int]) -> Callable[[os.stat_result], bool]:
-    """``walk``'s ``searchable`` for user ``uid`` with groups ``gids``: the directory's owner, group or other
-    execute bit, chosen as the kernel chooses (owner first, then group), ignoring ACLs (path_resolution(7))."""
-
-    def check(st: os.stat_result) -> bool:
-        if st.st_uid == uid:
-            return bool(st.st_mode & stat.S_IXUSR)
-        if st.st_gid in gids:
-            return bool(st.st_mode & stat.S_IXGRP)
-        return bool(st.st_mode & stat.S_IXOTH)
-
-    return check
+    """``walk``'s ``searchable`` for user ``uid`` with groups ``gids``: a directory's search (execute) bit
+    for that user, by :func:`permits`."""
+    return lambda st: permits(st, os.X_OK, uid, gids)
