@@ -213,15 +213,14 @@ class PrefillSupport:
         GPUs), most recently used first (the tier's LRU mark), as far as the filler's budget allows."""
         store, filler = self._store, self.filler
         assert store is not None and filler is not None
-        ram = [t.blobs for t in store.tiers if t.name == "ram"]
         found: dict[Path, tuple[int, str]] = {}
         for snapshot in snapshots:
-            for p in plan(snapshot, None)[0] if ram else ():
+            for p in plan(snapshot, None)[0]:
                 if self.gpus.get(p.target, "a GPU gpusnapd does not see"):
                     continue
                 for r in p.refs:
                     path = store.path(snapshot.buffer_uid, r.sha256)
-                    if any(path.is_relative_to(b) for b in ram):
+                    if store.in_ram_tier(path):
                         found.setdefault(path, (r.size_bytes, p.target))
 
         def last_used(path: Path) -> float:
@@ -398,13 +397,12 @@ class Prefill:
                     )
                     continue
                 fds = self.store.open_for_read(self.uid, list(p.refs))
-                ram = [t.blobs for t in self.store.tiers if t.name == "ram"]
                 sources = [
                     Source(
                         fd,
                         r.size_bytes,
                         r.arena_offset,
-                        keep=any(self.store.path(self.uid, r.sha256).is_relative_to(b) for b in ram),
+                        keep=self.store.in_ram_tier(self.store.path(self.uid, r.sha256)),
                     )
                     for fd, r in zip(fds, p.refs, strict=True)
                 ]

@@ -275,6 +275,10 @@ class BufferStore:
                 return tier.blobs / key
         return self.tiers[0].blobs / key
 
+    def in_ram_tier(self, path: Path) -> bool:
+        """Whether ``path`` (a blob's, from :meth:`path`) lies in the RAM tier (False without one)."""
+        return any(path.is_relative_to(t.blobs) for t in self.tiers if t.name == "ram")
+
     def adopt(self, path: Path, fd: int, uid: int, digest: str, tier: Tier | None = None) -> None:
         """Make the staged file ``path`` the blob ``digest`` of ``uid`` in ``tier`` (default: the fastest)
         unless that blob exists already in some tier."""
@@ -358,9 +362,7 @@ class BufferStore:
         Returns:
             A future of the bytes asked for.
         """
-        paths = [self.path(uid, r.sha256) for r in refs]
-        ram = [t.blobs for t in self.tiers if t.name == "ram"]
-        slow = [p for p in paths if not any(p.is_relative_to(r) for r in ram)]
+        slow = [p for p in (self.path(uid, r.sha256) for r in refs) if not self.in_ram_tier(p)]
 
         def run() -> int:
             asked = 0
