@@ -122,14 +122,9 @@ class Gateway:
             if mon.poll() is not None:
                 raise RuntimeError(f"ceph-mon exited ({mon.returncode})\n{self.logs()}")
             try:
-                res = subprocess.run(
-                    ["ceph", "-c", str(self.conf), "--connect-timeout", "3", "mon", "stat"],
-                    capture_output=True,
-                    timeout=15,
-                )
-                if res.returncode == 0:
-                    return
-            except subprocess.TimeoutExpired:
+                self._run("ceph", "mon", "stat", timeout=3)
+                return
+            except RuntimeError:  # (not up yet)
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"ceph-mon did not answer in {timeout:.0f} s\n{self.logs()}")
