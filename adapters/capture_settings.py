@@ -98,6 +98,12 @@ CAPTURE_SETTINGS: tuple[CaptureSetting, ...] = (
         engine="vllm",
     ),
     _S("TORCHINDUCTOR_COMPILE_THREADS", "1", "no compile worker pool processes in the image"),
+    _S(
+        "GLOO_SOCKET_IFNAME",
+        "lo",
+        "gloo's listening sockets bind to loopback, not the node's address, so a restore in a private network "
+        "namespace or on another node can bind them again (a job spanning nodes sets its own interface)",
+    ),
     # --- several CUDA processes: no transport between processes that the checkpoint cannot carry -------
     _S(
         "NCCL_P2P_DISABLE",

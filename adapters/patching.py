@@ -25,16 +25,43 @@ log = logging.getLogger("gpusnap.patching")
 _hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
 
 
+class HookMissing(RuntimeError):
+    """An engine release lacks a method a gpusnap plugin hooks: raised at start-up, when the engine imports
+    the module (never swallowed by :func:`guarded`), so the engine stops with the version and the hook named
+    instead of serving a worker that cannot be captured."""
+
+
 def guarded(what: str, fn: Callable[[], None]) -> None:
-    """Run a hook; a failure is logged and never reaches the engine (it serves without gpusnap)."""
+    """Run a hook; a failure is logged and never reaches the engine (it serves without gpusnap), except
+    :class:`HookMissing`, which stops the engine's start."""
     try:
         fn()
+    except HookMissing:
+        raise
     except Exception:
         log.exception("gpusnap: could not %s; this process has no gpusnap agent", what)
 
 
+def missing(hook: str, engine: str) -> HookMissing:
+    """The :class:`HookMissing` for ``hook`` (a dotted method name) absent from ``engine`` (``"vLLM 0.26.0"``)."""
+    return HookMissing(
+        f"gpusnap's plugin hooks {hook}, which {engine} does not have; run an engine release gpusnap supports "
+        "(docs/engines.md), or unset GPUSNAP_AGENT_SOCKET to run the engine without gpusnap"
+    )
+
+
+def require(cls: type, name: str, engine: str) -> None:
+    """Raise :class:`HookMissing` unless ``cls`` defines ``name`` itself (``engine``: e.g. ``"vLLM 0.26.0"``)."""
+    if name not in cls.__dict__:
+        raise missing(f"{cls.__module__}.{cls.__qualname__}.{name}", engine)
+
+
 def around(cls: type, name: str, wrapper: Callable[..., Any]) -> None:
-    """Replace ``cls.name`` by ``wrapper(original, self, *args, **kwargs)`` (once; a second call does nothing)."""
+    """Replace ``cls.name`` by ``wrapper(original, self, *args, **kwargs)`` (once; a second call does nothing).
+
+    Raises:
+        KeyError: ``cls`` does not define ``name`` (use :func:`require` first where that must stop the engine).
+    """
     original = cls.__dict__[name]
     if getattr(original, "_gpusnap", False):
         return

@@ -21,7 +21,20 @@ once and changes nothing. With it set, it:
    - EngineCore: ``EngineCoreProc.run_busy_loop`` (and the data-parallel subclasses'), entered once the
      executor and KV cache exist;
    - Worker process: ``WorkerProc.worker_busy_loop``, entered once the model is loaded; workers built in
-     the EngineCore's own process (uniprocess executor) are found through ``WorkerWrapperBase.init_worker``.
+     the EngineCore's own process (uniprocess executor) are found through ``WorkerWrapperBase.init_worker``;
+4. moves each worker's weights and KV cache into address-stable VMM arenas where vLLM builds them
+   (``WorkerWrapperBase.initialize_from_config``: the weights once vLLM has profiled its memory, the KV cache
+   as soon as the model runner's ``initialize_kv_cache`` allocated it), before vLLM captures its CUDA graphs,
+   so a capture can take both out of the image and bring them back at the same addresses
+   (:class:`~gpusnap.adapters.vllm_process.WorkerPart`);
+5. gives the uniprocess executor (one GPU, the model inside ``VLLM::EngineCore``) a ``file://`` rendezvous
+   where the release would make a ``tcp://`` one to the node's own address (vLLM ≤ 0.31; later releases do
+   the same themselves): torch.distributed then holds no TCP connection a capture would have to carry, so
+   the restored server comes up on another node, or in a private network namespace.
+
+A hook this plugin needs that the vLLM release lacks stops vLLM at start-up with the version and the hook
+named (:class:`~gpusnap.adapters.patching.HookMissing`), never later at capture. Supported: vLLM 0.26–0.34
+(docs/engines.md).
 
 Modules are patched when vLLM imports them (an import hook), so a process imports nothing of vLLM's on
 gpusnap's account. The plugin itself imports only the standard library and gpusnap's adapters (protobuf).
@@ -37,7 +50,11 @@ from typing import Any
 
 from gpusnap.adapters.patching import activate
 from gpusnap.adapters.patching import after as _after
+from gpusnap.adapters.patching import around as _around
 from gpusnap.adapters.patching import before as _before
+from gpusnap.adapters.patching import guarded as _guarded
+from gpusnap.adapters.patching import missing as _missing
+from gpusnap.adapters.patching import require as _require
 from gpusnap.adapters.patching import when_imported as _when_imported
 
 log = logging.getLogger("gpusnap.vllm_plugin")
@@ -57,6 +74,7 @@ def register() -> None:
     _when_imported("vllm.v1.engine.core", _patch_core)
     _when_imported("vllm.v1.executor.multiproc_executor", _patch_worker_proc)
     _when_imported("vllm.v1.worker.worker_base", _patch_worker_wrapper)
+    _when_imported("vllm.v1.executor.uniproc_executor", _patch_uniproc)
 
 
 # -- the process's agent ----------------------------------------------------------------------------
@@ -102,7 +120,15 @@ def _apply_tensor_parallel_settings(args: Any) -> None:
             log.info("gpusnap: %s set for a capturable tensor-parallel engine", flag)
 
 
+def _engine() -> str:
+    """``"vLLM <version>"`` of the vLLM this process imported."""
+    import sys
+
+    return f"vLLM {getattr(sys.modules.get('vllm'), '__version__', '(unknown version)')}"
+
+
 def _patch_engine_args(module: ModuleType) -> None:
+    _require(module.EngineArgs, "create_engine_config", _engine())
     _before(module.EngineArgs, "create_engine_config", _apply_tensor_parallel_settings)
 
 
@@ -120,10 +146,12 @@ def _on_engine(engine: Any, *, is_async: bool) -> None:
 
 
 def _patch_async_llm(module: ModuleType) -> None:
+    _require(module.AsyncLLM, "__init__", _engine())
     _after(module.AsyncLLM, "__init__", lambda engine: _on_engine(engine, is_async=True))
 
 
 def _patch_llm(module: ModuleType) -> None:
+    _require(module.LLM, "__init__", _engine())
     _after(module.LLM, "__init__", lambda engine: _on_engine(engine, is_async=False))
 
 
@@ -134,6 +162,7 @@ def _on_core(core: Any) -> None:
 
 def _patch_core(module: ModuleType) -> None:
     base = module.EngineCoreProc
+    _require(base, "run_busy_loop", _engine())
     for cls in [base, *_subclasses(module, base)]:
         if "run_busy_loop" in cls.__dict__:
             _before(cls, "run_busy_loop", _on_core)
@@ -147,6 +176,7 @@ def _on_worker_proc(proc: Any) -> None:
 
 
 def _patch_worker_proc(module: ModuleType) -> None:
+    _require(module.WorkerProc, "worker_busy_loop", _engine())
     _before(module.WorkerProc, "worker_busy_loop", _on_worker_proc)
 
 
@@ -155,7 +185,57 @@ def _patch_worker_wrapper(module: ModuleType) -> None:
         if getattr(wrapper, "worker", None) is not None:
             _process_adapter().add_worker(wrapper.worker)
 
+    for name in ("init_worker", "initialize_from_config"):
+        _require(module.WorkerWrapperBase, name, _engine())
     _after(module.WorkerWrapperBase, "init_worker", record)
+    _around(module.WorkerWrapperBase, "initialize_from_config", _initialize_from_config)
+
+
+def _initialize_from_config(original: Any, wrapper: Any, *args: Any, **kwargs: Any) -> Any:
+    """``WorkerWrapperBase.initialize_from_config`` (vLLM has profiled its memory; it now allocates the KV
+    cache, then warms up and captures CUDA graphs): the weights move into arenas first, the KV cache right
+    after the model runner allocated it, before anything records its addresses."""
+    worker = getattr(wrapper, "worker", None)
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return original(wrapper, *args, **kwargs)
+    part = _process_adapter().add_worker(worker)
+    allocate = getattr(runner, "initialize_kv_cache", None)
+    if allocate is None:
+        raise _missing(f"{type(runner).__module__}.{type(runner).__qualname__}.initialize_kv_cache", _engine())
+    _guarded("move the weights into address-stable arenas", part.stabilize_weights)
+
+    def initialize_kv_cache(*a: Any, **kw: Any) -> Any:
+        result = allocate(*a, **kw)
+        _guarded("move the KV cache into address-stable arenas", part.stabilize_kv)
+        return result
+
+    runner.initialize_kv_cache = initialize_kv_cache  # this call only: the instance attribute shadows the method
+    try:
+        return original(wrapper, *args, **kwargs)
+    finally:
+        del runner.initialize_kv_cache
+
+
+def _patch_uniproc(module: ModuleType) -> None:
+    """vLLM ≤ 0.31's uniprocess executor rendezvouses over ``tcp://<node address>:<port>`` (a TCPStore whose
+    server and client are both in the EngineCore: an established TCP connection to the node's own address);
+    later releases use a ``file://`` store (vLLM PR #50999). Give the old ones the file store too."""
+    cls = getattr(module, "UniProcExecutor", None)
+    if cls is None or "_distributed_args" not in cls.__dict__:
+        return  # a release that rendezvouses otherwise
+
+    def distributed_args(original: Any, executor: Any, *args: Any, **kwargs: Any) -> Any:
+        method, rank, local_rank = original(executor, *args, **kwargs)
+        if isinstance(method, str) and method.startswith("tcp://"):
+            import tempfile
+            import uuid
+
+            method = f"file://{tempfile.gettempdir()}/gpusnap_dist_{uuid.uuid4().hex}"
+            log.info("gpusnap: torch.distributed rendezvous through %s (no TCP connection in the image)", method)
+        return method, rank, local_rank
+
+    _around(cls, "_distributed_args", distributed_args)
 
 
 def _subclasses(module: ModuleType, base: type) -> list[type]:

@@ -26,38 +26,46 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
-from gpusnap.adapters.engine_process import MemoryPlan, process_title
+from gpusnap.adapters.engine_process import MemoryPlan, model_weights, process_title
 from gpusnap.adapters.vllm import Release, VllmAdapter
 
 log = logging.getLogger("gpusnap.adapters.vllm")
 
 
-def memory_plan(vllm_config: Any, device_type: str) -> MemoryPlan:
+def memory_plan(vllm_config: Any, device_type: str, *, stable: bool = False) -> MemoryPlan:
     """Decide where a worker's weights and KV cache go during a capture.
 
+    - Address-stable (``stable``: the plugin moved the weights and the KV cache into VMM arenas when vLLM
+      built them, :meth:`WorkerPart.stabilize_weights` and :meth:`WorkerPart.stabilize_kv`): weights to the
+      buffer store, KV cache released, both back at the same addresses, so CUDA graphs captured at start
+      replay as they were (and gpusnapd's ``--gpu-prefill`` can fill the weights' memory).
     - CPU: weights to the buffer store, KV cache freed (no graph holds their addresses).
     - CUDA without CUDA graphs (``--enforce-eager``): the same; storages come back at new addresses, which
       eager kernels read at each call.
-    - CUDA with CUDA graphs: graphs captured at start read both at their addresses, so both stay in the
-      image (the CUDA checkpoint copies them) rather than the capture being refused. Freeing them needs
-      address-stable memory: ``gpusnap.adapters.vmm.stabilize`` before vLLM captures its graphs, or vLLM's
-      sleep-mode allocator (``--enable-sleep-mode``); neither is wired into vLLM's workers yet. Until
-      then ``--enforce-eager`` moves the weights out. (With sleep mode the front end's
-      ``release_kv_cache_memory`` frees the KV cache at the same addresses.)
+    - CUDA with CUDA graphs and no arenas (the GPU or driver lacks virtual memory management, or moving
+      failed at start): graphs captured at start read both at their addresses, so both stay in the image
+      (the CUDA checkpoint copies them) rather than the capture being refused.
     """
+    if stable:
+        return MemoryPlan(True, True, "offloaded: weights and KV cache in address-stable arenas (CUDA graphs intact)")
     if device_type != "cuda":
         return MemoryPlan(True, True, f"offloaded: {device_type} worker, no CUDA graphs")
-    compilation = getattr(vllm_config, "compilation_config", None)
-    mode = getattr(getattr(compilation, "cudagraph_mode", None), "name", "NONE")
-    eager = bool(getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False))
-    if eager or mode == "NONE":
+    if not graphs_captured(vllm_config):
         return MemoryPlan(True, True, "offloaded: no CUDA graphs (--enforce-eager)")
     return MemoryPlan(
         False,
         False,
-        "in image: CUDA graphs captured at start read the weights and KV cache at their "
-        "addresses; restart vLLM with --enforce-eager to offload them",
+        "in image: CUDA graphs captured at start read the weights and KV cache at their addresses, and "
+        "they could not be moved into address-stable arenas (see the worker's log)",
     )
+
+
+def graphs_captured(vllm_config: Any) -> bool:
+    """Whether vLLM captures CUDA graphs with this config (not ``--enforce-eager``, a cudagraph mode)."""
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(getattr(compilation, "cudagraph_mode", None), "name", "NONE")
+    eager = bool(getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False))
+    return not eager and mode != "NONE"
 
 
 def _storages(tensors: Iterable[Any]) -> list[Any]:
@@ -69,10 +77,31 @@ def _storages(tensors: Iterable[Any]) -> list[Any]:
         if isinstance(item, (list, tuple)):
             stack.extend(item)
             continue
+        if item is None or not hasattr(item, "untyped_storage"):
+            continue
         storage = item.untyped_storage()
         if storage.nbytes() > 0:
             seen.setdefault((str(storage.device), storage.data_ptr()), storage)
     return list(seen.values())
+
+
+def kv_tensors(worker: Any) -> list[Any]:
+    """The tensors over a worker's KV cache: the model runner's ``kv_caches`` and each attention layer's
+    ``kv_cache`` in the compilation config's static forward context (every vLLM release since 0.8 binds
+    them there, ``bind_kv_cache``), nested lists flattened."""
+    runner = worker.model_runner
+    found: list[Any] = [getattr(runner, "kv_caches", [])]
+    context = getattr(getattr(worker.vllm_config, "compilation_config", None), "static_forward_context", {}) or {}
+    found.extend(getattr(layer, "kv_cache", None) for layer in context.values())
+    flat: list[Any] = []
+    stack = list(found)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif item is not None and hasattr(item, "untyped_storage"):
+            flat.append(item)
+    return flat
 
 
 class WorkerPart:
@@ -85,13 +114,23 @@ class WorkerPart:
     def __init__(self, worker: Any):
         self.worker = worker
         self._kv: list[tuple[Any, int]] = []
+        self.weights_arenas: list[Any] = []
+        """VMM arenas the weights were moved into at start (:meth:`stabilize_weights`); empty: not moved."""
+        self.kv_arenas: list[Any] = []
+        """VMM arenas the KV cache was moved into at start (:meth:`stabilize_kv`); empty: not moved."""
+        self._kv_released = False
 
     @property
     def rank(self) -> int:
         return int(getattr(self.worker, "rank", 0))
 
+    @property
+    def stable(self) -> bool:
+        """Weights and KV cache both live in address-stable arenas."""
+        return bool(self.weights_arenas) and bool(self.kv_arenas)
+
     def plan(self) -> MemoryPlan:
-        return memory_plan(getattr(self.worker, "vllm_config", None), self._device_type())
+        return memory_plan(getattr(self.worker, "vllm_config", None), self._device_type(), stable=self.stable)
 
     def _device_type(self) -> str:
         device = getattr(self.worker, "device", None)
@@ -99,17 +138,64 @@ class WorkerPart:
 
     def weights(self) -> dict[str, Any]:
         """The model's parameters (name → tensor), prefixed with the worker's rank; empty ones left out
-        (vLLM's CPU GEMM dispatch empties linear weights it moved into oneDNN or packed kernels)."""
+        (vLLM's CPU GEMM dispatch empties linear weights it moved into oneDNN or packed kernels). Under CUDA
+        graphs only address-stable ones are named: any other would come back elsewhere."""
         model = self.worker.model_runner.get_model()
-        return {
-            f"rank{self.rank}.{name}": p
-            for name, p in model.named_parameters(remove_duplicate=False)
-            if p.untyped_storage().nbytes() > 0
-        }
+        named = model_weights(model, f"rank{self.rank}")
+        if self.stable:
+            from gpusnap.adapters import vmm
+
+            named = {n: t for n, t in named.items() if vmm.is_stable(t)}
+        return named
+
+    def stabilize_weights(self) -> None:
+        """Move the model's weights into VMM arenas (:func:`gpusnap.adapters.vmm.stabilize`), once vLLM has
+        profiled its memory (moved weights would count twice there) and before it allocates the KV cache and
+        captures its CUDA graphs. Only where arenas hold device memory: CUDA workers, or a process whose VMM
+        driver provides host memory (the CPU tests' fake)."""
+        if not _arenas_available(self._device_type()):
+            return
+        from gpusnap.adapters import vmm
+
+        model = self.worker.model_runner.get_model()
+        done = vmm.stabilize(model_weights(model, f"rank{self.rank}"))
+        self.weights_arenas = done.arenas
+        log.info(
+            "gpusnap: worker rank %d moved %d weight storages (%d bytes, %d tensors) into address-stable arenas",
+            self.rank,
+            done.moved,
+            done.nbytes,
+            done.rebound,
+        )
+
+    def stabilize_kv(self) -> None:
+        """Move the KV cache vLLM just allocated into VMM arenas of its own (released at capture, not saved)."""
+        if not self.weights_arenas:
+            return
+        from gpusnap.adapters import vmm
+
+        tensors = kv_tensors(self.worker)
+        done = vmm.stabilize({f"kv{i}": t for i, t in enumerate(tensors)})
+        self.kv_arenas = done.arenas
+        log.info(
+            "gpusnap: worker rank %d moved its KV cache (%d storages, %d bytes, %d tensors) into address-stable arenas",
+            self.rank,
+            done.moved,
+            done.nbytes,
+            done.rebound,
+        )
 
     def release_kv(self) -> int:
-        """Free the KV cache's storages (its contents are discardable: the front end's pause aborted every
-        request and reset the prefix cache); returns the bytes freed."""
+        """Free the KV cache's memory (its contents are discardable: the front end's pause aborted every
+        request and reset the prefix cache); returns the bytes freed. Arenas are released with their
+        addresses kept; plain storages are resized to 0 bytes."""
+        if self.kv_arenas:
+            _synchronize(self._device_type())
+            for arena in self.kv_arenas:
+                arena.release()
+            self._kv_released = True
+            _empty_cache(self._device_type())
+            return sum(a.size for a in self.kv_arenas)
         storages = _storages(getattr(self.worker.model_runner, "kv_caches", []))
         self._kv = [(s, s.nbytes()) for s in storages]
         for storage, _ in self._kv:
@@ -117,13 +203,46 @@ class WorkerPart:
         return sum(n for _, n in self._kv)
 
     def recreate_kv(self) -> None:
-        """Allocate the KV cache's storages again, zero-filled (the same tensor objects)."""
+        """Back the KV cache with memory again, zero-filled: the same arenas at the same addresses, or the
+        same storages (new addresses)."""
         import torch
 
+        if self._kv_released:
+            for arena in self.kv_arenas:
+                arena.remap()
+                arena.bytes_tensor(arena.ptr, arena.size).zero_()
+            self._kv_released = False
+            return
         for storage, nbytes in self._kv:
             storage.resize_(nbytes)
             torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
         self._kv = []
+
+
+def _arenas_available(device_type: str) -> bool:
+    """Whether VMM arenas hold this worker's memory: on CUDA, or where the process's VMM driver gives host
+    memory (a driver object with ``bytes_tensor``, installed with ``vmm.set_default_driver``)."""
+    from gpusnap.adapters import vmm
+
+    if device_type == "cuda":
+        return True
+    return getattr(vmm.installed_driver(), "bytes_tensor", None) is not None
+
+
+def _synchronize(device_type: str) -> None:
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _empty_cache(device_type: str) -> None:
+    """Give torch's cached, unused device blocks back to the driver, so the CUDA checkpoint does not copy
+    them (CUDA graph pools are not touched)."""
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 class VllmProcessAdapter(EngineAdapter):
@@ -161,10 +280,14 @@ class VllmProcessAdapter(EngineAdapter):
         self.core = core
         self.expect_pids.extend(_worker_pids(getattr(core, "model_executor", None)))
 
-    def add_worker(self, worker: Any) -> None:
-        """A vLLM worker living in this process."""
-        if all(part.worker is not worker for part in self.workers):
-            self.workers.append(WorkerPart(worker))
+    def add_worker(self, worker: Any) -> WorkerPart:
+        """A vLLM worker living in this process; returns its part (the same one for the same worker)."""
+        for part in self.workers:
+            if part.worker is worker:
+                return part
+        part = WorkerPart(worker)
+        self.workers.append(part)
+        return part
 
     @property
     def role(self) -> str:

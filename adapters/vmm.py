@@ -106,6 +106,21 @@ def default_driver() -> Any:
         return _driver_module
 
 
+def set_default_driver(driver: Any) -> None:
+    """Make ``driver`` what :func:`default_driver` hands out in this process: an object with the calls of
+    ``cuda.bindings.driver`` that arenas use (a process whose "device" memory is host memory, such as the
+    CPU tests' fake in ``tests/fakes/cuda_vmm.py``, installs its own this way)."""
+    global _driver_module
+    with _driver_lock:
+        _driver_module = driver
+
+
+def installed_driver() -> Any:
+    """The driver :func:`default_driver` hands out, if one is set up already (``None`` before the first
+    arena and without :func:`set_default_driver`); never initialises CUDA."""
+    return _driver_module
+
+
 def _check(drv: Any, call: str, out: Any, detail: str = "") -> Any:
     """The call's results after its ``CUresult`` (``None``, one value, or a tuple); raises on failure."""
     err, rest = out[0], tuple(out[1:])
@@ -142,12 +157,23 @@ class Arena:
         device: CUDA device ordinal.
         driver: the ``cuda.bindings.driver`` module (default), or a fake with the same calls.
         chunk_bytes: largest single physical allocation (default: ``CHUNK_BYTES`` when called).
+        mapped: back the whole range with physical memory now (default); ``False`` only reserves it, and
+            :meth:`map_span` backs it piece by piece (so a caller moving storages in can free the old ones
+            as it goes, never holding both copies of everything).
 
     Raises:
         VmmError: a driver call failed; nothing stays reserved or allocated.
     """
 
-    def __init__(self, nbytes: int, device: int = 0, *, driver: Any = None, chunk_bytes: int | None = None):
+    def __init__(
+        self,
+        nbytes: int,
+        device: int = 0,
+        *,
+        driver: Any = None,
+        chunk_bytes: int | None = None,
+        mapped: bool = True,
+    ):
         if nbytes <= 0:
             raise ValueError(f"an arena needs a positive size, not {nbytes}")
         self.drv = driver if driver is not None else default_driver()
@@ -187,7 +213,8 @@ class Arena:
         self._spans: dict[int, int] = {}  # start address -> bytes, of storages placed here
         self._out: set[int] = set()  # start addresses of spans written out and waiting for release/remap
         try:
-            self.remap()
+            if mapped:
+                self.remap()
         except BaseException:
             _check(drv, "cuMemAddressFree", drv.cuMemAddressFree(self.ptr, self.size))
             raise
@@ -231,26 +258,67 @@ class Arena:
         self._ensure_context()
         done: list[int] = []
         try:
-            for i, (off, size) in enumerate(self._chunks):
-                if self._mapped[i]:
-                    continue
-                handle = _check(
-                    drv, "cuMemCreate", drv.cuMemCreate(size, self._prop, 0), f"({size} bytes on GPU {self.device})"
-                )
-                self._handles[i] = handle
-                done.append(i)
-                _check(
-                    drv,
-                    "cuMemMap",
-                    drv.cuMemMap(self.ptr + off, size, 0, handle, 0),
-                    f"(at {self.ptr + off:#x}, {size} bytes)",
-                )
-                self._mapped[i] = True
+            for i in range(len(self._chunks)):
+                if not self._mapped[i]:
+                    self._map_chunk(i)
+                    done.append(i)
             _check(drv, "cuMemSetAccess", drv.cuMemSetAccess(self.ptr, self.size, [self._access()], 1))
         except BaseException:
             for i in reversed(done):
                 self._drop(i)
             raise
+
+    def map_span(self, address: int, nbytes: int) -> None:
+        """Back the chunks covering ``[address, address + nbytes)`` with new physical memory, where they are
+        not backed yet, and make them accessible (contents undefined). On failure the chunks this call
+        mapped are given back.
+
+        Raises:
+            ValueError: the span is outside the arena.
+            VmmError: e.g. ``CUDA_ERROR_OUT_OF_MEMORY``.
+        """
+        if self.closed:
+            raise RuntimeError("the arena is closed")
+        if not (self.ptr <= address and nbytes >= 0 and address + nbytes <= self.ptr + self.size):
+            raise ValueError("span outside the arena")
+        start, end = address - self.ptr, address - self.ptr + max(nbytes, 1)
+        wanted = [i for i, (off, size) in enumerate(self._chunks) if off < end and start < off + size]
+        todo = [i for i in wanted if not self._mapped[i]]
+        if not todo:
+            return
+        self._ensure_context()
+        done: list[int] = []
+        try:
+            for i in todo:
+                self._map_chunk(i)
+                done.append(i)
+                off, size = self._chunks[i]
+                _check(self.drv, "cuMemSetAccess", self.drv.cuMemSetAccess(self.ptr + off, size, [self._access()], 1))
+        except BaseException:
+            for i in reversed(done):
+                self._drop(i)
+            raise
+
+    def _map_chunk(self, i: int) -> None:
+        """Create chunk ``i``'s physical memory and map it at its address (not yet accessible); on a failed
+        map the new handle is released again."""
+        drv = self.drv
+        off, size = self._chunks[i]
+        handle = _check(
+            drv, "cuMemCreate", drv.cuMemCreate(size, self._prop, 0), f"({size} bytes on GPU {self.device})"
+        )
+        self._handles[i] = handle
+        try:
+            _check(
+                drv,
+                "cuMemMap",
+                drv.cuMemMap(self.ptr + off, size, 0, handle, 0),
+                f"(at {self.ptr + off:#x}, {size} bytes)",
+            )
+        except BaseException:
+            self._drop(i)
+            raise
+        self._mapped[i] = True
 
     def adopt(self, fds: list[int]) -> None:
         """Back the released range with physical memory another process created and filled: one shareable
@@ -451,64 +519,133 @@ def movable(tensor: Any, driver: Any = None) -> bool:
 
 @dataclasses.dataclass
 class Stabilized:
-    """What :func:`stabilize` did: ``arenas`` (one per GPU) and ``moved`` (storages moved, bytes)."""
+    """What :func:`stabilize` did: ``arenas`` (one per GPU), ``moved`` (storages moved), ``nbytes`` (their
+    bytes) and ``rebound`` (tensor objects moved with them, the named ones included)."""
 
     arenas: list[Arena]
     moved: int
     nbytes: int
+    rebound: int = 0
+
+
+def _storage_key(tensor: Any) -> tuple[str, int] | None:
+    """``(device, address)`` of a tensor's storage, ``None`` for tensors without real memory (fake, meta or
+    functional tensors that torch.compile keeps, empty storages)."""
+    try:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            return None
+        return (str(storage.device), int(storage.data_ptr()))
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def tensors_over(keys: Iterable[tuple[str, int]]) -> dict[tuple[str, int], list[Any]]:
+    """Every live tensor object over the storages ``keys`` (``(device, address)``, as torch names them),
+    found among the objects Python's garbage collector tracks: the named tensors, and every view, alias or
+    ``.data`` that an engine made of them and keeps somewhere (attention layers' KV-cache views, a runner's
+    lists). Tensors that only C++ code holds are not found.
+
+    Returns:
+        key → tensors (each list may be empty).
+    """
+    import gc
+
+    import torch
+
+    wanted: dict[tuple[str, int], list[Any]] = {k: [] for k in keys}
+    tensor = torch.Tensor
+    for obj in gc.get_objects():
+        if issubclass(type(obj), tensor):  # (not isinstance: that reads __class__, which some proxies compute)
+            key = _storage_key(obj)
+            if key in wanted:
+                wanted[key].append(obj)
+    return wanted
+
+
+def _rebind(tensor: Any, storage: Any) -> None:
+    """Point ``tensor`` at ``storage`` with its own offset, sizes and strides (inference tensors inside
+    inference mode, as torch requires)."""
+    import torch
+
+    ctx = torch.inference_mode() if tensor.is_inference() else torch.no_grad()
+    with ctx:
+        tensor.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
 def stabilize(tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *, driver: Any = None) -> Stabilized:
     """Move the storages behind ``tensors`` (name → torch.Tensor) into one new arena per GPU, in place.
 
-    The tensors stay the same Python objects (``Tensor.set_``); views and tied weights keep sharing one
-    storage. Storages already in an arena, and CPU tensors (unless ``driver`` provides host memory, as the
-    test fake does), are left alone. Call it before capturing CUDA graphs that read these tensors. The old
-    storages are freed (resized to 0 bytes, then torch's cache is emptied) even where something else still
-    refers to them (transformers' loading keeps such references: on an H200 a loaded 1B model kept 2.2 GB
-    of old weights otherwise); a tensor outside ``tensors`` that shared one of them becomes empty.
+    Every tensor object over a moved storage moves with it (``Tensor.set_``; :func:`tensors_over` finds
+    views and aliases beyond the named tensors), so the tensors stay the same Python objects and views and
+    tied weights keep sharing one storage. The arena is backed chunk by chunk as storages move in, and each
+    old storage is freed (resized to 0 bytes; torch's cache emptied every chunk) once it has moved, so the
+    move needs about one chunk (``CHUNK_BYTES``) of free memory beyond what the storages hold, not twice
+    their size. Storages already in an arena, and CPU tensors (unless ``driver`` provides host memory, as the
+    test fake does), are left alone. Call it before capturing CUDA graphs that read these tensors, and
+    before anything records their addresses.
 
     Returns:
         :class:`Stabilized`.
 
     Raises:
-        VmmError: a driver call failed (the tensors are then unchanged).
+        VmmError: a driver call failed. The storages moved until then stay in the arena (their tensors
+            valid); the rest stay where they were.
         TypeError: a value is not a torch.Tensor.
     """
     import torch
 
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
-    groups: dict[Any, dict[int, list[Any]]] = {}  # device -> storage address -> tensors
-    storages: dict[tuple[Any, int], Any] = {}
+    groups: dict[Any, dict[int, Any]] = {}  # device -> storage address -> storage
     for name, t in items:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
         if not movable(t, driver):
             continue
         st = t.untyped_storage()
-        groups.setdefault(t.device, {}).setdefault(st.data_ptr(), []).append(t)
-        storages[(t.device, st.data_ptr())] = st
-    arenas, moved, total = [], 0, 0
+        groups.setdefault(t.device, {})[st.data_ptr()] = st
+    if not groups:
+        return Stabilized([], 0, 0)
+    users = tensors_over((str(device), p) for device, by_ptr in groups.items() for p in by_ptr)
+    out = Stabilized([], 0, 0)
     for device, by_ptr in groups.items():
-        sizes = {p: storages[(device, p)].nbytes() for p in by_ptr}
-        need = sum(_round_up(n, ALIGN) for n in sizes.values())
-        arena = Arena(need, device.index or 0, driver=driver)
-        arenas.append(arena)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        with torch.no_grad():
-            for p, ts in by_ptr.items():
-                old = storages[(device, p)]
-                dst = arena.bytes_tensor(arena.place(sizes[p]), sizes[p])
-                dst.copy_(torch.empty(0, dtype=torch.uint8, device=old.device).set_(old))
-                new = dst.untyped_storage()
-                for t in ts:
-                    t.set_(new, t.storage_offset(), t.size(), t.stride())
-                if old.resizable():
-                    old.resize_(0)
-                moved += 1
-                total += sizes[p]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
-    return Stabilized(arenas, moved, total)
+        sizes = {p: st.nbytes() for p, st in by_ptr.items()}
+        arena = Arena(sum(_round_up(n, ALIGN) for n in sizes.values()), device.index or 0, driver=driver, mapped=False)
+        out.arenas.append(arena)
+        _move_into(arena, device, by_ptr, users, out)
+    return out
+
+
+def _move_into(
+    arena: Arena, device: Any, by_ptr: dict[int, Any], users: dict[tuple[str, int], list[Any]], out: Stabilized
+) -> None:
+    """Move each storage of ``by_ptr`` into ``arena``, rebinding its ``users``, freeing it once moved."""
+    import torch
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    since_empty = 0
+    with torch.no_grad():
+        for p, old in by_ptr.items():
+            nbytes = old.nbytes()
+            address = arena.place(nbytes)
+            arena.map_span(address, nbytes)
+            dst = arena.bytes_tensor(address, nbytes)
+            dst.copy_(torch.empty(0, dtype=torch.uint8, device=old.device).set_(old))
+            new = dst.untyped_storage()
+            for t in users.get((str(device), p), []):
+                _rebind(t, new)
+                out.rebound += 1
+            if old.resizable():
+                old.resize_(0)
+            out.moved += 1
+            out.nbytes += nbytes
+            since_empty += nbytes
+            if cuda and since_empty >= CHUNK_BYTES:
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()
+                since_empty = 0
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()

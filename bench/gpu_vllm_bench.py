@@ -1,0 +1,200 @@
+"""make bench-gpu-vllm: a stock ``vllm serve`` (vLLM's default CUDA graphs) cold-started, then captured and
+restored by gpusnap two ways in the same run, each to its first token.
+
+- **cold start**: the server's launch → the first token of the first request (vLLM's import, dummy weights,
+  memory profiling, torch.compile, CUDA graph capture, the HTTP server);
+- **stock** (``dump --no-offload``): CRIU and the CUDA checkpoint carry everything (weights, KV cache, graph
+  pools), ``--leave-running`` so the same server is captured again:
+- **fast** (a default ``dump``): the weights go to the buffer store from their address-stable arenas, the KV
+  cache is released, and the restore (gpusnapd with ``--gpu-prefill auto``, buffer store on tmpfs) fills the
+  weights' device memory while CRIU restores the process; restored twice.
+
+Each restore is timed from the gRPC Restore call (an orchestrator's; the CLI adds its own start-up) to the
+restored server's answer of one token, then asked for 16 tokens to compare with the source's. The model is a
+Llama ``config.json`` of the chosen size (``--size 8b``: Llama-3-8B's shapes) with dummy bf16 weights; the
+engine is vLLM from ``/tmp/engine-site`` (``../shared/device/README.md``). JSON:
+``bench/results/gpu-vllm-h200-<size>-<UTC>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench import results_file  # noqa: E402
+from bench.gpu_bench import wait_registered_ahead  # noqa: E402
+from gpusnap.daemon._proto import operations_pb2  # noqa: E402
+from tests.adapters.vllm_model import make_tiny_llama  # noqa: E402
+from tests.adapters.vllm_server import install_gpusnap, request  # noqa: E402
+from tests.conftest import DaemonProc, kill_tree, start_daemon, stop_daemon  # noqa: E402
+from tests.gpu.test_vllm_gpu import ENGINE_SITE, PROMPT, start_server  # noqa: E402
+
+SIZES: dict[str, dict[str, Any]] = {
+    "8b": {  # Llama-3-8B
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "torch_dtype": "bfloat16",
+    },
+    "1b": {  # Llama-3.2-1B
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def timed_dump(daemon: DaemonProc, pid: int, name: str, *args: str) -> tuple[dict[str, Any], float]:
+    t0 = time.monotonic()
+    out = daemon.cli("-o", "json", "dump", str(pid), "--name", name, *args, check=True, timeout=1800)
+    return dict(json.loads(out.stdout)), time.monotonic() - t0
+
+
+def restore_to_first_token(daemon: DaemonProc, snapshot: str, port: int) -> dict[str, Any]:
+    """Restore ``snapshot`` through the gRPC API; time the call → the restored server's first token; then
+    its 16 greedy tokens for the prompt."""
+    client = daemon.client()
+    t0 = time.time()
+    done = client.wait(client.restore(snapshot).id, timeout_s=1800)
+    restored_at = time.time()
+    if done.state != operations_pb2.OPERATION_STATE_SUCCEEDED:
+        raise SystemExit(f"restore of {snapshot} failed: {done}")
+    first = request(port, PROMPT, 1)
+    answer = request(port, PROMPT, 16)["token_ids"]
+    return {
+        "pid": done.restore.pid,
+        "restore_call_s": restored_at - t0,
+        "restore_to_first_token_s": float(first["t_done"]) - t0,  # type: ignore[arg-type]
+        "phases": {p.phase: round(p.duration_seconds, 4) for p in done.phases},
+        "answer": answer,
+    }
+
+
+def engine_version() -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ENGINE_SITE)},
+        timeout=300,
+    )
+    return out.stdout.strip() or "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--size", default="8b", choices=sorted(SIZES))
+    ap.add_argument(
+        "--buffer-dir", default="/dev/shm/gpusnap-bench-buffers", help="gpusnapd --buffer-dir (tmpfs: a RAM tier)"
+    )
+    ap.add_argument("--gpu-memory-utilization", default="0.2")
+    ap.add_argument("--no-stock", action="store_true", help="leave the stock path out")
+    results_file.add_arguments(ap)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="gpusnap-vllm-bench-"))
+    Path(args.buffer_dir).mkdir(parents=True, exist_ok=True)
+    daemon = start_daemon(tmp / "d", extra_env={"GPUSNAP_GPU_PREFILL": "auto", "GPUSNAP_BUFFER_DIR": args.buffer_dir})
+    target = install_gpusnap(sys.executable, tmp / "install")
+    model = make_tiny_llama(tmp / "m", **SIZES[args.size])
+    engine = ["--dtype", "bfloat16", "--max-model-len", "2048", "--gpu-memory-utilization", args.gpu_memory_utilization]
+    pids: list[int] = []
+    result: dict[str, Any] = {"vllm_version": engine_version(), "cuda_graphs": True, "model": {"size": args.size}}
+    try:
+        t_launch = time.time()
+        server = start_server(tmp, daemon, target, model, "serve", *engine)
+        pids.append(server.proc.pid)
+        server.wait_up(1500)
+        first = request(server.port, PROMPT, 1)
+        result["cold_start_to_first_token_s"] = float(first["t_done"]) - t_launch  # type: ignore[arg-type]
+        before = request(server.port, PROMPT, 16)["token_ids"]
+        if not args.no_stock:
+            stock_dump, stock_s = timed_dump(daemon, server.proc.pid, "stock", "--no-offload", "--leave-running")
+            assert request(server.port, PROMPT, 16)["token_ids"] == before, "serving again after the stock capture"
+        fast_dump, fast_s = timed_dump(daemon, server.proc.pid, "fast")
+        server.proc.wait(timeout=120)
+        registered = wait_registered_ahead(daemon)
+        fast = [restore_to_first_token(daemon, "fast", server.port)]
+        kill_tree(fast[0]["pid"])
+        fast.append(restore_to_first_token(daemon, "fast", server.port))
+        kill_tree(fast[1]["pid"])
+        stock = None
+        if not args.no_stock:
+            stock = restore_to_first_token(daemon, "stock", server.port)
+            kill_tree(stock["pid"])
+        node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
+        snap = json.loads(daemon.cli("-o", "json", "inspect", "fast", check=True).stdout)
+    finally:
+        kill_tree(*pids)
+        stop_daemon(daemon)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(args.buffer_dir, ignore_errors=True)
+    cold = result["cold_start_to_first_token_s"]
+    best = min(r["restore_to_first_token_s"] for r in fast)
+    same = all(r["answer"] == before for r in fast) and (stock is None or stock["answer"] == before)
+    result.update(
+        {
+            "host": {
+                "criu": node["host"]["criu_version"],
+                "driver": node["host"].get("nvidia_driver_version", ""),
+                "gpu": node["gpus"][0]["name"],
+            },
+            "gpu_prefill": node.get("gpu_prefill", "off"),
+            "engine_args": engine,
+            "restore_to_first_token_s": fast[0]["restore_to_first_token_s"],
+            "restore_to_first_token_again_s": fast[1]["restore_to_first_token_s"],
+            "speedup": cold / best,
+            "checkpoint_s": fast_s,
+            "same_tokens_after_restore": same,
+            "image_bytes": fast_dump["size_bytes"],
+            "buffer_bytes": fast_dump["buffer_bytes"],
+            "gpu_memory_at_capture_bytes": sum(int(g["gpu_memory_bytes"]) for g in snap.get("gpu_processes", [])),
+            "blobs_registered_after_checkpoint": registered,
+            "checkpoint_phases": fast_dump["phases"],
+            "restore_phases": fast[0]["phases"],
+            "restore_again_phases": fast[1]["phases"],
+            "restore_call_s": [r["restore_call_s"] for r in fast],
+            "processes": snap.get("processes", []),
+            "stock": None
+            if stock is None
+            else {
+                "restore_to_first_token_s": stock["restore_to_first_token_s"],
+                "over_fast": stock["restore_to_first_token_s"] / best,
+                "checkpoint_s": stock_s,
+                "image_bytes": stock_dump["size_bytes"],
+                "checkpoint_phases": stock_dump["phases"],
+                "restore_phases": stock["phases"],
+            },
+            "targets": {"restore_to_first_token_s": 1.5, "speedup": 50, "checkpoint_s": 5},
+        }
+    )
+    print(json.dumps(result, indent=2))
+    results_file.write(result, "gpu-vllm", args.out, args.label or f"h200-{args.size}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

