@@ -41,7 +41,7 @@ class NodeInfo:
     tiers: tuple[TierUsage, ...] = ()
     """The buffer store's tiers, fastest first, then (with a remote store) ``remote``: what only it holds."""
     gpu_prefill: str = ""
-    """``gpu_prefill``'s state: ``on (…)`` or ``off…`` with the reason (``gpusnap.daemon.gpu.prefill``)."""
+    """``gpu_prefill``'s state: ``on (…)`` or ``off…`` with the reason (``gpusnap.daemon.weights.prefill``)."""
 
 
 class Daemon:
@@ -282,7 +282,7 @@ class Daemon:
             gpus=tuple(self.deps.gpu.gpus()),
             cuda_checkpoint_supported=self.deps.gpu.available,
             cuda_unavailable_reason=self.deps.gpu.reason,
-            gpu_prefill=self.deps.gpu.prefill.state if self.deps.gpu.prefill else "off",
+            gpu_prefill=self.deps.prefill.state if self.deps.prefill else "off",
             remote=str(self.deps.remote or ""),
             tiers=self._tiers(uid),
         )

@@ -27,7 +27,6 @@ from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import host
 from gpusnap.daemon.drivers.criu import CriuDriver
-from gpusnap.daemon.gpu.prefill import PrefillSupport
 from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState
@@ -44,6 +43,7 @@ from gpusnap.daemon.service.peercred import PeerCredProxy
 from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, SnapshotServicer
 from gpusnap.daemon.store import SnapshotStore
 from gpusnap.daemon.store.journal import JOURNAL, Journal
+from gpusnap.daemon.weights.prefill import PrefillSupport
 from gpusnap.daemon.workers.agents import AgentRegistry
 
 log = structlog.get_logger(__name__)
@@ -108,10 +108,10 @@ def build_daemon(config: DaemonConfig) -> Running:
     journal = Journal(config.store / JOURNAL)
     store.open(hold_buffers=lambda: recovery.held_buffers(journal))  # read once the store is locked
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
-    gpu.prefill = PrefillSupport.probe(config.gpu_prefill)
-    if gpu.prefill.filler is not None:  # blobs the store removes are unregistered (their pages unpinned)
-        store.buffers.after_collect = gpu.prefill.filler.drop_unlinked
-        gpu.prefill.warm(store.buffers, store.list)  # contexts and registrations, in the background
+    prefill = PrefillSupport.probe(config.gpu_prefill)
+    if prefill.filler is not None:  # blobs the store removes are unregistered (their pages unpinned)
+        store.buffers.after_collect = prefill.filler.drop_unlinked
+        prefill.warm(store.buffers, store.list)  # contexts and registrations, in the background
     for sock_dir in {config.socket.parent, config.agent_socket.parent}:
         sock_dir.mkdir(parents=True, exist_ok=True)
         rundirs.check_socket_dir(sock_dir)
@@ -123,7 +123,16 @@ def build_daemon(config: DaemonConfig) -> Running:
     if remote is not None:  # the disk tier may drop what is safely in the remote store
         store.buffers.evictor = RemoteEvictor(store, remote)
         store.buffers.schedule_budgets()
-    deps = Deps(config=config, store=store, criu=criu, criu_version=criu_version, gpu=gpu, agents=agents, remote=remote)
+    deps = Deps(
+        config=config,
+        store=store,
+        criu=criu,
+        criu_version=criu_version,
+        gpu=gpu,
+        agents=agents,
+        remote=remote,
+        prefill=prefill,
+    )
     metrics = None
     if config.metrics_listen:  # prometheus-client is imported only when metrics are on
         from gpusnap.daemon.metrics import Metrics
@@ -137,8 +146,8 @@ def build_daemon(config: DaemonConfig) -> Running:
             cuda_driver_version=cuda,
         )
     observe = metrics.observe if metrics is not None else None
-    if gpu.prefill.filler is not None:  # a published snapshot's blobs are registered ahead of its restore
-        observe = functools.partial(_after_operation, gpu.prefill, observe)
+    if prefill.filler is not None:  # a published snapshot's blobs are registered ahead of its restore
+        observe = functools.partial(_after_operation, prefill, observe)
     journal.open()
     registry = OperationRegistry(
         max_workers=config.max_operations,
@@ -232,8 +241,8 @@ def _release(daemon: Daemon) -> None:
     """Release what :func:`build_daemon` acquired before the servers started (agent socket, spare CRIU
     helper, store lock)."""
     daemon.registry.shutdown(wait=True)
-    if daemon.deps.gpu.prefill is not None:
-        daemon.deps.gpu.prefill.close()
+    if daemon.deps.prefill is not None:
+        daemon.deps.prefill.close()
     daemon.deps.agents.stop()
     daemon.deps.criu.close()
     daemon.deps.store.close()

@@ -21,7 +21,6 @@ from gpusnap.daemon.drivers.custom_storage import CustomStorage
 from gpusnap.daemon.drivers.nvml import GpuDevice, NvmlDriver
 from gpusnap.daemon.gpu import preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController, suggest_transfer_timeout_s
-from gpusnap.daemon.gpu.prefill import PrefillSupport
 
 log = structlog.get_logger(__name__)
 
@@ -71,8 +70,6 @@ class GpuSupport:
         self.custom_storage = CustomStorage(False, reason or "not probed")
         """The CUDA checkpoint's custom storage (probed at start); until a data path uses it, captures take
         the named-buffer path (``docs/performance.md``)."""
-        self.prefill: PrefillSupport | None = None
-        """Device memory filled by gpusnapd at restore (``gpu_prefill``), set at start; None: off."""
         self.suspended: dict[int, GpuTree] = {}
         """Trees suspended in place, by root PID (for ``Resume``)."""
         self._lock = threading.Lock()

@@ -1,7 +1,7 @@
 """Checkpoint: capture a live process tree into a new snapshot.
 
 Phases: ``preflight`` → [``warm-up`` → ``quiesce`` → ``offload`` with worker agents (one in each engine
-process: ``gpusnap.daemon.operations.workers``), or ``wait-ready`` with a control directory] → [``gpu-lock`` → ``gpu-checkpoint``] → ``dump`` (CRIU freezes the tree and
+process: ``gpusnap.daemon.operations.workers``, weights: ``gpusnap.daemon.weights``), or ``wait-ready`` with a control directory] → [``gpu-lock`` → ``gpu-checkpoint``] → ``dump`` (CRIU freezes the tree and
 writes images) → ``checksum`` → ``publish`` → ``finish`` (CRIU kills the source, or resumes it with
 ``leave_running``) → [``gpu-resume`` with ``leave_running``].
 
@@ -30,6 +30,7 @@ from gpusnap.daemon.operations import capture_checks, file_rights, workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.checksum import image_files
+from gpusnap.daemon.weights import capture as weights
 
 DEV_SHM_DIR = "dev-shm"
 """Images subdirectory holding the tree's /dev/shm files; each restore gets a private copy."""
@@ -111,7 +112,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             with run.phase("checksum") as progress:
                 files = image_files(staging.images)
                 progress.bytes = sum(f.size_bytes for f in files)
-                buffers = capture.commit(lambda staged: run.record.note(staged=staged))
+                buffers = weights.commit(capture.parts, lambda staged: run.record.note(staged=staged))
             with run.phase("publish"):
                 snapshot = Snapshot(
                     id=staging.snapshot_id,

@@ -9,6 +9,7 @@ from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.store import SnapshotStore
+from gpusnap.daemon.weights.prefill import PrefillSupport
 from gpusnap.daemon.workers.agents import AgentRegistry
 
 
@@ -22,3 +23,5 @@ class Deps:
     agents: AgentRegistry
     remote: RemoteStore | None = None
     """The remote store (``--remote``), None when not configured."""
+    prefill: PrefillSupport | None = None
+    """Device memory filled by gpusnapd at restore (``gpu_prefill``); None: off."""

@@ -36,13 +36,13 @@ from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snap
 from gpusnap.daemon.drivers import devshm, host, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap, preflight
-from gpusnap.daemon.gpu import prefill as gpu_prefill
 from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.operations import failpoints, file_rights, provenance, workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.remote import evict
+from gpusnap.daemon.weights import prefill as weights_prefill
 
 
 def check_may_restore(snapshot: Snapshot, caller: Caller, missing: Callable[[], NotFoundError]) -> None:
@@ -211,7 +211,7 @@ def _restore_copy(
     run.record.note(
         snapshot_id=snapshot.id, env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values)
     )
-    prefill = gpu_prefill.start(deps.gpu.prefill, deps.store.buffers, snapshot, gpu_map)  # while CRIU runs
+    prefill = weights_prefill.start(deps.prefill, deps.store.buffers, snapshot, gpu_map)  # while CRIU runs
     if prefill is not None:
         run.on_failure("release-prefill", prefill.close)
     with run.phase("restore") as progress:

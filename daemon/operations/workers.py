@@ -13,8 +13,7 @@ names as its engine's process must be attached (``AGENT_MISSING``). Any failure 
 capture touched (the others first, with their buffers read back, then the front ends), so the source keeps
 serving. Restore (after CRIU and CUDA are done): ``reload-buffers`` (every agent in parallel) then
 ``resume-worker`` (the others in parallel, then the front ends, whose canaries must give the capture-time
-tokens). With ``gpu_prefill``, ``reload-buffers`` first hands each worker the arenas gpusnapd filled during
-the restore (``gpusnap.daemon.gpu.prefill``) and reads back only the rest.
+tokens). The weights' steps (offload, commit, hand back, reload, prefill) are ``gpusnap.daemon.weights``'s.
 """
 
 from __future__ import annotations
@@ -22,38 +21,32 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
-from gpusnap.daemon.api.types import BufferRef, CheckpointOptions, RestoreOptions, Snapshot, WorkerInfo
+from gpusnap.daemon.api.types import CheckpointOptions, RestoreOptions, Snapshot, WorkerInfo
 from gpusnap.daemon.drivers import proc
-from gpusnap.daemon.gpu.prefill import Prefill, hand_over
-from gpusnap.daemon.operations.base import PhaseProgress, PhaseRunner
+from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.buffers import HeldFiles, StagedBuffers
-from gpusnap.daemon.workers import controldir, offload
+from gpusnap.daemon.weights import capture as weights
+from gpusnap.daemon.weights import restore as weights_restore
+from gpusnap.daemon.weights.prefill import Prefill
+from gpusnap.daemon.workers import controldir
 from gpusnap.daemon.workers.agents import AgentInfo, AgentRegistry, AgentSession
-from gpusnap.daemon.workers.client import AgentClient, Announced
+from gpusnap.daemon.workers.client import AgentClient
+from gpusnap.daemon.workers.parallel import in_parallel
 
 AGENT_WAIT_S = 15.0
 """How long a capture waits for the agents that other agents name (they attach from background threads)."""
 
 
 @dataclasses.dataclass
-class AgentCapture:
-    """One agent in a capture: whether it needs resuming if the capture fails, and what it staged."""
+class AgentCapture(weights.AgentWeights):
+    """One agent in a capture: its weights, its canary, and whether it needs resuming if the capture fails."""
 
-    client: AgentClient
     canary: str = ""
     quiesced: bool = False
-    announced: list[Announced] = dataclasses.field(default_factory=list)
-    staged: StagedBuffers | None = None
-
-    @property
-    def info(self) -> AgentInfo:
-        return self.client.info
 
     @property
     def is_front(self) -> bool:
@@ -78,68 +71,15 @@ class AgentCapture:
 @dataclasses.dataclass
 class Capture:
     """What :func:`prepare_capture` did: the workers' descriptions, and their buffers staged in the buffer
-    store (committed at publish with :meth:`commit`; released with :meth:`close` when the capture ends)."""
+    store (``gpusnap.daemon.weights.capture``: committed at publish, released when the capture ends)."""
 
     worker: WorkerInfo | None = None
     agents: tuple[WorkerInfo, ...] = ()
     parts: list[AgentCapture] = dataclasses.field(default_factory=list)
 
-    @property
-    def has_buffers(self) -> bool:
-        return any(p.staged is not None for p in self.parts)
-
-    def staged_facts(self, digests: bool = False) -> list[dict[str, Any]]:
-        """What recovery needs to hand the buffers back after a daemon crash: per agent, its staged files
-        and (with ``digests``, which waits for them) the blobs they become at commit."""
-        return [
-            {
-                "instance_id": p.info.instance_id,
-                "uid": p.staged.uid,
-                "names": p.staged.names,
-                "paths": [str(x) for x in p.staged.paths],
-                "digests": p.staged.digests() if digests else [],
-            }
-            for p in self.parts
-            if p.staged is not None
-        ]
-
-    def commit(self, journal: Callable[[list[dict[str, Any]]], None] = lambda _: None) -> tuple[BufferRef, ...]:
-        """Commit every agent's staged buffers; the references name their agent. ``journal`` gets
-        :meth:`staged_facts` with the digests before any file moves."""
-        journal(self.staged_facts(digests=True))
-        refs: list[BufferRef] = []
-        for part in self.parts:
-            if part.staged is not None:
-                where = {a.name: a for a in part.announced}
-                refs.extend(
-                    dataclasses.replace(
-                        r,
-                        agent=part.info.instance_id,
-                        arena=where[r.name].arena,
-                        arena_offset=where[r.name].arena_offset,
-                    )
-                    for r in part.staged.commit()
-                )
-        return tuple(refs)
-
-    def close(self) -> None:
-        for part in self.parts:
-            if part.staged is not None:
-                part.staged.close()
-                part.staged = None
-
-
-def _in_parallel(calls: Sequence[Callable[[], None]]) -> None:
-    """Run ``calls`` at once (one thread each), wait for all, and raise the first failure."""
-    if len(calls) <= 1:
-        for call in calls:
-            call()
-        return
-    with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="gpusnap-agents") as pool:
-        futures = [pool.submit(call) for call in calls]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        raise errors[0]  # type: ignore[misc]
+    def close(self) -> bool:
+        """Release the staged buffers; returns whether there were any."""
+        return weights.release(self.parts)
 
 
 def _attached_agents(deps: Deps, tree_pids: Collection[int]) -> list[AgentSession]:
@@ -229,15 +169,16 @@ def prepare_capture(
     with run.phase("quiesce"), run.waiting():
         for part in fronts:  # the front ends stop work first: then nothing runs in the other processes
             _quiesce(part, opts.offload, cfg.quiesce_timeout)
-        _in_parallel([lambda p=p: _quiesce(p, opts.offload, cfg.quiesce_timeout) for p in others])  # type: ignore[misc]
-    moving = [p for p in capture.parts if p.announced]
-    if moving:
+        in_parallel([lambda p=p: _quiesce(p, opts.offload, cfg.quiesce_timeout) for p in others])  # type: ignore[misc]
+    if any(p.announced for p in capture.parts):
         with run.phase("offload") as progress:
-            for part in moving:
-                part.staged = offload.stage(part.client, deps.store.buffers, part.announced)
-            run.record.note(staged=capture.staged_facts())  # recovery hands them back (module docstring)
-            _in_parallel([lambda p=p: _offload(deps, p, progress) for p in moving])  # type: ignore[misc]
-            progress.bytes = sum(p.staged.total_bytes for p in moving if p.staged)
+            progress.bytes = weights.offload(
+                capture.parts,
+                deps.store.buffers,
+                cfg.quiesce_timeout,
+                progress,
+                journal=lambda staged: run.record.note(staged=staged),  # recovery hands them back (module docstring)
+            )
     infos = [p.worker_info() for p in fronts + others]
     capture.worker, capture.agents = infos[0], tuple(infos[1:])
     return capture
@@ -273,21 +214,6 @@ def _quiesce(part: AgentCapture, offload_buffers: bool, timeout_s: float) -> Non
         raise
 
 
-def _offload(deps: Deps, part: AgentCapture, progress: PhaseProgress) -> None:
-    assert part.staged is not None
-    start = time.monotonic()
-    offload.offload(part.client, part.staged, deps.config.quiesce_timeout)
-    _report(progress, part.info, part.staged.total_bytes, time.monotonic() - start, "written out")
-
-
-def _report(
-    progress: PhaseProgress, info: AgentInfo | WorkerInfo, nbytes: int, seconds: float, what: str, tail: str = ""
-) -> None:
-    """One progress event for one process: its bytes, and a message with its seconds (then ``tail``)."""
-    label = info.label if isinstance(info, AgentInfo) else f"{info.engine} process {info.process} (PID {info.pid})"
-    progress.report(nbytes, nbytes, message=f"{label}: {nbytes} bytes {what} in {seconds:.3f} s{tail}")
-
-
 def _undo(deps: Deps, capture: Capture, tree_pids: Collection[int]) -> None:
     try:
         proc.ensure_no_frozen(list(tree_pids))  # a CRIU killed mid-dump may have left it stopped
@@ -295,9 +221,7 @@ def _undo(deps: Deps, capture: Capture, tree_pids: Collection[int]) -> None:
             part.client.close()  # an agent still connected (mid-offload) then waits for its wake file too
         _resume_all([p for p in capture.parts if p.quiesced], lambda p: resume_source(deps, p.info, p.staged))
     finally:
-        had_buffers = capture.has_buffers
-        capture.close()
-        if had_buffers:  # blobs committed before a later failure belong to no snapshot
+        if capture.close():  # blobs committed before a later failure belong to no snapshot
             deps.store.collect_buffers()
 
 
@@ -307,7 +231,7 @@ def _resume_all(parts: Sequence[AgentCapture], resume: Callable[[AgentCapture], 
     errors: list[BaseException] = []
     for group in ([p for p in parts if not p.is_front], [p for p in parts if p.is_front]):
         try:
-            _in_parallel([lambda p=p: resume(p) for p in group])  # type: ignore[misc]
+            in_parallel([lambda p=p: resume(p) for p in group])  # type: ignore[misc]
         except Exception as exc:  # keep resuming the rest
             errors.append(exc)
     if errors:
@@ -346,7 +270,7 @@ def resume_restored(
 ) -> str:
     """Wake the restored workers, hand them their buffers (once ``buffers_verified()`` returns; it raises for
     damaged ones), give them the restore context and check the front ends' canaries; returns the first's
-    tokens. ``prefill``: arenas gpusnapd filled meanwhile (``gpusnap.daemon.gpu.prefill``), handed over
+    tokens. ``prefill``: arenas gpusnapd filled meanwhile (``gpusnap.daemon.weights.prefill``), handed over
     instead of read back where they are ready; released here either way."""
     try:
         return _resume_restored(run, deps, snapshot, opts, pids, buffers_verified, prefill)
@@ -384,15 +308,9 @@ def _resume_restored(
     if snapshot.buffers:
         with run.phase("reload-buffers") as progress:
             with run.waiting():
-                _in_parallel([lambda w=w: connect(w) for w in workers])  # type: ignore[misc]
-            buffers_verified()
-            _in_parallel(
-                [
-                    lambda w=w: _reload(deps, snapshot, w, clients[w.instance_id], progress, prefill)  # type: ignore[misc]
-                    for w in workers
-                    if snapshot.buffers_of(w)
-                ]
-            )
+                in_parallel([lambda w=w: connect(w) for w in workers])  # type: ignore[misc]
+            buffers_verified()  # before the filled memory or the blobs reach the workers
+            weights_restore.reload(snapshot, clients, deps.store.buffers, deps.config.resume_timeout, progress, prefill)
             progress.bytes = snapshot.buffer_bytes
     tokens: dict[str, str] = {}
 
@@ -404,36 +322,12 @@ def _resume_restored(
         )
 
     with run.phase("resume-worker"), run.waiting():
-        _in_parallel([lambda w=w: resume(w) for w in workers if not w.is_front])  # type: ignore[misc]
+        in_parallel([lambda w=w: resume(w) for w in workers if not w.is_front])  # type: ignore[misc]
         for w in workers:
             if w.is_front:
                 resume(w)
                 _check_canary(w, tokens[w.instance_id])
     return tokens[worker.instance_id]
-
-
-def _reload(
-    deps: Deps,
-    snapshot: Snapshot,
-    worker: WorkerInfo,
-    client: AgentClient,
-    progress: PhaseProgress,
-    prefill: Prefill | None = None,
-) -> None:
-    refs = snapshot.buffers_of(worker)
-    if prefill is not None:  # after buffers_verified(): the filled memory reaches the worker only now
-        mapped = hand_over(prefill, worker, client, deps.config.resume_timeout)
-        nbytes = sum(b.size_bytes for b in refs if b.name in mapped)
-        why = prefill.why_not(worker.instance_id)
-        if nbytes or why:
-            _report(progress, worker, nbytes, prefill.fill_s, "prefilled", f"; not prefilled: {why}" if why else "")
-        refs = tuple(b for b in refs if b.name not in mapped)
-    if not refs:
-        return
-    fds = deps.store.buffers.open_for_read(snapshot.buffer_uid, list(refs))
-    start = time.monotonic()
-    offload.reload(client, [b.name for b in refs], fds, deps.config.resume_timeout)
-    _report(progress, worker, sum(b.size_bytes for b in refs), time.monotonic() - start, "read back")
 
 
 def _check_canary(worker: WorkerInfo, tokens: str) -> None:
@@ -460,7 +354,7 @@ def resume_source(deps: Deps, agent: AgentInfo, staged: StagedBuffers | HeldFile
             raise
         client = AgentClient(session)
         if staged is not None:
-            offload.reload(client, staged.names, staged.read_fds(), deps.config.resume_timeout)
+            weights.hand_back(client, staged, deps.config.resume_timeout)
         client.resume(deps.config.resume_timeout, restored=False)
     finally:
         AgentRegistry.unwake(agent.wake_dir, agent.instance_id, agent.uid)

@@ -26,7 +26,7 @@ so no disk page stays pinned and a fill pins at most that much page cache, whate
 
 What this module checks of the blob bytes: every blob descriptor's size (``fstat``) equals the size the
 snapshot records before anything is mapped, so the DMA reads exactly the recorded bytes of the file. It
-computes no digests: the caller (``gpusnap.daemon.gpu.prefill``) keeps today's reload rules (sizes at
+computes no digests: the caller (``gpusnap.daemon.weights.prefill``) keeps today's reload rules (sizes at
 preflight, digests with ``--verify-buffers`` before the memory reaches the worker).
 
 Every failure raises :class:`PrefillError` and gives back everything the call created (handles, mappings,

@@ -1,15 +1,17 @@
 """The daemon's half of the named-buffer exchange with a worker agent (``agent.proto``: Offload, Reload).
 
-Capture: after Quiesce, :func:`offload` stages one buffer-store file per buffer the worker announced,
-hands the worker read-write descriptors in batches, and starts digesting the files while the GPU
-checkpoint and the CRIU dump run. Restore and rollback: :func:`reload` hands read-only descriptors back
-before Resume.
+Capture: after Quiesce, :func:`stage` creates one buffer-store file per buffer the worker announced and
+:func:`offload` hands the worker read-write descriptors in batches, then starts digesting the files while
+the GPU checkpoint and the CRIU dump run. Restore and rollback: :func:`reload` hands read-only descriptors
+back before Resume. Every frame that carries descriptors (these and the prefill's ``MapArenas``) is cut by
+:func:`fd_batches`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import structlog
 
@@ -20,9 +22,33 @@ from gpusnap.daemon.workers.client import AgentClient, Announced
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
 
-def _batches(n: int) -> list[range]:
-    return [range(i, min(i + wire.MAX_FDS, n)) for i in range(0, n, wire.MAX_FDS)]
+
+class Progress(Protocol):
+    """Where a step reports bytes moved (an operation's phase progress)."""
+
+    def report(self, done: int, total: int, message: str = "") -> None: ...
+
+
+def report(progress: Progress, label: str, nbytes: int, seconds: float, what: str, tail: str = "") -> None:
+    """One progress event for one process (``label``): its bytes, and a message with its seconds (then ``tail``)."""
+    progress.report(nbytes, nbytes, message=f"{label}: {nbytes} bytes {what} in {seconds:.3f} s{tail}")
+
+
+def fd_batches(items: Sequence[T], fds_of: Callable[[T], int] = lambda _: 1) -> list[list[T]]:
+    """``items`` in order, grouped so that each frame carries at most ``wire.MAX_FDS`` descriptors
+    (``fds_of``: how many one item carries; an item over the limit alone gets a frame of its own)."""
+    out: list[list[T]] = [[]]
+    count = 0
+    for item in items:
+        n = fds_of(item)
+        if count + n > wire.MAX_FDS and out[-1]:
+            out.append([])
+            count = 0
+        out[-1].append(item)
+        count += n
+    return [b for b in out if b]
 
 
 SLOWEST_STORE_BYTES_PER_S = 100 << 20
@@ -81,7 +107,7 @@ def offload(agent: AgentClient, staged: StagedBuffers, timeout_s: float) -> floa
     Returns:
         Seconds the worker spent (its own measure, summed over batches).
     """
-    batches = _batches(len(staged.names))
+    batches = fd_batches(range(len(staged.names)))
     spent = 0.0
     for i, batch in enumerate(batches):
         nbytes = sum(staged.sizes[j] for j in batch)
@@ -109,7 +135,7 @@ def reload(agent: AgentClient, names: Sequence[str], fds: Sequence[int], timeout
     the worker spent."""
     spent = 0.0
     try:
-        for batch in _batches(len(names)):
+        for batch in fd_batches(range(len(names))):
             nbytes = sum(os.fstat(fds[j]).st_size for j in batch)
             done = agent.reload([names[j] for j in batch], [fds[j] for j in batch], batch_timeout(timeout_s, nbytes))
             spent += done.seconds

@@ -4,7 +4,7 @@ Without it a restored worker gets its buffers back after CRIU and the CUDA resto
 blob and copies it to the device (``reload-buffers``, 0.90 s for 16 GB on an H200). With it, for every
 address-stable arena of the snapshot (``WorkerInfo.arenas``, reported by the agent at capture) gpusnapd
 creates the arena's physical memory on the target GPU and fills it from the blobs
-(:class:`gpusnap.daemon.drivers.devicefill.DeviceFiller`) on a thread of its own, *while* CRIU and the CUDA
+(:class:`gpusnap.daemon.weights.devicefill.DeviceFiller`) on a thread of its own, *while* CRIU and the CUDA
 driver restore the worker; at ``reload-buffers`` it hands the exported descriptors to the restored tree's
 agent (``MapArenas``), which maps them at the arena's addresses (CUDA graphs stay valid), and releases its
 own handles. Buffers outside an arena, and arenas it could not fill, are read back as before; the
@@ -51,9 +51,10 @@ from gpusnap.adapters import wire
 from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.api.types import ArenaLayout, BufferRef, Snapshot, WorkerInfo
 from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid
-from gpusnap.daemon.drivers.devicefill import DeviceFiller, FilledArena, PrefillError, Source
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.store.buffers import BufferStore
+from gpusnap.daemon.weights.devicefill import DeviceFiller, FilledArena, PrefillError, Source
+from gpusnap.daemon.weights.exchange import fd_batches
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -488,7 +489,7 @@ def hand_over(prefill: Prefill, worker: WorkerInfo, client: AgentClient, timeout
     filled = prefill.take(worker.instance_id, timeout_s)
     done: set[str] = set()
     try:
-        for batch in _batches(filled):
+        for batch in fd_batches(filled, lambda item: len(item[1].fds)):  # (one MapArenas frame each)
             fds = [fd for _, f in batch for fd in f.fds]
             client.map_arenas([(p.index, [r.name for r in p.refs]) for p, _ in batch], fds, timeout_s)
             done.update(r.name for p, _ in batch for r in p.refs)
@@ -510,17 +511,3 @@ def release(arenas: Iterable[FilledArena]) -> None:
             f.release()
         except PrefillError as exc:
             log.warning("prefill.release_failed", error=str(exc))
-
-
-def _batches(filled: Sequence[tuple[Planned, FilledArena]]) -> list[list[tuple[Planned, FilledArena]]]:
-    """Arenas grouped so that each MapArenas frame carries at most ``wire.MAX_FDS`` descriptors."""
-    out: list[list[tuple[Planned, FilledArena]]] = [[]]
-    count = 0
-    for item in filled:
-        n = len(item[1].fds)
-        if count + n > wire.MAX_FDS and out[-1]:
-            out.append([])
-            count = 0
-        out[-1].append(item)
-        count += n
-    return [b for b in out if b]

@@ -15,9 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for tests.fakes
 
-from gpusnap.daemon.drivers import devicefill  # noqa: E402
-from gpusnap.daemon.gpu import prefill  # noqa: E402
 from gpusnap.daemon.main import main  # noqa: E402
+from gpusnap.daemon.weights import devicefill, prefill  # noqa: E402
 from tests.fakes.cuda_vmm import CUresult, FakeVmmDriver  # noqa: E402
 
 driver = FakeVmmDriver(capacity=int(os.environ.get("GPUSNAP_TEST_PREFILL_CAPACITY", 1 << 30)))

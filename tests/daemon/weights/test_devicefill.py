@@ -1,4 +1,4 @@
-"""gpusnapd's device fill (gpusnap.daemon.drivers.devicefill) over the fake VMM driver, whose physical
+"""gpusnapd's device fill (gpusnap.daemon.weights.devicefill) over the fake VMM driver, whose physical
 allocations are memfds (tests/fakes/cuda_vmm.py): the bytes a fill exports reach another process, which
 imports and maps them at its own arena's reserved addresses (the worker's side, gpusnap.adapters.vmm);
 every failure leaves no handle, mapping, address range, registration or descriptor behind."""
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.api.types import BufferRef
-from gpusnap.daemon.drivers import devicefill
-from gpusnap.daemon.drivers.devicefill import DeviceFiller, PrefillError, Source
 from gpusnap.daemon.store.buffers import BufferStore
+from gpusnap.daemon.weights import devicefill
+from gpusnap.daemon.weights.devicefill import DeviceFiller, PrefillError, Source
 from tests.conftest import REPO
 from tests.fakes.cuda_vmm import POSIX_FD_ATTRIBUTE, CUresult, FakeVmmDriver
 

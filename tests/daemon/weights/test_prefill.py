@@ -1,4 +1,4 @@
-"""The restore's prefill orchestration (gpusnap.daemon.gpu.prefill) over the fake VMM driver and a real
+"""The restore's prefill orchestration (gpusnap.daemon.weights.prefill) over the fake VMM driver and a real
 buffer store: which arenas a snapshot lets it fill (the layout comes from the worker and is checked like
 any input), the GPU map it follows, and that every allocation is released however the restore ends
 (a refused hand-over, a restore that fails before it, a fill cut short). The whole path, with real CRIU
@@ -27,9 +27,9 @@ from gpusnap.daemon.api.types import (
     Snapshot,
     WorkerInfo,
 )
-from gpusnap.daemon.drivers.devicefill import PrefillError
-from gpusnap.daemon.gpu import prefill
 from gpusnap.daemon.store.buffers import BufferStore
+from gpusnap.daemon.weights import prefill
+from gpusnap.daemon.weights.devicefill import PrefillError
 from tests.fakes.cuda_vmm import CUresult, FakeVmmDriver
 
 G = 64 << 10
