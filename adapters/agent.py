@@ -3,7 +3,7 @@
 Start it once the engine is built::
 
     from gpusnap.adapters import start_agent
-    from gpusnap.adapters.vllm import VllmAdapter
+    from gpusnap.adapters.engines.vllm.adapter import VllmAdapter
     agent = start_agent(VllmAdapter(engine), loop=asyncio.get_running_loop())
 
 The agent dials gpusnapd's agent socket (``GPUSNAP_AGENT_SOCKET``, default ``/run/gpusnap/agent.sock``)
@@ -30,9 +30,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpusnap.adapters import buffers, capture_settings, vmm, wire
-from gpusnap.adapters._proto import agent_pb2
+from gpusnap.adapters import buffers, vmm
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
+from gpusnap.adapters.contract import capture_settings, wire
+from gpusnap.adapters.contract._proto import agent_pb2
 
 log = logging.getLogger("gpusnap.agent")
 

@@ -16,7 +16,7 @@ before the GPU lock, either
 
 ``mode="auto"`` suspends when every NCCL backend offers it and the NCCL in use is new enough, and tears down
 otherwise. Engines with their own hooks use those instead (vLLM's ``checkpoint_prepare`` /
-``checkpoint_restore``, see :mod:`gpusnap.adapters.vllm`).
+``checkpoint_restore``, see :mod:`gpusnap.adapters.engines.vllm.adapter`).
 
 Both ways back are collective: ``ncclCommResume`` ends in a bootstrap barrier, and creating a process group
 is a rendezvous. Every rank must resume at about the same time; :meth:`ProcessGroups.resume` can return

@@ -1,7 +1,7 @@
 """configure_capture_env(): what a worker must set *before* building its engine to be checkpointable.
 
 Call it first thing in the worker (before torch or NCCL-using code starts anything). The settings and
-their reasons are the one table in :mod:`gpusnap.adapters.capture_settings`, which the daemon's
+their reasons are the one table in :mod:`gpusnap.adapters.contract.capture_settings`, which the daemon's
 preflight checks against, so a worker configured with this helper passes preflight with one or several
 CUDA processes. Each setting is only a default: values already in the environment are kept (and a
 conflicting one is what preflight then names). Sources: NVIDIA Dynamo Snapshot's
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, MutableMapping
 
-from gpusnap.adapters.capture_settings import CAPTURE_SETTINGS, Kind, env_defaults
+from gpusnap.adapters.contract.capture_settings import CAPTURE_SETTINGS, Kind, env_defaults
 
 CAPTURE_ENV: Mapping[str, tuple[str, str]] = {
     s.name: (s.value, s.reason) for s in CAPTURE_SETTINGS if s.kind is Kind.ENV
@@ -29,7 +29,7 @@ def configure_capture_env(
     Sets the ``ANY`` and ``MULTI_PROCESS`` rows always (the latter change nothing in a process without
     NCCL peers) and, when ``tensor_parallel > 1``, the ``TENSOR_PARALLEL`` rows too. Engine flags
     (vLLM ``--disable-custom-all-reduce``) cannot be set from here: pass
-    :func:`~gpusnap.adapters.capture_settings.engine_args` to the engine.
+    :func:`~gpusnap.adapters.contract.capture_settings.engine_args` to the engine.
 
     Args:
         environ: the environment to change (default ``os.environ``).

@@ -18,7 +18,7 @@ elsewhere the function returns False and capture preflight reports any io_uring 
 
 vLLM loads its general plugins while it parses ``vllm serve``'s arguments
 (``AsyncEngineArgs.add_cli_args`` calls ``load_general_plugins``), before ``uvloop.run`` creates the loop,
-so gpusnap's plugin (``gpusnap.adapters.vllm_plugin``) calls this in time.
+so gpusnap's plugin (``gpusnap.adapters.engines.vllm.plugin``) calls this in time.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Hooks into an engine's classes, set when the engine imports their module, for gpusnap's engine plugins.
 
 Used where an engine offers no hook registry of its own (vLLM's plugin, which vLLM loads in every process;
-TensorRT-LLM's one-line :func:`gpusnap.adapters.trtllm_plugin.enable`). Modules are patched when the engine
+TensorRT-LLM's one-line :func:`gpusnap.adapters.engines.trtllm.plugin.enable`). Modules are patched when the engine
 imports them (a post-import hook on ``sys.meta_path``), so a process imports nothing of the engine's on
 gpusnap's account. A hook that fails is logged and never reaches the engine, which then serves without
 gpusnap. Standard library only.

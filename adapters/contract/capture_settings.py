@@ -18,65 +18,39 @@ Each :class:`CaptureSetting` has a :class:`Scope`:
   symmetric memory over CUDA IPC); the helper sets them when asked for ``tensor_parallel > 1``,
   preflight requires them of a job it knows to be tensor-parallel.
 
+The rows every engine shares are here (:data:`COMMON_SETTINGS`); each engine's own rows are in its folder
+(``gpusnap.adapters.engines.<name>.settings``), collected by :mod:`gpusnap.adapters.contract.registry`.
 Failure cases (``FC-xx``) are described in ``docs/tensor-parallel.md``. This module imports only the
-standard library: it runs inside engine processes.
+standard library and the engines' ``settings`` modules: it runs inside engine processes.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
+from gpusnap.adapters.contract import registry
+from gpusnap.adapters.contract.settings import CaptureSetting, Kind, Scope
 
-class Scope(enum.Enum):
-    """Which process layouts need a setting (see the module docstring)."""
-
-    ANY = "any"
-    MULTI_PROCESS = "multi_process"
-    TENSOR_PARALLEL = "tensor_parallel"
-
-
-class Kind(enum.Enum):
-    """Where a setting lives."""
-
-    ENV = "env"
-    """An environment variable, read by the library when it starts (set it before the engine starts)."""
-    ENGINE_ARG = "engine_arg"
-    """A command-line flag of the engine (``name``), also an engine-args field (``engine_field``)."""
-
-
-@dataclass(frozen=True)
-class CaptureSetting:
-    """One row of :data:`CAPTURE_SETTINGS`.
-
-    Attributes:
-        name: environment variable, or the engine's flag for :attr:`Kind.ENGINE_ARG` rows.
-        value: the value to set (``""`` for a flag that takes none).
-        reason: why a captured worker needs it, one sentence.
-        scope: which layouts need it.
-        failure_cases: ids of the failure cases it prevents (``docs/tensor-parallel.md``).
-        engine: ``"vllm"``, ``"sglang"``, ``"trtllm"`` when only that engine reads it, else ``None``.
-        kind: environment variable or engine argument.
-        engine_field: for engine arguments, the engine-args attribute (vLLM ``EngineArgs``) the flag sets.
-    """
-
-    name: str
-    value: str
-    reason: str
-    scope: Scope = Scope.ANY
-    failure_cases: tuple[str, ...] = ()
-    engine: str | None = None
-    kind: Kind = Kind.ENV
-    engine_field: str = ""
-
-    def requirement(self) -> str:
-        """How a refusal names it: ``NAME=value`` for variables, the flag for engine arguments."""
-        return self.name if self.kind is Kind.ENGINE_ARG else f"{self.name}={self.value}"
+__all__ = [
+    "CAPTURE_SETTINGS",
+    "COMMON_SETTINGS",
+    "REPORT_PREFIX",
+    "CaptureSetting",
+    "Kind",
+    "Scope",
+    "engine_args",
+    "env_defaults",
+    "missing_engine_args",
+    "missing_env",
+    "report",
+    "reported",
+    "scopes_for",
+    "settings",
+]
 
 
 _S = CaptureSetting
-CAPTURE_SETTINGS: tuple[CaptureSetting, ...] = (
+COMMON_SETTINGS: tuple[CaptureSetting, ...] = (
     # --- every worker ---------------------------------------------------------------------------------
     _S(
         "NCCL_CUMEM_ENABLE",
@@ -91,12 +65,6 @@ CAPTURE_SETTINGS: tuple[CaptureSetting, ...] = (
     _S("TORCH_NCCL_DUMP_ON_TIMEOUT", "0", "same watchdog: no dumps over the gap between capture and restore"),
     _S("HF_HUB_OFFLINE", "1", "no hub connections may be open in the image"),
     _S("HF_HUB_DISABLE_XET", "1", "the Xet client keeps background connections"),
-    _S(
-        "VLLM_WORKER_MULTIPROC_METHOD",
-        "spawn",
-        "fork would copy CUDA state and open files into children",
-        engine="vllm",
-    ),
     _S("TORCHINDUCTOR_COMPILE_THREADS", "1", "no compile worker pool processes in the image"),
     _S(
         "GLOO_SOCKET_IFNAME",
@@ -134,36 +102,13 @@ CAPTURE_SETTINGS: tuple[CaptureSetting, ...] = (
         Scope.MULTI_PROCESS,
         ("FC-06",),
     ),
-    # --- tensor-parallel groups: engine all-reduce paths over CUDA IPC --------------------------------
-    _S(
-        "VLLM_ALLREDUCE_USE_SYMM_MEM",
-        "0",
-        "vLLM's symmetric-memory all-reduce maps peer GPU memory (CUDA IPC, multicast)",
-        Scope.TENSOR_PARALLEL,
-        ("FC-05", "FC-07"),
-        engine="vllm",
-    ),
-    _S(
-        "--disable-custom-all-reduce",
-        "",
-        "vLLM's custom all-reduce shares GPU buffers between ranks over CUDA IPC",
-        Scope.TENSOR_PARALLEL,
-        ("FC-05", "FC-07"),
-        engine="vllm",
-        kind=Kind.ENGINE_ARG,
-        engine_field="disable_custom_all_reduce",
-    ),
-    _S(
-        "TLLM_NCCL_SYMMETRIC_ZERO_COPY",
-        "0",
-        "TensorRT-LLM's NCCL registered windows are peer GPU memory",
-        Scope.TENSOR_PARALLEL,
-        ("FC-05", "FC-07"),
-        engine="trtllm",
-    ),
 )
-"""Every capture setting, in the order the helper applies them."""
+"""The rows every engine shares (``engine`` None); each engine's own are in its folder's ``settings``."""
 del _S
+
+CAPTURE_SETTINGS: tuple[CaptureSetting, ...] = COMMON_SETTINGS + tuple(r for e in registry.ENGINES for r in e.rows)
+"""Every capture setting: the common rows, then each engine's (:data:`registry.ENGINES`), in the order the
+helper applies them."""
 
 
 def scopes_for(*, cuda_processes: int, tensor_parallel: int) -> frozenset[Scope]:

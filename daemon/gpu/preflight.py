@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from gpusnap.adapters import capture_settings
+from gpusnap.adapters.contract import capture_settings, registry
 from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError, ResourceExhaustedError
 from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid
 from gpusnap.daemon.drivers.nvml import GpuDevice
@@ -294,7 +294,7 @@ def check_nccl_env(pid: int, env: Mapping[str, str], *, engine: str | None = Non
     """A rank of a multi-process tree carries the settings that keep checkpoint from hanging (FC-05/06/07).
 
     Call it for every CUDA process when the tree has more than one, or when the job is tensor-parallel.
-    Required: the ``MULTI_PROCESS`` rows of :data:`gpusnap.adapters.capture_settings.CAPTURE_SETTINGS`
+    Required: the ``MULTI_PROCESS`` rows of :data:`gpusnap.adapters.contract.capture_settings.CAPTURE_SETTINGS`
     (``NCCL_P2P_DISABLE=1``, ``NCCL_NVLS_ENABLE=0``, ``NCCL_SHM_DISABLE=1``, ``NCCL_CUMEM_HOST_ENABLE=0``)
     and, with ``tensor_parallel > 1``, the ``TENSOR_PARALLEL`` rows of ``engine`` (vLLM
     ``VLLM_ALLREDUCE_USE_SYMM_MEM=0``). ``configure_capture_env`` sets all of them.
@@ -347,13 +347,13 @@ def _refuse_settings(pid: int, missing: Sequence[capture_settings.CaptureSetting
     )
 
 
-#: Command-line flags that give an engine's tensor-parallel size (vLLM, SGLang, TensorRT-LLM's trtllm-serve).
-TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--tp-size", "--tp", "--tp_size")
-_ENGINE_MARKERS = (("vllm", "vllm"), ("sglang", "sglang"), ("tensorrt_llm", "trtllm"), ("trtllm", "trtllm"))
+#: Command-line flags that give an engine's tensor-parallel size (every engine's ``settings``).
+TENSOR_PARALLEL_FLAGS = registry.TENSOR_PARALLEL_FLAGS
 
 
 def engine_from_argv(argv: Sequence[str]) -> str | None:
-    """``"vllm"``, ``"sglang"`` or ``"trtllm"`` when ``argv`` runs that engine's entry point, else ``None``.
+    """The engine (``"vllm"``, ``"sglang"``, ``"trtllm"``, …) whose entry point ``argv`` runs, by the markers
+    each engine's ``settings`` declares (:data:`gpusnap.adapters.contract.registry.ENGINE_MARKERS`), else ``None``.
 
     Looks at the program and at ``-m`` module arguments only (so a model *named* after an engine does not
     count): ``vllm serve …``, ``python -m vllm.entrypoints.openai.api_server``, ``python -m sglang.launch_server``,
@@ -362,7 +362,7 @@ def engine_from_argv(argv: Sequence[str]) -> str | None:
     candidates = [Path(argv[0]).name] if argv else []
     candidates += [argv[i + 1] for i in range(len(argv) - 1) if argv[i] == "-m"]
     for arg in candidates:
-        for marker, engine in _ENGINE_MARKERS:
+        for marker, engine in registry.ENGINE_MARKERS:
             if arg == marker or arg.startswith(marker + ".") or arg.startswith(marker + "-"):
                 return engine
     return None

@@ -2,7 +2,7 @@
 contract.
 
 An engine runs one agent in every process that holds engine state (vLLM: the front end, each EngineCore,
-each Worker; ``gpusnap.adapters.vllm_process``). Front ends (role ``frontend``, or a single-process worker)
+each Worker; ``gpusnap.adapters.engines.vllm.processes``). Front ends (role ``frontend``, or a single-process worker)
 take and give back work; the others hold memory.
 
 Capture: ``warm-up`` (front ends) → ``quiesce`` (front ends first, then every other agent in parallel: KV

@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar
 
 import structlog
 
-from gpusnap.adapters import wire
+from gpusnap.adapters.contract import wire
 from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.store.buffers import BufferStore, StagedBuffers
 from gpusnap.daemon.workers.client import AgentClient, Announced

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from gpusnap.adapters import wire
+from gpusnap.adapters.contract import wire
 from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.api.types import ArenaLayout, BufferRef, Snapshot, WorkerInfo
 from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import structlog
 
-from gpusnap.adapters import capture_settings, wire
-from gpusnap.adapters._proto import agent_pb2
+from gpusnap.adapters.contract import capture_settings, wire
+from gpusnap.adapters.contract._proto import agent_pb2
 from gpusnap.daemon import rundirs
 from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
 from gpusnap.daemon.drivers import proc

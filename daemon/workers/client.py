@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from gpusnap.adapters._proto import agent_pb2
+from gpusnap.adapters.contract._proto import agent_pb2
 from gpusnap.daemon.api.types import ArenaLayout
 from gpusnap.daemon.workers.agents import AgentInfo, AgentSession
 

@@ -4,7 +4,7 @@
 
 SGLang: ``sgl.Engine(…, enable_memory_saver=True, disable_cuda_graph=True)`` and ``async_generate``, with
 gpusnap's plugin loaded by the engine itself (entry point ``sglang.srt.plugins``). TensorRT-LLM: the one
-documented line ``gpusnap.adapters.trtllm_plugin.enable()`` first, then ``LLM(…, sleep_config=SleepConfig(),
+documented line ``gpusnap.adapters.engines.trtllm.plugin.enable()`` first, then ``LLM(…, sleep_config=SleepConfig(),
 cuda_graph_config=None)`` and ``generate_async``. WORKDIR/ready appears after the first request;
 WORKDIR/go-N (a JSON prompt) makes the program answer WORKDIR/tokens-N (``{"tokens": [...]}`` or
 ``{"error": "..."}``), greedy, 8 tokens.
@@ -77,7 +77,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args()
     if a.engine == "trtllm":  # first thing, before any event loop (uvloop's hold an io_uring) or the LLM exists
-        import gpusnap.adapters.trtllm_plugin as gpusnap_trtllm
+        import gpusnap.adapters.engines.trtllm.plugin as gpusnap_trtllm
 
         gpusnap_trtllm.enable()
     main = sglang_main if a.engine == "sglang" else trtllm_main

@@ -45,10 +45,10 @@ from unittest import mock
 
 import pytest
 
-from gpusnap.adapters import wire
-from gpusnap.adapters._proto import agent_pb2
 from gpusnap.adapters.agent import WorkerAgent
 from gpusnap.adapters.base import EngineAdapter
+from gpusnap.adapters.contract import wire
+from gpusnap.adapters.contract._proto import agent_pb2
 
 T = TypeVar("T")
 

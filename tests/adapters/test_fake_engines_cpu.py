@@ -182,7 +182,7 @@ before = set(sys.modules)
 (ep,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "gpusnap"]
 ep.load()()
 from sglang.srt.plugins.hook_registry import HookRegistry
-import gpusnap.adapters.trtllm_plugin as trt
+import gpusnap.adapters.engines.trtllm.plugin as trt
 trt.enable()
 new = sorted({m.split(".")[0] for m in set(sys.modules) - before})
 print(json.dumps({"target": ep.value, "hooks": sorted(HookRegistry._hooks), "modules": new,
@@ -205,7 +205,7 @@ def test_plugins_inert_without_the_socket_and_light_with_it(
         [str(torch_venv.PYTHON), "-c", PLUGIN_PROBE], env=env, capture_output=True, text=True, timeout=120, check=True
     )
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["target"] == "gpusnap.adapters.sglang_plugin:register"
+    assert got["target"] == "gpusnap.adapters.engines.sglang.plugin:register"
     expected = [
         "sglang.srt.managers.scheduler.Scheduler.run_event_loop",
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.auto_create_handle_loop",

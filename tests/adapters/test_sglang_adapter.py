@@ -12,7 +12,7 @@ from unittest.mock import ANY, call
 import pytest
 
 from gpusnap.adapters.base import RestoreContext
-from gpusnap.adapters.sglang import SglangAdapter
+from gpusnap.adapters.engines.sglang.adapter import SglangAdapter
 from tests.adapters.fakes_engines import (
     ContinueGenerationReqInput,
     EngineLoop,
@@ -60,7 +60,7 @@ def engine_loop() -> Iterator[EngineLoop]:
 
 def test_module_imports_without_sglang() -> None:
     code = (
-        "import sys, gpusnap.adapters.sglang as m; assert 'sglang' not in sys.modules; "
+        "import sys, gpusnap.adapters.engines.sglang.adapter as m; assert 'sglang' not in sys.modules; "
         "assert m.SglangAdapter.engine == 'sglang'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -11,7 +11,7 @@ from unittest.mock import call
 import pytest
 
 from gpusnap.adapters.base import RestoreContext
-from gpusnap.adapters.trtllm import TrtLlmAdapter
+from gpusnap.adapters.engines.trtllm.adapter import TrtLlmAdapter
 from tests.adapters.fakes_engines import (
     EngineLoop,
     FakeAsyncLlm,
@@ -49,7 +49,7 @@ def engine_loop() -> Iterator[EngineLoop]:
 
 def test_module_imports_without_tensorrt_llm() -> None:
     code = (
-        "import sys, gpusnap.adapters.trtllm as m; assert 'tensorrt_llm' not in sys.modules; "
+        "import sys, gpusnap.adapters.engines.trtllm.adapter as m; assert 'tensorrt_llm' not in sys.modules; "
         "assert m.TrtLlmAdapter.engine == 'trtllm'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.adapters.vllm import VllmAdapter
+from gpusnap.adapters.engines.vllm.adapter import VllmAdapter
 
 
 class FakeSamplingParams:

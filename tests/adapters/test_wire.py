@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from gpusnap.adapters import wire
-from gpusnap.adapters._proto import agent_pb2
+from gpusnap.adapters.contract import wire
+from gpusnap.adapters.contract._proto import agent_pb2
 
 
 def _open_fds() -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from gpusnap.adapters import start_agent
-from gpusnap.adapters.pytorch import TorchAdapter
+from gpusnap.adapters.engines.torch.adapter import TorchAdapter
 
 
 def main() -> None:

@@ -295,7 +295,7 @@ class Ranks:
 
 def launcher_main(args: argparse.Namespace) -> None:
     from gpusnap.adapters import configure_capture_env, start_agent
-    from gpusnap.adapters.pytorch import TorchAdapter
+    from gpusnap.adapters.engines.torch.adapter import TorchAdapter
 
     configure_capture_env(tensor_parallel=args.world)  # inherited by the ranks
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks talk over loopback: one host, and a restore

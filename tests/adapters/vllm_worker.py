@@ -118,7 +118,7 @@ async def _main(workdir: str, model: str, agent: bool) -> None:
     try:
         if agent:
             from gpusnap.adapters import start_agent
-            from gpusnap.adapters.vllm import VllmAdapter
+            from gpusnap.adapters.engines.vllm.adapter import VllmAdapter
 
             started = start_agent(VllmAdapter(engine, release="none"), loop=loop)
             await asyncio.to_thread(started.wait_attached, 60)

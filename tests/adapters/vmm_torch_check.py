@@ -12,7 +12,7 @@ import sys
 import torch
 
 from gpusnap.adapters import buffers, vmm
-from gpusnap.adapters.pytorch import TorchAdapter
+from gpusnap.adapters.engines.torch.adapter import TorchAdapter
 from tests.fakes.cuda_vmm import FakeVmmDriver
 
 

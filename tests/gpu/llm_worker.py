@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from gpusnap.adapters import start_agent  # noqa: E402
-from gpusnap.adapters.pytorch import TorchAdapter  # noqa: E402
+from gpusnap.adapters.engines.torch.adapter import TorchAdapter  # noqa: E402
 
 SIZES = {
     # ~1.1B parameters (TinyLlama-shaped)

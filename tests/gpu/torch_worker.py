@@ -103,7 +103,7 @@ def main() -> None:
     lock = threading.Lock()
     if args.agent:
         from gpusnap.adapters import start_agent
-        from gpusnap.adapters.pytorch import TorchAdapter
+        from gpusnap.adapters.engines.torch.adapter import TorchAdapter
 
         def quiesce() -> None:  # released by resume: no kernels while captured
             lock.acquire()

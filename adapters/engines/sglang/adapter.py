@@ -1,14 +1,14 @@
 """SGLang adapter: warm-up per data-parallel rank, pause + KV-cache release, resume + continue.
 
 This is the in-process form: your code starts one agent, and the scheduler processes, which hold the model, keep
-their weights in the image. gpusnap's plugin (``gpusnap.adapters.sglang_plugin``, which SGLang loads in every
+their weights in the image. gpusnap's plugin (``gpusnap.adapters.engines.sglang.plugin``, which SGLang loads in every
 process; docs/engines.md) uses this adapter in the front end and gives each scheduler an agent of its own.
 
 Build the engine for it (``engine-apis.md`` §4): ``sgl.Engine(…, enable_memory_saver=True)`` with
 ``torch_memory_saver`` installed (without it the memory calls warn and free nothing). Then::
 
     from gpusnap.adapters import start_agent
-    from gpusnap.adapters.sglang import SglangAdapter
+    from gpusnap.adapters.engines.sglang.adapter import SglangAdapter
     start_agent(SglangAdapter(engine, dp_size=engine.server_args.dp_size), loop=asyncio.get_running_loop())
 
 Upstream calls, checked against sgl-project/sglang (main, 0.5.x):

@@ -6,14 +6,14 @@ Installed with gpusnap, it is registered in SGLang's entry-point group for gener
 ``run_scheduler_process``, i.e. in every scheduler process; ``SGLANG_PLUGINS`` may restrict which plugins
 load, so keep ``gpusnap`` in it if you set it). With ``GPUSNAP_AGENT_SOCKET`` unset, :func:`register`
 returns at once. With it set, it blocks io_uring in the process and its children, applies the capture
-settings (``gpusnap.adapters.capture_settings``) and registers two hooks with SGLang's own
+settings (``gpusnap.adapters.contract.capture_settings``) and registers two hooks with SGLang's own
 ``HookRegistry`` (``sglang.srt.plugins.hook_registry``), which ``load_plugins`` applies:
 
 - before ``Scheduler.run_event_loop`` (the model and KV cache exist): the scheduler's agent
-  (:class:`~gpusnap.adapters.sglang_process.SglangSchedulerAdapter`, on its own thread and loop);
+  (:class:`~gpusnap.adapters.engines.sglang.processes.SglangSchedulerAdapter`, on its own thread and loop);
 - after ``TokenizerManager.auto_create_handle_loop`` (the tokenizer manager's loop runs: the HTTP server's
   own warm-up request, or your first ``async_generate``): the front end's agent
-  (:class:`~gpusnap.adapters.sglang_process.SglangFrontEnd`) on that loop. A synchronous ``Engine.generate``
+  (:class:`~gpusnap.adapters.engines.sglang.processes.SglangFrontEnd`) on that loop. A synchronous ``Engine.generate``
   only runs its loop during a call, so the front end of a program that never awaits gets no agent, and its
   capture is refused (``AGENT_MISSING``).
 
@@ -69,7 +69,7 @@ def _before_scheduler_loop(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """``HookType.BEFORE`` on ``Scheduler.run_event_loop``: returns None (arguments unchanged)."""
 
     def start() -> None:
-        from gpusnap.adapters.sglang_process import SglangSchedulerAdapter
+        from gpusnap.adapters.engines.sglang.processes import SglangSchedulerAdapter
 
         _start(SglangSchedulerAdapter(scheduler), None)
 
@@ -82,7 +82,7 @@ def _after_handle_loop(result: Any, tokenizer_manager: Any, *args: Any, **kwargs
         return
 
     def start() -> None:
-        from gpusnap.adapters.sglang_process import SglangFrontEnd
+        from gpusnap.adapters.engines.sglang.processes import SglangFrontEnd
 
         loop: asyncio.AbstractEventLoop | None
         try:

@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from gpusnap.adapters.engine_process import ModelProcessAdapter, process_title, titled
-from gpusnap.adapters.sglang import SglangAdapter
+from gpusnap.adapters.engines.sglang.adapter import SglangAdapter
 
 SCHEDULER_TITLE = "sglang::scheduler"
 """Prefix of the scheduler processes' titles (``configure_scheduler_process`` in ``managers/scheduler.py``)."""
@@ -31,7 +31,7 @@ KV_CACHE = "kv_cache"
 
 
 class TokenizerFrontEnd:
-    """What :class:`~gpusnap.adapters.sglang.SglangAdapter` needs of ``sgl.Engine``, over the tokenizer manager
+    """What :class:`~gpusnap.adapters.engines.sglang.adapter.SglangAdapter` needs of ``sgl.Engine``, over the tokenizer manager
     alone (the HTTP server has no ``Engine``): ``Engine.async_generate`` builds a ``GenerateReqInput`` and awaits
     the first item of ``tokenizer_manager.generate_request(obj, None)``.
 

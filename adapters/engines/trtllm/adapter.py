@@ -1,7 +1,7 @@
 """TensorRT-LLM adapter: warm-up, KV-cache release and re-materialisation through the LLM API.
 
 This is the in-process form: your code starts one agent, and the executor worker processes, which hold the model,
-keep their weights in the image. ``gpusnap.adapters.trtllm_plugin.enable()`` (docs/engines.md) uses this adapter in
+keep their weights in the image. ``gpusnap.adapters.engines.trtllm.plugin.enable()`` (docs/engines.md) uses this adapter in
 the front end and gives each executor worker an agent of its own.
 
 Build the engine for it (``engine-apis.md`` §3): PyTorch backend, ``sleep_config=SleepConfig()`` (older
@@ -9,7 +9,7 @@ releases: ``enable_sleep=True``), ``kv_cache_config.use_kv_cache_manager_v2=Fals
 under MPI (multi-rank sleep needs the Ray orchestrator). Then::
 
     from gpusnap.adapters import start_agent
-    from gpusnap.adapters.trtllm import TrtLlmAdapter
+    from gpusnap.adapters.engines.trtllm.adapter import TrtLlmAdapter
     start_agent(TrtLlmAdapter(llm, end_id=tokenizer.eos_token_id), loop=asyncio.get_running_loop())
 
 Upstream calls, checked against NVIDIA/TensorRT-LLM (main, 1.3–1.4 era):

@@ -3,17 +3,17 @@
 TensorRT-LLM loads no third-party plugins (it has no entry-point group for them), so a program calls, first thing
 (before it creates an event loop, since uvloop's loops hold an io_uring, and before it builds its ``LLM``)::
 
-    import gpusnap.adapters.trtllm_plugin as gpusnap_trtllm; gpusnap_trtllm.enable()
+    import gpusnap.adapters.engines.trtllm.plugin as gpusnap_trtllm; gpusnap_trtllm.enable()
 
 With ``GPUSNAP_AGENT_SOCKET`` unset it does nothing. With it set, it blocks io_uring in the process and its
-children, applies the capture settings (``gpusnap.adapters.capture_settings``), and patches two classes when
+children, applies the capture settings (``gpusnap.adapters.contract.capture_settings``), and patches two classes when
 TensorRT-LLM imports them (:mod:`gpusnap.adapters.patching`):
 
 - ``GenerationExecutorProxy.__init__`` (``tensorrt_llm/executor/proxy.py``) gets gpusnap's worker class,
-  :class:`gpusnap.adapters.trtllm_worker.GpusnapExecutorWorker`, as its ``worker_cls`` (the default
+  :class:`gpusnap.adapters.engines.trtllm.worker.GpusnapExecutorWorker`, as its ``worker_cls`` (the default
   ``GenerationExecutorWorker`` plus an agent), which ``worker_main`` builds in every executor worker process;
 - after ``LLM.__init__`` (``tensorrt_llm/llmapi/llm.py``; the workers are up), the front end's agent
-  (:class:`~gpusnap.adapters.trtllm_process.TrtLlmFrontEnd`) starts, on the running event loop if there is one
+  (:class:`~gpusnap.adapters.engines.trtllm.processes.TrtLlmFrontEnd`) starts, on the running event loop if there is one
   (``AsyncLLM``, async user code), else on its own.
 
 ``trtllm-serve`` runs no user code before it builds its ``LLM``, so it is not covered. Standard library only
@@ -47,7 +47,7 @@ def _patch_proxy(module: ModuleType) -> None:
     def init(original: Any, proxy: Any, *args: Any, **kwargs: Any) -> Any:
         chosen = kwargs.get("worker_cls", GenerationExecutorWorker)
         if chosen is GenerationExecutorWorker:
-            from gpusnap.adapters.trtllm_worker import GpusnapExecutorWorker
+            from gpusnap.adapters.engines.trtllm.worker import GpusnapExecutorWorker
 
             kwargs["worker_cls"] = GpusnapExecutorWorker
         else:
@@ -64,7 +64,7 @@ def _patch_llm(module: ModuleType) -> None:
 
 def _on_llm(llm: Any) -> None:
     from gpusnap.adapters import agent
-    from gpusnap.adapters.trtllm_process import TrtLlmFrontEnd, worker_pids
+    from gpusnap.adapters.engines.trtllm.processes import TrtLlmFrontEnd, worker_pids
 
     if agent.current() is not None:
         return

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpusnap.adapters.engine_process import ModelProcessAdapter, process_title
-from gpusnap.adapters.trtllm import TrtLlmAdapter
+from gpusnap.adapters.engines.trtllm.adapter import TrtLlmAdapter
 
 PID_METHOD = "gpusnap_process"
-"""The method of gpusnap's worker class that answers its PID (``gpusnap.adapters.trtllm_worker``)."""
+"""The method of gpusnap's worker class that answers its PID (``gpusnap.adapters.engines.trtllm.worker``)."""
 
 
 class TrtLlmFrontEnd(TrtLlmAdapter):

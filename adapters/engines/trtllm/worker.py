@@ -1,6 +1,6 @@
 """gpusnap's executor worker class for TensorRT-LLM: ``GenerationExecutorWorker`` plus a gpusnap agent.
 
-:func:`gpusnap.adapters.trtllm_plugin.enable` hands this class to ``GenerationExecutorProxy`` as its
+:func:`gpusnap.adapters.engines.trtllm.plugin.enable` hands this class to ``GenerationExecutorProxy`` as its
 ``worker_cls``, which the proxy passes to ``worker_main`` in every executor worker process (by reference:
 this module is imported there, and only there, so it may import TensorRT-LLM at the top).
 """
@@ -29,7 +29,7 @@ class GpusnapExecutorWorker(GenerationExecutorWorker):  # type: ignore[misc]
         if not os.environ.get("GPUSNAP_AGENT_SOCKET"):
             return
         from gpusnap.adapters import agent
-        from gpusnap.adapters.trtllm_process import TrtLlmWorkerAdapter
+        from gpusnap.adapters.engines.trtllm.processes import TrtLlmWorkerAdapter
 
         if agent.current() is None:
             agent.start_agent(TrtLlmWorkerAdapter(self))

@@ -8,13 +8,13 @@ once and changes nothing. With it set, it:
 
 1. blocks io_uring in the process and its future children (:func:`gpusnap.adapters.io_uring.block_io_uring`;
    the API server's uvloop would otherwise create one, which CRIU cannot dump);
-2. applies the capture settings (``gpusnap.adapters.capture_settings``, the table preflight checks):
+2. applies the capture settings (``gpusnap.adapters.contract.capture_settings``, the table preflight checks):
    the environment defaults at once, for this process and those it starts; and, once the engine's
    arguments are final (``EngineArgs.create_engine_config``), the tensor-parallel rows when
    ``tensor_parallel_size > 1`` (their variables, and engine arguments such as
    ``disable_custom_all_reduce``);
 3. hooks where vLLM finishes building each part, and starts the process's one agent there, with a
-   :class:`~gpusnap.adapters.vllm_process.VllmProcessAdapter`:
+   :class:`~gpusnap.adapters.engines.vllm.processes.VllmProcessAdapter`:
 
    - front end: the end of ``AsyncLLM.__init__`` (on the running event loop: ``vllm serve`` and user code
      alike) and of ``LLM.__init__`` (the agent's own loop);
@@ -26,7 +26,7 @@ once and changes nothing. With it set, it:
    (``WorkerWrapperBase.initialize_from_config``: the weights once vLLM has profiled its memory, the KV cache
    as soon as the model runner's ``initialize_kv_cache`` allocated it), before vLLM captures its CUDA graphs,
    so a capture can take both out of the image and bring them back at the same addresses
-   (:class:`~gpusnap.adapters.vllm_process.WorkerPart`);
+   (:class:`~gpusnap.adapters.engines.vllm.processes.WorkerPart`);
 5. gives the uniprocess executor (one GPU, the model inside ``VLLM::EngineCore``) a ``file://`` rendezvous
    where the release would make a ``tcp://`` one to the node's own address (vLLM ≤ 0.31; later releases do
    the same themselves): torch.distributed then holds no TCP connection a capture would have to carry, so
@@ -83,7 +83,7 @@ def register() -> None:
 def _process_adapter() -> Any:
     global _adapter
     if _adapter is None:
-        from gpusnap.adapters.vllm_process import VllmProcessAdapter
+        from gpusnap.adapters.engines.vllm.processes import VllmProcessAdapter
 
         _adapter = VllmProcessAdapter()
     return _adapter
@@ -107,7 +107,7 @@ def _start(loop: asyncio.AbstractEventLoop | None) -> None:
 
 
 def _apply_tensor_parallel_settings(args: Any) -> None:
-    from gpusnap.adapters.capture_settings import engine_args
+    from gpusnap.adapters.contract.capture_settings import engine_args
     from gpusnap.adapters.env import configure_capture_env
 
     tp = int(getattr(args, "tensor_parallel_size", 1) or 1)

@@ -1,10 +1,10 @@
 """VllmProcessAdapter: the adapter of one vLLM process, whatever it holds (front end, EngineCore, Workers).
 
-gpusnap's vLLM plugin (``gpusnap.adapters.vllm_plugin``) starts one agent per vLLM process with this
+gpusnap's vLLM plugin (``gpusnap.adapters.engines.vllm.plugin``) starts one agent per vLLM process with this
 adapter. What each process does at capture (vLLM 0.32–0.33 layout, ``engine-apis.md`` §6):
 
 - **front end** (``AsyncLLM`` or ``LLM``; the API server under ``vllm serve``): warm-up, then quiesce and
-  resume through :class:`~gpusnap.adapters.vllm.VllmAdapter` (``pause_generation`` … ``resume_generation``);
+  resume through :class:`~gpusnap.adapters.engines.vllm.adapter.VllmAdapter` (``pause_generation`` … ``resume_generation``);
   its canary is the snapshot's.
 - **EngineCore** (``VLLM::EngineCore``, one per data-parallel rank): checks at quiesce that its scheduler
   holds no request (the front end's pause aborted them), so no step can run while the workers are out.
@@ -27,7 +27,7 @@ from typing import Any
 
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
 from gpusnap.adapters.engine_process import MemoryPlan, model_weights, process_title
-from gpusnap.adapters.vllm import Release, VllmAdapter
+from gpusnap.adapters.engines.vllm.adapter import Release, VllmAdapter
 
 log = logging.getLogger("gpusnap.adapters.vllm")
 

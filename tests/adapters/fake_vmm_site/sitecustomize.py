@@ -1,7 +1,7 @@
 """Put on an engine's PYTHONPATH (as ``sitecustomize``, which Python imports at start in every process the
 engine spawns) by CPU tests that run vLLM's address-stable path: gpusnap's VMM arenas then use the fake
 driver of tests/fakes/cuda_vmm.py, whose "device" memory is host memory, so a CPU worker's weights and KV
-cache move into arenas exactly as a CUDA worker's do (gpusnap.adapters.vllm_process.WorkerPart). The
+cache move into arenas exactly as a CUDA worker's do (gpusnap.adapters.engines.vllm.processes.WorkerPart). The
 checkout's root comes from ``GPUSNAP_TEST_REPO``; without it nothing happens."""
 
 import os

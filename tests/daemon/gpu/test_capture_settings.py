@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.adapters import capture_settings as cs
 from gpusnap.adapters import configure_capture_env
+from gpusnap.adapters.contract import capture_settings as cs
 from gpusnap.adapters.env import CAPTURE_ENV
 from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.drivers.nvml import GpuDevice

@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
-from gpusnap.adapters import capture_settings
+from gpusnap.adapters.contract import capture_settings
 from gpusnap.daemon.api.types import (
     ROOT_CALLER,
     CheckpointOptions,

@@ -14,8 +14,8 @@ import socket
 import sys
 import time
 
-from gpusnap.adapters import wire
-from gpusnap.adapters._proto import agent_pb2
+from gpusnap.adapters.contract import wire
+from gpusnap.adapters.contract._proto import agent_pb2
 
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])

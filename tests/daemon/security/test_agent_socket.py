@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpusnap.adapters import wire
-from gpusnap.adapters._proto import agent_pb2
+from gpusnap.adapters.contract import wire
+from gpusnap.adapters.contract._proto import agent_pb2
 from gpusnap.daemon.workers.agents import MAX_AGENTS_PER_UID
 from tests.conftest import DaemonProc, _cli_env, wait_for
 from tests.users import User
@@ -52,7 +52,7 @@ def test_idle_floods_are_bounded_per_user_and_time(daemon: DaemonProc, hostile: 
         )
     )
     script = (
-        "import socket,sys; from gpusnap.adapters import wire; from gpusnap.adapters._proto import agent_pb2;"
+        "import socket,sys; from gpusnap.adapters.contract import wire; from gpusnap.adapters.contract._proto import agent_pb2;"
         "s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
         "m=agent_pb2.AgentMessage(); m.ParseFromString(bytes.fromhex(sys.argv[2])); wire.send(s, m);"
         "import time; time.sleep(3)"

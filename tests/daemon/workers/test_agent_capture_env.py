@@ -6,8 +6,8 @@ import os
 import socket
 from pathlib import Path
 
-from gpusnap.adapters import capture_settings, wire
-from gpusnap.adapters._proto import agent_pb2
+from gpusnap.adapters.contract import capture_settings, wire
+from gpusnap.adapters.contract._proto import agent_pb2
 from gpusnap.daemon.workers.agents import AgentRegistry
 from tests.conftest import wait_for
 

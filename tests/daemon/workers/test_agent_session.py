@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gpusnap.adapters._proto import agent_pb2
+from gpusnap.adapters.contract._proto import agent_pb2
 from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.workers.agents import AgentInfo, AgentSession
 
