@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 OUT_DIR = ROOT / "daemon" / "_proto"
 PACKAGE = "gpusnap.daemon._proto"
-# The agent channel is used inside worker processes: its module lives in the light adapters package.
-AGENT_OUT_DIR = ROOT / "adapters" / "_proto"
+# The agent channel is used inside worker processes: its module lives in the adapters' contract package.
+AGENT_OUT_DIR = ROOT / "adapters" / "contract" / "_proto"
 AGENT_PACKAGE = "gpusnap.adapters.contract._proto"
 AGENT_MODULES = ("agent_pb2.py", "agent_pb2.pyi")
 
