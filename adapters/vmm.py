@@ -528,9 +528,11 @@ class Stabilized:
     rebound: int = 0
 
 
-def _storage_key(tensor: Any) -> tuple[str, int] | None:
-    """``(device, address)`` of a tensor's storage, ``None`` for tensors without real memory (fake, meta or
-    functional tensors that torch.compile keeps, empty storages)."""
+def _storage_key(tensor: Any, skip: tuple[type, ...] = ()) -> tuple[str, int] | None:
+    """``(device, address)`` of a tensor's storage, ``None`` for tensors without real memory (``skip``: fake
+    tensors that torch.compile keeps; meta or functional tensors; empty storages)."""
+    if isinstance(tensor, skip) or tensor.device.type == "meta":
+        return None
     try:
         storage = tensor.untyped_storage()
         if storage.nbytes() == 0:
@@ -553,11 +555,17 @@ def tensors_over(keys: Iterable[tuple[str, int]]) -> dict[tuple[str, int], list[
 
     import torch
 
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        skip: tuple[type, ...] = (FakeTensor,)
+    except ImportError:  # (a torch without it has none to skip)
+        skip = ()
     wanted: dict[tuple[str, int], list[Any]] = {k: [] for k in keys}
     tensor = torch.Tensor
     for obj in gc.get_objects():
         if issubclass(type(obj), tensor):  # (not isinstance: that reads __class__, which some proxies compute)
-            key = _storage_key(obj)
+            key = _storage_key(obj, skip)
             if key in wanted:
                 wanted[key].append(obj)
     return wanted

@@ -100,7 +100,7 @@ class VllmServer:
             cmd,
             env=env,
             stdin=subprocess.DEVNULL,
-            stdout=open(log, "wb"),
+            stdout=open(log, "ab"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )

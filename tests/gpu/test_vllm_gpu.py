@@ -158,7 +158,7 @@ def test_stock_vllm_serve_with_cuda_graphs(tmp_path: Path) -> None:
         assert server.complete(PROMPT) == before
 
         # onto the GPU through --gpu-map, in a network namespace of its own, beside the running copy
-        uuid = snap["gpu_processes"][0]["gpu_uuids"][0]
+        uuid = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)["gpus"][0]["uuid"]
         copy = json.loads(
             daemon.cli(
                 "-o", "json", "restore", "vllm", "--gpu-map", f"{uuid}={uuid}", "--private-net", check=True, timeout=900
