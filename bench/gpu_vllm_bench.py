@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -94,6 +96,31 @@ def restore_to_first_token(daemon: DaemonProc, snapshot: str, port: int) -> dict
     }
 
 
+def host_memory(root: int) -> list[dict[str, Any]]:
+    """What each process of the tree holds in host memory before the capture (what CRIU's images will carry,
+    but for the CUDA checkpoint's copy of device memory): its RSS, and its ten largest mappings by RSS."""
+    out = []
+    for proc in [psutil.Process(root), *psutil.Process(root).children(recursive=True)]:
+        maps = sorted(proc.memory_maps(grouped=False), key=lambda m: -m.rss)
+        out.append(
+            {
+                "pid": proc.pid,
+                "title": (proc.cmdline() or [""])[0][:40],
+                "rss_bytes": proc.memory_info().rss,
+                "largest": [{"path": m.path or "[anon]", "addr": m.addr, "rss_bytes": m.rss} for m in maps[:10]],
+            }
+        )
+    return out
+
+
+def vllm_memory_lines(log: Path) -> list[str]:
+    """vLLM's own lines about memory (model loading, KV cache, CUDA graph capture) from the server's log."""
+    keys = ("Model loading took", "KV cache", "Graph capturing finished", "Available KV cache", "memory")
+    return [
+        line.strip()[:300] for line in log.read_text(errors="replace").splitlines() if any(k in line for k in keys)
+    ][:20]
+
+
 def engine_version() -> str:
     out = subprocess.run(
         [sys.executable, "-c", "import vllm; print(vllm.__version__)"],
@@ -131,6 +158,8 @@ def main() -> int:
         first = request(server.port, PROMPT, 1)
         result["cold_start_to_first_token_s"] = float(first["t_done"]) - t_launch  # type: ignore[arg-type]
         before = request(server.port, PROMPT, 16)["token_ids"]
+        result["host_memory_before_capture"] = host_memory(server.proc.pid)
+        result["vllm_memory_log"] = vllm_memory_lines(server.log)
         if not args.no_stock:
             stock_dump, stock_s = timed_dump(daemon, server.proc.pid, "stock", "--no-offload", "--leave-running")
             assert request(server.port, PROMPT, 16)["token_ids"] == before, "serving again after the stock capture"
