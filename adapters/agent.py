@@ -156,6 +156,7 @@ class WorkerAgent:
                 elif kind == "quiesce":
                     result.buffers.extend(self._quiesce(msg.quiesce.offload))
                     result.arenas.extend(self._arena_infos())
+                    result.details["released_bytes"] = str(self.adapter.released_bytes())
                 elif kind == "map_arenas":
                     result.details.update(self._map_arenas(msg.map_arenas, fds))
                 elif kind == "offload":

@@ -78,3 +78,8 @@ class EngineAdapter(abc.ABC):
     async def health(self) -> list[int]:
         """The canary generation; by default the warm-up request again."""
         return await self.warm_up()
+
+    def released_bytes(self) -> int:
+        """Bytes of memory the last :meth:`quiesce` freed without saving them (a KV cache), for ``gpusnap
+        inspect``; default 0."""
+        return 0

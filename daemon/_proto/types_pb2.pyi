@@ -307,6 +307,7 @@ class WorkerInfo(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     PROCESS_FIELD_NUMBER: _builtins.int
     WEIGHTS_FIELD_NUMBER: _builtins.int
+    RELEASED_BYTES_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """adapter's engine ("vllm", "torch", …); empty for control-dir workers"""
     instance_id: _builtins.str
@@ -326,6 +327,8 @@ class WorkerInfo(_message.Message):
     """the process's title at capture ("VLLM::Worker", …)"""
     weights: _builtins.str
     """where its weights went and why ("offloaded: …", "in image: …")"""
+    released_bytes: _builtins.int
+    """memory its quiesce freed without saving it (a KV cache); 0: none or unknown"""
     def __init__(
         self,
         *,
@@ -339,14 +342,41 @@ class WorkerInfo(_message.Message):
         role: _builtins.str = ...,
         process: _builtins.str = ...,
         weights: _builtins.str = ...,
+        released_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_tokens", b"canary_tokens", "control_dir", b"control_dir", "engine", b"engine", "instance_id", b"instance_id", "pid", b"pid", "process", b"process", "role", b"role", "uid", b"uid", "wake_dir", b"wake_dir", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_tokens", b"canary_tokens", "control_dir", b"control_dir", "engine", b"engine", "instance_id", b"instance_id", "pid", b"pid", "process", b"process", "released_bytes", b"released_bytes", "role", b"role", "uid", b"uid", "wake_dir", b"wake_dir", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerInfo: _TypeAlias = WorkerInfo  # noqa: Y015
+
+@_typing.final
+class ProcessImage(_message.Message):
+    """What a snapshot's images hold of one process."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    IMAGE_BYTES_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    """as CRIU saw it (the host PID for a tree in the host's PID namespace)"""
+    image_bytes: _builtins.int
+    """its memory pages: private, and shared memory it was the first to map"""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        image_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["image_bytes", b"image_bytes", "pid", b"pid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProcessImage: _TypeAlias = ProcessImage  # noqa: Y015
 
 @_typing.final
 class Snapshot(_message.Message):
@@ -390,6 +420,7 @@ class Snapshot(_message.Message):
     BUFFERS_FIELD_NUMBER: _builtins.int
     BUFFER_BYTES_FIELD_NUMBER: _builtins.int
     AGENTS_FIELD_NUMBER: _builtins.int
+    PROCESS_IMAGES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"snap-" + 26 lowercase base32 characters"""
     name: _builtins.str
@@ -427,6 +458,10 @@ class Snapshot(_message.Message):
     def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerInfo]:
         """the tree's other agents (EngineCore, Workers, …), beside worker"""
 
+    @_builtins.property
+    def process_images(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProcessImage]:
+        """per process, the bytes of the images (empty in older snapshots)"""
+
     def __init__(
         self,
         *,
@@ -446,10 +481,11 @@ class Snapshot(_message.Message):
         buffers: _abc.Iterable[Global___BufferRef] | None = ...,
         buffer_bytes: _builtins.int = ...,
         agents: _abc.Iterable[Global___WorkerInfo] | None = ...,
+        process_images: _abc.Iterable[Global___ProcessImage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "host", b"host", "source", b"source", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "created", b"created", "files", b"files", "gpu_processes", b"gpu_processes", "host", b"host", "id", b"id", "labels", b"labels", "manifest_version", b"manifest_version", "name", b"name", "owner_uid", b"owner_uid", "phases", b"phases", "size_bytes", b"size_bytes", "source", b"source", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "created", b"created", "files", b"files", "gpu_processes", b"gpu_processes", "host", b"host", "id", b"id", "labels", b"labels", "manifest_version", b"manifest_version", "name", b"name", "owner_uid", b"owner_uid", "phases", b"phases", "process_images", b"process_images", "size_bytes", b"size_bytes", "source", b"source", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

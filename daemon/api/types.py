@@ -77,6 +77,16 @@ class GpuProcess:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProcessImage:
+    """What CRIU's images hold of one process: ``pid`` (as CRIU saw it: the host PID for a tree in the host's
+    PID namespace) and ``image_bytes``, its memory pages (private, and shared memory it was the first to map:
+    the CUDA checkpoint's host copy of a worker's device memory is such memory)."""
+
+    pid: int
+    image_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class BufferRef:
     """A worker's named buffer kept outside the images: a blob of the buffer store, by digest."""
 
@@ -131,6 +141,8 @@ class WorkerInfo:
     """Where the process's weights went, and why (``offloaded: …`` or ``in image: …``), from its adapter."""
     arenas: tuple[ArenaLayout, ...] = ()
     """Its address-stable arenas holding buffers (``BufferRef.arena`` indexes them); empty in older snapshots."""
+    released_bytes: int = 0
+    """Memory its quiesce freed without saving it (a KV cache), as its agent reported; 0 when none or unknown."""
 
     @property
     def is_front(self) -> bool:
@@ -186,6 +198,9 @@ class Snapshot:
     """Files reopened by path on restore; checked against the owner's rights first (``file_rights``)."""
     owner_creds: Creds | None = None
     """The root process's credentials at dump (``None`` in snapshots of older gpusnap)."""
+    process_images: tuple[ProcessImage, ...] = ()
+    """Bytes of the images per process (empty in snapshots of older gpusnap, or where CRIU's images could not
+    be read); what they do not cover is shared memory no process was counted for, and the images' metadata."""
 
     @property
     def all_workers(self) -> tuple[WorkerInfo, ...]:

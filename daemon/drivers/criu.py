@@ -206,7 +206,7 @@ class CriuDriver:
         timeout_s: float,
         enter_ns_of: int = 0,
         on_start: Callable[[int], None] | None = None,
-        on_post_dump: Callable[[], None] | None = None,
+        on_post_dump: Callable[[dict[int, int]], None] | None = None,
     ) -> None:
         """Dump the tree rooted at ``pid`` into ``images_dir``; CRIU's log goes to ``work_dir/dump.log``.
 
@@ -218,7 +218,8 @@ class CriuDriver:
                 with the tree, CRIU and the helper included, before CRIU could answer.
             on_start: called with the helper's PID once it runs (used by fault-injection tests).
             on_post_dump: called once the images are complete while the tree is still frozen (CRIU's
-                ``post-dump`` notification). If it raises, CRIU fails the dump and resumes the tree,
+                ``post-dump`` notification), with the bytes of pages the images hold for each PID (as CRIU
+                saw it; empty if unknown). If it raises, CRIU fails the dump and resumes the tree,
                 and the exception is re-raised here: this is how a snapshot is published before the
                 source is killed, so a failed publish never loses the source.
 
@@ -247,7 +248,11 @@ class CriuDriver:
         req: dict[str, Any] = {"action": "dump", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts}
         if enter_ns_of:
             req["enter_ns_of"] = enter_ns_of
-        handler = _NotifyHandler({"post-dump": lambda _event, _events: on_post_dump()}) if on_post_dump else None
+        handler = (
+            _NotifyHandler({"post-dump": lambda event, _events: on_post_dump(_image_bytes(event))})
+            if on_post_dump
+            else None
+        )
         self._run(req, work_dir / "dump.log", timeout_s, on_start=on_start, on_notify=handler)
 
     def restore(
@@ -563,6 +568,14 @@ def _end_helper(proc: subprocess.Popen[bytes]) -> None:
 
 
 _Callback = Callable[[dict[str, Any], list[dict[str, Any]]], None]
+
+
+def _image_bytes(event: dict[str, Any]) -> dict[int, int]:
+    """The post-dump event's ``image_bytes`` (PID → bytes of pages in the images), checked; empty if absent."""
+    raw = event.get("image_bytes")
+    if not isinstance(raw, dict):
+        return {}
+    return {int(k): int(v) for k, v in raw.items() if str(k).isdigit() and isinstance(v, int) and v >= 0}
 
 
 class _NotifyHandler:

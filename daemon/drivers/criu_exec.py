@@ -175,7 +175,8 @@ def _run_criu(req: dict[str, Any], swrk: Swrk) -> dict[str, Any]:
     CRIU's notifications (``notify_scripts``) are relayed: for ``post-dump`` (images complete, tree
     still frozen), ``post-restore`` (tree restored; ``pid`` is the root's PID as CRIU sees it) and
     ``pre-resume`` (every task restored with its credentials and stopped before its first instruction)
-    the helper emits ``{"event": "notify", "script": …, "pid": …}`` and waits for a line
+    the helper emits ``{"event": "notify", "script": …, "pid": …}`` (at ``post-dump`` also ``"image_bytes"``: PID →
+    bytes of pages the images hold for it, :mod:`gpusnap.daemon.drivers.criu_pages`) and waits for a line
     ``{"ok": true|false}`` on stdin; ``false`` makes CRIU fail the dump and resume the tree, or kill the
     restored tree (at ``post-restore``; at ``pre-resume`` CRIU only logs it, so the daemon kills the tree).
     pycriu answers one request with one response and has no notification loop, so this loop is
@@ -208,7 +209,10 @@ def _run_criu(req: dict[str, Any], swrk: Swrk) -> dict[str, Any]:
                     break
                 ok = True
                 if resp.notify.script in ASKED_SCRIPTS:
-                    _emit(sys.stdout, {"event": "notify", "script": resp.notify.script, "pid": resp.notify.pid})
+                    event = {"event": "notify", "script": resp.notify.script, "pid": resp.notify.pid}
+                    if resp.notify.script == "post-dump":
+                        event["image_bytes"] = _image_bytes(images_fd)
+                    _emit(sys.stdout, event)
                     answer = sys.stdin.readline()
                     ok = bool(answer) and bool(json.loads(answer).get("ok"))
                 ack = rpc.criu_req()
@@ -234,6 +238,17 @@ def _run_criu(req: dict[str, Any], swrk: Swrk) -> dict[str, Any]:
         swrk.close()
         os.close(images_fd)
         os.close(work_fd)
+
+
+def _image_bytes(images_fd: int) -> dict[str, int]:
+    """PID (as a string: JSON) → bytes of pages the complete images hold for it (``criu_pages``); empty if the
+    images cannot be read, which never fails the dump."""
+    from gpusnap.daemon.drivers import criu_pages
+
+    try:
+        return {str(pid): n for pid, n in criu_pages.image_bytes_by_pid(images_fd).items()}
+    except Exception:  # noqa: BLE001 (a statistic for inspect; the dump goes on without it)
+        return {}
 
 
 def _next_size(sk: socket.socket, criu_pid: int) -> tuple[int, bool]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import UTC, datetime
 
-from gpusnap.daemon.api.types import CheckpointOptions, HostFacts, Snapshot, TcpMode
+from gpusnap.daemon.api.types import CheckpointOptions, HostFacts, ProcessImage, Snapshot, TcpMode
 from gpusnap.daemon.drivers import devshm, host, proc
 from gpusnap.daemon.operations import capture_checks, file_rights, workers
 from gpusnap.daemon.operations.base import PhaseRunner
@@ -98,7 +98,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
         remaps: list[devshm.LinkRemap] = []  # CRIU's, kept on the host after a dump that kills: the copy has them
         run.record.note(staging=staging.snapshot_id)
 
-        def publish() -> None:  # CRIU's post-dump: images complete, tree still frozen
+        def publish(image_bytes: dict[int, int]) -> None:  # CRIU's post-dump: images complete, tree still frozen
             run.close_phase()
             frozen = proc.tree_pids_or_empty(opts.pid) or list(facts.tree_pids)  # the tree as CRIU froze it
             if owner_uid != 0:  # a set-user-ID program exec'd since preflight: refused, CRIU resumes the tree
@@ -125,6 +125,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                     phases=tuple(run.record.phases),
                     owner_uid=owner_uid,
                     gpu_processes=gpu_tree.processes if gpu_tree else (),
+                    process_images=tuple(ProcessImage(pid, n) for pid, n in sorted(image_bytes.items())),
                     worker=worker,
                     agents=capture.agents,
                     buffers=buffers,

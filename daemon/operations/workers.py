@@ -65,6 +65,7 @@ class AgentCapture(weights.AgentWeights):
             process=i.info.get("process", ""),
             weights=i.info.get("weights", ""),
             arenas=self.client.arenas if self.announced else (),
+            released_bytes=self.client.released_bytes,
         )
 
 

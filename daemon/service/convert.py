@@ -176,6 +176,7 @@ def snapshot(s: Snapshot) -> types_pb2.Snapshot:
         gpu_processes=[gpu_process(g) for g in s.gpu_processes],
         worker=worker_info(s.worker) if s.worker else None,
         agents=[worker_info(w) for w in s.agents],
+        process_images=[types_pb2.ProcessImage(pid=i.pid, image_bytes=i.image_bytes) for i in s.process_images],
     )
 
 

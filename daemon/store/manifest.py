@@ -16,11 +16,15 @@ Schema (``manifest_version`` 3; version 1 lacks ``buffers``, version 2 ``agents`
      "buffers": [{"name": "model.embed_tokens.weight", "size_bytes": 1050673152, "sha256": "…", "agent": "…",
                   "arena": 1, "arena_offset": 0}],
      "held_files": [{"pid": 1234, "what": "fd 3", "path": "/home/u/log", "dev": 2049, "ino": 131, "access": 2}],
-     "owner_creds": {"uid": 1000, "gid": 1000, "groups": [1000, 27]}}
+     "owner_creds": {"uid": 1000, "gid": 1000, "groups": [1000, 27]},
+     "process_images": [{"pid": 1234, "image_bytes": 2042482688}]}
 
 ``worker.arenas``/``agents[].arenas`` (``[{gpu_uuid, size_bytes, granularity, chunk_bytes, storages}]``) and
 ``buffers[].arena``/``arena_offset`` (optional, absent in older manifests: their restores read every buffer
 back) describe address-stable arenas for ``--gpu-prefill``.
+
+``process_images`` (optional, absent in older manifests) and ``agents[].released_bytes`` (likewise) say, per
+process, what its images hold and what its quiesce freed without saving (``gpusnap inspect``).
 
 ``held_files`` and ``owner_creds`` (optional, absent in older manifests) let a restore check that the
 snapshot's owner may still open every file CRIU reopens by path (``gpusnap.daemon.operations.file_rights``).
@@ -53,6 +57,7 @@ from gpusnap.daemon.api.types import (
     ImageFile,
     PhaseTiming,
     ProcessFacts,
+    ProcessImage,
     Snapshot,
     WorkerInfo,
 )
@@ -83,6 +88,7 @@ def to_json(snapshot: Snapshot) -> dict[str, Any]:
         "buffers": [_fields(b) for b in snapshot.buffers],
         "held_files": [_fields(h) for h in snapshot.held_files],
         "owner_creds": _fields(snapshot.owner_creds) if snapshot.owner_creds else None,
+        "process_images": [_fields(i) for i in snapshot.process_images],
     }
 
 
@@ -155,6 +161,10 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
                 Creds(**{**doc["owner_creds"], "groups": tuple(doc["owner_creds"]["groups"])})
                 if doc.get("owner_creds")
                 else None
+            ),
+            process_images=tuple(
+                ProcessImage(pid=int(i["pid"]), image_bytes=int(i["image_bytes"]))
+                for i in doc.get("process_images", [])
             ),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:

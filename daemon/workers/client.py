@@ -44,6 +44,8 @@ class AgentClient:
         self.session = session
         self.arenas: tuple[ArenaLayout, ...] = ()
         """The address-stable arenas the worker's last quiesce reported (as the worker said: unchecked)."""
+        self.released_bytes = 0
+        """Memory the worker's last quiesce freed without saving it, as it said (shown by ``inspect`` only)."""
 
     @property
     def info(self) -> AgentInfo:
@@ -66,6 +68,7 @@ class AgentClient:
         self.arenas = tuple(
             ArenaLayout(a.gpu_uuid, a.size_bytes, a.granularity, tuple(a.chunk_bytes), a.storages) for a in done.arenas
         )
+        self.released_bytes = _count(done.details.get("released_bytes", ""))
         return [Announced(b.name, b.size_bytes, b.arena, b.arena_offset) for b in done.buffers]
 
     def offload(self, names: Sequence[str], fds: Sequence[int], last: bool, timeout_s: float) -> Moved:
@@ -109,3 +112,8 @@ class AgentClient:
             )
         done = self.session.call(agent_pb2.DaemonMessage(resume=resume), timeout_s, "resume")
         return done.details.get("tokens", "")
+
+
+def _count(text: str) -> int:
+    """A byte count an agent reported: a decimal between 0 and 2**63 - 1, else 0 (the agent is not trusted)."""
+    return int(text) if text.isdigit() and len(text) < 19 else 0

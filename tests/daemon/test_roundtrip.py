@@ -32,6 +32,10 @@ def _check_alive_and_intact(w: Workload, root_pid: int) -> None:
     assert _hello(int(w.read("port"))).startswith("hello ")
 
 
+def _inspect(daemon: DaemonProc, ref: str) -> dict:  # type: ignore[type-arg]
+    return json.loads(daemon.cli("-o", "json", "inspect", ref, check=True).stdout)  # type: ignore[no-any-return]
+
+
 def test_round_trip_of_a_process_tree(daemon: DaemonProc, workloads: Workloads) -> None:
     w = workloads.start("--mem-mb", "100")
     assert _hello(int(w.read("port"))).startswith("hello ")
@@ -44,6 +48,14 @@ def test_round_trip_of_a_process_tree(daemon: DaemonProc, workloads: Workloads) 
     assert w.proc is not None and w.proc.wait(timeout=10) == -signal.SIGKILL, "the source is killed after the dump"
     frozen_at = w.last("parent.log")
     assert frozen_at >= counter_at_dump
+
+    images = {int(i["pid"]): int(i["image_bytes"]) for i in _inspect(daemon, "tree-100m")["process_images"]}
+    child = next(p for p in images if p != w.pid)
+    assert set(images) == {w.pid, child}, images
+    assert min(images.values()) >= 100 * 2**20, (
+        f"each process's images hold the 100 MiB (the child's since fork): {images}"
+    )
+    assert sum(images.values()) <= dumped["size_bytes"]
 
     listed = json.loads(daemon.cli("-o", "json", "ls", check=True).stdout)
     assert [s["id"] for s in listed] == [dumped["id"]]

@@ -138,6 +138,9 @@ def test_stock_vllm_serve_with_cuda_graphs(tmp_path: Path) -> None:
         workers = [snap["worker"], *snap.get("agents", [])]
         engine = next(w for w in workers if w["process"].startswith("VLLM::EngineCore"))
         assert engine["weights"].startswith("offloaded: weights and KV cache in address-stable arenas"), engine
+        assert int(engine["released_bytes"]) >= 512 << 20, "the KV cache was released, not saved"
+        images = {int(i["pid"]): int(i["image_bytes"]) for i in snap["process_images"]}
+        assert engine["pid"] in images, images
         at_capture = sum(int(g["gpu_memory_bytes"]) for g in snap["gpu_processes"])
         assert dumped["size_bytes"] < 8 << 30, "no weights or KV cache in the images"
         print(

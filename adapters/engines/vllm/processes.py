@@ -261,6 +261,7 @@ class VllmProcessAdapter(EngineAdapter):
         self.workers: list[WorkerPart] = []
         self.expect_pids: list[int] = []
         self._released_kv: list[WorkerPart] = []
+        self._released_bytes = 0
 
     # -- parts ------------------------------------------------------------------------------------
 
@@ -311,6 +312,7 @@ class VllmProcessAdapter(EngineAdapter):
     async def quiesce(self) -> None:
         if self.front:
             await self.front.quiesce()
+        self._released_bytes = 0
         try:
             if self.core is not None:
                 _check_idle(self.core)
@@ -318,6 +320,7 @@ class VllmProcessAdapter(EngineAdapter):
                 if part.plan().release_kv:
                     freed = part.release_kv()
                     self._released_kv.append(part)
+                    self._released_bytes += freed
                     log.info("gpusnap: worker rank %d released %d bytes of KV cache", part.rank, freed)
         except BaseException:
             self._recreate_kv()
@@ -339,6 +342,9 @@ class VllmProcessAdapter(EngineAdapter):
 
     async def health(self) -> list[int]:
         return await self.front.health() if self.front else []
+
+    def released_bytes(self) -> int:
+        return self._released_bytes
 
     def _recreate_kv(self) -> None:
         while self._released_kv:

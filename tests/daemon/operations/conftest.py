@@ -62,15 +62,15 @@ class RecordingCriu(CriuDriver):
         self.fail_post_dump: BaseException | None = None
         self.restored: list[RestoredTree] = []
 
-    def dump(self, *, pid: int, on_post_dump: Callable[[], None] | None = None, **kw: Any) -> None:
+    def dump(self, *, pid: int, on_post_dump: Callable[[dict[int, int]], None] | None = None, **kw: Any) -> None:
         self.log.note("criu.dump", pid)
 
-        def post_dump() -> None:
+        def post_dump(image_bytes: dict[int, int]) -> None:
             self.log.note("criu.post-dump", pid)
             if self.fail_post_dump is not None:
                 raise self.fail_post_dump
             if on_post_dump is not None:
-                on_post_dump()
+                on_post_dump(image_bytes)
 
         super().dump(pid=pid, on_post_dump=post_dump, **kw)
         self.log.note("criu.dumped", pid)
