@@ -1,0 +1,55 @@
+"""A vLLM release without a hook gpusnap's plugin needs stops at start-up, naming the version and the hook
+(adapters/patching.py ``HookMissing``), rather than serving a worker a capture would then fail on. A stand-in
+``vllm`` package (version and module layout only) plays the release, so this runs without vLLM."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+LOAD = """
+import sys
+from gpusnap.adapters.engines.vllm import plugin
+plugin.register()
+import vllm.v1.worker.worker_base
+print("imported")
+"""
+
+
+def _fake_vllm(root: Path, worker_base: str) -> None:
+    pkg = root / "vllm"
+    (pkg / "v1" / "worker").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('__version__ = "0.19.9"\n')
+    (pkg / "v1" / "__init__.py").write_text("")
+    (pkg / "v1" / "worker" / "__init__.py").write_text("")
+    (pkg / "v1" / "worker" / "worker_base.py").write_text(worker_base)
+
+
+def _load(root: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), *sys.path]),
+        "GPUSNAP_AGENT_SOCKET": str(tmp / "agent.sock"),
+    }
+    return subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_release_without_a_hook_stops_at_start_up_naming_it(tmp_path: Path) -> None:
+    _fake_vllm(tmp_path / "old", "class WorkerWrapperBase:\n    def init_worker(self, all_kwargs):\n        pass\n")
+    res = _load(tmp_path / "old", tmp_path)
+    assert res.returncode != 0 and "imported" not in res.stdout
+    assert "HookMissing" in res.stderr and "vLLM 0.19.9" in res.stderr, res.stderr
+    assert "vllm.v1.worker.worker_base.WorkerWrapperBase.initialize_from_config" in res.stderr, res.stderr
+
+
+def test_a_release_with_the_hooks_imports(tmp_path: Path) -> None:
+    _fake_vllm(
+        tmp_path / "new",
+        "class WorkerWrapperBase:\n"
+        "    def init_worker(self, all_kwargs):\n        pass\n"
+        "    def initialize_from_config(self, kv_cache_configs):\n        pass\n",
+    )
+    res = _load(tmp_path / "new", tmp_path)
+    assert res.returncode == 0 and "imported" in res.stdout, res.stderr
