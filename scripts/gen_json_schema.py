@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write docs/schemas/v1/cli.schema.json: the JSON Schema (2020-12) of every ``gpusnap -o json`` output.
 
-Message shapes come from the gpusnap.v1 descriptors, in the form daemon/jsonout.py writes them; the
+Message shapes come from the gpusnap.v1 descriptors, in the form daemon/cli/render.py writes them; the
 per-command documents are declared below. ``make schemas`` runs this; tests/daemon/test_json_schema.py
 validates real outputs against the file and checks that it is current.
 
@@ -34,7 +34,7 @@ def _scalar(field: Any) -> dict[str, Any]:
 
     t = field.type
     if field.enum_type is not None:
-        from gpusnap.daemon.jsonout import _enum_names
+        from gpusnap.daemon.cli.render import _enum_names
 
         return {"enum": sorted(set(_enum_names(field.enum_type).values()))}
     if t in (F.TYPE_INT32, F.TYPE_INT64, F.TYPE_SINT32, F.TYPE_SINT64, F.TYPE_SFIXED32, F.TYPE_SFIXED64):

@@ -2,7 +2,7 @@
 
 Every error the daemon reports is a :class:`GpusnapError` subclass carrying a machine-readable
 ``reason`` (``UPPER_SNAKE``), a message that names the cause and the fix, and a ``code`` that mirrors a
-gRPC status code (the one mapping to and from gRPC lives in ``gpusnap.daemon.service.errors``; this
+gRPC status code (the one mapping to and from gRPC lives in ``gpusnap.daemon.api.status``; this
 module imports no gRPC). Pattern from containerd's ``errdefs`` and Temporal's ``RPCStatusCode``.
 """
 

@@ -28,10 +28,10 @@ from grpc_status import rpc_status
 
 from gpusnap.daemon._proto import operations_pb2
 from gpusnap.daemon.api.errors import GpusnapError
+from gpusnap.daemon.api.status import to_status_proto
 from gpusnap.daemon.api.types import Caller
 from gpusnap.daemon.operations.base import EventType, OperationRecord
 from gpusnap.daemon.service import convert
-from gpusnap.daemon.service.errors import to_status_proto
 from gpusnap.daemon.service.limits import CallerLimits
 from gpusnap.daemon.service.servicers import OperationServicer, _Base
 

@@ -9,6 +9,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from gpusnap.daemon._proto import node_pb2, operations_pb2, types_pb2
 from gpusnap.daemon.api.errors import InvalidArgumentError
+from gpusnap.daemon.api.status import to_status_proto
 from gpusnap.daemon.api.types import (
     CheckpointOptions,
     GpuProcess,
@@ -23,7 +24,6 @@ from gpusnap.daemon.api.types import (
 )
 from gpusnap.daemon.core import NodeInfo
 from gpusnap.daemon.operations.base import EventType, OperationEvent, OperationKind, OperationRecord, OperationState
-from gpusnap.daemon.service.errors import to_status_proto
 from gpusnap.daemon.store import manifest
 
 _TCP = {

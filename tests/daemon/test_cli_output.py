@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.cli import moved
+from gpusnap.daemon.cli.output import moved
 from tests.conftest import DaemonProc, Workloads, _cli_env, _healthy, criu_prefix, wait_for
 
 LONG_NAME = "a-rather-long-snapshot-name-for-a-warmed-up-inference-worker-01"

@@ -8,13 +8,14 @@ import re
 from rich.console import Console
 
 from gpusnap.daemon import cli
+from gpusnap.daemon.cli import output
 
 HOSTILE = "[/]\x1b[31mred\x1b]0;title\x07 [link=http://x]y[/link] \x9b31m \u202eevil"
 
 
 def test_table_cells_are_neither_markup_nor_escape_sequences() -> None:
-    table = cli._table(show_header=False)
-    cli._row(table, "command", HOSTILE)  # a crash here: rich read "[/]" as a closing tag
+    table = output.new_table(show_header=False)
+    output.add_row(table, "command", HOSTILE)  # a crash here: rich read "[/]" as a closing tag
     out = io.StringIO()
     Console(file=out, force_terminal=True, width=200).print(table)
     text = out.getvalue()
@@ -25,7 +26,7 @@ def test_table_cells_are_neither_markup_nor_escape_sequences() -> None:
 
 
 def test_safe_keeps_printable_text() -> None:
-    assert cli._safe("python3 -c 'x = [1, 2]' é 日本") == "python3 -c 'x = [1, 2]' é 日本"
+    assert output.safe("python3 -c 'x = [1, 2]' é 日本") == "python3 -c 'x = [1, 2]' é 日本"
 
 
 def test_every_exit_code_is_in_the_help_and_the_readme() -> None:

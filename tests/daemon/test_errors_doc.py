@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from gpusnap.daemon.api.errors import Action, Code, DataLossError, InvalidArgumentError, action_for
-from gpusnap.daemon.service.errors import DOMAIN, from_status_proto, to_status_proto
+from gpusnap.daemon.api.status import DOMAIN, from_status_proto, to_status_proto
 from tests.conftest import REPO
 
 DOC = REPO / "docs" / "errors.md"

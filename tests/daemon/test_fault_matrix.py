@@ -29,10 +29,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpusnap.daemon import client as client_module
 from gpusnap.daemon._proto import operations_pb2
 from gpusnap.daemon.api.errors import GpusnapError, UnavailableError
 from gpusnap.daemon.client import DaemonClient
+from gpusnap.daemon.client import calls as client_module
 from gpusnap.daemon.store import checksum, manifest
 from tests.adapters.test_agent_roundtrip import Toy
 from tests.conftest import DaemonProc, Workload, Workloads, criu_killed, kill_tree, start_daemon, stop_daemon, wait_for

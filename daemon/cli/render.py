@@ -18,7 +18,7 @@ from google.protobuf.message import Message
 from google.rpc import status_pb2
 
 from gpusnap.daemon.api.errors import GpusnapError
-from gpusnap.daemon.service.errors import from_status_proto
+from gpusnap.daemon.api.status import from_status_proto
 
 SCHEMA_VERSION = "v1"
 """Directory under docs/schemas/ of the schemas this module writes to."""

@@ -27,8 +27,8 @@ from gpusnap.daemon._proto import (
     types_pb2,
 )
 from gpusnap.daemon.api.errors import Code, GpusnapError, PermissionDeniedError, UnavailableError
+from gpusnap.daemon.api.status import from_rpc_error, from_status_proto
 from gpusnap.daemon.defaults import DEFAULT_SOCKET
-from gpusnap.daemon.service.errors import from_rpc_error, from_status_proto
 
 R = TypeVar("R")
 START_RETRY_S = 15.0

@@ -1,0 +1,142 @@
+"""Following an operation: the live phase display, Ctrl-C held while it starts, cancel on interrupt."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from gpusnap.daemon.cli.app import Ctx, checked
+from gpusnap.daemon.cli.output import console, moved, safe
+
+if TYPE_CHECKING:
+    from gpusnap.daemon._proto import operations_pb2
+    from gpusnap.daemon.client import DaemonClient
+
+
+@contextmanager
+def phase_display(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationEvent], None]]:
+    """A live phase display on a terminal; a no-op elsewhere."""
+    if not enabled:
+        yield lambda event: None
+        return
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from gpusnap.daemon._proto import operations_pb2
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description:<12}"),
+        BarColumn(),
+        TextColumn("{task.fields[moved]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console(stderr=True), transient=False) as progress:
+        tasks: dict[str, Any] = {}
+
+        def show(event: operations_pb2.OperationEvent) -> None:
+            E = operations_pb2.OperationEvent
+            if event.type == E.TYPE_PHASE_STARTED:
+                tasks[event.phase] = progress.add_task(event.phase, total=None, moved="")
+            elif event.type == E.TYPE_PROGRESS and event.phase in tasks:
+                progress.update(
+                    tasks[event.phase],
+                    completed=event.bytes,
+                    total=event.total_bytes or None,
+                    moved=moved(event.bytes, event.total_bytes),
+                )
+            elif event.type in (E.TYPE_PHASE_FINISHED, E.TYPE_PHASE_FAILED) and event.phase in tasks:
+                mark = "" if event.type == E.TYPE_PHASE_FINISHED else " [red]failed[/red]"
+                progress.update(
+                    tasks[event.phase],
+                    description=event.phase + mark,
+                    completed=1,
+                    total=1,
+                    moved=moved(event.bytes, event.bytes),
+                )
+            elif event.type == E.TYPE_ROLLBACK:
+                from rich.markup import escape
+
+                progress.console.print(f"[yellow]rollback[/yellow] {escape(safe(f'{event.phase}: {event.message}'))}")
+
+        yield show
+
+
+class HeldInterrupt:
+    """Ctrl-C while an operation is being started is noted, not raised: its id is not known yet, so it could
+    be neither cancelled nor followed. :func:`follow` cancels it once the id is there."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._previous: Any = None
+        # Only where Ctrl-C raises: a shell starts a background job with SIGINT ignored, and it stays so.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is (
+            signal.default_int_handler
+        ):
+            self._previous = signal.signal(signal.SIGINT, self._note)
+
+    def _note(self, _signum: int, _frame: object) -> None:
+        self.pending = True
+
+    def release(self) -> None:
+        """Ctrl-C raises KeyboardInterrupt again (idempotent)."""
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+def start_held(fn: Callable[[], operations_pb2.Operation]) -> tuple[operations_pb2.Operation, HeldInterrupt]:
+    """Start an operation with Ctrl-C held until :func:`follow` (or the caller) releases it."""
+    held = HeldInterrupt()
+    try:
+        return checked(fn), held
+    except BaseException:
+        held.release()
+        raise
+
+
+def follow(
+    client: DaemonClient, op: operations_pb2.Operation, show_progress: bool, held: HeldInterrupt | None = None
+) -> operations_pb2.Operation:
+    from gpusnap.daemon._proto import operations_pb2
+    from gpusnap.daemon.client import raise_if_failed
+
+    try:
+        if held is not None:
+            held.release()
+            if held.pending:
+                raise KeyboardInterrupt
+        with phase_display(show_progress) as show:
+            for event in client.watch(op.id):
+                show(event)
+                if event.type == operations_pb2.OperationEvent.TYPE_OPERATION_FINISHED:
+                    raise_if_failed(event.operation)
+                    return event.operation
+        return client.wait(op.id)
+    except KeyboardInterrupt:
+        return cancel_and_wait(client, op)
+
+
+def cancel_and_wait(client: DaemonClient, op: operations_pb2.Operation) -> operations_pb2.Operation:
+    """Ctrl-C: cancel the operation and wait for its rollback; a second Ctrl-C leaves it to gpusnapd."""
+    try:
+        client.cancel(op.id)
+        click.echo(
+            f"gpusnap: interrupted; cancelling {op.id} and rolling back (Ctrl-C again to stop waiting)", err=True
+        )
+        return client.wait(op.id)  # raises CancelledError once rolled back (exit 130)
+    except KeyboardInterrupt:
+        click.echo(f"gpusnap: operation {op.id} goes on in gpusnapd: follow it with `gpusnap wait {op.id}`", err=True)
+        sys.exit(130)
+
+
+def run_operation(obj: Ctx, start: Callable[[DaemonClient], operations_pb2.Operation]) -> operations_pb2.Operation:
+    """Start an operation and follow it to its end (live phases on a terminal); exits on failure."""
+    with obj.client() as client:
+        op, sigint = start_held(lambda: start(client))
+        return checked(lambda: follow(client, op, obj.live, sigint))

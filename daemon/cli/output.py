@@ -1,0 +1,93 @@
+"""How the CLI prints: tables sized for the terminal (80 columns off one), safe cells, sizes, JSON."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gpusnap.daemon._proto import operations_pb2
+
+
+TABLE_WIDTH = 80
+"""Width of tables when the output is not a terminal (pipes, files, CI logs); $COLUMNS overrides it."""
+
+
+LS_WIDE = 120
+"""Narrower than this, ``ls`` leaves out SOURCE and GPUS (``inspect`` and ``-o json`` keep them) so NAME has room."""
+
+
+@functools.cache
+def console(stderr: bool = False) -> Console:
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else int(os.environ.get("COLUMNS") or TABLE_WIDTH)
+    return Console(stderr=stderr, width=width)
+
+
+def print_table(table: Table) -> None:
+    for column in table.columns:  # narrow output wraps values onto more lines, never cuts them with "…"
+        column.overflow = "fold"
+    console().print(table)
+
+
+def safe(text: str) -> str:
+    """``text`` with control characters (C0, DEL, C1, bidi overrides...) written as escapes.
+
+    Names, labels, command lines and messages come from the daemon and, through it, from other users'
+    processes: an inspecting root's terminal must not run their escape sequences.
+    """
+    return "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in text)
+
+
+def add_row(table: Table, *cells: str) -> None:
+    """Add a row of plain-text cells: no rich markup is read from them (``[bold]``, ``[link=...]``)."""
+    from rich.text import Text
+
+    table.add_row(*(Text(safe(c)) for c in cells))
+
+
+def new_table(*headers: str, **kw: Any) -> Table:
+    from rich.table import Table
+
+    return Table(*headers, box=None, **kw)
+
+
+def to_json(msg: Any, omit: frozenset[str] = frozenset()) -> str:
+    """``-o json`` of a message or a list of them (daemon/cli/render.py, docs/schemas/v1/cli.schema.json)."""
+    from gpusnap.daemon.cli import render as jsonout
+
+    if isinstance(msg, list):
+        return json.dumps([jsonout.message(m, omit) for m in msg], indent=2)
+    return json.dumps(jsonout.message(msg, omit), indent=2)
+
+
+LS_OMIT = frozenset({"host.cpu_flags"})
+"""About 100 flags per snapshot; `inspect` shows them."""
+
+
+def human_size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)
+
+
+def moved(done: int, total: int) -> str:
+    """The bytes column of the phase display: empty for phases that move no bytes (no "1/1 bytes")."""
+    if not total:
+        return human_size(done) if done else ""
+    return human_size(done) if done == total else f"{human_size(done)}/{human_size(total)}"
+
+
+def phase_summary(op: operations_pb2.Operation) -> str:
+    return ", ".join(f"{p.phase} {p.duration_seconds:.2f}s" for p in op.phases)

@@ -1,0 +1,140 @@
+"""``ls``, ``inspect``, ``rm``: the store's snapshots."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC
+
+import click
+
+from gpusnap.daemon.api.errors import GpusnapError
+from gpusnap.daemon.cli.app import EXIT_CODES, Ctx, checked, main, output_option, parse_labels
+from gpusnap.daemon.cli.output import (
+    LS_OMIT,
+    LS_WIDE,
+    add_row,
+    console,
+    human_size,
+    new_table,
+    print_table,
+    safe,
+    to_json,
+)
+
+
+@main.command("ls")
+@output_option
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="only snapshots with this label")
+@click.option("--remote", is_flag=True, help="list the remote store's snapshots instead of this node's")
+@click.pass_obj
+def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
+    """List snapshots."""
+    with obj.client() as client:
+        snaps = checked(lambda: client.list_snapshots(parse_labels(labels), remote=remote))
+    if obj.output == "json":
+        click.echo(to_json(snaps, LS_OMIT))
+        return
+    wide = console().width >= LS_WIDE
+    headers = ("ID", "NAME", "CREATED", "SIZE") + (("SOURCE", "GPUS") if wide else ())
+    table = new_table(*headers)
+    for i in (0, 2, 3):  # ID, CREATED and SIZE stay on one line; names (and sources) fold
+        table.columns[i].no_wrap = True
+    for s in snaps:
+        created = s.created.ToDatetime(tzinfo=UTC).astimezone().strftime("%Y-%m-%d %H:%M")
+        cells = [s.id, s.name or "-", created, human_size(s.size_bytes)]
+        if wide:
+            gpus = len({u for g in s.gpu_processes for u in g.gpu_uuids})
+            cells += [f"{s.source.pid} {s.source.comm}", str(gpus)]
+        add_row(table, *cells)
+    print_table(table)
+
+
+@main.command()
+@output_option
+@click.argument("snapshot")
+@click.pass_obj
+def inspect(obj: Ctx, snapshot: str) -> None:
+    """Show a snapshot's manifest."""
+    with obj.client() as client:
+        snap = checked(lambda: client.get_snapshot(snapshot))
+    if obj.output == "json":
+        click.echo(to_json(snap))
+        return
+    rows = [
+        ("id", snap.id),
+        ("name", snap.name or "-"),
+        ("created", snap.created.ToDatetime(tzinfo=UTC).astimezone().isoformat(timespec="seconds")),
+        (
+            "size",
+            f"{human_size(snap.size_bytes)} in {len(snap.files)} files"
+            + (f" + {human_size(snap.buffer_bytes)} in {len(snap.buffers)} buffers" if snap.buffers else ""),
+        ),
+        (
+            "source",
+            f"PID {snap.source.pid} ({snap.source.comm}), {len(snap.source.tree_pids)} processes, "
+            f"uid {snap.source.uid}, RSS {human_size(snap.source.rss_bytes)}",
+        ),
+        ("command", " ".join(snap.source.cmdline)),
+        (
+            "host",
+            f"{snap.host.hostname}, kernel {snap.host.kernel} {snap.host.machine}, CRIU {snap.host.criu_version}, "
+            f"gpusnap {snap.host.gpusnap_version}",
+        ),
+        ("cpu", snap.host.cpu_model),
+        ("labels", ", ".join(f"{k}={v}" for k, v in sorted(snap.labels.items())) or "-"),
+        ("phases", ", ".join(f"{p.phase} {p.duration_seconds:.3f}s" for p in snap.phases)),
+    ]
+    if snap.host.nvidia_driver_version:
+        rows.append(("driver", f"NVIDIA {snap.host.nvidia_driver_version}, CUDA {snap.host.cuda_driver_version}"))
+    for g in snap.gpu_processes:
+        rows.append(("gpu", f"PID {g.pid}: {', '.join(g.gpu_uuids)} ({human_size(g.gpu_memory_bytes)})"))
+    for w in [snap.worker, *snap.agents] if snap.HasField("worker") else []:
+        if w.instance_id:  # one row per agent: its role, process, and where its weights went
+            held = sum(b.size_bytes for b in snap.buffers if (b.agent or snap.worker.instance_id) == w.instance_id)
+            rows.append(
+                (
+                    "agent",
+                    f"{w.role or 'worker'} {w.process or w.engine} PID {w.pid}"
+                    + (f", {human_size(held)} of buffers" if held else "")
+                    + (f"; weights {w.weights}" if w.weights else ""),
+                )
+            )
+    table = new_table(show_header=False)
+    for key, value in rows:
+        add_row(table, key, value)
+    print_table(table)
+
+
+@main.command()
+@output_option
+@click.argument("snapshots", nargs=-1, required=True)
+@click.option(
+    "--remote",
+    is_flag=True,
+    help="delete from the remote store (chunks no other snapshot needs go after the grace period)",
+)
+@click.pass_obj
+def rm(obj: Ctx, snapshots: tuple[str, ...], remote: bool) -> None:
+    """Delete snapshots (ids or names)."""
+    deleted: list[str] = []
+    failed: list[tuple[str, GpusnapError]] = []
+    with obj.client() as client:
+        for ref in snapshots:
+            try:
+                deleted.append(client.delete_snapshot(ref, remote=remote))
+            except GpusnapError as err:
+                click.echo(f"gpusnap: error: {safe(ref)}: {safe(err.message)}", err=True)
+                failed.append((ref, err))
+    if obj.output == "json":
+        from gpusnap.daemon.cli import render as jsonout
+
+        click.echo(
+            json.dumps(
+                {"deleted": deleted, "failed": [{"snapshot": ref, "error": jsonout.error(err)} for ref, err in failed]}
+            )
+        )
+    elif deleted:
+        click.echo("\n".join(deleted))
+    if failed:
+        sys.exit(EXIT_CODES.get(failed[0][1].code, 1))

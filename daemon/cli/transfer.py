@@ -1,0 +1,61 @@
+"""``push`` and ``pull``: snapshots to and from the remote store."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import click
+
+from gpusnap.daemon.cli.app import Ctx, main, output_option
+from gpusnap.daemon.cli.follow import run_operation
+from gpusnap.daemon.cli.output import console, human_size, phase_summary
+
+if TYPE_CHECKING:
+    from gpusnap.daemon._proto import operations_pb2
+
+
+def _transfer_done(obj: Ctx, verb: str, done: operations_pb2.Operation) -> None:
+    t = done.transfer
+    if obj.output == "json":
+        click.echo(
+            json.dumps(
+                {
+                    "id": t.snapshot_id,
+                    "remote": t.remote,
+                    "operation": done.id,
+                    "transferred_bytes": t.transferred_bytes,
+                    "skipped_bytes": t.skipped_bytes,
+                    "transferred_chunks": t.transferred_chunks,
+                    "skipped_chunks": t.skipped_chunks,
+                    "buffer_transferred_bytes": t.buffer_transferred_bytes,
+                    "phases": {p.phase: p.duration_seconds for p in done.phases},
+                },
+                indent=2,
+            )
+        )
+        return
+    click.echo(t.snapshot_id)
+    console(stderr=True).print(
+        f"{verb} {t.snapshot_id} ({t.remote}): {human_size(t.transferred_bytes)} in {t.transferred_chunks} chunks, "
+        f"{human_size(t.skipped_bytes)} in {t.skipped_chunks} chunks already there: {phase_summary(done)}",
+        highlight=False,
+    )
+
+
+@main.command()
+@output_option
+@click.argument("snapshot")
+@click.pass_obj
+def push(obj: Ctx, snapshot: str) -> None:
+    """Upload SNAPSHOT (id or name) to gpusnapd's remote store; chunks already there are not sent again."""
+    _transfer_done(obj, "pushed", run_operation(obj, lambda client: client.push(snapshot)))
+
+
+@main.command()
+@output_option
+@click.argument("snapshot")
+@click.pass_obj
+def pull(obj: Ctx, snapshot: str) -> None:
+    """Download SNAPSHOT (id or name) from gpusnapd's remote store, after the compatibility gate."""
+    _transfer_done(obj, "pulled", run_operation(obj, lambda client: client.pull(snapshot)))
