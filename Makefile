@@ -98,7 +98,7 @@ proto: venv ## regenerate daemon/_proto from proto/, then the JSON schema of -o 
 	$(PY) scripts/gen_protos.py
 	$(PY) scripts/gen_json_schema.py
 
-schemas: venv ## regenerate docs/schemas/v1/cli.schema.json (the -o json schema) from the protos
+schemas: venv ## regenerate docs/schemas/v1/cli.schema.json (the -o json schema) from the client values and the commands' documents
 	$(PY) scripts/gen_json_schema.py
 
 install-service: ## install gpusnapd as a systemd service (root)

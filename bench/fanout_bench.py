@@ -33,8 +33,8 @@ def _restore(client: object, snapshot: str, replicas: int) -> tuple[float, list[
     op = client.restore(snapshot, replicas=replicas, private_network=True)  # type: ignore[attr-defined]
     done = client.wait(op.id)  # type: ignore[attr-defined]
     elapsed = time.monotonic() - start
-    if done.HasField("error"):
-        raise SystemExit(f"restore failed: {done.error.message}")
+    if done.error is not None or done.restore is None:
+        raise SystemExit(f"restore failed: {done.error}")
     pids = [r.pid for r in done.restore.replicas] or [done.restore.pid]
     phases: dict[str, float] = {}
     for p in done.phases:

@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpusnap.daemon._proto import operations_pb2  # noqa: E402
+from gpusnap.daemon.client.values import OperationState  # noqa: E402
 from tests.conftest import start_daemon, stop_daemon  # noqa: E402
 from tests.gpu.test_gpu_engine import request, start_llm  # noqa: E402
 
@@ -59,7 +59,7 @@ def dump_and_restore(
     done = client.wait(client.restore(dumped["id"]).id, timeout_s=1800)
     first = request(wd, n, tokens=1)
     answer = request(wd, n + 1)
-    if done.state != operations_pb2.OPERATION_STATE_SUCCEEDED:
+    if done.state is not OperationState.SUCCEEDED:
         raise SystemExit(f"restore failed: {done}")
     restored = {"pid": done.restore.pid, "phases": {p.phase: p.duration_seconds for p in done.phases}}
     snap = json.loads(cli("-o", "json", "inspect", dumped["id"], check=True).stdout)

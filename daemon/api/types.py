@@ -228,6 +228,36 @@ class Snapshot:
         return sum(b.size_bytes for b in self.buffers)
 
 
+class OperationKind(enum.Enum):
+    """What an operation does."""
+
+    CHECKPOINT = "checkpoint"
+    RESTORE = "restore"
+    SUSPEND = "suspend"
+    RESUME = "resume"
+    PUSH = "push"
+    PULL = "pull"
+
+
+class OperationState(enum.Enum):
+    """Where an operation is: running, or ended one way or the other."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class EventType(enum.Enum):
+    """What an operation event reports (``OperationEvent.type``)."""
+
+    PHASE_STARTED = "phase_started"
+    PHASE_FINISHED = "phase_finished"
+    PHASE_FAILED = "phase_failed"
+    PROGRESS = "progress"
+    ROLLBACK = "rollback"
+    OPERATION_FINISHED = "operation_finished"
+
+
 class TcpMode(enum.Enum):
     """What a checkpoint does with established TCP connections."""
 

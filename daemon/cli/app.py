@@ -3,7 +3,6 @@ area."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -112,9 +111,10 @@ def fail(err: GpusnapError) -> None:
     ctx = click.get_current_context(silent=True)
     obj = ctx.find_object(Ctx) if ctx else None
     if obj is not None and obj.output == "json":  # scripts get the reason too
-        from gpusnap.daemon.cli import render as jsonout
+        from gpusnap.daemon.cli.documents import Failed
+        from gpusnap.daemon.cli.output import emit
 
-        click.echo(json.dumps({"error": jsonout.error(err)}, indent=2))
+        emit(Failed(error=err))
     sys.exit(EXIT_CODES.get(err.code, 1))
 
 

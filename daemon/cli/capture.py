@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from gpusnap.daemon.cli.app import PID, SECONDS, Ctx, checked, main, output_option, parse_labels, parse_pairs
-from gpusnap.daemon.cli.follow import follow, run_operation, start_held
-from gpusnap.daemon.cli.output import console, human_size, phase_summary, to_json
+from gpusnap.daemon.cli.follow import detached, follow, run_operation, start_held
+from gpusnap.daemon.cli.output import console, emit, human_size, outcome, phase_summary
 
 
 @main.command()
@@ -88,24 +86,23 @@ def dump(
                 raise click.UsageError(
                     "--push needs the dump to finish first; drop --detach, or push later with `gpusnap push`"
                 )
-            click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
+            detached(obj, op.id)
             return
-        done = checked(lambda: follow(client, op, obj.live, sigint))
-        snap = done.snapshot
+        done = checked(lambda: follow(client, op.id, obj.live, sigint))
+        snap = outcome(done.snapshot, done)
         pushing = checked(lambda: client.push(snap.id)).id if push_after else ""
     if obj.output == "json":
-        click.echo(
-            json.dumps(
-                {
-                    "id": snap.id,
-                    "name": snap.name,
-                    "operation": done.id,
-                    "size_bytes": snap.size_bytes,
-                    "buffer_bytes": snap.buffer_bytes,
-                    "phases": {p.phase: p.duration_seconds for p in done.phases},
-                    **({"push_operation": pushing} if pushing else {}),
-                },
-                indent=2,
+        from gpusnap.daemon.cli.documents import Dumped
+
+        emit(
+            Dumped(
+                id=snap.id,
+                name=snap.name,
+                operation=done.id,
+                size_bytes=snap.size_bytes,
+                buffer_bytes=snap.buffer_bytes,
+                phases={p.phase: p.duration_seconds for p in done.phases},
+                push_operation=pushing or None,
             )
         )
     else:
@@ -207,31 +204,30 @@ def restore(
         )
         if detach:
             sigint.release()
-            click.echo(json.dumps({"operation": op.id}) if obj.output == "json" else op.id)
+            detached(obj, op.id)
             return
-        done = checked(lambda: follow(client, op, obj.live, sigint))
-    res = done.restore
-    copies = [
-        {"index": r.index, "pid": r.pid, "pids": list(r.pids), "namespace_pid": r.namespace_pid} for r in res.replicas
-    ] or [{"index": 0, "pid": res.pid, "pids": list(res.pids), "namespace_pid": res.namespace_pid}]
+        done = checked(lambda: follow(client, op.id, obj.live, sigint))
+    from gpusnap.daemon.client.values import Replica
+
+    res = outcome(done.restore, done)
+    copies = res.replicas or (Replica(index=0, pid=res.pid, pids=res.pids, namespace_pid=res.namespace_pid),)
     if obj.output == "json":
-        click.echo(
-            json.dumps(
-                {
-                    "pid": res.pid,
-                    "pids": list(res.pids),
-                    "namespace_pid": res.namespace_pid,
-                    "snapshot_id": res.snapshot_id,
-                    "operation": done.id,
-                    "replicas": copies,
-                    "phases": {p.phase: p.duration_seconds for p in done.phases},
-                },
-                indent=2,
+        from gpusnap.daemon.cli.documents import Restored
+
+        emit(
+            Restored(
+                pid=res.pid,
+                pids=res.pids,
+                namespace_pid=res.namespace_pid,
+                snapshot_id=res.snapshot_id,
+                operation=done.id,
+                replicas=copies,
+                phases={p.phase: p.duration_seconds for p in done.phases},
             )
         )
     else:
-        click.echo("\n".join(str(c["pid"]) for c in copies))
-        pids = ", ".join(str(c["pid"]) for c in copies)
+        click.echo("\n".join(str(c.pid) for c in copies))
+        pids = ", ".join(str(c.pid) for c in copies)
         console(stderr=True).print(f"restored {res.snapshot_id} as PID {pids}: {phase_summary(done)}", highlight=False)
 
 
@@ -244,11 +240,12 @@ def suspend(obj: Ctx, pid: int, gpu_lock_timeout: float | None) -> None:
     """Checkpoint the GPU state of the tree rooted at PID in place: GPU memory is freed, the processes live on."""
     done = run_operation(obj, lambda client: client.suspend(pid, gpu_lock_timeout_s=gpu_lock_timeout))
     if obj.output == "json":
-        click.echo(to_json(done))
+        emit(done)
     else:
-        freed = sum(g.gpu_memory_bytes for g in done.suspend.gpu_processes)
+        gpu_processes = outcome(done.suspend, done).gpu_processes
+        freed = sum(g.gpu_memory_bytes for g in gpu_processes)
         click.echo(
-            f"suspended {len(done.suspend.gpu_processes)} CUDA process(es), {human_size(freed)} of GPU memory freed: "
+            f"suspended {len(gpu_processes)} CUDA process(es), {human_size(freed)} of GPU memory freed: "
             f"{phase_summary(done)}"
         )
 
@@ -263,7 +260,7 @@ def resume(obj: Ctx, pid: int, gpu_map: str) -> None:
     mapping = parse_gpu_map(gpu_map)
     done = run_operation(obj, lambda client: client.resume(pid, gpu_map=mapping))
     if obj.output == "json":
-        click.echo(to_json(done))
+        emit(done)
     else:
-        moved = ", ".join(f"{k} -> {v}" for k, v in done.resume.gpu_map.items() if k != v) or "same GPUs"
+        moved = ", ".join(f"{k} -> {v}" for k, v in outcome(done.resume, done).gpu_map.items() if k != v) or "same GPUs"
         click.echo(f"resumed PID {pid} ({moved}): {phase_summary(done)}")

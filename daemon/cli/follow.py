@@ -12,22 +12,22 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from gpusnap.daemon.cli.app import Ctx, checked
-from gpusnap.daemon.cli.output import console, moved, safe
+from gpusnap.daemon.cli.output import console, emit, moved, safe
 
 if TYPE_CHECKING:
-    from gpusnap.daemon._proto import operations_pb2
-    from gpusnap.daemon.client import DaemonClient
+    from gpusnap.daemon.client import DaemonClient, OperationHandle
+    from gpusnap.daemon.client.values import Operation, OperationEvent
 
 
 @contextmanager
-def phase_display(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationEvent], None]]:
+def phase_display(enabled: bool) -> Iterator[Callable[[OperationEvent], None]]:
     """A live phase display on a terminal; a no-op elsewhere."""
     if not enabled:
         yield lambda event: None
         return
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from gpusnap.daemon._proto import operations_pb2
+    from gpusnap.daemon.api.types import EventType as E
 
     columns = (
         SpinnerColumn(),
@@ -39,19 +39,18 @@ def phase_display(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationE
     with Progress(*columns, console=console(stderr=True), transient=False) as progress:
         tasks: dict[str, Any] = {}
 
-        def show(event: operations_pb2.OperationEvent) -> None:
-            E = operations_pb2.OperationEvent
-            if event.type == E.TYPE_PHASE_STARTED:
+        def show(event: OperationEvent) -> None:
+            if event.type == E.PHASE_STARTED:
                 tasks[event.phase] = progress.add_task(event.phase, total=None, moved="")
-            elif event.type == E.TYPE_PROGRESS and event.phase in tasks:
+            elif event.type == E.PROGRESS and event.phase in tasks:
                 progress.update(
                     tasks[event.phase],
                     completed=event.bytes,
                     total=event.total_bytes or None,
                     moved=moved(event.bytes, event.total_bytes),
                 )
-            elif event.type in (E.TYPE_PHASE_FINISHED, E.TYPE_PHASE_FAILED) and event.phase in tasks:
-                mark = "" if event.type == E.TYPE_PHASE_FINISHED else " [red]failed[/red]"
+            elif event.type in (E.PHASE_FINISHED, E.PHASE_FAILED) and event.phase in tasks:
+                mark = "" if event.type == E.PHASE_FINISHED else " [red]failed[/red]"
                 progress.update(
                     tasks[event.phase],
                     description=event.phase + mark,
@@ -59,7 +58,7 @@ def phase_display(enabled: bool) -> Iterator[Callable[[operations_pb2.OperationE
                     total=1,
                     moved=moved(event.bytes, event.bytes),
                 )
-            elif event.type == E.TYPE_ROLLBACK:
+            elif event.type == E.ROLLBACK:
                 from rich.markup import escape
 
                 progress.console.print(f"[yellow]rollback[/yellow] {escape(safe(f'{event.phase}: {event.message}'))}")
@@ -90,7 +89,7 @@ class HeldInterrupt:
             self._previous = None
 
 
-def start_held(fn: Callable[[], operations_pb2.Operation]) -> tuple[operations_pb2.Operation, HeldInterrupt]:
+def start_held(fn: Callable[[], OperationHandle]) -> tuple[OperationHandle, HeldInterrupt]:
     """Start an operation with Ctrl-C held until :func:`follow` (or the caller) releases it."""
     held = HeldInterrupt()
     try:
@@ -100,10 +99,10 @@ def start_held(fn: Callable[[], operations_pb2.Operation]) -> tuple[operations_p
         raise
 
 
-def follow(
-    client: DaemonClient, op: operations_pb2.Operation, show_progress: bool, held: HeldInterrupt | None = None
-) -> operations_pb2.Operation:
-    from gpusnap.daemon._proto import operations_pb2
+def follow(client: DaemonClient, op_id: str, show_progress: bool, held: HeldInterrupt | None = None) -> Operation:
+    """Follow the operation to its end (live phases when ``show_progress``); its error is raised if it failed,
+    and Ctrl-C cancels it (:func:`cancel_and_wait`)."""
+    from gpusnap.daemon.api.types import EventType
     from gpusnap.daemon.client import raise_if_failed
 
     try:
@@ -112,31 +111,40 @@ def follow(
             if held.pending:
                 raise KeyboardInterrupt
         with phase_display(show_progress) as show:
-            for event in client.watch(op.id):
+            for event in client.watch(op_id):
                 show(event)
-                if event.type == operations_pb2.OperationEvent.TYPE_OPERATION_FINISHED:
-                    raise_if_failed(event.operation)
-                    return event.operation
-        return client.wait(op.id)
+                if event.type is EventType.OPERATION_FINISHED and event.operation is not None:
+                    return raise_if_failed(event.operation)
+        return client.wait(op_id)
     except KeyboardInterrupt:
-        return cancel_and_wait(client, op)
+        return cancel_and_wait(client, op_id)
 
 
-def cancel_and_wait(client: DaemonClient, op: operations_pb2.Operation) -> operations_pb2.Operation:
+def cancel_and_wait(client: DaemonClient, op_id: str) -> Operation:
     """Ctrl-C: cancel the operation and wait for its rollback; a second Ctrl-C leaves it to gpusnapd."""
     try:
-        client.cancel(op.id)
+        client.cancel(op_id)
         click.echo(
-            f"gpusnap: interrupted; cancelling {op.id} and rolling back (Ctrl-C again to stop waiting)", err=True
+            f"gpusnap: interrupted; cancelling {op_id} and rolling back (Ctrl-C again to stop waiting)", err=True
         )
-        return client.wait(op.id)  # raises CancelledError once rolled back (exit 130)
+        return client.wait(op_id)  # raises CancelledError once rolled back (exit 130)
     except KeyboardInterrupt:
-        click.echo(f"gpusnap: operation {op.id} goes on in gpusnapd: follow it with `gpusnap wait {op.id}`", err=True)
+        click.echo(f"gpusnap: operation {op_id} goes on in gpusnapd: follow it with `gpusnap wait {op_id}`", err=True)
         sys.exit(130)
 
 
-def run_operation(obj: Ctx, start: Callable[[DaemonClient], operations_pb2.Operation]) -> operations_pb2.Operation:
+def run_operation(obj: Ctx, start: Callable[[DaemonClient], OperationHandle]) -> Operation:
     """Start an operation and follow it to its end (live phases on a terminal); exits on failure."""
     with obj.client() as client:
-        op, sigint = start_held(lambda: start(client))
-        return checked(lambda: follow(client, op, obj.live, sigint))
+        handle, sigint = start_held(lambda: start(client))
+        return checked(lambda: follow(client, handle.id, obj.live, sigint))
+
+
+def detached(obj: Ctx, op_id: str) -> None:
+    """``--detach``: print the started operation's id (``{"operation": …}`` with ``-o json``)."""
+    if obj.output == "json":
+        from gpusnap.daemon.cli.documents import Detached
+
+        emit(Detached(operation=op_id))
+    else:
+        click.echo(op_id)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from gpusnap.daemon.cli.app import Ctx, checked, main, output_option
-from gpusnap.daemon.cli.output import add_row, human_size, new_table, print_table, to_json
+from gpusnap.daemon.cli.output import add_row, emit, human_size, new_table, print_table
 
 
 @main.command()
@@ -18,7 +16,7 @@ def node(obj: Ctx) -> None:
     with obj.client() as client:
         info = checked(client.node_info)
     if obj.output == "json":
-        click.echo(to_json(info))
+        emit(info)
         return
     h = info.host
     table = new_table(show_header=False)
@@ -60,18 +58,15 @@ def store(obj: Ctx) -> None:
     with obj.client() as client:
         info = checked(client.node_info)
     if obj.output == "json":
-        from gpusnap.daemon.cli import render as jsonout
+        from gpusnap.daemon.cli.documents import StoreReport
 
-        click.echo(
-            json.dumps(
-                {
-                    "store_path": info.store_path,
-                    "snapshot_count": info.snapshot_count,
-                    "store_used_bytes": info.store_used_bytes,
-                    "remote": info.remote,
-                    "tiers": [jsonout.message(t) for t in info.tiers],
-                },
-                indent=2,
+        emit(
+            StoreReport(
+                store_path=info.store_path,
+                snapshot_count=info.snapshot_count,
+                store_used_bytes=info.store_used_bytes,
+                remote=info.remote,
+                tiers=info.tiers,
             )
         )
         return

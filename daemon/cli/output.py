@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-    from gpusnap.daemon._proto import operations_pb2
+    from gpusnap.daemon.client.values import Operation
 
 
 TABLE_WIDTH = 80
@@ -60,19 +61,6 @@ def new_table(*headers: str, **kw: Any) -> Table:
     return Table(*headers, box=None, **kw)
 
 
-def to_json(msg: Any, omit: frozenset[str] = frozenset()) -> str:
-    """``-o json`` of a message or a list of them (daemon/cli/render.py, docs/schemas/v1/cli.schema.json)."""
-    from gpusnap.daemon.cli import render as jsonout
-
-    if isinstance(msg, list):
-        return json.dumps([jsonout.message(m, omit) for m in msg], indent=2)
-    return json.dumps(jsonout.message(msg, omit), indent=2)
-
-
-LS_OMIT = frozenset({"host.cpu_flags"})
-"""About 100 flags per snapshot; `inspect` shows them."""
-
-
 def human_size(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -89,5 +77,28 @@ def moved(done: int, total: int) -> str:
     return human_size(done) if done == total else f"{human_size(done)}/{human_size(total)}"
 
 
-def phase_summary(op: operations_pb2.Operation) -> str:
+def phase_summary(op: Operation) -> str:
     return ", ".join(f"{p.phase} {p.duration_seconds:.2f}s" for p in op.phases)
+
+
+T = TypeVar("T")
+
+
+def emit(doc: Any, omit: frozenset[str] = frozenset()) -> None:
+    """Print ``-o json``: every command's JSON goes through here (``gpusnap.daemon.cli.render``)."""
+    from gpusnap.daemon.cli.render import render
+
+    click.echo(render(doc, omit))
+
+
+def outcome(result: T | None, op: Operation) -> T:
+    """The result of a succeeded operation (``op.snapshot``, ``op.restore``…), which the daemon always sets.
+
+    Raises:
+        InternalError: it is not set (a daemon out of step with this client).
+    """
+    if result is None:
+        from gpusnap.daemon.api.errors import InternalError
+
+        raise InternalError(f"operation {op.id} succeeded without its result; is gpusnapd a different version?")
+    return result

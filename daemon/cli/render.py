@@ -1,27 +1,34 @@
-"""The one JSON form of ``gpusnap -o json`` (schemas: docs/schemas/v1/cli.schema.json).
+"""The one JSON form of ``gpusnap -o json``: every command's document passes through :func:`render`.
 
-Conventions, for every command: keys are the proto field names (snake_case); integers are JSON numbers
-(protobuf's JSON mapping would send int64 as strings); timestamps are RFC 3339 strings in UTC; durations
-are seconds as numbers; enums are their value names without the enum's prefix, lowercased
-(``OPERATION_KIND_CHECKPOINT`` -> ``"checkpoint"``); a failed operation's ``google.rpc.Status`` is the
-same ``{code, reason, action, message, metadata}`` object as a failed command's ``error``.
+Conventions, for every command (schemas: docs/schemas/v1/cli.schema.json, written from the same
+classes by scripts/gen_json_schema.py): keys are the field names of the client's values
+(``gpusnap.daemon.client.values``, named as the proto fields: snake_case); integers are JSON numbers;
+timestamps are RFC 3339 strings in UTC; enums are their lowercase names (``"kind": "checkpoint"``); a
+failed operation's error is the same ``{code, reason, action, message, metadata}`` object as a failed
+command's ``error``; a field whose value is ``None`` is left out.
 """
 
 from __future__ import annotations
 
-import functools
-import os
+import dataclasses
+import enum
+import json
+from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
-from google.protobuf.descriptor import Descriptor, EnumDescriptor
-from google.protobuf.message import Message
-from google.rpc import status_pb2
-
 from gpusnap.daemon.api.errors import GpusnapError
-from gpusnap.daemon.api.status import from_status_proto
 
 SCHEMA_VERSION = "v1"
 """Directory under docs/schemas/ of the schemas this module writes to."""
+
+
+def render(doc: Any, omit: frozenset[str] = frozenset()) -> str:
+    """``doc`` (a value, a command's document, or a list of them) as indented JSON text.
+
+    ``omit`` names fields to leave out of each value, dotted for nested ones (``"host.cpu_flags"``).
+    """
+    return json.dumps(plain(doc, omit), indent=2)
 
 
 def error(err: GpusnapError) -> dict[str, Any]:
@@ -35,54 +42,25 @@ def error(err: GpusnapError) -> dict[str, Any]:
     }
 
 
-def message(msg: Message, omit: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """``msg`` as a JSON-ready dict; ``omit`` names fields (``"host.cpu_flags"``) to leave out."""
-    if isinstance(msg, status_pb2.Status):
-        return error(from_status_proto(msg))
-    out: dict[str, Any] = {}
-    for field in msg.DESCRIPTOR.fields:
-        if field.name in omit:
-            continue
-        if field.message_type is not None and not _is_repeated(field) and not msg.HasField(field.name):
-            continue  # an unset sub-message (e.g. the result of a running operation)
-        sub = frozenset(o.partition(".")[2] for o in omit if o.startswith(field.name + "."))
-        out[field.name] = _field(field, getattr(msg, field.name), sub)
-    return out
-
-
-def _is_repeated(field: Any) -> bool:
-    return bool(field.is_repeated)
-
-
-def _field(field: Any, value: Any, omit: frozenset[str]) -> Any:
-    if field.message_type is not None and field.message_type.GetOptions().map_entry:
-        value_field = field.message_type.fields_by_name["value"]
-        return {str(k): _scalar(value_field, v, omit) for k, v in value.items()}
-    if _is_repeated(field):
-        return [_scalar(field, v, omit) for v in value]
-    return _scalar(field, value, omit)
-
-
-def _scalar(field: Any, value: Any, omit: frozenset[str]) -> Any:
-    if field.message_type is not None:
-        return _well_known(field.message_type, value, omit)
-    if field.enum_type is not None:
-        return _enum_names(field.enum_type).get(value, str(value))
-    return value  # int, float, bool and str are JSON as they are
-
-
-def _well_known(descriptor: Descriptor, value: Any, omit: frozenset[str]) -> Any:
-    if descriptor.full_name == "google.protobuf.Timestamp":
-        return value.ToJsonString()  # RFC 3339, "Z"
-    if descriptor.full_name == "google.protobuf.Duration":
-        return value.ToTimedelta().total_seconds()
-    return message(value, omit)
-
-
-@functools.cache
-def _enum_names(enum: EnumDescriptor) -> dict[int, str]:
-    """Value number -> lowercase name without the prefix its values share (``OPERATION_KIND_``)."""
-    names = [v.name for v in enum.values]
-    prefix = os.path.commonprefix(names) if len(names) > 1 else ""
-    prefix = prefix[: prefix.rfind("_") + 1]
-    return {v.number: v.name[len(prefix) :].lower() for v in enum.values}
+def plain(doc: Any, omit: frozenset[str] = frozenset()) -> Any:
+    """``doc`` as JSON-ready dicts, lists and scalars."""
+    if dataclasses.is_dataclass(doc) and not isinstance(doc, type):
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(doc):
+            item = getattr(doc, field.name)
+            if field.name in omit or item is None:
+                continue
+            sub = frozenset(o.partition(".")[2] for o in omit if o.startswith(field.name + "."))
+            out[field.name] = plain(item, sub)
+        return out
+    if isinstance(doc, GpusnapError):
+        return error(doc)
+    if isinstance(doc, enum.Enum):
+        return doc.value
+    if isinstance(doc, datetime):
+        return doc.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    if isinstance(doc, Mapping):
+        return {str(k): plain(v, omit) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return [plain(v, omit) for v in doc]
+    return doc  # int, float, bool and str are JSON as they are

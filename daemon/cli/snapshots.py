@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from datetime import UTC
 
 import click
 
 from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.cli.app import EXIT_CODES, Ctx, checked, main, output_option, parse_labels
 from gpusnap.daemon.cli.output import (
-    LS_OMIT,
     LS_WIDE,
     add_row,
     console,
+    emit,
     human_size,
     new_table,
     print_table,
     safe,
-    to_json,
 )
 
 
@@ -33,7 +30,9 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
     with obj.client() as client:
         snaps = checked(lambda: client.list_snapshots(parse_labels(labels), remote=remote))
     if obj.output == "json":
-        click.echo(to_json(snaps, LS_OMIT))
+        from gpusnap.daemon.cli.documents import LS_OMIT
+
+        emit(snaps, LS_OMIT)
         return
     wide = console().width >= LS_WIDE
     headers = ("ID", "NAME", "CREATED", "SIZE") + (("SOURCE", "GPUS") if wide else ())
@@ -41,7 +40,7 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
     for i in (0, 2, 3):  # ID, CREATED and SIZE stay on one line; names (and sources) fold
         table.columns[i].no_wrap = True
     for s in snaps:
-        created = s.created.ToDatetime(tzinfo=UTC).astimezone().strftime("%Y-%m-%d %H:%M")
+        created = s.created.astimezone().strftime("%Y-%m-%d %H:%M")
         cells = [s.id, s.name or "-", created, human_size(s.size_bytes)]
         if wide:
             gpus = len({u for g in s.gpu_processes for u in g.gpu_uuids})
@@ -59,12 +58,12 @@ def inspect(obj: Ctx, snapshot: str) -> None:
     with obj.client() as client:
         snap = checked(lambda: client.get_snapshot(snapshot))
     if obj.output == "json":
-        click.echo(to_json(snap))
+        emit(snap)
         return
     rows = [
         ("id", snap.id),
         ("name", snap.name or "-"),
-        ("created", snap.created.ToDatetime(tzinfo=UTC).astimezone().isoformat(timespec="seconds")),
+        ("created", snap.created.astimezone().isoformat(timespec="seconds")),
         (
             "size",
             f"{human_size(snap.size_bytes)} in {len(snap.files)} files"
@@ -89,9 +88,10 @@ def inspect(obj: Ctx, snapshot: str) -> None:
         rows.append(("driver", f"NVIDIA {snap.host.nvidia_driver_version}, CUDA {snap.host.cuda_driver_version}"))
     for g in snap.gpu_processes:
         rows.append(("gpu", f"PID {g.pid}: {', '.join(g.gpu_uuids)} ({human_size(g.gpu_memory_bytes)})"))
-    for w in [snap.worker, *snap.agents] if snap.HasField("worker") else []:
+    primary = snap.worker.instance_id if snap.worker else ""
+    for w in [snap.worker, *snap.agents] if snap.worker else []:
         if w.instance_id:  # one row per agent: its role, process, and where its weights went
-            held = sum(b.size_bytes for b in snap.buffers if (b.agent or snap.worker.instance_id) == w.instance_id)
+            held = sum(b.size_bytes for b in snap.buffers if (b.agent or primary) == w.instance_id)
             rows.append(
                 (
                     "agent",
@@ -117,24 +117,20 @@ def inspect(obj: Ctx, snapshot: str) -> None:
 @click.pass_obj
 def rm(obj: Ctx, snapshots: tuple[str, ...], remote: bool) -> None:
     """Delete snapshots (ids or names)."""
+    from gpusnap.daemon.cli.documents import Removed, RemoveFailure
+
     deleted: list[str] = []
-    failed: list[tuple[str, GpusnapError]] = []
+    failed: list[RemoveFailure] = []
     with obj.client() as client:
         for ref in snapshots:
             try:
                 deleted.append(client.delete_snapshot(ref, remote=remote))
             except GpusnapError as err:
                 click.echo(f"gpusnap: error: {safe(ref)}: {safe(err.message)}", err=True)
-                failed.append((ref, err))
+                failed.append(RemoveFailure(snapshot=ref, error=err))
     if obj.output == "json":
-        from gpusnap.daemon.cli import render as jsonout
-
-        click.echo(
-            json.dumps(
-                {"deleted": deleted, "failed": [{"snapshot": ref, "error": jsonout.error(err)} for ref, err in failed]}
-            )
-        )
+        emit(Removed(deleted=tuple(deleted), failed=tuple(failed)))
     elif deleted:
         click.echo("\n".join(deleted))
     if failed:
-        sys.exit(EXIT_CODES.get(failed[0][1].code, 1))
+        sys.exit(EXIT_CODES.get(failed[0].error.code, 1))

@@ -2,36 +2,34 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import click
 
 from gpusnap.daemon.cli.app import Ctx, main, output_option
 from gpusnap.daemon.cli.follow import run_operation
-from gpusnap.daemon.cli.output import console, human_size, phase_summary
+from gpusnap.daemon.cli.output import console, emit, human_size, outcome, phase_summary
 
 if TYPE_CHECKING:
-    from gpusnap.daemon._proto import operations_pb2
+    from gpusnap.daemon.client.values import Operation
 
 
-def _transfer_done(obj: Ctx, verb: str, done: operations_pb2.Operation) -> None:
-    t = done.transfer
+def _transfer_done(obj: Ctx, verb: str, done: Operation) -> None:
+    t = outcome(done.transfer, done)
     if obj.output == "json":
-        click.echo(
-            json.dumps(
-                {
-                    "id": t.snapshot_id,
-                    "remote": t.remote,
-                    "operation": done.id,
-                    "transferred_bytes": t.transferred_bytes,
-                    "skipped_bytes": t.skipped_bytes,
-                    "transferred_chunks": t.transferred_chunks,
-                    "skipped_chunks": t.skipped_chunks,
-                    "buffer_transferred_bytes": t.buffer_transferred_bytes,
-                    "phases": {p.phase: p.duration_seconds for p in done.phases},
-                },
-                indent=2,
+        from gpusnap.daemon.cli.documents import Transferred
+
+        emit(
+            Transferred(
+                id=t.snapshot_id,
+                remote=t.remote,
+                operation=done.id,
+                transferred_bytes=t.transferred_bytes,
+                skipped_bytes=t.skipped_bytes,
+                transferred_chunks=t.transferred_chunks,
+                skipped_chunks=t.skipped_chunks,
+                buffer_transferred_bytes=t.buffer_transferred_bytes,
+                phases={p.phase: p.duration_seconds for p in done.phases},
             )
         )
         return

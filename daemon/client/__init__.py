@@ -1,5 +1,5 @@
 """The typed Python client of gpusnapd: the only code outside the service layer that touches wire messages."""
 
-from gpusnap.daemon.client.calls import DaemonClient, raise_if_failed
+from gpusnap.daemon.client.calls import DaemonClient, OperationHandle, raise_if_failed
 
-__all__ = ["DaemonClient", "raise_if_failed"]
+__all__ = ["DaemonClient", "OperationHandle", "raise_if_failed"]

@@ -1,12 +1,15 @@
 """DaemonClient: a synchronous Python client of gpusnapd's gRPC API (what the CLI uses).
 
-Failed calls raise the matching :class:`~gpusnap.daemon.api.errors.GpusnapError` subclass,
-rebuilt from the status's ``google.rpc.ErrorInfo``; a failed operation's error is raised the same way
-by :meth:`DaemonClient.wait`.
+Calls return the frozen values of ``gpusnap.daemon.client.values`` (never protobuf messages); a call
+that starts an operation returns an :class:`OperationHandle`. Failed calls raise the matching
+:class:`~gpusnap.daemon.api.errors.GpusnapError` subclass, rebuilt from the status's
+``google.rpc.ErrorInfo``; a failed operation's error is raised the same way by :meth:`OperationHandle.wait`
+and :meth:`DaemonClient.wait`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
@@ -24,10 +27,11 @@ from gpusnap.daemon._proto import (
     operations_pb2_grpc,
     snapshots_pb2,
     snapshots_pb2_grpc,
-    types_pb2,
 )
 from gpusnap.daemon.api.errors import Code, GpusnapError, PermissionDeniedError, UnavailableError
-from gpusnap.daemon.api.status import from_rpc_error, from_status_proto
+from gpusnap.daemon.api.status import from_rpc_error
+from gpusnap.daemon.client.convert import value
+from gpusnap.daemon.client.values import NodeInfo, Operation, OperationEvent, OperationState, Snapshot
 from gpusnap.daemon.defaults import DEFAULT_SOCKET
 
 R = TypeVar("R")
@@ -81,19 +85,22 @@ class DaemonClient:
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 
-    def _start(self, method: Callable[..., Any], request: Any) -> operations_pb2.Operation:
+    def _start(self, method: Callable[..., Any], request: Any) -> OperationHandle:
         """Start an operation; while the daemon is unreachable (restarting), retry with the same idempotency
         key for up to ``START_RETRY_S``: the daemon then returns the operation the first attempt started."""
         deadline = time.monotonic() + START_RETRY_S
         delay = 0.2
         while True:
             try:
-                return self._call(method, request).operation  # type: ignore[no-any-return]
+                return self._handle(self._call(method, request).operation)
             except UnavailableError:
                 if time.monotonic() + delay > deadline:
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    def _handle(self, msg: operations_pb2.Operation) -> OperationHandle:
+        return OperationHandle(self, value(Operation, msg))
 
     def _error(self, exc: grpc.RpcError) -> GpusnapError:
         err = from_rpc_error(exc)
@@ -126,7 +133,7 @@ class DaemonClient:
         quiesce: bool = True,
         offload: bool = True,
         request_id: str = "",
-    ) -> operations_pb2.Operation:
+    ) -> OperationHandle:
         """Start a checkpoint of the tree rooted at ``pid``; returns the running operation (for a
         ``request_id`` used before: that operation)."""
         req = operations_pb2.CheckpointRequest(
@@ -158,7 +165,7 @@ class DaemonClient:
         verify_buffers: bool = False,
         replicas: int = 1,
         request_id: str = "",
-    ) -> operations_pb2.Operation:
+    ) -> OperationHandle:
         """Start a restore of ``snapshot`` (id or name); returns the running operation.
 
         ``env``, ``unset_env`` and ``values`` form the restore context handed to the restored worker;
@@ -180,9 +187,7 @@ class DaemonClient:
         )
         return self._start(self._ops.Restore, req)
 
-    def suspend(
-        self, pid: int, *, gpu_lock_timeout_s: float | None = None, request_id: str = ""
-    ) -> operations_pb2.Operation:
+    def suspend(self, pid: int, *, gpu_lock_timeout_s: float | None = None, request_id: str = "") -> OperationHandle:
         """Start suspending the GPU state of the tree rooted at ``pid`` in place (a ``request_id`` used
         before: that operation)."""
         req = operations_pb2.SuspendRequest(
@@ -190,9 +195,7 @@ class DaemonClient:
         )
         return self._start(self._ops.Suspend, req)
 
-    def resume(
-        self, pid: int, *, gpu_map: Mapping[str, str] | None = None, request_id: str = ""
-    ) -> operations_pb2.Operation:
+    def resume(self, pid: int, *, gpu_map: Mapping[str, str] | None = None, request_id: str = "") -> OperationHandle:
         """Start resuming a suspended tree, optionally onto other GPUs (``old -> new``, UUIDs or indexes; a
         ``request_id`` used before: that operation)."""
         req = operations_pb2.ResumeRequest(
@@ -200,26 +203,27 @@ class DaemonClient:
         )
         return self._start(self._ops.Resume, req)
 
-    def push(self, snapshot: str) -> operations_pb2.Operation:
+    def push(self, snapshot: str) -> OperationHandle:
         """Start pushing a local snapshot (id or name) to the daemon's remote store."""
-        return self._call(self._ops.Push, operations_pb2.PushRequest(snapshot=snapshot)).operation
+        return self._handle(self._call(self._ops.Push, operations_pb2.PushRequest(snapshot=snapshot)).operation)
 
-    def pull(self, snapshot: str) -> operations_pb2.Operation:
+    def pull(self, snapshot: str) -> OperationHandle:
         """Start pulling a snapshot (id or name) of the daemon's remote store into its local store."""
-        return self._call(self._ops.Pull, operations_pb2.PullRequest(snapshot=snapshot)).operation
+        return self._handle(self._call(self._ops.Pull, operations_pb2.PullRequest(snapshot=snapshot)).operation)
 
-    def cancel(self, op_id: str) -> operations_pb2.Operation:
+    def cancel(self, op_id: str) -> Operation:
         """Ask the operation to stop and roll back; returns it as it is now."""
-        return self._call(self._ops.CancelOperation, operations_pb2.CancelOperationRequest(id=op_id)).operation
+        msg = self._call(self._ops.CancelOperation, operations_pb2.CancelOperationRequest(id=op_id)).operation
+        return value(Operation, msg)
 
-    def get_operation(self, op_id: str) -> operations_pb2.Operation:
-        return self._call(self._ops.GetOperation, operations_pb2.GetOperationRequest(id=op_id)).operation
+    def get_operation(self, op_id: str) -> Operation:
+        msg = self._call(self._ops.GetOperation, operations_pb2.GetOperationRequest(id=op_id)).operation
+        return value(Operation, msg)
 
-    def list_operations(self, page_size: int = 0) -> list[operations_pb2.Operation]:
+    def list_operations(self, page_size: int = 0) -> list[Operation]:
         """Every operation the caller may see, oldest first, fetched page by page."""
-        return self._all_pages(
-            self._ops.ListOperations, operations_pb2.ListOperationsRequest(page_size=page_size), "operations"
-        )
+        req = operations_pb2.ListOperationsRequest(page_size=page_size)
+        return [value(Operation, m) for m in self._all_pages(self._ops.ListOperations, req, "operations")]
 
     def _all_pages(self, method: Callable[..., Any], request: Any, field: str) -> list[Any]:
         """Call a List RPC until its ``next_page_token`` is empty; the items of every page, in order."""
@@ -231,43 +235,73 @@ class DaemonClient:
                 return out
             request.page_token = resp.next_page_token
 
-    def watch(self, op_id: str) -> Iterator[operations_pb2.OperationEvent]:
+    def watch(self, op_id: str) -> Iterator[OperationEvent]:
         """The operation's events from its start until its final event."""
         try:
             for resp in self._ops.WatchOperation(operations_pb2.WatchOperationRequest(id=op_id)):
-                yield resp.event
+                yield value(OperationEvent, resp.event)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 
-    def wait(self, op_id: str, timeout_s: float | None = None) -> operations_pb2.Operation:
+    def wait(self, op_id: str, timeout_s: float | None = None) -> Operation:
         """Wait for the operation to end; raise its error if it failed."""
-        op = self._call(
+        msg = self._call(
             self._ops.WaitOperation, operations_pb2.WaitOperationRequest(id=op_id), timeout=timeout_s
         ).operation
-        raise_if_failed(op)
-        return op
+        return raise_if_failed(value(Operation, msg))
 
     def list_snapshots(
         self, label_selector: Mapping[str, str] | None = None, page_size: int = 0, remote: bool = False
-    ) -> list[types_pb2.Snapshot]:
+    ) -> list[Snapshot]:
         """Every snapshot the caller may see (matching ``label_selector``), oldest first, page by page."""
         req = snapshots_pb2.ListSnapshotsRequest(
             label_selector=dict(label_selector or {}), page_size=page_size, remote=remote
         )
-        return self._all_pages(self._snaps.ListSnapshots, req, "snapshots")
+        return [value(Snapshot, m) for m in self._all_pages(self._snaps.ListSnapshots, req, "snapshots")]
 
-    def get_snapshot(self, snapshot: str) -> types_pb2.Snapshot:
-        return self._call(self._snaps.GetSnapshot, snapshots_pb2.GetSnapshotRequest(snapshot=snapshot)).snapshot
+    def get_snapshot(self, snapshot: str) -> Snapshot:
+        msg = self._call(self._snaps.GetSnapshot, snapshots_pb2.GetSnapshotRequest(snapshot=snapshot)).snapshot
+        return value(Snapshot, msg)
 
     def delete_snapshot(self, snapshot: str, remote: bool = False) -> str:
         req = snapshots_pb2.DeleteSnapshotRequest(snapshot=snapshot, remote=remote)
         return str(self._call(self._snaps.DeleteSnapshot, req).id)
 
-    def node_info(self) -> node_pb2.NodeInfo:
-        return self._call(self._node.GetNodeInfo, node_pb2.GetNodeInfoRequest()).node
+    def node_info(self) -> NodeInfo:
+        return value(NodeInfo, self._call(self._node.GetNodeInfo, node_pb2.GetNodeInfoRequest()).node)
 
 
-def raise_if_failed(op: operations_pb2.Operation) -> None:
-    """Raise the domain error of a failed operation."""
-    if op.state == operations_pb2.OPERATION_STATE_FAILED:
-        raise from_status_proto(op.error)
+@dataclasses.dataclass(frozen=True)
+class OperationHandle:
+    """An operation this client started: its state when started, and the calls that follow it."""
+
+    client: DaemonClient
+    operation: Operation
+    """The operation as the start call returned it (running, or ended when a retried start found it so)."""
+
+    @property
+    def id(self) -> str:
+        return self.operation.id
+
+    def get(self) -> Operation:
+        """The operation as it is now."""
+        return self.client.get_operation(self.id)
+
+    def wait(self, timeout_s: float | None = None) -> Operation:
+        """Wait for the operation to end; raise its error if it failed (``CancelledError`` when cancelled)."""
+        return self.client.wait(self.id, timeout_s)
+
+    def watch(self) -> Iterator[OperationEvent]:
+        """Its events from its start until its final event."""
+        return self.client.watch(self.id)
+
+    def cancel(self) -> Operation:
+        """Ask it to stop and roll back; returns it as it is now."""
+        return self.client.cancel(self.id)
+
+
+def raise_if_failed(op: Operation) -> Operation:
+    """``op`` itself, unless it failed: then its domain error is raised."""
+    if op.state is OperationState.FAILED:
+        raise op.error or GpusnapError(f"operation {op.id} failed without an error")
+    return op

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import enum
 import errno
 import os
 import threading
@@ -24,33 +23,12 @@ from typing import Any
 import structlog
 
 from gpusnap.daemon.api.errors import CancelledError, GpusnapError, InternalError, ResourceExhaustedError
+from gpusnap.daemon.api.types import EventType as EventType
+from gpusnap.daemon.api.types import OperationKind as OperationKind
+from gpusnap.daemon.api.types import OperationState as OperationState
 from gpusnap.daemon.api.types import PhaseTiming, RestoreResult, Snapshot
 from gpusnap.daemon.operations import failpoints
 from gpusnap.daemon.store.journal import Journal
-
-
-class OperationKind(enum.Enum):
-    CHECKPOINT = "checkpoint"
-    RESTORE = "restore"
-    SUSPEND = "suspend"
-    RESUME = "resume"
-    PUSH = "push"
-    PULL = "pull"
-
-
-class OperationState(enum.Enum):
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-
-
-class EventType(enum.Enum):
-    PHASE_STARTED = "phase_started"
-    PHASE_FINISHED = "phase_finished"
-    PHASE_FAILED = "phase_failed"
-    PROGRESS = "progress"
-    ROLLBACK = "rollback"
-    OPERATION_FINISHED = "operation_finished"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon._proto.operations_pb2 import OPERATION_STATE_FAILED, OPERATION_STATE_SUCCEEDED
 from gpusnap.daemon.api.errors import GpusnapError
+from gpusnap.daemon.client.values import OperationState
 from tests.adapters import torch_venv
 from tests.conftest import DaemonProc, criu_killed, kill_tree, start_daemon, stop_daemon, wait_for
 
@@ -225,9 +225,9 @@ def test_daemon_killed_after_offload_gives_the_worker_its_weights_back(tmp_path:
             d.client().wait(op.id, timeout_s=120)
         done = d.client().get_operation(op.id)
         durable = phase == "finish"
-        assert done.state == (OPERATION_STATE_SUCCEEDED if durable else OPERATION_STATE_FAILED), done
+        assert done.state is (OperationState.SUCCEEDED if durable else OperationState.FAILED), done
         if not durable:
-            assert re.search(r"resumed the worker \(PID \d+\), with 1 buffers read back", done.error.message), done
+            assert re.search(r"resumed the worker \(PID \d+\), with 1 buffers read back", str(done.error)), done
         assert f"resume restored=False resident={mib << 20}" in w.events(), w.events()
         assert w.generate() == before, "the source serves with its own weights again"
         assert [s.id for s in d.client().list_snapshots()] == ([done.snapshot.id] if durable else [])

@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpusnap.daemon._proto import operations_pb2
-from gpusnap.daemon.api.errors import CancelledError, FailedPreconditionError, InvalidArgumentError
+from gpusnap.daemon.api.errors import CancelledError, Code, FailedPreconditionError, InvalidArgumentError
+from gpusnap.daemon.client.values import OperationState
 from tests.conftest import DaemonProc, Workloads, _cli_env, wait_for
 
 
@@ -32,7 +32,7 @@ def test_cancel_rolls_back_a_waiting_checkpoint(daemon: DaemonProc, workloads: W
     assert res.returncode == 0 and "cancelled" in res.stdout, res.stderr
     with pytest.raises(CancelledError):
         client.wait(op.id)
-    assert client.get_operation(op.id).error.code == 1  # CANCELLED
+    assert getattr(client.get_operation(op.id).error, "code", None) == Code.CANCELLED
     assert client.list_snapshots() == [] and psutil.Process(pid).status() != psutil.STATUS_STOPPED
     again = daemon.cli("cancel", op.id)  # cancelling again is harmless and says the same
     assert again.returncode == 0 and "cancelled" in again.stdout, again.stderr
@@ -59,9 +59,9 @@ def test_ctrl_c_cancels(daemon: DaemonProc, workloads: Workloads, tmp_path: Path
         # Ctrl-C as at a terminal, even where this suite runs as a background job (SIGINT ignored, inherited)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    running = operations_pb2.OPERATION_STATE_RUNNING  # an earlier test's cancelled op also ended in wait-ready
+    running = OperationState.RUNNING  # an earlier test's cancelled op also ended in wait-ready
     wait_for(
-        lambda: any(o.phase == "wait-ready" and o.state == running for o in daemon.client().list_operations()),
+        lambda: any(o.phase == "wait-ready" and o.state is running for o in daemon.client().list_operations()),
         30,
         "not waiting",
     )
@@ -69,7 +69,7 @@ def test_ctrl_c_cancels(daemon: DaemonProc, workloads: Workloads, tmp_path: Path
     _, err = cli.communicate(timeout=60)
     assert cli.returncode == 130 and "cancelling" in err, err
     [op] = daemon.client().list_operations()
-    assert op.state == operations_pb2.OPERATION_STATE_FAILED and op.error.code == 1
+    assert op.state is OperationState.FAILED and op.error is not None and op.error.code == Code.CANCELLED
 
 
 def test_idempotency_key(daemon: DaemonProc, workloads: Workloads) -> None:

@@ -29,10 +29,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpusnap.daemon._proto import operations_pb2
 from gpusnap.daemon.api.errors import GpusnapError, UnavailableError
-from gpusnap.daemon.client import DaemonClient
+from gpusnap.daemon.client import DaemonClient, OperationHandle
 from gpusnap.daemon.client import calls as client_module
+from gpusnap.daemon.client.values import Operation, OperationState
 from gpusnap.daemon.store import checksum, manifest
 from tests.adapters.test_agent_roundtrip import Toy
 from tests.conftest import DaemonProc, Workload, Workloads, criu_killed, kill_tree, start_daemon, stop_daemon, wait_for
@@ -41,7 +41,7 @@ CAPTURE = ["preflight", "dump", "checksum", "publish", "finish"]
 RESTORE = ["preflight", "verify", "restore", "criu-started", "pre-resume", "validate"]
 """Phases, and two points inside ``restore``: CRIU told to start (helper and namespace init journaled), and
 CRIU's pre-resume (every task restored, none yet running)."""
-FAILED, SUCCEEDED = operations_pb2.OPERATION_STATE_FAILED, operations_pb2.OPERATION_STATE_SUCCEEDED
+FAILED, SUCCEEDED = OperationState.FAILED, OperationState.SUCCEEDED
 
 
 def _faulty_daemon(tmp: Path, spec: str) -> DaemonProc:
@@ -94,7 +94,7 @@ def _short_start_retry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(client_module, "START_RETRY_S", 0.5)
 
 
-def _start(d: DaemonProc, start: Callable[[DaemonClient], operations_pb2.Operation]) -> str:
+def _start(d: DaemonProc, start: Callable[[DaemonClient], OperationHandle]) -> str:
     """Start the operation; "" when gpusnapd died before it answered."""
     try:
         return start(d.client()).id
@@ -103,8 +103,8 @@ def _start(d: DaemonProc, start: Callable[[DaemonClient], operations_pb2.Operati
 
 
 def _after_crash(
-    d: DaemonProc, tmp: Path, op_id: str, retry: Callable[[DaemonClient], operations_pb2.Operation]
-) -> tuple[DaemonProc, operations_pb2.Operation]:
+    d: DaemonProc, tmp: Path, op_id: str, retry: Callable[[DaemonClient], OperationHandle]
+) -> tuple[DaemonProc, Operation]:
     """Wait for the SIGKILLed daemon to be gone and start it again on the same store; a retry with the same
     idempotency key must get the original operation, finished by recovery."""
     assert d.proc.wait(timeout=60) == -9, "the failpoint did not kill gpusnapd"
@@ -127,8 +127,8 @@ def _cell(
     d: DaemonProc,
     tmp: Path,
     fault: str,
-    start: Callable[[DaemonClient], operations_pb2.Operation],
-) -> tuple[DaemonProc, operations_pb2.Operation]:
+    start: Callable[[DaemonClient], OperationHandle],
+) -> tuple[DaemonProc, Operation]:
     """Start the operation under the daemon's failpoint; the daemon serving afterwards and the finished operation."""
     op_id = _start(d, start)
     if fault == "kill":
@@ -146,7 +146,7 @@ def test_capture_cell(tmp_path: Path, workloads: Workloads, phase: str, fault: s
     d = _faulty_daemon(tmp_path, f"checkpoint:{phase}:{fault}")
     key = str(uuid.uuid4())
 
-    def start(c: DaemonClient) -> operations_pb2.Operation:
+    def start(c: DaemonClient) -> OperationHandle:
         return c.checkpoint(w.pid, name="cell", request_id=key)
 
     try:
@@ -187,7 +187,7 @@ def test_restore_cell(tmp_path: Path, template: tuple[Path, Path], phase: str, f
     key = str(uuid.uuid4())
     tracked: set[int] = set()
 
-    def start(c: DaemonClient) -> operations_pb2.Operation:
+    def start(c: DaemonClient) -> OperationHandle:
         return c.restore("base", request_id=key)
 
     try:
@@ -197,7 +197,7 @@ def test_restore_cell(tmp_path: Path, template: tuple[Path, Path], phase: str, f
             tracked = set(done.restore.pids)
             assert tracked and all(psutil.pid_exists(p) for p in tracked), "an adopted tree runs"
         elif fault == "kill" and phase == "pre-resume":  # CRIU had restored it: recovery says it killed it
-            assert "was killed" in done.error.message, done.error.message
+            assert "was killed" in str(done.error), done.error
         time.sleep(0.5)
         assert _copies(workdir) <= tracked, "a restored tree runs untracked"
     finally:
@@ -213,12 +213,12 @@ def test_daemon_killed_inside_host_pidns_restore(tmp_path: Path, template: tuple
     d = _faulty_daemon(tmp_path, "restore:pre-resume:kill")
     key = str(uuid.uuid4())
 
-    def start(c: DaemonClient) -> operations_pb2.Operation:
+    def start(c: DaemonClient) -> OperationHandle:
         return c.restore("base", host_pid_namespace=True, request_id=key)
 
     try:
         d, done = _after_crash(d, tmp_path, _start(d, start), start)
-        assert done.state == FAILED and "was killed" in done.error.message, done.error.message
+        assert done.state == FAILED and "was killed" in str(done.error), done.error
         wait_for(lambda: not _copies(workdir), 15, "a restored tree runs untracked")
         _nothing_half_written(d)
     finally:
@@ -277,11 +277,11 @@ def test_daemon_killed_with_a_quiesced_worker(tmp_path: Path) -> None:
         before = toy.generate()
         key = str(uuid.uuid4())
 
-        def start(c: DaemonClient) -> operations_pb2.Operation:
+        def start(c: DaemonClient) -> OperationHandle:
             return c.checkpoint(toy.proc.pid, offload=False, request_id=key)
 
         d, done = _after_crash(d, tmp_path, _start(d, start), start)
-        assert done.state == FAILED and "resumed the worker" in done.error.message, done.error.message
+        assert done.state == FAILED and "resumed the worker" in str(done.error), done.error
         events = toy.events()
         assert events[events.index("quiesce") + 1] == "resume restored=False", events
         assert toy.generate() == before, "the worker serves again"

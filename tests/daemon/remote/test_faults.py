@@ -8,28 +8,29 @@ import signal
 
 import pytest
 
-from gpusnap.daemon._proto import operations_pb2
 from gpusnap.daemon.api.errors import GpusnapError
+from gpusnap.daemon.client import OperationHandle
+from gpusnap.daemon.client.values import EventType
 from tests.conftest import DaemonProc, Workloads, wait_for
 from tests.daemon.remote.fleet import Fleet, cli_json
 
 MEM_MB = 160
 
 
-def _interrupt_after_progress(d: DaemonProc, op: operations_pb2.Operation, action: object) -> None:
+def _interrupt_after_progress(d: DaemonProc, op: OperationHandle, action: object) -> None:
     """Follow ``op`` until it has moved some but not all bytes, then run ``action``."""
     with d.client() as client:
         try:
             for event in client.watch(op.id):
-                if event.type == operations_pb2.OperationEvent.TYPE_PROGRESS and 0 < event.bytes < event.total_bytes:
+                if event.type is EventType.PROGRESS and 0 < event.bytes < event.total_bytes:
                     action()  # type: ignore[operator]
                     break
-                assert event.type != operations_pb2.OperationEvent.TYPE_OPERATION_FINISHED, "finished before the fault"
+                assert event.type is not EventType.OPERATION_FINISHED, "finished before the fault"
         except GpusnapError:
             pass
 
 
-def _start(d: DaemonProc, verb: str, ref: str) -> operations_pb2.Operation:
+def _start(d: DaemonProc, verb: str, ref: str) -> OperationHandle:
     with d.client() as client:
         return client.push(ref) if verb == "push" else client.pull(ref)
 

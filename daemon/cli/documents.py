@@ -1,0 +1,131 @@
+"""What each command prints with ``-o json``: the document classes :func:`~gpusnap.daemon.cli.render.render`
+writes, and the table from command name to document that scripts/gen_json_schema.py turns into
+docs/schemas/v1/cli.schema.json (``#/$defs/command_<name>``).
+
+A field's ``metadata["schema"]`` adds JSON Schema keywords (patterns, minimums) to what its type says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from gpusnap.daemon.api.errors import GpusnapError
+from gpusnap.daemon.client.values import NodeInfo, Operation, Replica, Snapshot, StoreTier
+
+SNAPSHOT_ID = {"schema": {"pattern": "^snap-[a-z2-7]{26}$"}}
+OPERATION_ID = {"schema": {"pattern": "^op-[a-z2-7]{26}$"}}
+PID = {"schema": {"minimum": 1}}
+COUNT = {"schema": {"minimum": 0}}
+PHASES = {"schema": {"description": "phase name -> seconds, in the order the phases ran"}}
+
+LS_OMIT = frozenset({"host.cpu_flags"})
+"""About 100 flags per snapshot; ``inspect`` shows them."""
+OPS_OMIT = frozenset({"snapshot.host.cpu_flags"})
+
+
+def _f(meta: Mapping[str, Any]) -> Any:
+    return dataclasses.field(metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dumped:
+    """``dump``: the new snapshot."""
+
+    id: str = _f(SNAPSHOT_ID)
+    name: str = _f({})
+    operation: str = _f(OPERATION_ID)
+    size_bytes: int = _f(COUNT)
+    buffer_bytes: int = _f(COUNT)
+    phases: Mapping[str, float] = _f(PHASES)
+    push_operation: str | None = dataclasses.field(default=None, metadata=OPERATION_ID)
+    """``--push``: the background push's operation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """``restore``: the restored tree (the first copy's), with every copy in ``replicas``."""
+
+    pid: int = _f(PID)
+    pids: tuple[int, ...] = _f({})
+    namespace_pid: int = _f(COUNT)
+    snapshot_id: str = _f(SNAPSHOT_ID)
+    operation: str = _f(OPERATION_ID)
+    replicas: tuple[Replica, ...] = _f({"schema": {"minItems": 1}})
+    phases: Mapping[str, float] = _f(PHASES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transferred:
+    """``push`` and ``pull``: what moved."""
+
+    id: str = _f(SNAPSHOT_ID)
+    remote: str = _f({"schema": {"pattern": "^s3://"}})
+    operation: str = _f(OPERATION_ID)
+    transferred_bytes: int = _f(COUNT)
+    skipped_bytes: int = _f(COUNT)
+    transferred_chunks: int = _f(COUNT)
+    skipped_chunks: int = _f(COUNT)
+    buffer_transferred_bytes: int = _f(COUNT)
+    phases: Mapping[str, float] = _f(PHASES)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreReport:
+    """``store``: the snapshot store, the buffer tiers and the remote store."""
+
+    store_path: str
+    snapshot_count: int = _f(COUNT)
+    store_used_bytes: int = _f(COUNT)
+    remote: str = _f({})
+    tiers: tuple[StoreTier, ...] = _f({})
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoveFailure:
+    snapshot: str
+    error: GpusnapError
+
+
+@dataclasses.dataclass(frozen=True)
+class Removed:
+    """``rm``: what was deleted, and each snapshot that could not be, with its error."""
+
+    deleted: tuple[str, ...] = _f({"schema": {"items": SNAPSHOT_ID["schema"]}})
+    failed: tuple[RemoveFailure, ...] = _f({})
+
+
+@dataclasses.dataclass(frozen=True)
+class Detached:
+    """``--detach``: the operation started."""
+
+    operation: str = _f(OPERATION_ID)
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """Any command that exits non-zero."""
+
+    error: GpusnapError
+
+
+COMMANDS: dict[str, tuple[Any, frozenset[str]]] = {
+    "dump": (Dumped, frozenset()),
+    "restore": (Restored, frozenset()),
+    "push": (Transferred, frozenset()),
+    "pull": (Transferred, frozenset()),
+    "store": (StoreReport, frozenset()),
+    "rm": (Removed, frozenset()),
+    "detached": (Detached, frozenset()),
+    "failed": (Failed, frozenset()),
+    "ls": (list[Snapshot], LS_OMIT),
+    "inspect": (Snapshot, frozenset()),
+    "node": (NodeInfo, frozenset()),
+    "ops": (list[Operation], OPS_OMIT),
+    "wait": (Operation, frozenset()),
+    "cancel": (Operation, frozenset()),
+    "suspend": (Operation, frozenset()),
+    "resume": (Operation, frozenset()),
+}
+"""Command (``detached``: any ``--detach``; ``failed``: any failure) -> (document type, fields left out)."""
