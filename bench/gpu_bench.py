@@ -30,12 +30,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import results_file  # noqa: E402
-from tests.conftest import start_daemon, stop_daemon, wait_for  # noqa: E402
+from tests.conftest import phase_seconds, start_daemon, stop_daemon, wait_for  # noqa: E402
 
 WORKER = REPO / "tests" / "gpu" / "torch_worker.py"
 
@@ -92,7 +93,7 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
             "image_bytes": again["size_bytes"],
             "buffer_bytes": again["buffer_bytes"],
             "buffer_store_growth_bytes": _buffer_store_bytes(buffers_root) - store_before,
-            "phases": again["phases"],
+            "phases": phase_seconds(again),
         }
         daemon.cli("rm", again["id"], check=True)  # type: ignore[attr-defined]
     else:
@@ -109,11 +110,15 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
         verified = verified and now.read_text().split()[: len(expected)] == expected
         os.kill(back["pid"], signal.SIGKILL)
         _gone(back["pid"])
-        again_restore = {"phases": back["phases"], "total_s": sum(back["phases"].values()), "cli_wall_s": wall}
+        again_restore = {
+            "phases": phase_seconds(back),
+            "total_s": sum(phase_seconds(back).values()),
+            "cli_wall_s": wall,
+        }
     daemon.cli("rm", dumped["id"], check=True)  # type: ignore[attr-defined]
     gpu_bytes = gib * 2**30
-    ck_total = sum(dumped["phases"].values())
-    rs_total = sum(restored["phases"].values())
+    ck_total = sum(phase_seconds(dumped).values())
+    rs_total = sum(phase_seconds(restored).values())
     return {
         "mode": mode,
         "gib": gib,
@@ -124,13 +129,13 @@ def run_size(daemon: object, gib: float, tmp: Path, mode: str, buffers_root: Pat
         "snapshot_over_data": (dumped["size_bytes"] + dumped.get("buffer_bytes", 0)) / (gpu_bytes + rss),
         "verified": verified,
         "checkpoint": {
-            "phases": dumped["phases"],
+            "phases": phase_seconds(dumped),
             "total_s": ck_total,
             "cli_wall_s": dump_wall,
             "gb_per_s": gpu_bytes / 1e9 / ck_total,
         },
         "restore": {
-            "phases": restored["phases"],
+            "phases": phase_seconds(restored),
             "total_s": rs_total,
             "cli_wall_s": restore_wall,
             "gb_per_s": gpu_bytes / 1e9 / rs_total,
@@ -146,10 +151,10 @@ def wait_registered_ahead(daemon: object, timeout_s: float = 120) -> dict[str, o
     node``'s gpu prefill state; it does so in the background after the checkpoint), so the first restore
     measures the warm path a restore some time after its checkpoint gets. Returns the wait and the state."""
     t0 = time.monotonic()
-    state = ""
+    state: dict[str, Any] = {}
     while time.monotonic() - t0 < timeout_s:
-        state = json.loads(daemon.cli("-o", "json", "node", check=True).stdout).get("gpu_prefill", "")  # type: ignore[attr-defined]
-        if "GiB of blobs registered" in state and "registering" not in state:
+        state = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)["gpu_prefill"]  # type: ignore[attr-defined]
+        if state["registered_bytes"] and not state["registering"]:
             break
         time.sleep(0.2)
     return {"wait_s": round(time.monotonic() - t0, 3), "state": state}

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from gpusnap.daemon.client.values import OperationState  # noqa: E402
-from tests.conftest import start_daemon, stop_daemon  # noqa: E402
+from tests.conftest import phase_seconds, start_daemon, stop_daemon  # noqa: E402
 from tests.gpu.test_gpu_engine import request, start_llm  # noqa: E402
 
 
@@ -161,7 +161,7 @@ def main() -> int:
         "same_tokens_after_restore": same,
         "image_bytes": dumped["size_bytes"],  # type: ignore[index]
         "buffer_bytes": dumped["buffer_bytes"],  # type: ignore[index]
-        "checkpoint_phases": dumped["phases"],  # type: ignore[index]
+        "checkpoint_phases": phase_seconds(dumped),  # type: ignore[arg-type]
         "restore_phases": restored["phases"],  # type: ignore[index]
         "gpu_memory_at_capture_bytes": fast["gpu_memory_at_capture_bytes"],
         "source_rss_bytes": fast["source_rss_bytes"],
@@ -174,7 +174,7 @@ def main() -> int:
             "restore_to_first_token_s": stock["to_first_token_s"],
             "over_offload": stock["to_first_token_s"] / fast["to_first_token_s"],  # type: ignore[operator]
             "image_bytes": stock["dumped"]["size_bytes"],  # type: ignore[index]
-            "checkpoint_phases": stock["dumped"]["phases"],  # type: ignore[index]
+            "checkpoint_phases": phase_seconds(stock["dumped"]),  # type: ignore[arg-type]
             "restore_phases": stock["restored"]["phases"],  # type: ignore[index]
         },
     }

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests import ceph_rgw  # noqa: E402
-from tests.conftest import WORKLOADS, kill_tree, start_daemon, stop_daemon, wait_for  # noqa: E402
+from tests.conftest import WORKLOADS, kill_tree, phase_seconds, start_daemon, stop_daemon, wait_for  # noqa: E402
 
 
 def _copy_tree(src: Path, dst: Path) -> int:
@@ -97,8 +97,8 @@ def _leg(mib: float, seconds: float, out: Any, phase: str) -> dict[str, Any]:
     return {
         "seconds": round(seconds, 3),
         "MiBps": round(mib / seconds, 1),
-        "phases": out["phases"],
-        f"{phase}_MiBps": round(mib / out["phases"][phase], 1),
+        "phases": phase_seconds(out),
+        f"{phase}_MiBps": round(mib / phase_seconds(out)[phase], 1),
         "transferred_bytes": out["transferred_bytes"],
     }
 

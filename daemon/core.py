@@ -7,11 +7,12 @@ bad request fails its RPC at once; the work itself runs as a background operatio
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 from gpusnap.daemon.api import paging, validate
 from gpusnap.daemon.api.errors import AbortedError, NotFoundError, PermissionDeniedError
-from gpusnap.daemon.api.types import Caller, CheckpointOptions, HostFacts, RestoreOptions, Snapshot
+from gpusnap.daemon.api.types import Caller, CheckpointOptions, GpuPrefill, HostFacts, RestoreOptions, Snapshot
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.operations import remote as remote_ops
@@ -40,8 +41,8 @@ class NodeInfo:
     remote: str = ""
     tiers: tuple[TierUsage, ...] = ()
     """The buffer store's tiers, fastest first, then (with a remote store) ``remote``: what only it holds."""
-    gpu_prefill: str = ""
-    """``gpu_prefill``'s state: ``on (…)`` or ``off…`` with the reason (``gpusnap.daemon.weights.prefill``)."""
+    gpu_prefill: GpuPrefill = GpuPrefill(enabled=False, reason="off")
+    """``gpu_prefill``'s state (``gpusnap.daemon.weights.prefill``)."""
 
 
 class Daemon:
@@ -163,8 +164,9 @@ class Daemon:
         """Delete a snapshot's remote manifest, then collect unreferenced chunks past the grace period."""
         _require_identified(caller)
         remote = remote_ops.require_remote(self.deps)
-        snapshot = remote.find(ref, caller.uid).snapshot
-        check_may_restore(snapshot, caller, lambda: remote.not_found(ref))
+        with _nothing_to_delete():
+            snapshot = remote.find(ref, caller.uid).snapshot
+            check_may_restore(snapshot, caller, lambda: remote.not_found(ref))
         remote.delete(snapshot)
         remote.collect_garbage(self.deps.config.remote_gc_grace)
         return snapshot.id
@@ -257,9 +259,10 @@ class Daemon:
     def delete_snapshot(self, ref: str, caller: Caller) -> str:
         """Delete a snapshot; root may delete damaged ones whose owner cannot be read."""
         _require_identified(caller)
-        if not caller.is_root:
-            self.snapshot(ref, caller)
-        snapshot_id = self.deps.store.path_of(ref, caller.uid).name
+        with _nothing_to_delete():
+            if not caller.is_root:
+                self.snapshot(ref, caller)
+            snapshot_id = self.deps.store.path_of(ref, caller.uid).name
         busy = [r.id for r in self.registry.list() if not r.done and r.target_snapshot == snapshot_id]
         if busy:
             raise AbortedError(
@@ -282,7 +285,7 @@ class Daemon:
             gpus=tuple(self.deps.gpu.gpus()),
             cuda_checkpoint_supported=self.deps.gpu.available,
             cuda_unavailable_reason=self.deps.gpu.reason,
-            gpu_prefill=self.deps.prefill.state if self.deps.prefill else "off",
+            gpu_prefill=self.deps.prefill.status() if self.deps.prefill else GpuPrefill(enabled=False, reason="off"),
             remote=str(self.deps.remote or ""),
             tiers=self._tiers(uid),
         )
@@ -316,3 +319,15 @@ def _require_identified(caller: Caller) -> None:
             "and connect with a client certificate, or use the Unix socket",
             reason="ANONYMOUS",
         )
+
+
+@contextmanager
+def _nothing_to_delete() -> Iterator[None]:
+    """A delete of a snapshot that is not there says so as ``NOTHING_TO_DELETE`` (action ``fix``: check the
+    name), not as the ``SNAPSHOT_NOT_FOUND`` of a restore, whose action is to cold-start the worker instead."""
+    try:
+        yield
+    except NotFoundError as err:
+        if err.reason != "SNAPSHOT_NOT_FOUND":
+            raise
+        raise NotFoundError(err.message, reason="NOTHING_TO_DELETE", metadata=err.metadata) from None

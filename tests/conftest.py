@@ -11,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -286,6 +286,12 @@ def kill_tree(*pids: int) -> None:
             p.kill()
         except psutil.Error:
             pass
+
+
+def phase_seconds(doc: Mapping[str, Any]) -> dict[str, float]:
+    """The ``phases`` of a command's ``-o json`` (a list of ``{phase, duration_seconds, bytes}``, in the
+    order they ran) as phase -> seconds."""
+    return {p["phase"]: p["duration_seconds"] for p in doc["phases"]}
 
 
 def wait_for(cond: object, timeout: float, message: str) -> None:

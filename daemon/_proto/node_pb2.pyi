@@ -59,8 +59,6 @@ class NodeInfo(_message.Message):
     criu_path: _builtins.str
     remote: _builtins.str
     """remote store URL (s3://bucket/prefix), empty when none"""
-    gpu_prefill: _builtins.str
-    """restores fill address-stable weights on the GPU: "on (…)" or "off…: why" """
     @_builtins.property
     def host(self) -> _types_pb2.HostFacts: ...
     @_builtins.property
@@ -68,6 +66,10 @@ class NodeInfo(_message.Message):
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoreTier]:
         """the buffer store's tiers, fastest first; then "remote" when configured"""
+
+    @_builtins.property
+    def gpu_prefill(self) -> Global___GpuPrefill:
+        """whether restores fill address-stable weights on the GPU, and how far it is"""
 
     def __init__(
         self,
@@ -82,9 +84,9 @@ class NodeInfo(_message.Message):
         criu_path: _builtins.str = ...,
         remote: _builtins.str = ...,
         tiers: _abc.Iterable[Global___StoreTier] | None = ...,
-        gpu_prefill: _builtins.str = ...,
+        gpu_prefill: Global___GpuPrefill | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["host", b"host"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["gpu_prefill", b"gpu_prefill", "host", b"host"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["criu_path", b"criu_path", "cuda_checkpoint_supported", b"cuda_checkpoint_supported", "cuda_unavailable_reason", b"cuda_unavailable_reason", "gpu_prefill", b"gpu_prefill", "gpus", b"gpus", "host", b"host", "remote", b"remote", "snapshot_count", b"snapshot_count", "store_path", b"store_path", "store_used_bytes", b"store_used_bytes", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
@@ -93,9 +95,53 @@ class NodeInfo(_message.Message):
 Global___NodeInfo: _TypeAlias = NodeInfo  # noqa: Y015
 
 @_typing.final
-class StoreTier(_message.Message):
+class GpuPrefill(_message.Message):
     """One tier of the buffer store (workers' weights): RAM (buffer_dir on tmpfs) or disk (<store>/buffers)."""
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    USABLE_GPUS_FIELD_NUMBER: _builtins.int
+    CONTEXTS_FIELD_NUMBER: _builtins.int
+    REGISTERED_BYTES_FIELD_NUMBER: _builtins.int
+    REGISTERING_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    """restores fill address-stable weights on the GPU"""
+    reason: _builtins.str
+    """why not, when not enabled"""
+    gpus: _builtins.int
+    """GPUs probed"""
+    usable_gpus: _builtins.int
+    """GPUs it can fill"""
+    contexts: _builtins.str
+    """gpusnapd's contexts: "creating", "ready" or "failed (why)"; empty before"""
+    registered_bytes: _builtins.int
+    """blobs registered ahead with the GPU driver"""
+    registering: _builtins.bool
+    """registrations still queued"""
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        gpus: _builtins.int = ...,
+        usable_gpus: _builtins.int = ...,
+        contexts: _builtins.str = ...,
+        registered_bytes: _builtins.int = ...,
+        registering: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["contexts", b"contexts", "enabled", b"enabled", "gpus", b"gpus", "reason", b"reason", "registered_bytes", b"registered_bytes", "registering", b"registering", "usable_gpus", b"usable_gpus"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GpuPrefill: _TypeAlias = GpuPrefill  # noqa: Y015
+
+@_typing.final
+class StoreTier(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int

@@ -61,6 +61,8 @@ class _OperationStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Operat
     OPERATION_STATE_SUCCEEDED: _OperationState.ValueType  # 2
     OPERATION_STATE_FAILED: _OperationState.ValueType  # 3
     """Failed and rolled back: a checkpoint's source keeps running, a restore left nothing behind."""
+    OPERATION_STATE_CANCELLED: _OperationState.ValueType  # 4
+    """cancelled (CancelOperation, Ctrl-C) and rolled back; error is CANCELLED"""
 
 class OperationState(_OperationState, metaclass=_OperationStateEnumTypeWrapper): ...
 
@@ -69,6 +71,8 @@ OPERATION_STATE_RUNNING: OperationState.ValueType  # 1
 OPERATION_STATE_SUCCEEDED: OperationState.ValueType  # 2
 OPERATION_STATE_FAILED: OperationState.ValueType  # 3
 """Failed and rolled back: a checkpoint's source keeps running, a restore left nothing behind."""
+OPERATION_STATE_CANCELLED: OperationState.ValueType  # 4
+"""cancelled (CancelOperation, Ctrl-C) and rolled back; error is CANCELLED"""
 Global___OperationState: _TypeAlias = OperationState  # noqa: Y015
 
 class _TcpMode:

@@ -95,6 +95,7 @@ _ACTION_BY_REASON: dict[str, Action] = {
     "REMOTE_NOT_CONFIGURED": Action.FIX,
     "BUFFER_BUDGET": Action.FIX,
     "REMOTE_NO_BUCKET": Action.FIX,
+    "NOTHING_TO_DELETE": Action.FIX,  # rm of a snapshot that is not there
     # a chunk a remote manifest names is gone: that snapshot cannot be pulled
     "REMOTE_NOT_FOUND": Action.FALL_BACK,
     # the worker went away or broke mid-operation: the same call again may work

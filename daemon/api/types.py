@@ -245,6 +245,8 @@ class OperationState(enum.Enum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    CANCELLED = "cancelled"
+    """Cancelled (``gpusnap cancel``, Ctrl-C) and rolled back; its error is a ``CancelledError``."""
 
 
 class EventType(enum.Enum):
@@ -256,6 +258,39 @@ class EventType(enum.Enum):
     PROGRESS = "progress"
     ROLLBACK = "rollback"
     OPERATION_FINISHED = "operation_finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPrefill:
+    """Whether restores fill address-stable weights on the GPU (``gpu_prefill``), and how far it is."""
+
+    enabled: bool
+    reason: str | None = None
+    """Why not, when not enabled."""
+    gpus: int = 0
+    """GPUs probed."""
+    usable_gpus: int = 0
+    """GPUs it can fill."""
+    contexts: str | None = None
+    """gpusnapd's contexts: ``creating``, ``ready`` or ``failed (why)``; ``None`` before they are asked for."""
+    registered_bytes: int = 0
+    """Blobs registered ahead with the GPU driver, bytes."""
+    registering: bool = False
+    """Registrations still queued."""
+
+    def summary(self) -> str:
+        """One line for people: ``on (1 of 1 GPUs); contexts ready; 16.0 GiB of blobs registered`` or ``off: why``."""
+        if not self.enabled:
+            reason = self.reason or "off"
+            return reason if reason.startswith("off") else f"off: {reason}"
+        parts = [f"on ({self.usable_gpus} of {self.gpus} GPUs)"]
+        if self.contexts:
+            parts.append(f"contexts {self.contexts}")
+        if self.registered_bytes:
+            parts.append(f"{self.registered_bytes / 2**30:.1f} GiB of blobs registered")
+        if self.registering:
+            parts.append("registering blobs")
+        return "; ".join(parts)
 
 
 class TcpMode(enum.Enum):

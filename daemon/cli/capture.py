@@ -6,7 +6,7 @@ import click
 
 from gpusnap.daemon.cli.app import PID, SECONDS, Ctx, checked, main, output_option, parse_labels, parse_pairs
 from gpusnap.daemon.cli.follow import detached, follow, run_operation, start_held
-from gpusnap.daemon.cli.output import console, emit, human_size, outcome, phase_summary
+from gpusnap.daemon.cli.output import console, count, emit, human_size, outcome, phase_summary
 
 
 @main.command()
@@ -101,7 +101,7 @@ def dump(
                 operation=done.id,
                 size_bytes=snap.size_bytes,
                 buffer_bytes=snap.buffer_bytes,
-                phases={p.phase: p.duration_seconds for p in done.phases},
+                phases=done.phases,
                 push_operation=pushing or None,
             )
         )
@@ -222,7 +222,7 @@ def restore(
                 snapshot_id=res.snapshot_id,
                 operation=done.id,
                 replicas=copies,
-                phases={p.phase: p.duration_seconds for p in done.phases},
+                phases=done.phases,
             )
         )
     else:
@@ -245,7 +245,7 @@ def suspend(obj: Ctx, pid: int, gpu_lock_timeout: float | None) -> None:
         gpu_processes = outcome(done.suspend, done).gpu_processes
         freed = sum(g.gpu_memory_bytes for g in gpu_processes)
         click.echo(
-            f"suspended {len(gpu_processes)} CUDA process(es), {human_size(freed)} of GPU memory freed: "
+            f"suspended {count(len(gpu_processes), 'CUDA process', 'CUDA processes')}, {human_size(freed)} of GPU memory freed: "
             f"{phase_summary(done)}"
         )
 

@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpusnap.daemon.api.errors import GpusnapError
-from gpusnap.daemon.client.values import NodeInfo, Operation, Replica, Snapshot, StoreTier
+from gpusnap.daemon.client.values import NodeInfo, Operation, PhaseTiming, Replica, Snapshot, StoreTier
 
 SNAPSHOT_ID = {"schema": {"pattern": "^snap-[a-z2-7]{26}$"}}
 OPERATION_ID = {"schema": {"pattern": "^op-[a-z2-7]{26}$"}}
 PID = {"schema": {"minimum": 1}}
 COUNT = {"schema": {"minimum": 0}}
-PHASES = {"schema": {"description": "phase name -> seconds, in the order the phases ran"}}
+PHASES = {"schema": {"description": "the phases in the order they ran, as in every operation"}}
 
 LS_OMIT = frozenset({"host.cpu_flags"})
 """About 100 flags per snapshot; ``inspect`` shows them."""
@@ -34,11 +34,11 @@ class Dumped:
     """``dump``: the new snapshot."""
 
     id: str = _f(SNAPSHOT_ID)
-    name: str = _f({})
+    name: str | None = _f({})
     operation: str = _f(OPERATION_ID)
     size_bytes: int = _f(COUNT)
     buffer_bytes: int = _f(COUNT)
-    phases: Mapping[str, float] = _f(PHASES)
+    phases: tuple[PhaseTiming, ...] = _f(PHASES)
     push_operation: str | None = dataclasses.field(default=None, metadata=OPERATION_ID)
     """``--push``: the background push's operation."""
 
@@ -53,7 +53,7 @@ class Restored:
     snapshot_id: str = _f(SNAPSHOT_ID)
     operation: str = _f(OPERATION_ID)
     replicas: tuple[Replica, ...] = _f({"schema": {"minItems": 1}})
-    phases: Mapping[str, float] = _f(PHASES)
+    phases: tuple[PhaseTiming, ...] = _f(PHASES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Transferred:
     transferred_chunks: int = _f(COUNT)
     skipped_chunks: int = _f(COUNT)
     buffer_transferred_bytes: int = _f(COUNT)
-    phases: Mapping[str, float] = _f(PHASES)
+    phases: tuple[PhaseTiming, ...] = _f(PHASES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ class StoreReport:
     store_path: str
     snapshot_count: int = _f(COUNT)
     store_used_bytes: int = _f(COUNT)
-    remote: str = _f({})
+    remote: str | None = _f({})
     tiers: tuple[StoreTier, ...] = _f({})
 
 

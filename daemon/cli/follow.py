@@ -40,20 +40,21 @@ def phase_display(enabled: bool) -> Iterator[Callable[[OperationEvent], None]]:
         tasks: dict[str, Any] = {}
 
         def show(event: OperationEvent) -> None:
+            phase = event.phase or ""
             if event.type == E.PHASE_STARTED:
-                tasks[event.phase] = progress.add_task(event.phase, total=None, moved="")
-            elif event.type == E.PROGRESS and event.phase in tasks:
+                tasks[phase] = progress.add_task(phase, total=None, moved="")
+            elif event.type == E.PROGRESS and phase in tasks:
                 progress.update(
-                    tasks[event.phase],
+                    tasks[phase],
                     completed=event.bytes,
                     total=event.total_bytes or None,
                     moved=moved(event.bytes, event.total_bytes),
                 )
-            elif event.type in (E.PHASE_FINISHED, E.PHASE_FAILED) and event.phase in tasks:
+            elif event.type in (E.PHASE_FINISHED, E.PHASE_FAILED) and phase in tasks:
                 mark = "" if event.type == E.PHASE_FINISHED else " [red]failed[/red]"
                 progress.update(
-                    tasks[event.phase],
-                    description=event.phase + mark,
+                    tasks[phase],
+                    description=phase + mark,
                     completed=1,
                     total=1,
                     moved=moved(event.bytes, event.bytes),
@@ -61,7 +62,8 @@ def phase_display(enabled: bool) -> Iterator[Callable[[OperationEvent], None]]:
             elif event.type == E.ROLLBACK:
                 from rich.markup import escape
 
-                progress.console.print(f"[yellow]rollback[/yellow] {escape(safe(f'{event.phase}: {event.message}'))}")
+                line = escape(safe(f"{phase}: {event.message or ''}"))
+                progress.console.print(f"[yellow]rollback[/yellow] {line}")
 
         yield show
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gpusnap.daemon.cli.app import Ctx, checked, main, output_option
-from gpusnap.daemon.cli.output import add_row, emit, human_size, new_table, print_table
+from gpusnap.daemon.cli.output import add_row, count, emit, human_size, new_table, print_table, wide
 
 
 @main.command()
@@ -25,16 +25,25 @@ def node(obj: Ctx) -> None:
         ("kernel", h.kernel),
         ("gpusnap", h.gpusnap_version),
         ("criu", f"{h.criu_version} ({info.criu_path})"),
-        ("store", f"{info.store_path}: {info.snapshot_count} snapshots, {human_size(info.store_used_bytes)}"),
+        ("store", f"{info.store_path}: {count(info.snapshot_count, 'snapshot')}, {human_size(info.store_used_bytes)}"),
         ("remote", info.remote or "-"),
         ("cpu", h.cpu_model),
         ("nvidia driver", h.nvidia_driver_version or "-"),
         ("cuda checkpoint", "supported" if info.cuda_checkpoint_supported else (info.cuda_unavailable_reason or "-")),
-        ("gpu prefill", info.gpu_prefill or "off"),
+        ("gpu prefill", info.gpu_prefill.summary()),
     ):
         add_row(table, key, value)
+    if not wide():  # one folded row per GPU: a UUID alone is 40 columns
+        for g in info.gpus:
+            add_row(
+                table,
+                f"gpu {g.index}",
+                f"{g.name}, {g.uuid}, {human_size(g.memory_free_bytes)} free of {human_size(g.memory_total_bytes)}, "
+                f"persistence {'on' if g.persistence_mode else 'off'}, MIG {'on' if g.mig_mode else 'off'}, "
+                f"processes {', '.join(str(p.pid) for p in g.processes) or '-'}",
+            )
     print_table(table)
-    if info.gpus:
+    if info.gpus and wide():
         gpus = new_table("IDX", "UUID", "NAME", "MEMORY FREE/TOTAL", "PERSISTENCE", "MIG", "PROCESSES")
         for g in info.gpus:
             add_row(
@@ -70,18 +79,27 @@ def store(obj: Ctx) -> None:
             )
         )
         return
-    click.echo(
-        f"store {info.store_path}: {info.snapshot_count} snapshots, {human_size(info.store_used_bytes)}"
-        f"; remote {info.remote or '-'}"
-    )
-    table = new_table("TIER", "PATH", "USED", "BUDGET", "FREE", "BLOBS")
+    summary = new_table(show_header=False)
+    add_row(summary, "store", info.store_path)
+    add_row(summary, "", f"{count(info.snapshot_count, 'snapshot')}, {human_size(info.store_used_bytes)}")
+    add_row(summary, "remote", info.remote or "-")
+    print_table(summary)
+    roomy = wide()  # narrower, the paths get a table of their own: a folded path beside the sizes is unreadable
+    table = new_table("TIER", *(("PATH",) if roomy else ()), "USED", "BUDGET", "FREE", "BLOBS")
     for t in info.tiers:
-        table.add_row(
+        add_row(
+            table,
             t.name,
-            t.path,
+            *((t.path,) if roomy else ()),
             human_size(t.used_bytes),
             human_size(t.budget_bytes) if t.budget_bytes else "-",
             human_size(t.free_bytes) if t.name != "remote" else "-",
             str(t.blobs),
         )
     print_table(table)
+    if not roomy:
+        paths = new_table("TIER", "PATH")
+        for t in info.tiers:
+            add_row(paths, t.name, t.path)
+        click.echo()
+        print_table(paths)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from gpusnap.daemon.api.errors import Code, GpusnapError
+from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.cli.app import Ctx, checked, main, output_option
 from gpusnap.daemon.cli.follow import follow
-from gpusnap.daemon.cli.output import add_row, emit, new_table, phase_summary, print_table
+from gpusnap.daemon.cli.output import add_row, emit, new_table, phase_summary, print_table, wide
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from gpusnap.daemon.client.values import Operation
 
 
 @main.command()
@@ -43,7 +50,7 @@ def cancel(obj: Ctx, operation: str) -> None:
             op = checked(lambda: client.get_operation(operation))
     if obj.output == "json":
         emit(op)
-    elif op.state is OperationState.FAILED and op.error is not None and op.error.code == Code.CANCELLED:
+    elif op.state is OperationState.CANCELLED:
         click.echo(f"{op.id} cancelled; what it had done was rolled back")
     else:
         click.echo(f"{op.id} had ended ({op.state.value}) before it could be cancelled")
@@ -62,12 +69,26 @@ def list_operations(obj: Ctx) -> None:
         emit(ops, OPS_OMIT)
         return
 
-    table = new_table("ID", "KIND", "STATE", "PHASE", "STARTED", "TARGET")
-    for i in (0, 1, 2, 4):  # ID, KIND, STATE and STARTED stay on one line; phases and targets fold
+    print_table(operations_table(ops, wide()))
+
+
+def operations_table(ops: list[Operation], wide: bool) -> Table:
+    """``ops``: one row per operation; narrower than ``WIDE``, each operation's target (a 31-character
+    snapshot id) goes under its id, so that ids, kinds, states and times stay whole within 80 columns."""
+    headers = (
+        ("ID", "KIND", "STATE", "PHASE", "STARTED", "TARGET")
+        if wide
+        else ("ID / TARGET", "KIND", "STATE", "PHASE", "STARTED")
+    )
+    table = new_table(*headers)
+    for i in (0, 1, 2, 4):  # ID, KIND, STATE and STARTED stay on one line; phases (and targets) fold
         table.columns[i].no_wrap = True
     for op in ops:
         started = op.started.astimezone().strftime("%H:%M:%S")
-        add_row(
-            table, op.id, op.kind.value, op.state.value, op.phase, started, op.target_snapshot or str(op.target_pid)
-        )
-    print_table(table)
+        target = op.target_snapshot or str(op.target_pid or "-")
+        cells = [op.id, op.kind.value, op.state.value, op.phase, started]
+        if wide:
+            add_row(table, *cells, target)
+        else:
+            add_row(table, (op.id, target), *cells[1:])
+    return table

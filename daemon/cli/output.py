@@ -20,8 +20,15 @@ TABLE_WIDTH = 80
 """Width of tables when the output is not a terminal (pipes, files, CI logs); $COLUMNS overrides it."""
 
 
-LS_WIDE = 120
-"""Narrower than this, ``ls`` leaves out SOURCE and GPUS (``inspect`` and ``-o json`` keep them) so NAME has room."""
+WIDE = 120
+"""Narrower than this (e.g. 80 columns off a terminal), tables take their narrow layout: ``ls`` leaves out
+SOURCE and GPUS (``inspect`` and ``-o json`` keep them), ``ops`` puts each target under its operation,
+``store`` lists the tiers' paths apart, ``node`` gives each GPU one folded row."""
+
+
+def wide() -> bool:
+    """Whether stdout has ``WIDE`` columns or more."""
+    return console().width >= WIDE
 
 
 @functools.cache
@@ -48,11 +55,12 @@ def safe(text: str) -> str:
     return "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in text)
 
 
-def add_row(table: Table, *cells: str) -> None:
-    """Add a row of plain-text cells: no rich markup is read from them (``[bold]``, ``[link=...]``)."""
+def add_row(table: Table, *cells: str | tuple[str, ...]) -> None:
+    """Add a row of plain-text cells: no rich markup is read from them (``[bold]``, ``[link=...]``); a tuple
+    is a cell of several lines (a newline inside a string is shown as ``\\n``, as any control character)."""
     from rich.text import Text
 
-    table.add_row(*(Text(safe(c)) for c in cells))
+    table.add_row(*(Text("\n".join(safe(line) for line in ((c,) if isinstance(c, str) else c))) for c in cells))
 
 
 def new_table(*headers: str, **kw: Any) -> Table:
@@ -68,6 +76,11 @@ def human_size(n: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return str(n)
+
+
+def count(n: int, noun: str, plural: str = "") -> str:
+    """``1 snapshot``, ``2 snapshots`` (``plural`` where adding an s is wrong: ``processes``)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
 def moved(done: int, total: int) -> str:

@@ -9,15 +9,15 @@ import click
 from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.cli.app import EXIT_CODES, Ctx, checked, main, output_option, parse_labels
 from gpusnap.daemon.cli.output import (
-    LS_WIDE,
     add_row,
-    console,
+    count,
     emit,
     human_size,
     new_table,
     print_table,
     safe,
 )
+from gpusnap.daemon.cli.output import wide as output_wide
 
 
 @main.command("ls")
@@ -34,7 +34,7 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
 
         emit(snaps, LS_OMIT)
         return
-    wide = console().width >= LS_WIDE
+    wide = output_wide()
     headers = ("ID", "NAME", "CREATED", "SIZE") + (("SOURCE", "GPUS") if wide else ())
     table = new_table(*headers)
     for i in (0, 2, 3):  # ID, CREATED and SIZE stay on one line; names (and sources) fold
@@ -66,12 +66,12 @@ def inspect(obj: Ctx, snapshot: str) -> None:
         ("created", snap.created.astimezone().isoformat(timespec="seconds")),
         (
             "size",
-            f"{human_size(snap.size_bytes)} in {len(snap.files)} files"
-            + (f" + {human_size(snap.buffer_bytes)} in {len(snap.buffers)} buffers" if snap.buffers else ""),
+            f"{human_size(snap.size_bytes)} in {count(len(snap.files), 'file')}"
+            + (f" + {human_size(snap.buffer_bytes)} in {count(len(snap.buffers), 'buffer')}" if snap.buffers else ""),
         ),
         (
             "source",
-            f"PID {snap.source.pid} ({snap.source.comm}), {len(snap.source.tree_pids)} processes, "
+            f"PID {snap.source.pid} ({snap.source.comm}), {count(len(snap.source.tree_pids), 'process', 'processes')}, "
             f"uid {snap.source.uid}, RSS {human_size(snap.source.rss_bytes)}",
         ),
         ("command", " ".join(snap.source.cmdline)),

@@ -29,7 +29,7 @@ def _transfer_done(obj: Ctx, verb: str, done: Operation) -> None:
                 transferred_chunks=t.transferred_chunks,
                 skipped_chunks=t.skipped_chunks,
                 buffer_transferred_bytes=t.buffer_transferred_bytes,
-                phases={p.phase: p.duration_seconds for p in done.phases},
+                phases=done.phases,
             )
         )
         return

@@ -301,7 +301,7 @@ class OperationHandle:
 
 
 def raise_if_failed(op: Operation) -> Operation:
-    """``op`` itself, unless it failed: then its domain error is raised."""
-    if op.state is OperationState.FAILED:
+    """``op`` itself, unless it failed or was cancelled: then its domain error is raised."""
+    if op.state in (OperationState.FAILED, OperationState.CANCELLED):
         raise op.error or GpusnapError(f"operation {op.id} failed without an error")
     return op

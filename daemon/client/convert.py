@@ -2,7 +2,7 @@
 
 One generic walk over each value class's fields, by their type hints: a field is read from the message
 field of the same name; sub-messages become values (``None`` when unset, for ``X | None`` fields),
-repeated fields tuples, maps dicts, timestamps aware datetimes (UTC), enums the value whose ``.value`` is
+``""`` and 0 ``None`` for ``X | None`` fields, repeated fields tuples, maps dicts, timestamps aware datetimes (UTC), enums the value whose ``.value`` is
 the proto name without its shared prefix, lowercased (``OPERATION_KIND_CHECKPOINT`` -> ``"checkpoint"``),
 and a ``google.rpc.Status`` the matching :class:`~gpusnap.daemon.api.errors.GpusnapError`.
 """
@@ -53,9 +53,10 @@ def _hints(cls: type) -> dict[str, Any]:
 def _field(hint: Any, msg: Message, field: Any) -> Any:
     raw = getattr(msg, field.name)
     origin = typing.get_origin(hint)
-    if origin in (types.UnionType, typing.Union):  # X | None: a sub-message that may be unset
+    if origin in (types.UnionType, typing.Union):  # X | None: an unset sub-message, an empty string or a 0
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _one(inner, raw, field) if msg.HasField(field.name) else None
+        present = msg.HasField(field.name) if field.message_type is not None else bool(raw)
+        return _one(inner, raw, field) if present else None
     if origin is tuple:
         return tuple(_one(typing.get_args(hint)[0], v, field) for v in raw)
     if origin is collections.abc.Mapping:

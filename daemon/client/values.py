@@ -2,9 +2,10 @@
 
 One class per message the API answers with (``Operation``, ``Snapshot``, ``NodeInfo``, ``OperationEvent``
 and their parts); field names are the proto field names (proto/gpusnap/v1), so ``-o json`` keys and
-the schema in docs/schemas/v1/cli.schema.json follow from them. Parts the daemon's domain types already
-describe exactly (``ProcessFacts``, ``HostFacts``, ``ImageFile``, ``PhaseTiming``, ``GpuProcess``,
-``TransferResult``) are those types. Built from wire messages by ``gpusnap.daemon.client.convert``.
+the schema in docs/schemas/v1/cli.schema.json follow from them. A field that may be absent is typed
+``X | None`` and is ``None`` when the wire leaves it unset or empty (no ``""`` or 0 standing for "none").
+Parts the daemon's domain types already describe exactly (``ProcessFacts``, ``ImageFile``,
+``PhaseTiming``, ``GpuProcess``, ``TransferResult``, ``GpuPrefill``) are those types. Built from wire messages by ``gpusnap.daemon.client.convert``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from datetime import datetime
 from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.api.types import (
     EventType,
+    GpuPrefill,
     GpuProcess,
-    HostFacts,
     ImageFile,
     OperationKind,
     OperationState,
@@ -32,6 +33,7 @@ __all__ = [
     "EventType",
     "GpuComputeProcess",
     "GpuInfo",
+    "GpuPrefill",
     "GpuProcess",
     "HostFacts",
     "ImageFile",
@@ -53,19 +55,36 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
+class HostFacts:
+    """The host a snapshot was taken on, or this node (``gpusnap.v1.HostFacts``)."""
+
+    hostname: str
+    kernel: str
+    machine: str
+    criu_version: str
+    gpusnap_version: str
+    cpu_model: str
+    cpu_flags: tuple[str, ...]
+    nvidia_driver_version: str | None
+    """``None`` on a host without an NVIDIA driver."""
+    cuda_driver_version: str | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Agent:
     """A worker's agent (or a control-directory worker) as a snapshot records it (``gpusnap.v1.WorkerInfo``)."""
 
-    engine: str
-    instance_id: str
-    wake_dir: str
-    canary_tokens: str
-    control_dir: str
+    engine: str | None
+    instance_id: str | None
+    wake_dir: str | None
+    canary_tokens: str | None
+    control_dir: str | None
     uid: int
-    pid: int
-    role: str
-    process: str
-    weights: str
+    pid: int | None
+    role: str | None
+    """``frontend``, ``core`` or ``worker``; ``None`` for a single-process worker."""
+    process: str | None
+    weights: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +94,8 @@ class Buffer:
     name: str
     size_bytes: int
     sha256: str
-    agent: str
+    agent: str | None
+    """The agent holding it; ``None``: the snapshot's ``worker``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +103,7 @@ class Snapshot:
     """A published snapshot (``gpusnap.v1.Snapshot``)."""
 
     id: str
-    name: str
+    name: str | None
     created: datetime
     labels: Mapping[str, str]
     source: ProcessFacts
@@ -148,8 +168,10 @@ class Operation:
     resume: ResumeResult | None
     transfer: TransferResult | None
     error: GpusnapError | None
-    target_pid: int
-    target_snapshot: str
+    target_pid: int | None
+    """checkpoint, suspend, resume: the tree's root."""
+    target_snapshot: str | None
+    """restore, push, pull: the snapshot's id."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,11 +181,11 @@ class OperationEvent:
     operation_id: str
     type: EventType
     time: datetime
-    phase: str
+    phase: str | None
     duration_seconds: float
     bytes: int
     total_bytes: int
-    message: str
+    message: str | None
     operation: Operation | None
     sequence: int
 
@@ -210,8 +232,9 @@ class NodeInfo:
     snapshot_count: int
     gpus: tuple[GpuInfo, ...]
     cuda_checkpoint_supported: bool
-    cuda_unavailable_reason: str
+    cuda_unavailable_reason: str | None
     criu_path: str
-    remote: str
+    remote: str | None
+    """The remote store (``s3://bucket/prefix``); ``None`` when none is configured."""
     tiers: tuple[StoreTier, ...]
-    gpu_prefill: str
+    gpu_prefill: GpuPrefill

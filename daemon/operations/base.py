@@ -151,7 +151,10 @@ class OperationRecord:
             self.result = result
             self.error = error
             self.finished = datetime.now(UTC)
-            self.state = OperationState.FAILED if error else OperationState.SUCCEEDED
+            if error is None:
+                self.state = OperationState.SUCCEEDED
+            else:
+                self.state = OperationState.CANCELLED if isinstance(error, CancelledError) else OperationState.FAILED
         try:
             self.save()
         except OSError as exc:  # the outcome stands; recovery redoes the safe part after a restart

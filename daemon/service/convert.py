@@ -43,6 +43,7 @@ _STATE = {
     OperationState.RUNNING: operations_pb2.OPERATION_STATE_RUNNING,
     OperationState.SUCCEEDED: operations_pb2.OPERATION_STATE_SUCCEEDED,
     OperationState.FAILED: operations_pb2.OPERATION_STATE_FAILED,
+    OperationState.CANCELLED: operations_pb2.OPERATION_STATE_CANCELLED,
 }
 _EVENT = {
     EventType.PHASE_STARTED: operations_pb2.OperationEvent.TYPE_PHASE_STARTED,
@@ -264,7 +265,9 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
         ],
         cuda_checkpoint_supported=n.cuda_checkpoint_supported,
         cuda_unavailable_reason=n.cuda_unavailable_reason,
-        gpu_prefill=n.gpu_prefill,
+        gpu_prefill=node_pb2.GpuPrefill(
+            **{k: v for k, v in dataclasses.asdict(n.gpu_prefill).items() if v is not None}
+        ),
         remote=n.remote,
         tiers=[
             node_pb2.StoreTier(

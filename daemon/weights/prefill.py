@@ -49,7 +49,7 @@ import structlog
 
 from gpusnap.adapters.contract import wire
 from gpusnap.daemon.api.errors import GpusnapError
-from gpusnap.daemon.api.types import ArenaLayout, BufferRef, Snapshot, WorkerInfo
+from gpusnap.daemon.api.types import ArenaLayout, BufferRef, GpuPrefill, Snapshot, WorkerInfo
 from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.store.buffers import BufferStore
@@ -128,19 +128,21 @@ class PrefillSupport:
 
     @property
     def state(self) -> str:
-        """For ``gpusnap node``: ``on (N GPUs)`` or ``off: why``."""
+        """For logs and people: :meth:`GpuPrefill.summary` of :meth:`status`."""
+        return self.status().summary()
+
+    def status(self) -> GpuPrefill:
+        """For ``gpusnap node``: on or off (why), and how far contexts and registrations are."""
         if self.filler is None:
-            return self.reason if self.reason.startswith("off") else f"off: {self.reason}"
-        usable = sum(1 for v in self.gpus.values() if not v)
-        parts = [f"on ({usable} of {len(self.gpus)} GPUs)"]
-        if self.contexts:
-            parts.append(f"contexts {self.contexts}")
-        pinned = self.filler.registered_bytes()
-        if pinned:
-            parts.append(f"{pinned / 2**30:.1f} GiB of blobs registered")
-        if self._queued:
-            parts.append("registering blobs")
-        return "; ".join(parts)
+            return GpuPrefill(enabled=False, reason=self.reason or None)
+        return GpuPrefill(
+            enabled=True,
+            gpus=len(self.gpus),
+            usable_gpus=sum(1 for v in self.gpus.values() if not v),
+            contexts=self.contexts or None,
+            registered_bytes=self.filler.registered_bytes(),
+            registering=bool(self._queued),
+        )
 
     def warm(self, store: BufferStore, snapshots: Callable[[], Iterable[Snapshot]]) -> None:
         """Start, in the background, creating gpusnapd's context on every GPU it can fill, then registering

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,18 +91,21 @@ def test_the_first_restore_after_a_checkpoint_finds_its_blob_registered(tmp_path
     d = _daemon(tmp_path, GPUSNAP_BUFFER_DIR=str(tmp_path / "ram"))
     cleanup.append(d)
 
-    def prefill_state() -> str:
-        return str(json.loads(d.cli("-o", "json", "node", check=True).stdout)["gpu_prefill"])
+    def prefill_state() -> dict[str, Any]:
+        return dict(json.loads(d.cli("-o", "json", "node", check=True).stdout)["gpu_prefill"])
 
-    wait_for(lambda: "contexts ready" in prefill_state(), 60, "gpusnapd's contexts were not created at start")
-    assert "GiB of blobs registered" not in prefill_state(), "an empty store registers nothing"
+    wait_for(lambda: prefill_state().get("contexts") == "ready", 60, "gpusnapd's contexts were not created at start")
+    assert prefill_state()["registered_bytes"] == 0, "an empty store registers nothing"
     w = Worker(d, tmp_path, "w", "--stable-fake", "--chunk-mib", str(CHUNK_MIB))
     cleanup.append(w)
     before = w.generate()
     dumped = json.loads(d.cli("-o", "json", "dump", str(w.proc.pid), check=True).stdout)
     assert w.proc.wait(timeout=30) == -9
-    registered = f"{WEIGHT_BYTES / 2**30:.1f} GiB of blobs registered"
-    wait_for(lambda: registered in prefill_state(), 60, "the checkpoint's blob was not registered ahead")
+    wait_for(
+        lambda: prefill_state()["registered_bytes"] == WEIGHT_BYTES and not prefill_state()["registering"],
+        60,
+        "the checkpoint's blob was not registered ahead",
+    )
     op = d.client().restore(dumped["id"])
     done = d.client().wait(op.id, timeout_s=300)
     assert done.error is None, done.error

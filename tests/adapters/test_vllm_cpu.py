@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.adapters import torch_venv
-from tests.conftest import DaemonProc, kill_tree, wait_for
+from tests.conftest import DaemonProc, kill_tree, phase_seconds, wait_for
 
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 
@@ -51,8 +51,8 @@ def test_vllm_engine_round_trip(daemon: DaemonProc, tmp_path: Path, gpusnap_targ
         dumped = json.loads(
             daemon.cli("-o", "json", "dump", str(proc.pid), "--name", "vllm-cpu", check=True, timeout=600).stdout
         )
-        assert list(dumped["phases"])[:4] == ["preflight", "warm-up", "quiesce", "offload"]
-        assert "dev-shm" in dumped["phases"], "vLLM's shared-memory queues are saved with the images"
+        assert list(phase_seconds(dumped))[:4] == ["preflight", "warm-up", "quiesce", "offload"]
+        assert "dev-shm" in phase_seconds(dumped), "vLLM's shared-memory queues are saved with the images"
         snap = json.loads(daemon.cli("-o", "json", "inspect", "vllm-cpu", check=True).stdout)
         assert len(snap["source"]["tree_pids"]) >= 3, "front end, EngineCore and Worker are all captured"
         assert snap["worker"]["engine"] == "vllm" and snap["worker"]["role"] == "frontend"
@@ -62,7 +62,7 @@ def test_vllm_engine_round_trip(daemon: DaemonProc, tmp_path: Path, gpusnap_targ
 
         restored = json.loads(daemon.cli("-o", "json", "restore", "vllm-cpu", check=True, timeout=600).stdout)
         restored_pid = restored["pid"]
-        assert list(restored["phases"])[-2:] == ["reload-buffers", "resume-worker"]
+        assert list(phase_seconds(restored))[-2:] == ["reload-buffers", "resume-worker"]
         assert len(restored["pids"]) == len(snap["source"]["tree_pids"])
         assert _request(wd, 2) == before, "identical greedy tokens from the restored engine"
         assert _request(wd, 3) == before, "and new requests are served"

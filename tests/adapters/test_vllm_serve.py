@@ -35,7 +35,7 @@ import pytest
 from tests.adapters import torch_venv
 from tests.adapters.vllm_model import make_tiny_llama
 from tests.adapters.vllm_server import VllmServer, engine_env, pythonpath
-from tests.conftest import REPO, DaemonProc, kill_tree
+from tests.conftest import REPO, DaemonProc, kill_tree, phase_seconds, wait_for
 
 pytestmark = [torch_venv.needs_venv, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -122,12 +122,12 @@ def test_stock_vllm_serve(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Pa
         worker = next(w for w in workers if w["role"] == "worker")
         assert worker["process"] == "VLLM::Worker" and worker["weights"].startswith("offloaded"), worker
         assert {b["agent"] for b in snap["buffers"]} == {worker["instance_id"]}, "the weights are the Worker's"
-        assert "offload" in off["phases"]
+        assert "offload" in phase_seconds(off)
         assert a.proc.wait(timeout=60) == -9
 
         restored = json.loads(daemon.cli("-o", "json", "restore", "a-off", check=True, timeout=900).stdout)
         restored_pid = restored["pid"]
-        assert list(restored["phases"])[-2:] == ["reload-buffers", "resume-worker"]
+        assert list(phase_seconds(restored))[-2:] == ["reload-buffers", "resume-worker"]
         assert a.complete(PROMPT) == before, "the restored server gives the same greedy token ids"
         assert a.complete(OTHER_PROMPT) == b.complete(OTHER_PROMPT), "and serves new prompts as the source would"
 

@@ -69,7 +69,9 @@ def test_ctrl_c_cancels(daemon: DaemonProc, workloads: Workloads, tmp_path: Path
     _, err = cli.communicate(timeout=60)
     assert cli.returncode == 130 and "cancelling" in err, err
     [op] = daemon.client().list_operations()
-    assert op.state is OperationState.FAILED and op.error is not None and op.error.code == Code.CANCELLED
+    assert op.state is OperationState.CANCELLED and op.error is not None and op.error.code == Code.CANCELLED
+    listed = json.loads(daemon.cli("-o", "json", "ops", check=True).stdout)
+    assert listed[0]["state"] == "cancelled" and listed[0]["error"]["code"] == "CANCELLED", listed[0]
 
 
 def test_idempotency_key(daemon: DaemonProc, workloads: Workloads) -> None:

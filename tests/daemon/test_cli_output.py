@@ -38,7 +38,9 @@ def test_tables_fit_80_columns_off_a_terminal(daemon: DaemonProc, workloads: Wor
         "--leave-running",
         check=True,
     )
-    for args in (["ls"], ["inspect", LONG_NAME], ["ops"], ["node"]):
+    restored = json.loads(daemon.cli("-o", "json", "restore", LONG_NAME, "--private-net", check=True).stdout)
+    workloads.adopt(restored["pid"])
+    for args in (["ls"], ["inspect", LONG_NAME], ["ops"], ["node"], ["store"]):
         out = daemon.cli(*args, check=True, env={"COLUMNS": ""}).stdout  # no $COLUMNS, not a terminal
         assert out.strip() and _widest(out) <= 80, f"{args}: {_widest(out)} columns:\n{out}"
         assert "…" not in out and "..." not in out, f"{args}: a value was cut:\n{out}"
@@ -56,6 +58,11 @@ def test_tables_fit_80_columns_off_a_terminal(daemon: DaemonProc, workloads: Wor
     start, end = lines[0].index("NAME"), lines[0].index("CREATED")
     folded = "".join(line[start:end].strip() for line in lines[1 : 1 + (len(LONG_NAME) + 16) // 17])
     assert folded == LONG_NAME, f"the name is not intact:\n{narrow}"
+    ops = daemon.cli("ops", check=True, env={"COLUMNS": ""}).stdout
+    assert any(line.strip() == snap["id"] for line in ops.splitlines()), f"the restore's target is split:\n{ops}"
+    assert re.search(r"op-[a-z2-7]{26} +restore +succeeded", ops), f"an operation's row is split:\n{ops}"
+    store = daemon.cli("store", check=True, env={"COLUMNS": ""}).stdout
+    assert str(daemon.store) in store and "1 snapshot," in store, store
 
 
 def test_phase_bytes_column() -> None:

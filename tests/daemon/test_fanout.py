@@ -13,7 +13,7 @@ import pytest
 
 from gpusnap.daemon.api.errors import InvalidArgumentError
 from tests.adapters.test_agent_roundtrip import _start
-from tests.conftest import DaemonProc, Workloads, kill_tree, wait_for
+from tests.conftest import DaemonProc, Workloads, kill_tree, phase_seconds, wait_for
 
 ASK = "import socket,sys; s=socket.create_connection(('127.0.0.1', int(sys.argv[1])), 5); print(s.recv(64).decode())"
 
@@ -53,8 +53,8 @@ def test_replicas_each_run_on_their_own_network(daemon: DaemonProc, workloads: W
     assert {c["namespace_pid"] for c in copies} == {w.pid}, "each copy has the original PIDs in its own namespace"
     nets = {_netns(p) for p in pids}
     assert len(nets) == 3 and _netns(os.getpid()) not in nets, "one private network namespace per copy"
-    assert {"restore#0", "validate#0", "restore#2", "validate#2"} <= set(restored["phases"])
-    assert "verify" in restored["phases"], "the images are verified once for all copies"
+    assert {"restore#0", "validate#0", "restore#2", "validate#2"} <= set(phase_seconds(restored))
+    assert "verify" in phase_seconds(restored), "the images are verified once for all copies"
 
     first = [_hello(p, port) for p in pids]  # every copy answers on the same port, in its own namespace
     time.sleep(1.5)
@@ -94,7 +94,7 @@ def test_replicas_get_their_own_restore_context(daemon: DaemonProc, tmp_path: Pa
             ("801", "n-1", "901"),
         ]
         assert len({x["netns"] for x in lines}) == 2, "each copy resumed in its own network namespace"
-        assert {"resume-worker#0", "resume-worker#1"} <= set(restored["phases"]), "each copy's canary passed"
+        assert {"resume-worker#0", "resume-worker#1"} <= set(phase_seconds(restored)), "each copy's canary passed"
         wait_for(lambda: all(Path(f"/proc/{p}").exists() for p in pids), 5, "copies gone")
         assert toy.generate() == before, "a copy serves the capture-time tokens"
     finally:

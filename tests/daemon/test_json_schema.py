@@ -31,16 +31,39 @@ def check(command: str, doc: Any) -> None:
     jsonschema.Draft202012Validator(schema, format_checker=FORMATS).validate(doc)
 
 
+MAPS = {"labels", "metadata", "gpu_map"}
+"""Keys whose objects are maps of the user's own keys and values (a label may be empty)."""
+
+
+def absent_not_empty(doc: Any, where: str = "") -> list[str]:
+    """Where ``doc`` has an empty string or a 0 standing for "none" instead of leaving the key out."""
+    found: list[str] = []
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            if value == "" or (key in ("target_pid", "target_snapshot") and not value):
+                found.append(f"{where}.{key}")
+            elif key not in MAPS:
+                found += absent_not_empty(value, f"{where}.{key}")
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            found += absent_not_empty(value, f"{where}[{i}]")
+    return found
+
+
 def run(daemon: DaemonProc, *args: str, ok: bool = True) -> Any:
     res = daemon.cli("-o", "json", *args)
     assert (res.returncode == 0) is ok, res.stderr
-    return json.loads(res.stdout)
+    doc = json.loads(res.stdout)
+    assert not absent_not_empty(doc), f"{args}: absent values are left out, not empty: {absent_not_empty(doc)}"
+    return doc
 
 
 def test_every_command_matches_the_schema(daemon: DaemonProc, workloads: Workloads) -> None:
     w = workloads.start("--mem-mb", "8", "--no-child")
     dump = run(daemon, "dump", str(w.pid), "--name", "schema", "--label", "team=ops", "--leave-running")
     check("dump", dump)
+    names = [p["phase"] for p in dump["phases"]]
+    assert names.index("dump") < names.index("publish") < names.index("finish"), "phases: one list, in order"
     restored = run(daemon, "restore", "schema", "--private-net")
     workloads.adopt(restored["pid"])
     check("restore", restored)
@@ -61,7 +84,12 @@ def test_every_command_matches_the_schema(daemon: DaemonProc, workloads: Workloa
     assert isinstance(inspected["source"]["rss_bytes"], int)
     assert datetime.fromisoformat(inspected["created"]).tzinfo is not None
 
-    check("node", run(daemon, "node"))
+    node = run(daemon, "node")
+    check("node", node)
+    assert node["gpu_prefill"]["enabled"] is False and node["gpu_prefill"]["reason"], node["gpu_prefill"]
+    store = run(daemon, "store")
+    check("store", store)
+    assert "remote" not in store, "no remote store: no remote key"
     ops = run(daemon, "ops")
     check("ops", ops)
     assert [o["kind"] for o in ops] == ["checkpoint", "restore", "restore"]
@@ -79,7 +107,8 @@ def test_every_command_matches_the_schema(daemon: DaemonProc, workloads: Workloa
         check("failed", failed)
     partly = run(daemon, "rm", "no-such", ok=False)  # rm reports each snapshot it could not delete
     check("rm", partly)
-    assert partly["deleted"] == [] and partly["failed"][0]["error"]["reason"] == "SNAPSHOT_NOT_FOUND"
+    assert partly["deleted"] == [] and partly["failed"][0]["error"]["reason"] == "NOTHING_TO_DELETE"
+    assert partly["failed"][0]["error"]["action"] == "fix", "nothing to delete is not a cue to cold-start a worker"
     failed_op = run(daemon, "restore", "schema", ok=False)  # the source still holds its port
     check("failed", failed_op)
     assert failed_op["error"]["reason"] == "ADDRESS_IN_USE"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpusnap.daemon.config import parse_listen
-from tests.conftest import DaemonProc, Workloads, start_daemon, stop_daemon, wait_for
+from tests.conftest import DaemonProc, Workloads, phase_seconds, start_daemon, stop_daemon, wait_for
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -55,8 +56,8 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def _check_operation(samples: Samples, op: dict[str, object], kind: str) -> None:
     """Counts, phase histograms and bytes of one finished operation, as its JSON reported them."""
     assert value(samples, "gpusnap_operations_total", kind=kind, result="succeeded") == 1
-    phases = op["phases"]
-    assert isinstance(phases, dict) and phases
+    phases = phase_seconds(op)
+    assert isinstance(op["phases"], list) and phases
     for phase, seconds in phases.items():
         assert value(samples, "gpusnap_phase_duration_seconds_count", kind=kind, phase=phase) == 1, phase
         assert value(samples, "gpusnap_phase_duration_seconds_sum", kind=kind, phase=phase) == pytest.approx(seconds)
@@ -101,7 +102,7 @@ def test_metrics_follow_a_dump_and_a_restore(metered: tuple[DaemonProc, str], wo
     done = daemon.client().wait(op_id["operation"])
     snap = {"id": done.snapshot.id, "size_bytes": done.snapshot.size_bytes}
     dumped = scrape(url)
-    _check_operation(dumped, {"phases": {p.phase: p.duration_seconds for p in done.phases}}, "checkpoint")
+    _check_operation(dumped, {"phases": [dataclasses.asdict(p) for p in done.phases]}, "checkpoint")
     assert value(dumped, "gpusnap_operations_running", kind="checkpoint") == 0
     assert value(dumped, "gpusnap_bytes_moved_total", kind="checkpoint", phase="checksum") == snap["size_bytes"]
     assert value(dumped, "gpusnap_snapshots") == 1

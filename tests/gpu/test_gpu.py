@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import DaemonProc, criu_killed, wait_for
+from tests.conftest import DaemonProc, criu_killed, phase_seconds, wait_for
 
 pytestmark = pytest.mark.gpu
 
@@ -133,8 +133,8 @@ def test_gpu_round_trip(daemon: DaemonProc, torch_worker) -> None:  # type: igno
     assert int(snap["gpu_processes"][0]["gpu_memory_bytes"]) >= GIB * 2**30
     assert snap["host"]["nvidia_driver_version"]
     assert int(snap["size_bytes"]) >= GIB * 2**30, "the images hold the GPU memory"
-    assert {"gpu-lock", "gpu-checkpoint", "dump"} <= set(dumped["phases"])
-    assert {"restore", "gpu-restore", "gpu-unlock", "validate"} <= set(restored["phases"])
+    assert {"gpu-lock", "gpu-checkpoint", "dump"} <= set(phase_seconds(dumped))
+    assert {"restore", "gpu-restore", "gpu-unlock", "validate"} <= set(phase_seconds(restored))
 
     root = restored["pid"]
     after = w.probe(root)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DaemonProc, kill_tree, wait_for
+from tests.conftest import DaemonProc, kill_tree, phase_seconds, wait_for
 
 pytestmark = pytest.mark.gpu
 
@@ -55,14 +55,14 @@ def dump_offload_restore(daemon: DaemonProc, proc: subprocess.Popen[bytes], read
         (dump result, restore result, the worker's GPU bytes at capture).
     """
     dumped = json.loads(daemon.cli("-o", "json", "dump", str(proc.pid), check=True, timeout=900).stdout)
-    assert {"warm-up", "quiesce", "offload", "gpu-checkpoint", "dump"} <= set(dumped["phases"])
+    assert {"warm-up", "quiesce", "offload", "gpu-checkpoint", "dump"} <= set(phase_seconds(dumped))
     assert dumped["buffer_bytes"] >= 2 * ready["params"], "the bf16 weights left the image"
     snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
     at_capture = int(snap["gpu_processes"][0]["gpu_memory_bytes"])
     assert at_capture < dumped["buffer_bytes"], f"{at_capture} bytes on the GPU at capture: the weights stayed"
     assert proc.wait(timeout=60) == -9
     restored = json.loads(daemon.cli("-o", "json", "restore", dumped["id"], check=True, timeout=900).stdout)
-    assert list(restored["phases"])[-2:] == ["reload-buffers", "resume-worker"]
+    assert list(phase_seconds(restored))[-2:] == ["reload-buffers", "resume-worker"]
     return dumped, restored, at_capture
 
 

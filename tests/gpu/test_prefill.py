@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,12 +54,12 @@ def test_prefilled_arena_and_its_graph_survive_dump_and_restore(tmp_path: Path) 
         assert dumped["buffer_bytes"] == int(GIB * 2**30)
         assert proc.wait(timeout=60) == -signal.SIGKILL
 
-        def state() -> str:
-            return str(json.loads(d.cli("-o", "json", "node", check=True).stdout)["gpu_prefill"])
+        def state() -> dict[str, Any]:
+            return dict(json.loads(d.cli("-o", "json", "node", check=True).stdout)["gpu_prefill"])
 
         # gpusnapd created its context at start and registers the new snapshot's blob in the background
-        wait_for(lambda: "GiB of blobs registered" in state() and "registering" not in state(), 120, state())
-        assert "contexts ready" in state(), state()
+        wait_for(lambda: state()["registered_bytes"] > 0 and not state()["registering"], 120, str(state()))
+        assert state().get("contexts") == "ready", state()
         op = d.client().restore(dumped["id"])
         done = d.client().wait(op.id, timeout_s=900)
         assert done.error is None, done.error

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.drivers import proc
-from tests.conftest import REPO, DaemonProc, kill_tree, wait_for
+from tests.conftest import REPO, DaemonProc, kill_tree, phase_seconds, wait_for
 
 pytestmark = pytest.mark.gpu
 
@@ -158,7 +158,7 @@ def test_tp2_dump_restore_and_swap_gpus(daemon: DaemonProc, worker: TpWorker) ->
             runs[label] = {
                 "restore_s": restore_s,
                 "first_request_s": first_request_s,
-                "phases": restored["phases"],
+                "phases": phase_seconds(restored),
                 "decode_s": after["decode_s"],
             }
         finally:
@@ -174,7 +174,7 @@ def test_tp2_dump_restore_and_swap_gpus(daemon: DaemonProc, worker: TpWorker) ->
         "nccl": worker.ready["ranks"][0]["nccl"],
         "image_bytes": dumped["size_bytes"],
         "dump_s": dump_s,
-        "dump_phases": dumped["phases"],
+        "dump_phases": phase_seconds(dumped),
         **runs,
     }
     (RESULTS / f"gpu-tp2-{mode}-{SIZE}-{stamp}.json").write_text(json.dumps(out, indent=2) + "\n")
