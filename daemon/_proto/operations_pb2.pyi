@@ -571,6 +571,7 @@ class RestoreRequest(_message.Message):
     VERIFY_BUFFERS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    TERMINAL_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.str
     """snapshot id, a name of the caller's own, or UID/NAME (docs/security.md)"""
     host_pid_namespace: _builtins.bool
@@ -592,6 +593,8 @@ class RestoreRequest(_message.Message):
     private_network is implied and host_pid_namespace refused); "{i}" in context env and values becomes
     the copy's index, from 0 (e.g. values {"port": "80{i}"}). Numbered high: other fields come first.
     """
+    terminal: _builtins.str
+    """absolute path of the file standing in for terminals left behind at dump"""
     @_builtins.property
     def gpu_map(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """old GPU (UUID or index) -> new GPU (UUID or index)"""
@@ -614,10 +617,11 @@ class RestoreRequest(_message.Message):
         verify_buffers: _builtins.bool = ...,
         request_id: _builtins.str = ...,
         replicas: _builtins.int = ...,
+        terminal: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "private_network", b"private_network", "replicas", b"replicas", "request_id", b"request_id", "snapshot", b"snapshot", "timeout", b"timeout", "verify_buffers", b"verify_buffers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "private_network", b"private_network", "replicas", b"replicas", "request_id", b"request_id", "snapshot", b"snapshot", "terminal", b"terminal", "timeout", b"timeout", "verify_buffers", b"verify_buffers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

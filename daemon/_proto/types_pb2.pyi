@@ -421,6 +421,7 @@ class Snapshot(_message.Message):
     BUFFER_BYTES_FIELD_NUMBER: _builtins.int
     AGENTS_FIELD_NUMBER: _builtins.int
     PROCESS_IMAGES_FIELD_NUMBER: _builtins.int
+    TERMINALS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"snap-" + 26 lowercase base32 characters"""
     name: _builtins.str
@@ -462,6 +463,10 @@ class Snapshot(_message.Message):
     def process_images(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProcessImage]:
         """per process, the bytes of the images (empty in older snapshots)"""
 
+    @_builtins.property
+    def terminals(self) -> _containers.RepeatedCompositeFieldContainer[Global___Terminal]:
+        """terminals a shell's job was started from, left behind at dump"""
+
     def __init__(
         self,
         *,
@@ -482,19 +487,54 @@ class Snapshot(_message.Message):
         buffer_bytes: _builtins.int = ...,
         agents: _abc.Iterable[Global___WorkerInfo] | None = ...,
         process_images: _abc.Iterable[Global___ProcessImage] | None = ...,
+        terminals: _abc.Iterable[Global___Terminal] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "host", b"host", "source", b"source", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "created", b"created", "files", b"files", "gpu_processes", b"gpu_processes", "host", b"host", "id", b"id", "labels", b"labels", "manifest_version", b"manifest_version", "name", b"name", "owner_uid", b"owner_uid", "phases", b"phases", "process_images", b"process_images", "size_bytes", b"size_bytes", "source", b"source", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "created", b"created", "files", b"files", "gpu_processes", b"gpu_processes", "host", b"host", "id", b"id", "labels", b"labels", "manifest_version", b"manifest_version", "name", b"name", "owner_uid", b"owner_uid", "phases", b"phases", "process_images", b"process_images", "size_bytes", b"size_bytes", "source", b"source", "terminals", b"terminals", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Snapshot: _TypeAlias = Snapshot  # noqa: Y015
 
 @_typing.final
-class BufferRef(_message.Message):
+class Terminal(_message.Message):
     """A worker's named buffer (e.g. weights) kept outside the images, as a content-addressed blob."""
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    FDS_FIELD_NUMBER: _builtins.int
+    CONTROLLING_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """"/dev/pts/3" at dump"""
+    key: _builtins.str
+    """CRIU's inherit_fd key, "tty[rdev:dev]" """
+    controlling: _builtins.bool
+    """the controlling terminal of the tree's session, led outside the tree"""
+    @_builtins.property
+    def fds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"PID/FD" of each descriptor the tree held on it; none: only its controlling terminal"""
+
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        key: _builtins.str = ...,
+        fds: _abc.Iterable[_builtins.str] | None = ...,
+        controlling: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controlling", b"controlling", "fds", b"fds", "key", b"key", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Terminal: _TypeAlias = Terminal  # noqa: Y015
+
+@_typing.final
+class BufferRef(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int

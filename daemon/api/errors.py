@@ -82,8 +82,8 @@ _ACTION_BY_REASON: dict[str, Action] = {
     "CAPABILITY_MISSING": Action.FIX,
     "STORE_UNUSABLE": Action.FIX,
     "BAD_DIRECTORY": Action.FIX,
-    "TERMINAL": Action.FIX,
     "EXTERNAL_PIPE": Action.FIX,
+    "TERMINAL": Action.FIX,  # a job started from a terminal, restored with --host-pidns
     "CRIU_UNSUPPORTED": Action.FIX,
     "TCP_ESTABLISHED": Action.FIX,
     "USER_NAMESPACE": Action.FIX,

@@ -166,6 +166,22 @@ class HeldFile:
 
 
 @dataclasses.dataclass(frozen=True)
+class Terminal:
+    """A terminal the tree was started from whose other side (terminal emulator, sshd, tmux) stays outside
+    the tree: it is left behind at dump. A restore gives each descriptor of it a file (``/dev/null`` unless
+    the restore names one: CRIU's ``inherit_fd``), in a session of the restore's own."""
+
+    path: str
+    """``/dev/pts/N`` at dump."""
+    key: str
+    """CRIU's name of it, ``tty[<rdev>:<dev>]`` in hex: the ``inherit_fd`` key a restore replaces it by."""
+    fds: tuple[str, ...] = ()
+    """``"PID/FD"`` of each descriptor the tree held on it (none: only its controlling terminal)."""
+    controlling: bool = False
+    """The controlling terminal of the tree's session, which is led outside the tree (a shell's job)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Creds:
     """A process's real uid, gid and supplementary groups (``/proc/<pid>/status``)."""
 
@@ -201,6 +217,8 @@ class Snapshot:
     process_images: tuple[ProcessImage, ...] = ()
     """Bytes of the images per process (empty in snapshots of older gpusnap, or where CRIU's images could not
     be read); what they do not cover is shared memory no process was counted for, and the images' metadata."""
+    terminals: tuple[Terminal, ...] = ()
+    """Terminals left behind at dump (a job started from an interactive shell)."""
 
     @property
     def all_workers(self) -> tuple[WorkerInfo, ...]:
@@ -342,6 +360,9 @@ class RestoreOptions:
     replicas: int = 1
     """Fan-out: copies to restore in one operation, each in its own network namespace; ``{i}`` in ``env``
     and ``values`` becomes the copy's index (from 0)."""
+    terminal: str = ""
+    """Absolute path of the file that stands in for the terminals the tree was started from (appended to,
+    created if missing, opened as the snapshot's owner); ``""``: ``/dev/null``."""
 
 
 @dataclasses.dataclass(frozen=True)

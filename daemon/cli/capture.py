@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from gpusnap.daemon.cli.app import PID, SECONDS, Ctx, checked, main, output_option, parse_labels, parse_pairs
 from gpusnap.daemon.cli.follow import detached, follow, run_operation, start_held
-from gpusnap.daemon.cli.output import console, count, emit, human_size, outcome, phase_summary
+from gpusnap.daemon.cli.output import console, count, emit, human_size, outcome, phase_summary, terminal_lines
 
 
 @main.command()
@@ -111,6 +113,8 @@ def dump(
         console(stderr=True).print(
             f"snapshot {snap.id} ({human_size(snap.size_bytes)}{held}): {phase_summary(done)}", highlight=False
         )
+        for line in terminal_lines(snap):
+            console(stderr=True).print(line, highlight=False, markup=False)
         if pushing:
             console(stderr=True).print(
                 f"pushing in the background as {pushing}; follow it with `gpusnap wait {pushing}`", highlight=False
@@ -164,6 +168,14 @@ GPU_MAP_HELP = "move GPU state: OLD=NEW[,OLD=NEW…] (UUIDs or indexes); every c
     show_default=True,
     help="restore N copies, each in its own network namespace; {i} in --env/--set values is the copy's index",
 )
+@click.option(
+    "--terminal",
+    type=click.Path(dir_okay=False),
+    default="",
+    metavar="FILE",
+    help="for a job started from a terminal: the file its terminal descriptors get instead (appended to, "
+    "created as the snapshot's owner) [default: /dev/null]",
+)
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
 def restore(
@@ -178,6 +190,7 @@ def restore(
     values: tuple[str, ...],
     verify_buffers: bool,
     replicas: int,
+    terminal: str,
     detach: bool,
 ) -> None:
     """Restore SNAPSHOT (id or name) as a new process tree; prints the restored root's PID (one per line
@@ -200,6 +213,7 @@ def restore(
                 private_network=private_net,
                 verify_buffers=verify_buffers,
                 replicas=replicas,
+                terminal=os.path.abspath(terminal) if terminal else "",
             )
         )
         if detach:

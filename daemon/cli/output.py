@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-    from gpusnap.daemon.client.values import Operation
+    from gpusnap.daemon.client.values import Operation, Snapshot
 
 
 TABLE_WIDTH = 80
@@ -76,6 +76,21 @@ def human_size(n: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return str(n)
+
+
+def terminal_lines(snap: Snapshot) -> list[str]:
+    """What ``dump`` and ``inspect`` say of the terminals a shell's job was started from (left behind)."""
+    out = []
+    for t in snap.terminals:
+        held = f"fds {', '.join(t.fds)} (PID/fd)" if t.fds else ""
+        what = ", ".join(filter(None, ["controlling terminal" if t.controlling else "", held]))
+        then = (
+            "a restore gives them /dev/null, or `--terminal FILE`, in a session of its own"
+            if t.fds
+            else "a restore runs the tree in a session of its own, without one"
+        )
+        out.append(safe(f"terminal {t.path} ({what}) left behind: {then}"))
+    return out
 
 
 def count(n: int, noun: str, plural: str = "") -> str:

@@ -16,6 +16,7 @@ from gpusnap.daemon.cli.output import (
     new_table,
     print_table,
     safe,
+    terminal_lines,
 )
 from gpusnap.daemon.cli.output import wide as output_wide
 
@@ -100,6 +101,7 @@ def inspect(obj: Ctx, snapshot: str) -> None:
                     + (f"; weights {w.weights}" if w.weights else ""),
                 )
             )
+    rows += [("terminal", line.removeprefix("terminal ")) for line in terminal_lines(snap)]
     table = new_table(show_header=False)
     for key, value in rows:
         add_row(table, key, value)

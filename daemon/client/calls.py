@@ -164,12 +164,15 @@ class DaemonClient:
         private_network: bool = False,
         verify_buffers: bool = False,
         replicas: int = 1,
+        terminal: str = "",
         request_id: str = "",
     ) -> OperationHandle:
         """Start a restore of ``snapshot`` (id or name); returns the running operation.
 
         ``env``, ``unset_env`` and ``values`` form the restore context handed to the restored worker;
         with ``replicas`` > 1, that many copies are restored, ``{i}`` in the context becoming each one's index.
+        ``terminal`` (an absolute path) stands in for the terminals the tree was started from; default
+        ``/dev/null``.
         """
         context = operations_pb2.WorkerContext(
             env=dict(env or {}), unset_env=list(unset_env), values=dict(values or {})
@@ -183,6 +186,7 @@ class DaemonClient:
             private_network=private_network,
             verify_buffers=verify_buffers,
             replicas=replicas,
+            terminal=terminal,
             request_id=request_id or str(uuid.uuid4()),
         )
         return self._start(self._ops.Restore, req)

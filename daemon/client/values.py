@@ -24,6 +24,7 @@ from gpusnap.daemon.api.types import (
     OperationState,
     PhaseTiming,
     ProcessFacts,
+    Terminal,
     TransferResult,
 )
 
@@ -50,6 +51,7 @@ __all__ = [
     "Snapshot",
     "StoreTier",
     "SuspendResult",
+    "Terminal",
     "TransferResult",
 ]
 
@@ -118,6 +120,7 @@ class Snapshot:
     buffers: tuple[Buffer, ...]
     buffer_bytes: int
     agents: tuple[Agent, ...]
+    terminals: tuple[Terminal, ...]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +207,7 @@ class CriuDriver:
         enter_ns_of: int = 0,
         on_start: Callable[[int], None] | None = None,
         on_post_dump: Callable[[dict[int, int]], None] | None = None,
+        external: Sequence[str] = (),
     ) -> None:
         """Dump the tree rooted at ``pid`` into ``images_dir``; CRIU's log goes to ``work_dir/dump.log``.
 
@@ -222,6 +223,8 @@ class CriuDriver:
                 saw it; empty if unknown). If it raises, CRIU fails the dump and resumes the tree,
                 and the exception is re-raised here: this is how a snapshot is published before the
                 source is killed, so a failed publish never loses the source.
+            external: CRIU ``--external`` keys, e.g. ``tty[rdev:dev]`` for a terminal whose other side stays
+                outside the tree (a restore hands CRIU a file for it with ``inherit_fd``).
 
         Raises:
             CriuError: CRIU refused (FAILED_PRECONDITION, with log lines) or died (ABORTED).
@@ -240,6 +243,8 @@ class CriuDriver:
             "log_file": "dump.log",
             "timeout": freeze_timeout_s,
         }
+        if external:
+            opts["external"] = list(external)
         if tcp is TcpMode.ESTABLISHED:
             opts["tcp_established"] = True
             opts["network_lock"] = NETWORK_LOCK_NFTABLES
@@ -269,6 +274,8 @@ class CriuDriver:
         before_resume: Callable[[RestoredTree], None] | None = None,
         private_log: bool = False,
         before_criu: Callable[[int, int], None] | None = None,
+        terminals: Mapping[str, Any] | None = None,
+        title: Sequence[str] = (),
     ) -> RestoredTree:
         """Restore the tree dumped in ``images_dir``; the log goes to ``work_dir/<log_name>``.
 
@@ -283,6 +290,9 @@ class CriuDriver:
                 there); the exception is re-raised here.
             private_log: keep CRIU's log lines out of the error (for callers who may not see what CRIU
                 saw as root, e.g. the size of a file they cannot stat); the log stays for root.
+            terminals: terminals left behind at dump and the file standing in for them
+                (``{"keys": [...], "path": "", "uid", "gid", "groups"}``, see ``criu_exec``).
+            title: what the namespace init's command line says once the tree runs (``["snapshot=…", …]``).
 
         Raises:
             CriuError: CRIU refused or died; nothing of the tree is left running.
@@ -311,6 +321,8 @@ class CriuDriver:
             "new_pidns": new_pidns,
             "new_netns": new_netns,
             "shm_dir": str(shm_dir) if shm_dir else "",
+            "terminals": dict(terminals) if terminals else None,
+            "title": list(title),
         }
         handler = None
         if before_resume:

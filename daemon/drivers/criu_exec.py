@@ -19,7 +19,12 @@ Request (one JSON object)::
      "new_pidns": false,                       # restore: into a fresh PID + mount namespace
      "new_netns": false,                       # restore (with new_pidns): also a fresh network namespace, lo up
      "shm_dir": "",                            # restore (with new_pidns): private tmpfs on /dev/shm seeded from here
-     "enter_ns_of": 0}                         # dump: enter this host PID's PID + mount namespaces
+     "enter_ns_of": 0,                         # dump: enter this host PID's PID + mount namespaces
+     "terminals": {"keys": ["tty[8803:19]"],   # restore with new_pidns: terminals left behind at dump; the tree
+                   "path": "",                 # gets a fresh pty instead, whose output goes to this file
+                   "uid": 1000, "gid": 1000, "groups": []},   # ("": /dev/null), opened as that user
+     "title": ["snapshot=snap-…", …]}          # restore with new_pidns: what the namespace init's command line
+                                               # says once the tree runs (``gpusnap.daemon.drivers.reaper``)
 
 Replies, one JSON object per line::
 
@@ -119,7 +124,7 @@ class Swrk:
     other end as ``swrk <fd>``) with a command of the caller's, which pycriu's transport cannot take.
     """
 
-    def __init__(self, command: list[str]):
+    def __init__(self, command: list[str], stdin: int = -1):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
@@ -128,6 +133,8 @@ class Swrk:
                 os.set_inheritable(theirs.fileno(), True)
                 for fd in (0, 1, 2):
                     os.close(fd)
+                if stdin >= 0:  # a terminal for a shell job's (CRIU reopens its stdin for it)
+                    os.dup2(stdin, 0)
                 os.execvp(command[0], [*command, "swrk", str(theirs.fileno())])
             finally:
                 os._exit(1)
@@ -190,7 +197,11 @@ def _run_criu(req: dict[str, Any], swrk: Swrk) -> dict[str, Any]:
         c.opts.images_dir_fd = images_fd
         c.opts.work_dir_fd = work_fd
         for key, value in req.get("opts", {}).items():
-            setattr(c.opts, key, value)
+            if isinstance(value, list):  # repeated fields: strings (external) or messages (inherit_fd)
+                for item in value:
+                    getattr(c.opts, key).add(**item) if isinstance(item, dict) else getattr(c.opts, key).append(item)
+            else:
+                setattr(c.opts, key, value)
         c.opts.notify_scripts = True
         msg = rpc.criu_req()
         msg.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[req["action"]]
@@ -319,6 +330,63 @@ def _private_dev_shm(saved: str) -> None:
         subprocess.run(["cp", "-a", "--sparse=always", "--", *names, "/dev/shm/"], check=True)
 
 
+def _terminal(req: dict[str, Any]) -> tuple[int, int, int]:
+    """For a tree started from a terminal (``req["terminals"]``): a fresh pty for CRIU's stdin, which CRIU's
+    ``shell_job`` restore gives the tree in place of the terminal left behind, and the file its output goes
+    to. Returns (slave, master, out), or (-1, -1, -1) when the tree held no terminal.
+
+    ``out`` is ``/dev/null`` by default; a named file is opened (created, appended to) by a child that has
+    dropped to the snapshot owner's uid, gid and groups, and handed back over a socket pair, so root never
+    resolves a user's path. The namespace init then copies what the tree writes to the pty into it
+    (``gpusnap.daemon.drivers.reaper``).
+    """
+    spec = req.get("terminals")
+    if not spec or not spec.get("keys"):
+        return -1, -1, -1
+    if spec.get("path"):
+        out = _open_as_owner(spec["path"], int(spec["uid"]), int(spec["gid"]), [int(g) for g in spec["groups"]])
+    else:
+        out = os.open(os.devnull, os.O_WRONLY)
+    master, slave = os.openpty()
+    import fcntl
+    import termios
+
+    fcntl.ioctl(slave, termios.TIOCSCTTY, 0)  # this init's session's terminal: CRIU sets the job's group on it
+    return slave, master, out
+
+
+def _open_as_owner(path: str, uid: int, gid: int, groups: list[int]) -> int:
+    """``path`` opened for appending (created 0644 if missing) by a child that is ``uid``/``gid``/``groups``.
+
+    Raises:
+        OSError: the child could not open it (its errno and message).
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = os.fork()
+    if child == 0:
+        try:
+            ours.close()
+            os.setgroups(groups)
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOCTTY | os.O_CLOEXEC, 0o644)
+            socket.send_fds(theirs, [b"0"], [fd])
+        except OSError as exc:
+            theirs.sendall(f"{exc.errno} {exc.strerror}".encode())
+        finally:
+            os._exit(0)
+    theirs.close()
+    try:
+        msg, fds, _, _ = socket.recv_fds(ours, 256, 1)
+    finally:
+        ours.close()
+        os.waitpid(child, 0)
+    if not fds:
+        errno_, _, why = msg.decode(errors="replace").partition(" ")
+        raise OSError(int(errno_) if errno_.isdigit() else 0, f"the snapshot's owner cannot open {path}: {why}")
+    return fds[0]
+
+
 def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> int:
     _unshare(CLONE_NEWPID | CLONE_NEWNS | (CLONE_NEWNET if req.get("new_netns") else 0))
     if req.get("new_netns"):
@@ -331,13 +399,15 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
         os.close(go_w)
         swrk: Swrk | None = None
         failed: BaseException | None = None
+        master = term_out = -1
         try:  # while the daemon journals this init: nothing here is seen outside the new namespaces
             os.setsid()
             _mount(None, "/", None, MS_REC | MS_SLAVE)
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             if req.get("shm_dir"):
                 _private_dev_shm(req["shm_dir"])
-            swrk = Swrk(command)  # on the fresh /proc: CRIU keeps the /proc it first opens
+            slave, master, term_out = _terminal(req)
+            swrk = Swrk(command, stdin=slave)  # on the fresh /proc: CRIU keeps the /proc it first opens
         except BaseException as exc:
             failed = exc
         if os.read(go_r, 1) != b"1":  # the daemon did not journal this init: restore nothing
@@ -360,7 +430,18 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
         if not result["ok"]:
             os._exit(1)
         _silence_stdio()
-        _reap_forever()
+        pump = []
+        if master >= 0:
+            os.set_inheritable(master, True)
+            os.set_inheritable(term_out, True)
+            pump = [f"--pump={master},{term_out}"]
+        try:  # the tree's reaper, with a command line naming what it restored
+            os.execv(
+                sys.executable,
+                [sys.executable, "-m", "gpusnap.daemon.drivers.reaper", *pump, *req.get("title", [])],
+            )
+        except OSError:
+            _reap_forever()
         os._exit(0)
     os.close(w)
     os.close(go_r)
@@ -441,6 +522,18 @@ def main() -> int:
     if req["action"] == "restore" and not _may_start(out, 0):
         warm.close()
         _emit(out, _NOT_STARTED)
+        return 1
+    if req.get("terminals", {}) and req["terminals"].get("keys"):
+        warm.close()  # gpusnapd refuses a --host-pidns restore of a tree started from a terminal
+        _emit(
+            out,
+            {
+                "event": "result",
+                "ok": False,
+                "error": "a terminal needs a restore in a PID namespace of its own",
+                "errno": 0,
+            },
+        )
         return 1
     result = _run_criu(req, _ready(warm, command))
     _emit(out, result)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpusnap.daemon.api.errors import FailedPreconditionError
-from gpusnap.daemon.api.types import CheckpointOptions, ProcessFacts, TcpMode
+from gpusnap.daemon.api.types import CheckpointOptions, ProcessFacts, TcpMode, Terminal
 from gpusnap.daemon.drivers import host, proc
 from gpusnap.daemon.operations import criu_limits
 
@@ -29,8 +29,7 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool 
 
     Raises:
         FailedPreconditionError: reasons ``TCP_ESTABLISHED``, ``CAPABILITY_MISSING`` (any process of the tree
-            of another user), ``USER_NAMESPACE``, ``PID_NAMESPACE_INIT``, ``SESSION_OUTSIDE_NAMESPACE``, ``TERMINAL`` (one whose other side is
-            outside the tree), ``IO_URING``, ``CRIU_UNSUPPORTED`` (see ``criu_limits``), ``EXTERNAL_PIPE``.
+            of another user), ``USER_NAMESPACE``, ``PID_NAMESPACE_INIT``, ``SESSION_OUTSIDE_NAMESPACE``, ``IO_URING``, ``CRIU_UNSUPPORTED`` (see ``criu_limits``), ``EXTERNAL_PIPE``.
     """
     pids = list(facts.tree_pids)
     if not defer_tcp:
@@ -56,9 +55,6 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool 
             reason="PID_NAMESPACE_INIT",
         )
     check_sessions(pids)
-    tty = _outside_terminal(pids)
-    if tty:
-        raise FailedPreconditionError(tty, reason="TERMINAL")
     rings = [(p, fd) for p in pids for fd, target in _fds(p) if target == _IO_URING]
     if rings:
         pid, fd = rings[0]
@@ -78,11 +74,17 @@ def check_tree(opts: CheckpointOptions, facts: ProcessFacts, *, defer_tcp: bool 
     outside = _external_pipes(pids)
     if outside:
         pid, fd, other = outside[0]
+        fix = (
+            "Send the worker's output to a file (e.g. `>> worker.log 2>&1 < /dev/null`) instead of a pipe"
+            if fd <= 2
+            else f"It was most likely inherited from what started the worker (IDE terminals and CI runners pass "
+            f"such descriptors on): start the worker with it closed (`CMD {fd}>&-` in bash)"
+        )
         raise FailedPreconditionError(
             f"fd {fd} of process {pid} is a pipe whose other end is held by process {other}, outside the tree; "
-            "after a restore that end would be gone. Send the worker's output to a file (e.g. `>> worker.log`) "
-            "instead of a pipe",
+            f"after a restore that end would be gone. {fix}",
             reason="EXTERNAL_PIPE",
+            metadata={"pid": str(pid), "fd": str(fd)},
         )
 
 
@@ -174,35 +176,48 @@ def _pty_index(pid: int, fd: int) -> int | None:
     return None
 
 
-def _outside_terminal(pids: Sequence[int]) -> str:
-    """Why the tree's terminal cannot come back, or ``""``.
+def outside_terminals(pids: Sequence[int]) -> tuple[Terminal, ...]:
+    """The terminals of the tree whose other side (terminal emulator, sshd, tmux) stays outside it.
 
-    CRIU restores a pty whose master and slave are both in the tree, and a controlling terminal of a
-    session led inside the tree (CRIU's tty.c); what it cannot bring back is a terminal whose other side
-    (terminal emulator, sshd, tmux) stays outside: a controlling terminal of a session led outside the
-    tree, or a ``/dev/pts/N`` whose master no process of the tree holds.
+    CRIU restores a pty whose master and slave are both in the tree. A job started from an interactive
+    shell has one whose master is outside: as its controlling terminal (the shell's session, led outside
+    the tree), and as stdin, stdout or stderr unless they were redirected. With ``shell_job`` CRIU dumps
+    it as the tree's link to that outside terminal; a restore cannot reconnect to it (the shell may be
+    gone, or elsewhere), so it hands CRIU a file in its place (``inherit_fd``, key ``tty[rdev:dev]`` as
+    CRIU's tty.c names it) and the restored tree runs in a session of its own, without a terminal.
     """
     tree = set(pids)
     masters = {
         i for p in pids for fd, target in _fds(p) if target in _PTMX for i in [_pty_index(p, fd)] if i is not None
     }
+    found: dict[str, tuple[str, list[str], bool]] = {}  # path -> key, "pid/fd"s, controlling
     for p in pids:
         fields = _stat_fields(p)
         if len(fields) > 4 and int(fields[4]) != 0 and int(fields[3]) not in tree:
-            return (
-                f"process {p} has a controlling terminal of session {fields[3]}, which is led outside the tree; a "
-                "restore cannot give it back. Start the worker in its own session (setsid) with stdin, stdout and "
-                "stderr on files or /dev/null"
-            )
+            tty_nr = int(fields[4])
+            major, minor = (tty_nr >> 8) & 0xFFF, (tty_nr & 0xFF) | ((tty_nr >> 12) & 0xFFF00)
+            if 136 <= major <= 143:
+                path = f"/dev/pts/{(major - 136) * 256 + minor}"
+                key, fds, _ = found.get(path, (_tty_key(path), [], True))
+                found[path] = (key, fds, True)
         for fd, target in _fds(p):
             if target.startswith("/dev/pts/") and target.removeprefix("/dev/pts/").isdigit():
                 if int(target.removeprefix("/dev/pts/")) not in masters:
-                    return (
-                        f"fd {fd} of process {p} is the terminal {target}, whose master side (a terminal emulator, "
-                        "sshd, tmux) is outside the tree; a restore cannot give it back. Point that fd at a file "
-                        "or /dev/null (e.g. `>> worker.log 2>&1 < /dev/null`)"
-                    )
-    return ""
+                    key, fds, controlling = found.get(target, (_tty_key(f"/proc/{p}/fd/{fd}"), [], False))
+                    found[target] = (key or _tty_key(f"/proc/{p}/fd/{fd}"), [*fds, f"{p}/{fd}"], controlling)
+    return tuple(
+        Terminal(path=path, key=key, fds=tuple(fds), controlling=controlling)
+        for path, (key, fds, controlling) in sorted(found.items())
+    )
+
+
+def _tty_key(path: str) -> str:
+    """CRIU's ``inherit_fd`` key of the terminal at ``path`` (``tty[rdev:dev]``, hex), ``""`` when gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return f"tty[{st.st_rdev:x}:{st.st_dev:x}]"
 
 
 def _descends_from(pid: int, tree: set[int]) -> bool:

@@ -131,6 +131,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                     buffers=buffers,
                     held_files=held,
                     owner_creds=creds,
+                    terminals=terminals,
                 )
                 deps.store.publish(staging, snapshot)
             published.append(snapshot)
@@ -139,6 +140,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             run.open_phase("finish")
 
         run.open_phase("dump")
+        terminals = capture_checks.outside_terminals(facts.tree_pids)  # a shell's job: CRIU dumps them external
         nested_kill = bool(enter_ns_of) and not opts.leave_running
         deps.criu.dump(
             leave_stopped=nested_kill,

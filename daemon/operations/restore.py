@@ -264,6 +264,8 @@ def _restore_copy(
             before_resume=before_resume,
             private_log=snapshot.owner_uid != 0,
             before_criu=before_criu,
+            terminals=_terminal_stand_in(snapshot, opts),
+            title=(f"snapshot={snapshot.id}", f"name={snapshot.name or '-'}", f"operation={run.record.id}"),
         )
         devshm.remove_link_remaps(remaps)  # opened by CRIU: the restored tree holds the file, not the name
         progress.bytes = snapshot.size_bytes
@@ -405,3 +407,27 @@ def _put_back_link_remaps(run: PhaseRunner, shm_dir: Path) -> list[devshm.LinkRe
         ) from None
     run.on_failure("remove-link-remaps", lambda: devshm.remove_link_remaps(remaps))
     return remaps
+
+
+def _terminal_stand_in(snapshot: Snapshot, opts: RestoreOptions) -> dict[str, object] | None:
+    """What stands in for the terminals a shell's job was started from (``Snapshot.terminals``): the restore's
+    ``terminal`` file (opened as the snapshot's owner) or ``/dev/null``; ``None`` when the tree held none."""
+    keys = sorted({t.key for t in snapshot.terminals if t.fds and t.key})
+    if not keys:
+        return None
+    if opts.host_pid_namespace:
+        raise FailedPreconditionError(
+            f"snapshot {snapshot.id} was started from a terminal ({snapshot.terminals[0].path}), which a restore "
+            "replaces by a terminal of its own, held by the init of the tree's PID namespace; restore it without "
+            "--host-pidns",
+            reason="TERMINAL",
+        )
+    creds = snapshot.owner_creds
+    uid = creds.uid if creds else snapshot.source.uid
+    return {
+        "keys": keys,
+        "path": opts.terminal,
+        "uid": uid,
+        "gid": creds.gid if creds else snapshot.source.gid,
+        "groups": list(creds.groups) if creds else [],
+    }

@@ -125,7 +125,23 @@ def restore_options(req: operations_pb2.RestoreRequest) -> RestoreOptions:
         private_network=req.private_network,
         verify_buffers=req.verify_buffers,
         replicas=max(1, req.replicas),
+        terminal=_terminal_path(req.terminal),
     )
+
+
+def _terminal_path(path: str) -> str:
+    """``RestoreRequest.terminal``: empty, or an absolute path without NUL.
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_ARGUMENT``.
+    """
+    if path and (not path.startswith("/") or "\0" in path or len(path) > 4096):
+        raise InvalidArgumentError(
+            f"terminal {path[:100]!r} is not an absolute path; name the file that stands in for the terminal "
+            "by its full path (`gpusnap restore --terminal` makes a relative one absolute)",
+            reason="INVALID_ARGUMENT",
+        )
+    return path
 
 
 def phase(p: PhaseTiming) -> types_pb2.PhaseTiming:
@@ -178,6 +194,9 @@ def snapshot(s: Snapshot) -> types_pb2.Snapshot:
         worker=worker_info(s.worker) if s.worker else None,
         agents=[worker_info(w) for w in s.agents],
         process_images=[types_pb2.ProcessImage(pid=i.pid, image_bytes=i.image_bytes) for i in s.process_images],
+        terminals=[
+            types_pb2.Terminal(path=t.path, key=t.key, fds=list(t.fds), controlling=t.controlling) for t in s.terminals
+        ],
     )
 
 

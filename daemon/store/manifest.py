@@ -17,7 +17,8 @@ Schema (``manifest_version`` 3; version 1 lacks ``buffers``, version 2 ``agents`
                   "arena": 1, "arena_offset": 0}],
      "held_files": [{"pid": 1234, "what": "fd 3", "path": "/home/u/log", "dev": 2049, "ino": 131, "access": 2}],
      "owner_creds": {"uid": 1000, "gid": 1000, "groups": [1000, 27]},
-     "process_images": [{"pid": 1234, "image_bytes": 2042482688}]}
+     "process_images": [{"pid": 1234, "image_bytes": 2042482688}],
+     "terminals": [{"path": "/dev/pts/3", "key": "tty[8803:19]", "fds": ["1234/0"], "controlling": true}]}
 
 ``worker.arenas``/``agents[].arenas`` (``[{gpu_uuid, size_bytes, granularity, chunk_bytes, storages}]``) and
 ``buffers[].arena``/``arena_offset`` (optional, absent in older manifests: their restores read every buffer
@@ -28,6 +29,9 @@ process, what its images hold and what its quiesce freed without saving (``gpusn
 
 ``held_files`` and ``owner_creds`` (optional, absent in older manifests) let a restore check that the
 snapshot's owner may still open every file CRIU reopens by path (``gpusnap.daemon.operations.file_rights``).
+
+``terminals`` (optional, absent in older manifests) are the terminals a shell's job was started from, left
+behind at dump; a restore replaces each descriptor of one by a file (``gpusnap.daemon.api.types.Terminal``).
 
 ``buffers`` name blobs of the buffer store (``gpusnap.daemon.store.buffers``) by digest. A daemon that
 does not know version 2 would restore such a snapshot without its weights, so the version was raised;
@@ -59,6 +63,7 @@ from gpusnap.daemon.api.types import (
     ProcessFacts,
     ProcessImage,
     Snapshot,
+    Terminal,
     WorkerInfo,
 )
 from gpusnap.daemon.store.checksum import DIGEST_ALGORITHM
@@ -89,6 +94,7 @@ def to_json(snapshot: Snapshot) -> dict[str, Any]:
         "held_files": [_fields(h) for h in snapshot.held_files],
         "owner_creds": _fields(snapshot.owner_creds) if snapshot.owner_creds else None,
         "process_images": [_fields(i) for i in snapshot.process_images],
+        "terminals": [_fields(t) for t in snapshot.terminals],
     }
 
 
@@ -165,6 +171,15 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
             process_images=tuple(
                 ProcessImage(pid=int(i["pid"]), image_bytes=int(i["image_bytes"]))
                 for i in doc.get("process_images", [])
+            ),
+            terminals=tuple(
+                Terminal(
+                    path=str(t["path"]),
+                    key=str(t["key"]),
+                    fds=tuple(str(f) for f in t.get("fds", [])),
+                    controlling=bool(t.get("controlling", False)),
+                )
+                for t in doc.get("terminals", [])
             ),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:

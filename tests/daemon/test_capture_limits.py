@@ -91,19 +91,33 @@ def test_a_pty_pair_inside_the_tree_restores(daemon: DaemonProc, workloads: Work
     assert any(link.startswith("/dev/pts/") for link in links) and any("ptmx" in link for link in links), links
 
 
-def test_a_terminal_whose_master_is_outside_is_refused_with_its_fd(daemon: DaemonProc, workloads: Workloads) -> None:
+def test_a_terminal_whose_master_is_outside_is_replaced_at_restore(
+    daemon: DaemonProc, workloads: Workloads, tmp_path: Path
+) -> None:
+    """stdout on a pty whose master stays outside (no controlling terminal: a session of its own): the dump
+    leaves it behind and names it; the restore gives the tree a pty of its own, its output to --terminal."""
     master, slave = os.openpty()
     try:
+        code = "import itertools,time\nfor i in itertools.count():\n    print(i, flush=True)\n    time.sleep(0.2)"
         p = subprocess.Popen(
-            ["sleep", "600"], stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.DEVNULL, start_new_session=True
+            [sys.executable, "-c", code],
+            stdin=subprocess.DEVNULL,
+            stdout=slave,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         workloads.adopt(p.pid)
-        res = daemon.cli("dump", str(p.pid))
-        assert res.returncode == 4 and f"fd 1 of process {p.pid} is the terminal /dev/pts/" in res.stderr, res.stderr
-        assert "master side" in res.stderr and "setsid" not in res.stderr, "names the fd, not a fix the tree has"
+        os.read(master, 100)  # it has printed
+        dumped = json.loads(daemon.cli("-o", "json", "dump", str(p.pid), "--name", "on-pty", check=True).stdout)
+        snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
+        assert [t["fds"] for t in snap["terminals"]] == [[f"{p.pid}/1"]] and not snap["terminals"][0].get("controlling")
     finally:
         os.close(master)
         os.close(slave)
+    out = tmp_path / "out"
+    restored = json.loads(daemon.cli("-o", "json", "restore", "on-pty", "--terminal", str(out), check=True).stdout)
+    workloads.adopt(restored["pid"])
+    wait_for(lambda: out.exists() and len(out.read_text().split()) > 3, 30, "no output in the --terminal file")
 
 
 def test_a_pipe_to_a_child_forked_after_the_listing_is_inside(workloads: Workloads, tmp_path: Path) -> None:

@@ -1,0 +1,88 @@
+"""The init (PID 1) of a restored tree's PID namespace, once CRIU is done: reaps the tree, stops it on SIGTERM.
+
+The namespace init of ``gpusnap.daemon.drivers.criu_exec`` execs ``python -m gpusnap.daemon.drivers.reaper
+snapshot=ID name=NAME operation=OP`` once the tree runs, so that ``ps``, ``pgrep -f`` and ``gpusnap ps``
+tell which snapshot each restored tree came from (its ``comm`` is ``gpusnap-init``). It stays PID 1 of
+the namespace, keeping every PID of the tree its own, and:
+
+- reaps the tree's processes as they end, and exits when none is left;
+- for a tree started from a terminal (``--pump=MASTER,OUT``): holds the master of the pty the tree got in
+  place of it, and copies what the tree writes there into ``OUT`` (the ``--terminal`` file, or /dev/null);
+- on SIGTERM or SIGINT sends SIGTERM to every process of the namespace (``kill(-1)`` from its init), and
+  SIGKILL to those left after ``STOP_GRACE_S``; it then exits, and the kernel ends whatever remains
+  (the init of a PID namespace takes the namespace with it). This is how ``gpusnap stop`` ends a tree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+STOP_GRACE_S = 10.0
+"""Seconds a stopped tree has to exit on SIGTERM before its processes are killed."""
+PR_SET_NAME = 15
+COMM = b"gpusnap-init"
+
+
+def main(argv: list[str]) -> int:
+    ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(COMM), 0, 0, 0)
+    pump = next((a.removeprefix("--pump=") for a in argv if a.startswith("--pump=")), "")
+    if pump:
+        master, out = (int(x) for x in pump.split(","))
+        threading.Thread(target=_copy, args=(master, out), name="pty", daemon=True).start()
+    stopping: list[float] = []
+
+    def stop(_signum: int, _frame: object) -> None:
+        if not stopping:
+            stopping.append(time.monotonic())
+            _kill_all(signal.SIGTERM)
+            raise _Stop  # out of a blocking waitpid (which PEP 475 would otherwise resume)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    while True:
+        if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
+            _kill_all(signal.SIGKILL)
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG if stopping else 0)
+        except ChildProcessError:
+            return 0
+        except (InterruptedError, _Stop):
+            continue
+        if pid == 0:  # stopping: nothing ended yet
+            time.sleep(0.1)
+
+
+def _copy(master: int, out: int) -> None:
+    """What the tree writes to its terminal, into ``out`` (until the last slave closes: EIO)."""
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:
+            return
+        if not data:
+            return
+        try:
+            os.write(out, data)
+        except OSError:
+            pass
+
+
+class _Stop(Exception):
+    """Raised by the SIGTERM handler to leave a blocking wait."""
+
+
+def _kill_all(sig: int) -> None:
+    try:
+        os.kill(-1, sig)  # from a namespace's init: every other process of the namespace
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))  # the other arguments only name the tree, for people
