@@ -468,6 +468,7 @@ class CheckpointRequest(_message.Message):
     NO_QUIESCE_FIELD_NUMBER: _builtins.int
     NO_OFFLOAD_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     """root of the process tree to capture (host PID)"""
     name: _builtins.str
@@ -485,6 +486,8 @@ class CheckpointRequest(_message.Message):
     """Idempotency key (1-128 of [A-Za-z0-9._:-], e.g. a UUID): a request with a key this caller used before
     returns that operation instead of starting another, also after a daemon restart.
     """
+    dry_run: _builtins.bool
+    """run the preflight only: the tree stays as it is, no snapshot is made"""
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
@@ -509,10 +512,11 @@ class CheckpointRequest(_message.Message):
         no_quiesce: _builtins.bool = ...,
         no_offload: _builtins.bool = ...,
         request_id: _builtins.str = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpu_lock_timeout", b"gpu_lock_timeout", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_dir", b"control_dir", "gpu_lock_timeout", b"gpu_lock_timeout", "labels", b"labels", "leave_running", b"leave_running", "name", b"name", "no_offload", b"no_offload", "no_quiesce", b"no_quiesce", "pid", b"pid", "request_id", b"request_id", "tcp", b"tcp", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_dir", b"control_dir", "dry_run", b"dry_run", "gpu_lock_timeout", b"gpu_lock_timeout", "labels", b"labels", "leave_running", b"leave_running", "name", b"name", "no_offload", b"no_offload", "no_quiesce", b"no_quiesce", "pid", b"pid", "request_id", b"request_id", "tcp", b"tcp", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -336,6 +336,8 @@ class CheckpointOptions:
     """Warm up and quiesce the worker through its agent when one is attached."""
     offload: bool = True
     """Keep the buffers the worker's agent names (weights) out of the images, in the buffer store."""
+    dry_run: bool = False
+    """Run the preflight only (every refusal a capture would meet before it touches the tree), then end."""
 
 
 @dataclasses.dataclass(frozen=True)

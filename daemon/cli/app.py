@@ -87,13 +87,27 @@ def version_option(prog_name: str) -> Callable[[Callable[..., Any]], Callable[..
     )
 
 
-def output_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``-o/--output`` accepted after the subcommand too (``gpusnap ls -o json``)."""
+def command_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``-o/--output`` and ``--socket`` accepted after the subcommand too (``gpusnap ls -o json``,
+    ``gpusnap ls --socket PATH``)."""
 
     def set_output(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
         if value:
             ctx.find_object(Ctx).output = value  # type: ignore[union-attr]  # set by main()
 
+    def set_socket(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+        if value:
+            ctx.find_object(Ctx).socket = value  # type: ignore[union-attr]  # set by main()
+
+    fn = click.option(
+        "--socket",
+        "socket_override",
+        default=None,
+        metavar="PATH",
+        expose_value=False,
+        callback=set_socket,
+        help="gpusnapd socket (as before the command)",
+    )(fn)
     return click.option(
         "-o",
         "--output",

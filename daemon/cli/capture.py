@@ -6,13 +6,13 @@ import os
 
 import click
 
-from gpusnap.daemon.cli.app import PID, SECONDS, Ctx, checked, main, output_option, parse_labels, parse_pairs
+from gpusnap.daemon.cli.app import PID, SECONDS, Ctx, checked, command_options, main, parse_labels, parse_pairs
 from gpusnap.daemon.cli.follow import detached, follow, run_operation, start_held
 from gpusnap.daemon.cli.output import console, count, emit, human_size, outcome, phase_summary, terminal_lines
 
 
 @main.command()
-@output_option
+@command_options
 @click.argument("pid", type=PID)
 @click.option("--name", default="", help="snapshot name, unique among your snapshots")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="label (repeatable)")
@@ -45,6 +45,11 @@ from gpusnap.daemon.cli.output import console, count, emit, human_size, outcome,
     help="once the snapshot is durable, push it to the remote store in the background (follow it with "
     "`gpusnap wait OP`)",
 )
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="run the preflight only: say whether the tree can be captured, and leave it as it is",
+)
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
 def dump(
@@ -60,6 +65,7 @@ def dump(
     no_quiesce: bool,
     no_offload: bool,
     push_after: bool,
+    dry_run: bool,
     detach: bool,
 ) -> None:
     """Checkpoint the process tree rooted at PID into a new snapshot; prints its id.
@@ -80,6 +86,7 @@ def dump(
                 control_dir=control_dir,
                 quiesce=not no_quiesce,
                 offload=not no_offload,
+                dry_run=dry_run,
             )
         )
         if detach:
@@ -91,6 +98,12 @@ def dump(
             detached(obj, op.id)
             return
         done = checked(lambda: follow(client, op.id, obj.live, sigint))
+        if dry_run:
+            if obj.output == "json":
+                emit(done)
+            else:
+                click.echo(f"PID {pid} can be captured (preflight passed; the tree was left as it is)")
+            return
         snap = outcome(done.snapshot, done)
         pushing = checked(lambda: client.push(snap.id)).id if push_after else ""
     if obj.output == "json":
@@ -135,7 +148,7 @@ GPU_MAP_HELP = "move GPU state: OLD=NEW[,OLD=NEW…] (UUIDs or indexes); every c
 
 
 @main.command()
-@output_option
+@command_options
 @click.argument("snapshot")
 @click.option("--host-pidns", is_flag=True, help="restore with the original PIDs in gpusnapd's PID namespace")
 @click.option(
@@ -246,7 +259,7 @@ def restore(
 
 
 @main.command()
-@output_option
+@command_options
 @click.argument("pid", type=PID)
 @click.option("--gpu-lock-timeout", type=SECONDS, help="seconds to wait for CUDA work to drain [daemon default]")
 @click.pass_obj
@@ -265,7 +278,7 @@ def suspend(obj: Ctx, pid: int, gpu_lock_timeout: float | None) -> None:
 
 
 @main.command()
-@output_option
+@command_options
 @click.argument("pid", type=PID)
 @click.option("--gpu-map", default="", metavar="OLD=NEW,…", help=GPU_MAP_HELP)
 @click.pass_obj

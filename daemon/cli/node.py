@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from gpusnap.daemon.cli.app import Ctx, checked, main, output_option
+from gpusnap.daemon.cli.app import Ctx, checked, command_options, main
 from gpusnap.daemon.cli.output import add_row, count, emit, human_size, new_table, print_table, wide
 
 
 @main.command()
-@output_option
+@command_options
 @click.pass_obj
 def node(obj: Ctx) -> None:
     """Show facts about the node: versions, store, GPUs."""
@@ -60,7 +60,7 @@ def node(obj: Ctx) -> None:
 
 
 @main.command()
-@output_option
+@command_options
 @click.pass_obj
 def store(obj: Ctx) -> None:
     """Show the store: snapshots, the buffer tiers' use and budgets, the remote store."""

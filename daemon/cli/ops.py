@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from gpusnap.daemon.api.errors import GpusnapError
-from gpusnap.daemon.cli.app import Ctx, checked, main, output_option
+from gpusnap.daemon.cli.app import Ctx, checked, command_options, main
 from gpusnap.daemon.cli.follow import follow
 from gpusnap.daemon.cli.output import add_row, emit, new_table, phase_summary, print_table, wide
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 @main.command()
-@output_option
+@command_options
 @click.argument("operation")
 @click.pass_obj
 def wait(obj: Ctx, operation: str) -> None:
@@ -33,7 +33,7 @@ def wait(obj: Ctx, operation: str) -> None:
 
 
 @main.command()
-@output_option
+@command_options
 @click.argument("operation")
 @click.pass_obj
 def cancel(obj: Ctx, operation: str) -> None:
@@ -57,7 +57,7 @@ def cancel(obj: Ctx, operation: str) -> None:
 
 
 @main.command("ops")
-@output_option
+@command_options
 @click.pass_obj
 def list_operations(obj: Ctx) -> None:
     """List this daemon's operations."""

@@ -7,7 +7,7 @@ import sys
 import click
 
 from gpusnap.daemon.api.errors import GpusnapError
-from gpusnap.daemon.cli.app import EXIT_CODES, Ctx, checked, main, output_option, parse_labels
+from gpusnap.daemon.cli.app import EXIT_CODES, Ctx, checked, command_options, main, parse_labels
 from gpusnap.daemon.cli.output import (
     add_row,
     count,
@@ -22,7 +22,7 @@ from gpusnap.daemon.cli.output import wide as output_wide
 
 
 @main.command("ls")
-@output_option
+@command_options
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="only snapshots with this label")
 @click.option("--remote", is_flag=True, help="list the remote store's snapshots instead of this node's")
 @click.pass_obj
@@ -51,7 +51,7 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
 
 
 @main.command()
-@output_option
+@command_options
 @click.argument("snapshot")
 @click.pass_obj
 def inspect(obj: Ctx, snapshot: str) -> None:
@@ -109,7 +109,7 @@ def inspect(obj: Ctx, snapshot: str) -> None:
 
 
 @main.command()
-@output_option
+@command_options
 @click.argument("snapshots", nargs=-1, required=True)
 @click.option(
     "--remote",

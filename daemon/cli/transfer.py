@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpusnap.daemon.cli.app import Ctx, main, output_option
+from gpusnap.daemon.cli.app import Ctx, command_options, main
 from gpusnap.daemon.cli.follow import run_operation
 from gpusnap.daemon.cli.output import console, emit, human_size, outcome, phase_summary
 
@@ -42,7 +42,7 @@ def _transfer_done(obj: Ctx, verb: str, done: Operation) -> None:
 
 
 @main.command()
-@output_option
+@command_options
 @click.argument("snapshot")
 @click.pass_obj
 def push(obj: Ctx, snapshot: str) -> None:
@@ -51,7 +51,7 @@ def push(obj: Ctx, snapshot: str) -> None:
 
 
 @main.command()
-@output_option
+@command_options
 @click.argument("snapshot")
 @click.pass_obj
 def pull(obj: Ctx, snapshot: str) -> None:

@@ -132,6 +132,7 @@ class DaemonClient:
         control_dir: str = "",
         quiesce: bool = True,
         offload: bool = True,
+        dry_run: bool = False,
         request_id: str = "",
     ) -> OperationHandle:
         """Start a checkpoint of the tree rooted at ``pid``; returns the running operation (for a
@@ -147,6 +148,7 @@ class DaemonClient:
             control_dir=control_dir,
             no_quiesce=not quiesce,
             no_offload=not offload,
+            dry_run=dry_run,
             request_id=request_id or str(uuid.uuid4()),
         )
         return self._start(self._ops.Checkpoint, req)

@@ -55,8 +55,9 @@ def host_facts(deps: Deps) -> HostFacts:
     )
 
 
-def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_uid: int) -> Snapshot:
-    """The body of a checkpoint operation (see the module docstring)."""
+def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_uid: int) -> Snapshot | None:
+    """The body of a checkpoint operation (see the module docstring); ``None`` for a dry run, which ends
+    after its preflight."""
     timeout = opts.timeout_s or deps.config.checkpoint_timeout
     with run.phase("preflight"):
         facts = proc.facts(opts.pid)
@@ -68,6 +69,8 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
         gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))
         if gpu_tree:
             deps.gpu.check_capture(gpu_tree, facts.tree_pids, deps.agents.capture_env(facts.tree_pids))
+    if opts.dry_run:
+        return None
 
     run.record.note(
         tree_pids=list(facts.tree_pids),

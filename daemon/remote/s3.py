@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from collections.abc import Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -213,7 +214,10 @@ class ObjectStore:
             return FailedPreconditionError(f"{name} exists already in {self.where()}", reason="REMOTE_EXISTS")
         if code == "NoSuchBucket":
             return FailedPreconditionError(
-                f"bucket {self.url.bucket} does not exist at {self.endpoint or 'the S3 service'}; create it or fix --remote",
+                f"bucket {self.url.bucket} does not exist at {self.endpoint or 'the S3 service'}; create it once "
+                f"(`{sys.executable} -c \"import boto3; boto3.client('s3'"
+                + (f", endpoint_url='{self.endpoint}'" if self.endpoint else "")
+                + f").create_bucket(Bucket='{self.url.bucket}')\"`, with the same credentials) or fix --remote",
                 reason="REMOTE_NO_BUCKET",
             )
         if status in (401, 403) or code in ("AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId"):

@@ -110,6 +110,7 @@ def checkpoint_options(req: operations_pb2.CheckpointRequest) -> CheckpointOptio
         control_dir=req.control_dir,
         quiesce=not req.no_quiesce,
         offload=not req.no_offload,
+        dry_run=req.dry_run,
     )
 
 

@@ -133,3 +133,24 @@ def test_agent_socket_follows_socket_and_the_flag(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     assert not (agent_dir / "wake").exists()
+
+
+def test_dump_dry_run_and_socket_after_the_command(daemon: DaemonProc, workloads: Workloads) -> None:
+    """`dump --dry-run` runs the preflight only; `--socket` may follow the command, as `-o` may."""
+    w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
+    env = {k: v for k, v in _cli_env().items() if k != "GPUSNAP_SOCKET"}
+    argv = [sys.executable, "-m", "gpusnap.daemon.cli"]
+    res = subprocess.run(
+        [*argv, "dump", str(w.pid), "--dry-run", "--socket", str(daemon.socket)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert res.returncode == 0 and f"PID {w.pid} can be captured" in res.stdout, res.stderr
+    assert os.path.exists(f"/proc/{w.pid}") and json.loads(daemon.cli("-o", "json", "ls", check=True).stdout) == []
+    refused = daemon.cli("dump", str(os.getpid()), "--dry-run")
+    assert refused.returncode != 0 and "gpusnap: error:" in refused.stderr, "a dry run meets the same refusals"
+    listed = subprocess.run(
+        [*argv, "ls", "-o", "json", "--socket", str(daemon.socket)], capture_output=True, text=True, env=env
+    )
+    assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed.stderr
