@@ -24,6 +24,7 @@ from gpusnap.daemon.api.types import (
     OperationState,
     PhaseTiming,
     ProcessFacts,
+    ProcessImage,
     Terminal,
     TransferResult,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "OperationState",
     "PhaseTiming",
     "ProcessFacts",
+    "ProcessImage",
     "Replica",
     "RestoreResult",
     "ResumeResult",
@@ -87,6 +89,8 @@ class Agent:
     """``frontend``, ``core`` or ``worker``; ``None`` for a single-process worker."""
     process: str | None
     weights: str | None
+    released_bytes: int
+    """Memory its quiesce freed without saving it (a KV cache); 0: none or unknown."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,7 @@ class Snapshot:
     buffers: tuple[Buffer, ...]
     buffer_bytes: int
     agents: tuple[Agent, ...]
+    process_images: tuple[ProcessImage, ...]
     terminals: tuple[Terminal, ...]
 
 

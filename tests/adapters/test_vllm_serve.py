@@ -35,7 +35,7 @@ import pytest
 from tests.adapters import torch_venv
 from tests.adapters.vllm_model import make_tiny_llama
 from tests.adapters.vllm_server import VllmServer, engine_env, pythonpath
-from tests.conftest import REPO, DaemonProc, kill_tree, phase_seconds, wait_for
+from tests.conftest import REPO, DaemonProc, kill_tree, phase_seconds
 
 pytestmark = [torch_venv.needs_venv, pytest.mark.slow, pytest.mark.timeout(2400)]
 

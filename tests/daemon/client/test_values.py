@@ -23,6 +23,8 @@ PAIRS = [
     (values.ProcessFacts, types_pb2.ProcessFacts),
     (values.HostFacts, types_pb2.HostFacts),
     (values.ImageFile, types_pb2.ImageFile),
+    (values.ProcessImage, types_pb2.ProcessImage),
+    (values.Terminal, types_pb2.Terminal),
     (values.PhaseTiming, types_pb2.PhaseTiming),
     (values.GpuProcess, types_pb2.GpuProcess),
     (values.GpuInfo, types_pb2.GpuInfo),
