@@ -438,7 +438,14 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
         try:  # the tree's reaper, with a command line naming what it restored
             os.execv(
                 sys.executable,
-                [sys.executable, "-m", "gpusnap.daemon.drivers.reaper", *pump, *req.get("title", [])],
+                [
+                    sys.executable,
+                    "-m",
+                    "gpusnap.daemon.drivers.reaper",
+                    f"--root={result['pid']}",
+                    *pump,
+                    *req.get("title", []),
+                ],
             )
         except OSError:
             _reap_forever()

@@ -6,6 +6,8 @@ tell which snapshot each restored tree came from (its ``comm`` is ``gpusnap-init
 the namespace, keeping every PID of the tree its own, and:
 
 - reaps the tree's processes as they end, and exits when none is left;
+- when the tree's root (``--root=PID``, in the namespace) ends, stops the rest as on SIGTERM: ``kill PID``
+  of the PID ``gpusnap restore`` printed, by the tree's owner, ends the whole restored tree;
 - for a tree started from a terminal (``--pump=MASTER,OUT``): holds the master of the pty the tree got in
   place of it, and copies what the tree writes there into ``OUT`` (the ``--terminal`` file, or /dev/null);
 - on SIGTERM or SIGINT sends SIGTERM to every process of the namespace (``kill(-1)`` from its init), and
@@ -31,6 +33,7 @@ COMM = b"gpusnap-init"
 def main(argv: list[str]) -> int:
     ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(COMM), 0, 0, 0)
     pump = next((a.removeprefix("--pump=") for a in argv if a.startswith("--pump=")), "")
+    root = int(next((a.removeprefix("--root=") for a in argv if a.startswith("--root=")), "0"))
     if pump:
         master, out = (int(x) for x in pump.split(","))
         threading.Thread(target=_copy, args=(master, out), name="pty", daemon=True).start()
@@ -56,6 +59,9 @@ def main(argv: list[str]) -> int:
             continue
         if pid == 0:  # stopping: nothing ended yet
             time.sleep(0.1)
+        elif pid == root and not stopping:  # the tree's root ended: the rest goes with it
+            stopping.append(time.monotonic())
+            _kill_all(signal.SIGTERM)
 
 
 def _copy(master: int, out: int) -> None:

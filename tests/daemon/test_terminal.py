@@ -66,7 +66,9 @@ def test_the_readme_first_example_as_typed_in_a_terminal(shell: Shell, daemon: D
     [init] = _inits(dumped[1])
     assert psutil.Process(pid).ppid() == init.pid and init.name() == "gpusnap-init"
     assert os.getsid(pid) == init.pid != os.getsid(shell.pid), "the restored tree runs in a session of its own"
-    kill_tree(init.pid)
+    assert f"snapshot={dumped[1]}" in init.cmdline() and "name=my-worker" in init.cmdline()
+    shell.run(f"kill {pid}")  # the README's way to stop a restored tree: its root's PID, as restore printed it
+    wait_for(lambda: not psutil.pid_exists(init.pid), 20, "the restored tree's init outlived its root")
 
 
 def test_a_job_with_its_output_on_the_terminal_restores_with_a_file(
