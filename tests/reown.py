@@ -3,7 +3,8 @@
 Root lacks CAP_SYS_RESOURCE on the test machines, so CRIU cannot dump another user's process here
 (tests/daemon/test_access.py). Tests of non-root snapshots therefore dump a root process and then
 rewrite, with pycriu, every task's credentials in the images (uids, gids, groups, and no capabilities
-but the bounding set), set the manifest's owner, source uid/gid and owner credentials, and recompute
+but the bounding set), the recorded owner of every unix socket's file and of every deleted file (what
+the user's own dump records: the user bound or wrote them), set the manifest's owner, source uid/gid and owner credentials, and recompute
 the manifest's image digests. Run it while no daemon serves the store (a daemon may cache manifests).
 """
 
@@ -46,6 +47,29 @@ def reown(snapshot_dir: Path, user: User) -> None:
                     creds[key] = [0] * len(creds[key])
         with open(core, "wb") as fh:
             pycriu.images.dump(img, fh)
+    for ghost in sorted(images.glob("ghost-file-*.img")):  # deleted files: the user's own
+        with open(ghost, "rb") as fh:
+            data = fh.read()
+        # The entry (after two magics and its size) is followed by the file's bytes, which pycriu's
+        # dump would not write back: re-encode the entry alone and keep the rest as it was.
+        from pycriu.images import ghost_file_pb2  # type: ignore[import-not-found]
+
+        size = int.from_bytes(data[8:12], "little")
+        entry = ghost_file_pb2.ghost_file_entry()
+        entry.ParseFromString(data[12 : 12 + size])
+        entry.uid, entry.gid = user.uid, user.gid
+        blob = entry.SerializeToString()
+        with open(ghost, "wb") as fh:
+            fh.write(data[:8] + len(blob).to_bytes(4, "little") + blob + data[12 + size :])
+    files = images / "files.img"
+    with open(files, "rb") as fh:
+        img = pycriu.images.load(fh)
+    for entry in img["entries"]:
+        perms = entry.get("usk", {}).get("file_perms")
+        if perms:
+            perms["uid"], perms["gid"] = user.uid, user.gid
+    with open(files, "wb") as fh:
+        pycriu.images.dump(img, fh)
     from gpusnap.daemon.store.checksum import image_files
 
     manifest = snapshot_dir / "manifest.json"

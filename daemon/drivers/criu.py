@@ -35,8 +35,10 @@ from gpusnap.daemon.api.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     GpusnapError,
+    InternalError,
+    PermissionDeniedError,
 )
-from gpusnap.daemon.api.types import TcpMode
+from gpusnap.daemon.api.types import Creds, TcpMode
 
 log = structlog.get_logger(__name__)
 
@@ -276,6 +278,8 @@ class CriuDriver:
         before_criu: Callable[[int, int], None] | None = None,
         terminals: Mapping[str, Any] | None = None,
         title: Sequence[str] = (),
+        owner: Creds | None = None,
+        scratch_dir: Path | None = None,
     ) -> RestoredTree:
         """Restore the tree dumped in ``images_dir``; the log goes to ``work_dir/<log_name>``.
 
@@ -293,8 +297,15 @@ class CriuDriver:
             terminals: terminals left behind at dump and the file standing in for them
                 (``{"keys": [...], "path": "", "uid", "gid", "groups"}``, see ``criu_exec``).
             title: what the namespace init's command line says once the tree runs (``["snapshot=…", …]``).
+            owner: a non-root snapshot's owner: its unix sockets named by path are made with the owner's
+                rights and inherited by CRIU, which then resolves none of their paths as root
+                (``criu_userpaths``); needs ``scratch_dir``, a directory to be created and removed again on
+                the images' file system (it gets links to them).
 
         Raises:
+            PermissionDeniedError, FailedPreconditionError, InternalError: ``owner``'s sockets could not be
+                made (reasons ``FILE_NOT_PERMITTED``, ``ADDRESS_IN_USE``, ``UNIX_SOCKET_UNRESTORABLE``,
+                ``ACCESS_CHECK_FAILED``); CRIU did not run.
             CriuError: CRIU refused or died; nothing of the tree is left running.
             DeadlineExceededError: not done within ``timeout_s``; everything restored so far was killed.
         """
@@ -313,7 +324,7 @@ class CriuDriver:
             opts["tcp_close"] = True
         if (new_netns or shm_dir) and not new_pidns:
             raise ValueError("a private network or /dev/shm needs the fresh namespaces of new_pidns")
-        req = {
+        req: dict[str, Any] = {
             "action": "restore",
             "images_dir": str(images_dir),
             "work_dir": str(work_dir),
@@ -324,6 +335,11 @@ class CriuDriver:
             "terminals": dict(terminals) if terminals else None,
             "title": list(title),
         }
+        if owner is not None:
+            if scratch_dir is None:
+                raise ValueError("a restore with an owner needs a scratch_dir")
+            req["owner"] = {"uid": owner.uid, "gid": owner.gid, "groups": list(owner.groups)}
+            req["scratch_dir"] = str(scratch_dir)
         handler = None
         if before_resume:
 
@@ -497,6 +513,8 @@ class CriuDriver:
                 reason="CRIU_DIED",
                 log_lines=lines,
             )
+        if not result["ok"] and result.get("reason"):  # refused by the helper before CRIU ran
+            raise _REFUSALS.get(result.get("code", ""), InternalError)(result["error"], reason=result["reason"])
         if not result["ok"]:
             if on_notify and on_notify.error:
                 raise on_notify.error
@@ -609,6 +627,12 @@ class _NotifyHandler:
             return False
         return True
 
+
+_REFUSALS: dict[str, type[GpusnapError]] = {
+    "PERMISSION_DENIED": PermissionDeniedError,
+    "FAILED_PRECONDITION": FailedPreconditionError,
+}
+"""gRPC code names of the helper's refusals (``criu_userpaths.Refused``) -> the error raised."""
 
 KEPT_LOGS = 50
 """Logs of failed requests kept in ``failed_logs_dir``; older ones are removed."""

@@ -23,8 +23,11 @@ Request (one JSON object)::
      "terminals": {"keys": ["tty[8803:19]"],   # restore with new_pidns: terminals left behind at dump; the tree
                    "path": "",                 # gets a fresh pty instead, whose output goes to this file
                    "uid": 1000, "gid": 1000, "groups": []},   # ("": /dev/null), opened as that user
-     "title": ["snapshot=snap-…", …]}          # restore with new_pidns: what the namespace init's command line
+     "title": ["snapshot=snap-…", …],          # restore with new_pidns: what the namespace init's command line
                                                # says once the tree runs (``gpusnap.daemon.drivers.reaper``)
+     "owner": null | {"uid": …, "gid": …, "groups": […]},  # restore of a non-root snapshot: its path-named
+     "scratch_dir": "…"}                       # unix sockets are made as the owner (criu_userpaths), the
+                                               # images CRIU reads are links made in scratch_dir
 
 Replies, one JSON object per line::
 
@@ -33,6 +36,8 @@ Replies, one JSON object per line::
                                               # gets its request only once the daemon answers {"ok": true}
     {"event": "result", "ok": true, "pid": <restored root PID, as CRIU sees it>}
     {"event": "result", "ok": false, "error": "…", "errno": 0}
+    {"event": "result", "ok": false, "error": "…", "errno": 0, "reason": "…", "code": "…"}  # refused before
+                                              # CRIU ran (criu_userpaths.Refused): the message is the daemon's
 
 With ``new_pidns`` the helper unshares a PID and a mount namespace and forks the namespace's init:
 that init (PID 1 inside) makes mounts slaves of the host's, mounts a fresh /proc and starts CRIU
@@ -52,6 +57,8 @@ import signal
 import socket
 import sys
 from typing import Any
+
+from gpusnap.daemon.drivers import criu_userpaths
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
@@ -122,15 +129,17 @@ class Swrk:
 
     The start is pycriu's ``_criu_comm_bin.connect`` (a ``SOCK_SEQPACKET`` pair, CRIU with no stdio and the
     other end as ``swrk <fd>``) with a command of the caller's, which pycriu's transport cannot take.
+    ``keep_fds`` stay open in CRIU (the descriptors a request names in ``inherit_fd``).
     """
 
-    def __init__(self, command: list[str], stdin: int = -1):
+    def __init__(self, command: list[str], stdin: int = -1, keep_fds: tuple[int, ...] = ()):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
             try:
                 ours.close()
-                os.set_inheritable(theirs.fileno(), True)
+                for fd in (theirs.fileno(), *keep_fds):  # keep_fds: CRIU's inherit_fd descriptors
+                    os.set_inheritable(fd, True)
                 for fd in (0, 1, 2):
                     os.close(fd)
                 if stdin >= 0:  # a terminal for a shell job's (CRIU reopens its stdin for it)
@@ -176,7 +185,7 @@ CRIU_POLL_S = 0.2
 """How often the helper checks that CRIU still runs while it waits for CRIU's next message."""
 
 
-def _run_criu(req: dict[str, Any], swrk: Swrk) -> dict[str, Any]:
+def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared | None = None) -> dict[str, Any]:
     """Run the request's CRIU action on ``swrk`` (a CRIU this process started); returns the result event.
 
     CRIU's notifications (``notify_scripts``) are relayed: for ``post-dump`` (images complete, tree
@@ -191,7 +200,7 @@ def _run_criu(req: dict[str, Any], swrk: Swrk) -> dict[str, Any]:
     """
     criu_class, rpc = _pycriu()
     c = criu_class()
-    images_fd = os.open(req["images_dir"], os.O_DIRECTORY)
+    images_fd = os.open(prepared.images_dir if prepared else req["images_dir"], os.O_DIRECTORY)
     work_fd = os.open(req["work_dir"], os.O_DIRECTORY)
     try:
         c.opts.images_dir_fd = images_fd
@@ -202,6 +211,9 @@ def _run_criu(req: dict[str, Any], swrk: Swrk) -> dict[str, Any]:
                     getattr(c.opts, key).add(**item) if isinstance(item, dict) else getattr(c.opts, key).append(item)
             else:
                 setattr(c.opts, key, value)
+        for key, fd in prepared.inherit if prepared else ():
+            inherited = c.opts.inherit_fd.add()
+            inherited.key, inherited.fd = key, fd
         c.opts.notify_scripts = True
         msg = rpc.criu_req()
         msg.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[req["action"]]
@@ -280,6 +292,27 @@ def _next_size(sk: socket.socket, criu_pid: int) -> tuple[int, bool]:
         if pid == criu_pid:
             ready, _, _ = select.select([sk], [], [], 0)
             return (len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK | socket.MSG_DONTWAIT)) if ready else 0), True
+
+
+def _prepare_sockets(req: dict[str, Any]) -> criu_userpaths.Prepared | None:
+    """A restore of a non-root owner's snapshot: its path-named unix sockets, made as the owner."""
+    if req["action"] != "restore" or not req.get("owner"):
+        return None
+    return criu_userpaths.prepare(req["images_dir"], req["scratch_dir"], req["owner"])
+
+
+def _criu_for(prepared: criu_userpaths.Prepared, command: list[str], stdin: int = -1) -> Swrk:
+    """A CRIU that inherits ``prepared``'s sockets; this process's copies are closed once it runs."""
+    fds = tuple(fd for _, fd in prepared.inherit)
+    try:
+        return Swrk(command, stdin=stdin, keep_fds=fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _refused(exc: criu_userpaths.Refused) -> dict[str, Any]:
+    return {"event": "result", "ok": False, "error": str(exc), "errno": 0, "reason": exc.reason, "code": exc.code}
 
 
 def _reap_forever() -> None:
@@ -398,8 +431,9 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
         os.close(r)
         os.close(go_w)
         swrk: Swrk | None = None
+        prepared: criu_userpaths.Prepared | None = None
         failed: BaseException | None = None
-        master = term_out = -1
+        slave = master = term_out = -1
         try:  # while the daemon journals this init: nothing here is seen outside the new namespaces
             os.setsid()
             _mount(None, "/", None, MS_REC | MS_SLAVE)
@@ -408,6 +442,8 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
                 _private_dev_shm(req["shm_dir"])
             slave, master, term_out = _terminal(req)
             swrk = Swrk(command, stdin=slave)  # on the fresh /proc: CRIU keeps the /proc it first opens
+            if req.get("owner"):
+                criu_userpaths.warm()
         except BaseException as exc:
             failed = exc
         if os.read(go_r, 1) != b"1":  # the daemon did not journal this init: restore nothing
@@ -417,7 +453,13 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
             if failed is not None:
                 raise failed
             assert swrk is not None
-            result = _run_criu(req, swrk)
+            prepared = _prepare_sockets(req)  # in the tree's namespaces, as its owner (criu_userpaths)
+            if prepared is not None:  # CRIU must inherit the sockets: a fresh one
+                swrk.close()
+                swrk = _criu_for(prepared, command, stdin=slave)
+            result = _run_criu(req, swrk, prepared)
+        except criu_userpaths.Refused as exc:
+            result = _refused(exc)
         except BaseException as exc:  # report anything, never hang the daemon
             result = {
                 "event": "result",
@@ -425,6 +467,9 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
                 "error": f"namespace init: {exc}",
                 "errno": getattr(exc, "errno", 0) or 0,
             }
+        finally:
+            if prepared is not None:
+                criu_userpaths.discard(prepared.images_dir)
         os.write(w, (json.dumps(result) + "\n").encode())
         os.close(w)
         if not result["ok"]:
@@ -526,6 +571,8 @@ def main() -> int:
     if req["action"] == "dump" and req.get("enter_ns_of"):
         warm.close(wait=False)
         return _dump_in_ns_of(req, out, command)
+    if req.get("owner"):
+        criu_userpaths.warm()
     if req["action"] == "restore" and not _may_start(out, 0):
         warm.close()
         _emit(out, _NOT_STARTED)
@@ -542,7 +589,18 @@ def main() -> int:
             },
         )
         return 1
-    result = _run_criu(req, _ready(warm, command))
+    prepared = None
+    try:
+        prepared = _prepare_sockets(req)
+        if prepared is not None:
+            warm.close()  # CRIU must inherit the sockets: a fresh one
+        result = _run_criu(req, _criu_for(prepared, command) if prepared else _ready(warm, command), prepared)
+    except criu_userpaths.Refused as exc:
+        warm.close()
+        result = _refused(exc)
+    finally:
+        if prepared is not None:
+            criu_userpaths.discard(prepared.images_dir)
     _emit(out, result)
     return 0 if result["ok"] else 1
 

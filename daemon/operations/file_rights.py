@@ -51,7 +51,8 @@ def record(pids: Iterable[int]) -> tuple[tuple[HeldFile, ...], Creds | None]:
     return tuple(heldfiles.held_files(pids)), heldfiles.creds(pids[0])
 
 
-def _creds(snapshot: Snapshot) -> Creds:
+def owner_creds(snapshot: Snapshot) -> Creds:
+    """The credentials a non-root snapshot is restored with: its owner's, as recorded at the dump."""
     c = snapshot.owner_creds
     if c is not None and c.uid == snapshot.owner_uid:
         return c
@@ -88,22 +89,27 @@ def check_before_restore(snapshot: Snapshot, private_shm: bool) -> None:
         asowner.Item(path=h.path, access=h.access, dev=h.dev if same_host else -1, ino=h.ino if same_host else -1)
         for h in unique.values()
     ]
-    creds = _creds(snapshot)
+    creds = owner_creds(snapshot)
     problems = asowner.check(creds, items)
     bad = [(f"{h.path} ({h.what} of PID {h.pid})", p) for h, p in zip(unique.values(), problems, strict=True) if p]
     if bad:
         _refuse(snapshot, creds, bad, "by its owner")
 
 
-def check_restored(snapshot: Snapshot, root_pid: int) -> None:
+def check_restored(snapshot: Snapshot, root_pid: int, ghosts_dir: str = "") -> None:
     """Step 3: what the restored (not yet running) tree under host PID ``root_pid`` holds is the owner's to open.
+
+    Args:
+        ghosts_dir: the root-only directory CRIU made this restore's ghost files in
+            (``drivers.criu_userpaths``): what the tree holds there is a deleted file of the snapshot's,
+            and is checked as one (CRIU removes their names once the tree resumes).
 
     Raises:
         PermissionDeniedError: reason ``FILE_NOT_PERMITTED``.
     """
     if snapshot.owner_uid == 0:
         return
-    creds = _creds(snapshot)
+    creds = owner_creds(snapshot)
     items: dict[tuple[str, int, int, int], str] = {}
     bad: list[tuple[str, str]] = []
     for pid in proc.tree_pids(root_pid):
@@ -114,7 +120,8 @@ def check_restored(snapshot: Snapshot, root_pid: int) -> None:
             name, st = found
             if name.startswith(heldfiles.SKIPPED_PREFIXES):
                 continue
-            if name.endswith(heldfiles.DELETED):
+            ghost = bool(ghosts_dir) and name.startswith(ghosts_dir + "/")
+            if name.endswith(heldfiles.DELETED) or ghost:
                 gone = name.removesuffix(heldfiles.DELETED)
                 if st.st_uid != creds.uid and not ANONYMOUS_SHARED.match(gone):
                     bad.append((f"{gone} ({what} of restored PID {pid})", "denied"))

@@ -33,7 +33,7 @@ from gpusnap.daemon.api.errors import (
     PermissionDeniedError,
 )
 from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snapshot, TcpMode
-from gpusnap.daemon.drivers import devshm, host, proc
+from gpusnap.daemon.drivers import criu_userpaths, devshm, host, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap, preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController
@@ -246,12 +246,13 @@ def _restore_copy(
                         f"CRIU's restored PID {t.ns_pid} is not in its namespace", reason="RESTORE_INCOMPLETE"
                     )
                 restored.extend(proc.tree_pids(found[0]))  # what CRIU restored, before any task can fork or exit
-                file_rights.check_restored(snapshot, found[0])
+                file_rights.check_restored(snapshot, found[0], str(scratch / criu_userpaths.GHOSTS))
             except BaseException:
                 _kill_tree(t.init_pid, found[0] if found else t.ns_pid)
                 raise
 
         remaps = _put_back_link_remaps(run, shm_dir) if shm_dir.is_dir() and not private_shm else []
+        scratch = deps.store.staging_dir / f"restore-{run.record.id}{run.phase_suffix.replace('#', '-')}"
         tree = deps.criu.restore(
             images_dir=deps.store.images_dir(snapshot.id),
             work_dir=deps.store.images_dir(snapshot.id).parent,
@@ -266,6 +267,8 @@ def _restore_copy(
             before_criu=before_criu,
             terminals=_terminal_stand_in(snapshot, opts),
             title=(f"snapshot={snapshot.id}", f"name={snapshot.name or '-'}", f"operation={run.record.id}"),
+            owner=file_rights.owner_creds(snapshot) if snapshot.owner_uid != 0 else None,
+            scratch_dir=scratch,
         )
         devshm.remove_link_remaps(remaps)  # opened by CRIU: the restored tree holds the file, not the name
         progress.bytes = snapshot.size_bytes
