@@ -10,7 +10,8 @@ the remedy instead:
   bpf maps (io_uring, perf events, userfaultfd, KVM, DMA-BUF, …);
 - a character device other than the memory devices (``/dev/null``, ``/dev/zero``, …, major 1), a
   terminal, ``/dev/net/tun`` and autofs (the NVIDIA devices are released by the CUDA checkpoint first);
-- a socket that is not unix, TCP, UDP, UDP-Lite, raw IP, packet or netlink (AF_ALG, AF_VSOCK, SCTP, …);
+- a socket that is not unix, TCP, UDP, UDP-Lite, raw IP, ping, packet or netlink (AF_ALG, AF_VSOCK,
+  SCTP, MPTCP, …), by the protocol name the kernel gives it (bound or not, connected or not);
 - a SysV shared-memory mapping in the host's IPC namespace (CRIU dumps SysV segments only with their
   IPC namespace);
 - a process traced by a process outside the tree (CRIU must ptrace-seize every task itself).
@@ -37,20 +38,29 @@ TTY_MAJORS = frozenset({4, 5, 136, 137, 138, 139, 140, 141, 142, 143})
 """Virtual consoles/serial (4), /dev/tty, /dev/console, /dev/ptmx (5), pty slaves (136-143): CRIU's ``is_tty``."""
 GPU_DEVICE_PREFIX = "/dev/nvidia"
 """Released by the CUDA checkpoint before CRIU runs (checked again after it by the GPU phases)."""
-SOCKET_TABLES = (
-    ("unix", 6),
-    ("tcp", 9),
-    ("tcp6", 9),
-    ("udp", 9),
-    ("udp6", 9),
-    ("udplite", 9),
-    ("udplite6", 9),
-    ("raw", 9),
-    ("raw6", 9),
-    ("packet", 8),
-    ("netlink", 9),
+DUMPED_PROTOCOLS = frozenset(
+    {
+        "UNIX",  # datagram and seqpacket
+        "UNIX-STREAM",
+        "TCP",
+        "TCPv6",
+        "UDP",
+        "UDPv6",
+        "UDP-Lite",
+        "UDPLITEv6",
+        "RAW",
+        "RAWv6",
+        "PING",
+        "PINGv6",
+        "PACKET",
+        "NETLINK",
+    }
 )
-"""``/proc/<pid>/net/<table>`` files listing the socket families CRIU dumps, with their inode column."""
+"""Protocol names (the kernel's ``struct proto`` ``name``, read as the ``system.sockprotoname`` attribute of
+a socket's /proc fd link, socket(7)) of the sockets CRIU dumps: unix, inet (TCP, UDP, UDP-Lite, raw,
+ICMP "ping"), packet and netlink (criu/sockets.c ``dump_socket``, criu/sk-inet.c ``can_dump_ipproto``),
+bound or not, connected or not (criu/sk-inet.c ``gen_uncon_sk``)."""
+PROTOCOL_REMEDIES = {"MPTCP": "close it before the checkpoint (Go programs: GODEBUG=multipathtcp=0 turns MPTCP off)"}
 _SOCKET = re.compile(r"^socket:\[(\d+)\]$")
 
 
@@ -75,34 +85,28 @@ def _comm(pid: int) -> str:
         return "?"
 
 
-def _known_sockets(pid: int) -> set[int]:
-    inodes: set[int] = set()
-    for table, column in SOCKET_TABLES:
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > column and fields[column].isdigit():
-                inodes.add(int(fields[column]))
-    return inodes
+def _protocol(pid: int, fd: str) -> str | None:
+    """The kernel's protocol name of socket ``fd`` of ``pid`` (``TCP``, ``UNIX-STREAM``, …); ``None`` if unread."""
+    try:
+        return os.getxattr(f"/proc/{pid}/fd/{fd}", "system.sockprotoname").rstrip(b"\0").decode()
+    except OSError:
+        return None
 
 
-def _fd_problem(pid: int, fd: str, link: str, sockets: set[int]) -> tuple[str, str] | None:
-    """``(what, remedy)`` when CRIU cannot dump fd ``fd`` (``link`` its /proc link); ``sockets``: the
-    inodes of the sockets CRIU can dump in the process's network namespace."""
+def _fd_problem(pid: int, fd: str, link: str) -> tuple[str, str] | None:
+    """``(what, remedy)`` when CRIU cannot dump fd ``fd`` (``link`` its /proc link)."""
     if link.startswith("anon_inode:"):
         kind = link.removeprefix("anon_inode:")
         if kind not in SUPPORTED_ANON:
             return f"a {kind.strip('[]')} descriptor", "close it before the checkpoint (CRIU has no dumper for it)"
         return None
-    m = _SOCKET.match(link)
-    if m:
-        if int(m.group(1)) not in sockets:
+    if _SOCKET.match(link):
+        protocol = _protocol(pid, fd)
+        if protocol is not None and protocol not in DUMPED_PROTOCOLS:  # unread: gone, or CRIU's to judge
             return (
-                "a socket of a family CRIU does not dump (not unix, TCP, UDP, raw, packet or netlink)",
-                "close it before the checkpoint",
+                f"{'an' if protocol[:1] in 'AEIOU' else 'a'} {protocol} socket, a protocol CRIU does not dump (it dumps unix, TCP, UDP, UDP-Lite, raw, "
+                "ping, packet and netlink sockets)",
+                PROTOCOL_REMEDIES.get(protocol, "close it before the checkpoint"),
             )
         return None
     if link.startswith(GPU_DEVICE_PREFIX):
@@ -161,9 +165,8 @@ def find(pids: Sequence[int]) -> list[Unsupported]:
                 links.append((fd, os.readlink(f"/proc/{pid}/fd/{fd}")))
             except OSError:
                 continue
-        sockets = _known_sockets(pid) if any(_SOCKET.match(link) for _, link in links) else set()
         for fd, link in links:
-            found = _fd_problem(pid, fd, link, sockets)
+            found = _fd_problem(pid, fd, link)
             if found is not None:
                 out.append(Unsupported(pid, f"fd {fd}", *found))
         if _in_host_ipc_ns(pid):

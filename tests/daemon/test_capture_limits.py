@@ -38,7 +38,7 @@ def _hold(tmp_path: Path, workloads: Workloads, kind: str, *, prefix: tuple[str,
 @pytest.mark.parametrize(
     ("kind", "words"),
     [
-        ("vsock", "a socket of a family CRIU does not dump"),
+        ("vsock", "an AF_VSOCK socket, a protocol CRIU does not dump"),
         ("userfaultfd", "a userfaultfd descriptor"),
         ("fuse", "the character device /dev/fuse (10:229)"),
         ("sysv-shm", "a SysV shared-memory segment"),
@@ -54,6 +54,24 @@ def test_what_criu_cannot_dump_is_refused_before_the_freeze(
     assert json.loads(res.stdout)["error"]["reason"] == "CRIU_UNSUPPORTED"
     assert not (daemon.store / "logs").exists() or not list((daemon.store / "logs").iterdir()), "CRIU never ran"
     assert psutil.Process(p.pid).status() != psutil.STATUS_STOPPED
+
+
+def test_unbound_and_unconnected_inet_sockets_are_dumped_and_restored(
+    daemon: DaemonProc, workloads: Workloads, tmp_path: Path
+) -> None:
+    """Issue 19 item 6: sockets absent from /proc/net (unbound TCP/UDP/UDP-Lite, a TCP socket whose
+    connect() was refused) were refused as "not … TCP"; the kernel's own protocol name says they are."""
+    p = _hold(tmp_path, workloads, "unconnected-sockets")
+    daemon.cli("dump", str(p.pid), "--name", "uncon", check=True)
+    restored = json.loads(daemon.cli("-o", "json", "restore", "uncon", check=True).stdout)
+    workloads.adopt(restored["pid"])
+    fds = Path(f"/proc/{restored['pid']}/fd")
+    names = sorted(
+        os.getxattr(fd, "system.sockprotoname").rstrip(b"\0").decode()
+        for fd in fds.iterdir()
+        if os.readlink(fd).startswith("socket:")
+    )
+    assert names == ["TCP", "TCP", "UDP-Lite", "UDPv6"], names
 
 
 def test_a_traced_process_is_refused(daemon: DaemonProc, workloads: Workloads, tmp_path: Path) -> None:

@@ -4,7 +4,9 @@
 
 KIND: ``vsock`` (an AF_VSOCK socket), ``userfaultfd``, ``fuse`` (/dev/fuse), ``sysv-shm`` (a mapped SysV
 segment), ``eventfd`` (supported: the control case), ``pty-pair`` (both ends of a pty; start it in
-its own session), ``fork-churn`` (forks and reaps short-lived children all the time; counts in READY_FILE.count).
+its own session), ``fork-churn`` (forks and reaps short-lived children all the time; counts in READY_FILE.count),
+``unconnected-sockets`` (an unbound TCP socket, an unbound UDP socket, an unbound UDP-Lite one and a TCP
+socket whose ``connect()`` was refused: none is in ``/proc/net/*``, CRIU dumps them all).
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ elif kind == "eventfd":
     keep.append(os.eventfd(0))
 elif kind == "pty-pair":  # started as a session leader (setsid)
     keep.extend(os.openpty())
+elif kind == "unconnected-sockets":
+    keep.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+    keep.append(socket.socket(socket.AF_INET6, socket.SOCK_DGRAM))
+    keep.append(socket.socket(socket.AF_INET, socket.SOCK_DGRAM, 136))  # IPPROTO_UDPLITE
+    refused = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))  # a port nothing listens on: bound, never listening
+    try:
+        refused.connect(probe.getsockname())
+    except ConnectionRefusedError:
+        pass
+    probe.close()
+    keep.append(refused)
 elif kind != "fork-churn":
     raise SystemExit(f"unknown kind {kind}")
 open(ready, "w").close()
