@@ -57,6 +57,10 @@ SERVICE_NAMES = (
 RPC_THREADS = 32
 """Threads for unary calls, shared by all callers (each holds at most ``max_calls_per_caller``)."""
 MAX_QUEUED_PER_CALLER = 256
+UNSENT_PER_CONNECTION = 8 << 20
+"""Bytes of answers one connection may hold unread before its next call waits (a list page is <= 2 MiB)."""
+UNSENT_PER_CALLER = 32 << 20
+"""Bytes of answers one caller may hold unread over all its connections before its next call waits."""
 """Unary calls of one caller that may wait for a turn; more fail with RESOURCE_EXHAUSTED."""
 
 
@@ -169,7 +173,11 @@ def build_daemon(config: DaemonConfig) -> Running:
 
     server = AioServer(threads=RPC_THREADS)
     limits = CallerLimits(
-        calls=config.max_calls_per_caller, queued=MAX_QUEUED_PER_CALLER, streams=config.max_streams_per_caller
+        calls=config.max_calls_per_caller,
+        queued=MAX_QUEUED_PER_CALLER,
+        streams=config.max_streams_per_caller,
+        unsent_per_connection=UNSENT_PER_CONNECTION,
+        unsent_per_caller=UNSENT_PER_CALLER,
     )
     ops = OperationServicer(daemon, proxy)
     health_servicer = health.aio.HealthServicer()

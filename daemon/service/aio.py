@@ -10,7 +10,9 @@ user waited (measured: tests/daemon/service/test_stalls.py). Here the server run
 - every other RPC is the synchronous servicer method (``gpusnap.daemon.service.servicers``) run on the
   shared thread pool, at most ``max_calls_per_caller`` of one caller at a time (:class:`CallerLimits`);
   further calls of that caller wait without a thread;
-- a response the client does not read waits in the loop, not on a thread.
+- a response the client does not read waits in the loop, not on a thread; its bytes count against its
+  connection and its caller until sent, and a call over either bound waits before it runs
+  (:meth:`CallerLimits.room`), so a caller that never reads cannot pin the daemon's memory.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ class AsyncServicer:
             try:
                 key = caller_key(self._sync.caller(shim))  # type: ignore[arg-type]
                 async with self._limits.call(key):
+                    await self._limits.room(key, shim.peer())  # the caller's earlier answers read first
                     response = await asyncio.get_running_loop().run_in_executor(
                         self._server.executor, method, request, shim
                     )
@@ -182,6 +185,8 @@ class AsyncServicer:
                 await context.abort(aborted.status.code, aborted.status.details, aborted.status.trailing_metadata or ())
             if shim.trailing is not None:
                 context.set_trailing_metadata(shim.trailing)
+            sent = self._limits.unsent(key, shim.peer(), response.ByteSize())
+            context.add_done_callback(lambda _call: sent())  # type: ignore[arg-type]  # sent, or the call ended
             return response
 
         handler.__name__ = name
