@@ -7,16 +7,26 @@ guide: ``gpusnap_`` prefix, base units (seconds, bytes), ``_total`` for counters
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from wsgiref.simple_server import make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
 from gpusnap.daemon.config import parse_listen
 from gpusnap.daemon.operations.base import OperationRecord, OperationState
+
+MAX_SCRAPE_CONNECTIONS = 8
+"""Scrapes served at once; further connections are closed as they are accepted (any local user can reach
+the endpoint: 1000 half-sent requests once held 1014 threads and 1074 descriptors)."""
+SCRAPE_READ_TIMEOUT_S = 5.0
+"""A scrape's request must arrive within this, or its connection is closed."""
 
 # Phases last from milliseconds (publish) to minutes (a GPU dump of a large model).
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -115,7 +125,9 @@ class Metrics:
         """Serve the text format on ``listen`` (``host:port``, ``[v6]:port`` or ``port`` for loopback);
         returns the bound address. Raises OSError if the address is taken."""
         host, port = parse_listen(listen)
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        _BoundedServer.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = make_server(host, port, make_wsgi_app(self.registry), _BoundedServer, _TimedHandler)
+        threading.Thread(target=self._server.serve_forever, name="gpusnap-metrics", daemon=True).start()
         bound_host, bound_port = self._server.server_address[:2]
         return str(bound_host), int(bound_port)
 
@@ -124,3 +136,24 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _TimedHandler(_SilentHandler):
+    timeout = SCRAPE_READ_TIMEOUT_S  # StreamRequestHandler sets it on the connection before reading
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """prometheus-client's thread-per-request server, with at most ``MAX_SCRAPE_CONNECTIONS`` threads."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPE_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return self._slots.acquire(blocking=False)  # False: socketserver closes the connection
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()

@@ -140,3 +140,32 @@ def test_bad_metrics_address_is_refused(tmp_path: Path, listen: str) -> None:
         assert "is not IP:PORT" in d.log.read_text()
     finally:
         stop_daemon(d)
+
+
+def test_half_sent_scrapes_neither_pile_up_threads_nor_stop_real_ones(metered: tuple[DaemonProc, str]) -> None:
+    """Issue 19 item 4: 1000 half-sent requests gave 1014 threads and 1074 fds, held open. Now at most
+    ``MAX_SCRAPE_CONNECTIONS`` are served at once (more are closed at accept) and each must send its
+    request within ``SCRAPE_READ_TIMEOUT_S``; a real scrape works again once they time out."""
+    import socket
+    import time
+
+    import psutil
+
+    from gpusnap.daemon.metrics import MAX_SCRAPE_CONNECTIONS, SCRAPE_READ_TIMEOUT_S
+
+    d, url = metered
+    host, port = url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+    proc = psutil.Process(d.proc.pid)
+    threads, fds = proc.num_threads(), proc.num_fds()
+    held = []
+    for _ in range(300):
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+        held.append(s)
+    time.sleep(1)
+    assert proc.num_threads() <= threads + MAX_SCRAPE_CONNECTIONS + 2, proc.num_threads() - threads
+    assert proc.num_fds() <= fds + MAX_SCRAPE_CONNECTIONS + 10, proc.num_fds() - fds
+    time.sleep(SCRAPE_READ_TIMEOUT_S + 1)
+    assert value(scrape(url), "gpusnap_snapshots") == 0
+    for s in held:
+        s.close()
