@@ -65,7 +65,7 @@ class Daemon:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, AlreadyExistsError,
             AbortedError (tree busy).
         """
-        earlier = self._earlier(caller, request_id)
+        earlier = self._earlier(caller, OperationKind.CHECKPOINT, request_id)
         if earlier is not None:
             return earlier
         if opts.name:
@@ -87,7 +87,7 @@ class Daemon:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, DataLossError (manifest).
         """
         _require_identified(caller)
-        earlier = self._earlier(caller, request_id)
+        earlier = self._earlier(caller, OperationKind.RESTORE, request_id)
         if earlier is not None:
             return earlier
         check_replicas(opts)
@@ -180,7 +180,7 @@ class Daemon:
         Raises:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, AbortedError (tree busy).
         """
-        earlier = self._earlier(caller, request_id)
+        earlier = self._earlier(caller, OperationKind.SUSPEND, request_id)
         if earlier is not None:
             return earlier
         return self._start_on_tree(
@@ -194,7 +194,7 @@ class Daemon:
         Raises:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, AbortedError (tree busy).
         """
-        earlier = self._earlier(caller, request_id)
+        earlier = self._earlier(caller, OperationKind.RESUME, request_id)
         if earlier is not None:
             return earlier
         return self._start_on_tree(
@@ -211,12 +211,12 @@ class Daemon:
         record = OperationRecord(kind, target_pid=pid, owner_uid=caller.uid, request_id=request_id)
         return self.registry.start(record, tree, body)
 
-    def _earlier(self, caller: Caller, request_id: str) -> OperationRecord | None:
-        """The operation this caller started with idempotency key ``request_id`` (validated), if any."""
+    def _earlier(self, caller: Caller, kind: OperationKind, request_id: str) -> OperationRecord | None:
+        """The ``kind`` of operation this caller started with idempotency key ``request_id`` (validated), if any."""
         if not request_id:
             return None
         validate.request_id(request_id)
-        return self.registry.find_request(caller.uid, request_id)
+        return self.registry.find_request(caller.uid, kind.value, request_id)
 
     def cancel(self, op_id: str, caller: Caller) -> OperationRecord:
         """Ask a running operation to stop and roll back; it does at its next phase boundary or wait.

@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 
 import structlog
 
 from gpusnap.daemon.api import validate
 from gpusnap.daemon.api.errors import AbortedError, NotFoundError, ResourceExhaustedError
 from gpusnap.daemon.operations.base import OperationRecord, PhaseRunner, os_error
-from gpusnap.daemon.store.journal import Journal
+from gpusnap.daemon.store.journal import Journal, kept
 
-KEEP_FINISHED = 256
 JOURNAL_TRIM_EVERY = 64
 """Finished operations between two trims of the journal to its newest entries."""
 log = structlog.get_logger(__name__)
 
 
 class OperationRegistry:
-    """All operations of this daemon's lifetime (the last ``KEEP_FINISHED`` finished ones are kept).
+    """All operations of this daemon's lifetime (finished ones as ``store.journal.kept`` keeps them: the newest
+    256, and each caller's keyed ones for 24 h).
 
     Args:
         max_workers: operations that may do work at once (waiting ones excluded).
@@ -51,7 +52,8 @@ class OperationRegistry:
         self._lock = threading.Lock()
         self._ops: dict[str, OperationRecord] = {}
         self._claimed: dict[int, str] = {}
-        self._by_request: dict[tuple[int, str], str] = {}
+        self._by_request: dict[tuple[int, str, str], str] = {}
+        """(owner uid, kind, request_id) -> operation id: a key is its caller's, for one kind of operation."""
         self._finished_count = 0
 
     def start(
@@ -68,8 +70,8 @@ class OperationRegistry:
         pids = list(pids)
         record.journal = self.journal
         with self._lock:
-            if record.request_id and (record.owner_uid, record.request_id) in self._by_request:
-                earlier = self._ops.get(self._by_request[(record.owner_uid, record.request_id)])
+            if record.request_id and _key(record) in self._by_request:
+                earlier = self._ops.get(self._by_request[_key(record)])
                 if earlier is not None:  # a retry: the original operation
                     return earlier
             self._check_room(record.owner_uid)
@@ -92,11 +94,11 @@ class OperationRegistry:
         self._run(record, pids, body)
         return record
 
-    def find_request(self, owner_uid: int, request_id: str) -> OperationRecord | None:
-        """The operation ``owner_uid`` started with idempotency key ``request_id``, if this daemon (or its
-        journal) knows it."""
+    def find_request(self, owner_uid: int, kind: str, request_id: str) -> OperationRecord | None:
+        """The operation of ``kind`` (``OperationKind`` value) ``owner_uid`` started with idempotency key
+        ``request_id``, if this daemon (or its journal) knows it."""
         with self._lock:
-            op_id = self._by_request.get((owner_uid, request_id))
+            op_id = self._by_request.get((owner_uid, kind, request_id))
             return self._ops.get(op_id) if op_id else None
 
     def adopt(self, record: OperationRecord) -> None:
@@ -116,7 +118,7 @@ class OperationRegistry:
     def _add(self, record: OperationRecord) -> None:
         self._ops[record.id] = record
         if record.request_id:
-            self._by_request[(record.owner_uid, record.request_id)] = record.id
+            self._by_request[_key(record)] = record.id
         self._trim()
 
     def _run(self, record: OperationRecord, pids: list[int], body: Callable[[PhaseRunner], object]) -> None:
@@ -188,7 +190,14 @@ class OperationRegistry:
 
     def _trim(self) -> None:
         finished = [r for r in self._ops.values() if r.done]
-        for record in sorted(finished, key=lambda r: r.started)[: max(0, len(finished) - KEEP_FINISHED)]:
+        keep = kept([(r.id, r.owner_uid, r.request_id, r.started) for r in finished], datetime.now(UTC))
+        for record in finished:
+            if record.id in keep:
+                continue
             del self._ops[record.id]
-            if self._by_request.get((record.owner_uid, record.request_id)) == record.id:
-                del self._by_request[(record.owner_uid, record.request_id)]
+            if self._by_request.get(_key(record)) == record.id:
+                del self._by_request[_key(record)]
+
+
+def _key(record: OperationRecord) -> tuple[int, str, str]:
+    return record.owner_uid, record.kind.value, record.request_id

@@ -12,8 +12,9 @@ The journal used to write a temporary file, rename it and ``fsync`` the director
 phase (two ``fsync`` calls, 5–25 ms together on a loaded CI disk; docs/performance.md). At start the
 daemon reads every entry:
 unfinished ones are recovered (``gpusnap.daemon.operations.recovery``), finished ones answer retries of
-their idempotency key and ``GetOperation`` across a restart. The newest ``KEEP_FINISHED`` finished entries
-are kept.
+their idempotency key and ``GetOperation`` across a restart. Finished entries are kept as :func:`kept`
+says (the same rule as the daemon's own list): the newest ``KEEP_FINISHED``, and every caller's own keyed
+ones for ``REQUEST_ID_KEEP_S``.
 
 Entry fields: ``id``, ``kind``, ``owner_uid``, ``request_id``, ``started`` (ISO 8601), ``state``
 (``running``/``succeeded``/``failed``), ``phase``, ``facts`` (what recovery needs, by operation kind),
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,12 @@ from gpusnap.daemon.store.durable import fsync_dir
 log = structlog.get_logger(__name__)
 
 KEEP_FINISHED = 256
+"""Newest finished operations kept whoever started them."""
+REQUEST_ID_KEEP_S = 24 * 3600.0
+"""How long a finished operation started with an idempotency key (``request_id``) is kept for its caller's
+retries, whatever others start meanwhile (issue 19: 300 failing restores of one user evicted root's key)."""
+REQUEST_IDS_PER_CALLER = 1024
+"""Keyed finished operations kept per caller within ``REQUEST_ID_KEEP_S`` (its own oldest go first)."""
 JOURNAL = "journal"
 PHASE_SUFFIX = ".phase"
 _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -122,11 +130,42 @@ class Journal:
         return sorted(out, key=lambda e: (e.get("started", ""), e["id"]))
 
     def trim(self) -> None:
-        """Remove all but the newest ``KEEP_FINISHED`` finished entries."""
+        """Remove the finished entries :func:`kept` does not keep."""
         finished = [e for e in self.entries() if e.get("state") != "running"]
-        for entry in finished[: max(0, len(finished) - KEEP_FINISHED)]:
+        keep = kept(
+            [
+                (e["id"], int(e.get("owner_uid", 0)), str(e.get("request_id") or ""), _started(e.get("started")))
+                for e in finished
+            ],
+            datetime.now(UTC),
+        )
+        for entry in finished:
+            if entry["id"] in keep:
+                continue
             (self.dir / f"{entry['id']}.json").unlink(missing_ok=True)
             (self.dir / f"{entry['id']}{PHASE_SUFFIX}").unlink(missing_ok=True)
+
+
+def kept(finished: list[tuple[str, int, str, datetime]], now: datetime) -> set[str]:
+    """Ids of the finished operations to keep, of ``(id, owner uid, request_id, started)``: the newest
+    ``KEEP_FINISHED``, and of each caller's keyed ones started within ``REQUEST_ID_KEEP_S`` its newest
+    ``REQUEST_IDS_PER_CALLER``, so that no caller's operations evict another's keys."""
+    newest = sorted(finished, key=lambda f: f[3], reverse=True)
+    keep = {f[0] for f in newest[:KEEP_FINISHED]}
+    per_caller: dict[int, int] = {}
+    for op_id, uid, request_id, started in newest:
+        if request_id and (now - started).total_seconds() < REQUEST_ID_KEEP_S:
+            per_caller[uid] = per_caller.get(uid, 0) + 1
+            if per_caller[uid] <= REQUEST_IDS_PER_CALLER:
+                keep.add(op_id)
+    return keep
+
+
+def _started(text: object) -> datetime:
+    try:
+        return datetime.fromisoformat(str(text))
+    except ValueError:
+        return datetime.fromtimestamp(0, UTC)
 
 
 def _read_phase(path: Path) -> str:
