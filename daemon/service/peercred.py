@@ -23,6 +23,7 @@ import structlog
 
 from gpusnap.daemon.api.errors import FailedPreconditionError, UnauthenticatedError
 from gpusnap.daemon.api.types import ROOT_CALLER, Caller
+from gpusnap.daemon.logthrottle import Throttle
 from gpusnap.daemon.rundirs import socket_answers, unlink_if_ours
 
 log = structlog.get_logger(__name__)
@@ -48,7 +49,7 @@ class PeerCredProxy:
         self.group = group
         self.max_connections_per_caller = max_connections_per_caller
         self._open: dict[int, int] = {}  # uid -> connections held open (touched on the loop's thread only)
-        self._refused_logged: dict[int, float] = {}
+        self._refusals = Throttle(burst=1)
         self._callers: dict[str, Caller] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -147,14 +148,15 @@ class PeerCredProxy:
                 del self._open[uid]
 
     def _log_refused(self, uid: int) -> None:
-        """One warning per uid and minute: a flood is not also a flood of log lines."""
-        now = self._loop.time()
-        if now - self._refused_logged.get(uid, -60.0) >= 60.0:
-            self._refused_logged[uid] = now
+        """One warning per uid and minute (then a count of those left out): a flood is not also a flood of
+        log lines."""
+        dropped = self._refusals.allow(uid)
+        if dropped is not None:
             log.warning(
                 "peercred.refused",
                 uid=uid,
                 open=self._open.get(uid, 0),
+                left_out=dropped,
                 reason="max_connections_per_caller reached; further connections of this uid are closed",
             )
 

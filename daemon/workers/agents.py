@@ -27,6 +27,7 @@ from gpusnap.adapters.contract._proto import agent_pb2
 from gpusnap.daemon import rundirs
 from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
 from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.logthrottle import Throttle
 from gpusnap.daemon.workers import safefs
 
 log = structlog.get_logger(__name__)
@@ -186,6 +187,7 @@ class AgentRegistry:
         self._sessions: dict[int, AgentSession] = {}
         self._cond = threading.Condition()
         self._listener: socket.socket | None = None
+        self._refusals = Throttle()
         self._bound: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -314,7 +316,7 @@ class AgentRegistry:
                         self._read_hello(key.fileobj, key.data, sel, pending)  # type: ignore[arg-type]
                 now = time.monotonic()
                 for conn, p in [(c, p) for c, p in pending.items() if p.deadline < now]:
-                    log.warning("agent.refused", pid=p.pid, reason=f"no hello within {HELLO_TIMEOUT_S:g} s")
+                    self._refused(p.uid, p.pid, f"no hello within {HELLO_TIMEOUT_S:g} s")
                     self._drop(conn, sel, pending)
         finally:
             for conn in list(pending):
@@ -339,7 +341,7 @@ class AgentRegistry:
                 attached = sum(1 for s in self._sessions.values() if s.info.uid == uid and not s.closed)
             waiting = sum(1 for p in pending.values() if p.uid == uid)
             if attached + waiting >= MAX_AGENTS_PER_UID or len(pending) >= MAX_PENDING:
-                log.warning("agent.refused", pid=pid, uid=uid, reason="too many agent connections")
+                self._refused(uid, pid, "too many agent connections")
                 conn.close()
                 continue
             start = proc.start_time(pid)
@@ -350,6 +352,12 @@ class AgentRegistry:
             p = _Pending(pid=pid, uid=uid, deadline=time.monotonic() + HELLO_TIMEOUT_S, start=start)
             pending[conn] = p
             sel.register(conn, selectors.EVENT_READ, p)
+
+    def _refused(self, uid: int, pid: int, reason: str) -> None:
+        """Log a refused connection: a few per uid and minute, then a count of those left out."""
+        dropped = self._refusals.allow(uid)
+        if dropped is not None:
+            log.warning("agent.refused", pid=pid, uid=uid, reason=reason, left_out=dropped)
 
     @staticmethod
     def _drop(conn: socket.socket, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]) -> None:
@@ -376,7 +384,7 @@ class AgentRegistry:
         if len(p.buf) >= 4 and p.size is None:
             (p.size,) = struct.unpack(">I", p.buf[:4])
             if p.size > HELLO_MAX_FRAME:
-                log.warning("agent.refused", pid=p.pid, reason=f"hello of {p.size} bytes exceeds {HELLO_MAX_FRAME}")
+                self._refused(p.uid, p.pid, f"hello of {p.size} bytes exceeds {HELLO_MAX_FRAME}")
                 self._drop(conn, sel, pending)
                 return
         if p.size is None or len(p.buf) < 4 + p.size:
@@ -393,12 +401,12 @@ class AgentRegistry:
 
     def _hello(self, conn: socket.socket, pid: int, uid: int, msg: agent_pb2.AgentMessage, start: float) -> None:
         if msg.WhichOneof("message") != "hello" or msg.hello.protocol_version != wire.PROTOCOL_VERSION:
-            log.warning("agent.refused", pid=pid, reason="not a protocol-1 hello")
+            self._refused(uid, pid, "not a protocol-1 hello")
             conn.close()
             return
         h = msg.hello
         if not INSTANCE_ID_RE.fullmatch(h.instance_id) or not os.path.isabs(h.wake_dir):
-            log.warning("agent.refused", pid=pid, reason="malformed instance id or wake directory")
+            self._refused(uid, pid, "malformed instance id or wake directory")
             conn.close()
             return
         info = AgentInfo(

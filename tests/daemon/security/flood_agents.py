@@ -3,7 +3,8 @@
     python flood_agents.py SOCKET MODE N
 
 MODE ``idle``: N connections that say nothing; ``huge``: N connections that announce a 16 MiB frame and
-trickle it. Prints one JSON line: how many were closed by the daemon within 3 s, and within 15 s.
+trickle it; ``junk``: N connections, one after the other, each sending a hello that is not one (each is
+refused at once). Prints one JSON line: how many were closed by the daemon within 3 s, and within 15 s.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ for _ in range(n):
         continue
     if mode == "huge":
         s.sendall(struct.pack(">I", 16 << 20) + b"x" * 1000)
+    if mode == "junk":
+        s.sendall(struct.pack(">I", 4) + b"junk")
+        s.recv(1)  # closed by the daemon: the next one
+        s.close()
+        continue
     conns.append(s)
 
 

@@ -3,6 +3,7 @@ neither grow the daemon's threads and memory nor keep others' agents out."""
 
 from __future__ import annotations
 
+import collections
 import json
 import socket
 import subprocess
@@ -123,3 +124,16 @@ def test_a_session_outlived_by_its_pid_is_not_the_agent_of_whoever_gets_the_pid(
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_refusals_are_logged_a_few_times_per_user_and_minute(daemon: DaemonProc, hostile: tuple[User, User]) -> None:
+    """Issue 19 item 4: a user outside the group wrote 27,440 ``agent.refused`` warnings (4.3 MB) in 5 s.
+    Now a few per uid and minute are logged, then one that counts what was left out."""
+    a, b = hostile
+    before = daemon.log.read_text().count("agent.refused")
+    _flood(daemon, a, "junk", 500)
+    _flood(daemon, b, "junk", 20)
+    lines = [ln for ln in daemon.log.read_text().splitlines() if "agent.refused" in ln][before:]
+    by_uid = collections.Counter(json.loads(ln)["uid"] for ln in lines)
+    assert by_uid[a.uid] <= 5 and by_uid[b.uid] <= 5, by_uid
+    assert by_uid[b.uid] >= 1, "another user's refusals are still logged"
