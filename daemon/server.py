@@ -165,10 +165,17 @@ def build_daemon(config: DaemonConfig) -> Running:
 
     private_dir = config.socket.parent / ".gpusnapd-private"
     rundirs.make_own_dir(private_dir, 0o700)
-    private = private_dir / "grpc.sock"
+    # Named after the public socket: two daemons whose API sockets share a directory share this one too.
+    private = private_dir / f"{config.socket.name}.grpc"
     proxy = PeerCredProxy(config.socket, private, config.socket_group, config.max_connections_per_caller)
     proxy.check_free()
-    if private.exists():
+    if (private.exists() or private.is_symlink()) and rundirs.socket_answers(private):
+        raise FailedPreconditionError(
+            f"another gpusnapd already serves {private} (the private socket of {config.socket}); stop it first "
+            "or pass another --socket",
+            reason="SOCKET_IN_USE",
+        )
+    if private.exists() or private.is_symlink():
         private.unlink()
 
     server = AioServer(threads=RPC_THREADS)

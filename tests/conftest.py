@@ -87,6 +87,7 @@ def start_daemon(
     base_env: dict[str, str] | None = None,
     socket_dir: Path | None = None,
     launcher: Path | None = None,
+    socket_name: str = "gpusnapd.sock",
 ) -> DaemonProc:
     """Start gpusnapd with a socket in a world-traversable temp dir and a store under ``tmp``.
 
@@ -99,7 +100,7 @@ def start_daemon(
     sock_dir = socket_dir or Path(tempfile.mkdtemp(prefix="gpusnap-sock-"))
     if socket_dir is None:
         os.chmod(sock_dir, 0o755)
-    socket_path = sock_dir / "gpusnapd.sock"
+    socket_path = sock_dir / socket_name
     store = tmp / "store"
     tmp.mkdir(parents=True, exist_ok=True)
     log = tmp / "gpusnapd.log"

@@ -3,6 +3,7 @@ runtime directories, another daemon's sockets (issue 10, breaks 3 and 5, and the
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -161,5 +162,32 @@ def test_a_second_daemon_neither_takes_over_nor_deletes_the_agent_socket(tmp_pat
             ["python3", "-c", f"import socket; s=socket.socket(socket.AF_UNIX); s.connect({str(first.agent_socket)!r})"]
         )
         assert res.returncode == 0
+    finally:
+        stop_daemon(first)
+
+
+def test_two_daemons_with_api_sockets_in_one_directory_each_answer_their_own(tmp_path: Path) -> None:
+    """Issue 19 item 5: the private gRPC socket was always ``<dir>/.gpusnapd-private/grpc.sock``, so a second
+    daemon unlinked the first's and bound its own: calls to the first reached the second, which refused
+    them ("the connection closed before its call could be attributed to a caller"). Now each daemon's
+    private socket is named after its public one."""
+    first = start_daemon(tmp_path / "first", socket_name="a.sock")
+    try:
+        assert first.alive(), first.log.read_text()
+        second = start_daemon(
+            tmp_path / "second",
+            socket_dir=first.socket.parent,
+            socket_name="b.sock",
+            extra_env={"GPUSNAP_AGENT_SOCKET": str(first.socket.parent / "agent-b.sock")},
+        )
+        try:
+            assert second.alive(), second.log.read_text()
+            for d in (first, second):
+                res = d.cli("-o", "json", "node", check=True)
+                assert json.loads(res.stdout)["store_path"] == str(d.store), res.stdout
+        finally:
+            second.proc.terminate()  # not stop_daemon: it removes the socket directory they share
+            second.proc.wait(timeout=30)
+        assert first.cli("ls").returncode == 0, "the first daemon still answers once the second is gone"
     finally:
         stop_daemon(first)
