@@ -16,7 +16,7 @@ import structlog
 
 from gpusnap.daemon.api import validate
 from gpusnap.daemon.api.errors import AbortedError, NotFoundError, ResourceExhaustedError
-from gpusnap.daemon.operations.base import OperationRecord, PhaseRunner, os_error
+from gpusnap.daemon.operations.base import EventType, OperationRecord, PhaseRunner, os_error
 from gpusnap.daemon.store.journal import Journal, kept
 
 JOURNAL_TRIM_EVERY = 64
@@ -102,7 +102,10 @@ class OperationRegistry:
             return self._ops.get(op_id) if op_id else None
 
     def adopt(self, record: OperationRecord) -> None:
-        """Know ``record`` (an operation recovered from the journal) without running anything."""
+        """Know ``record`` (an operation recovered from the journal) without running anything. One that
+        finished before this daemon started gets its final event, which waits and watches end on."""
+        if record.done and not any(e.type is EventType.OPERATION_FINISHED for e in record.events):
+            record.emit(EventType.OPERATION_FINISHED, phase=record.phase, message=str(record.error or ""))
         with self._lock:
             self._add(record)
 

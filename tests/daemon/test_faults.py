@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import psutil
 import pytest
 
+from gpusnap.daemon._proto import operations_pb2
 from gpusnap.daemon.api.errors import AbortedError
-from tests.conftest import DaemonProc, Workloads, criu_killed, wait_for
+from tests.conftest import DaemonProc, Workloads, criu_killed, start_daemon, stop_daemon, wait_for
 
 
 def test_criu_killed_in_the_middle_of_a_dump(daemon: DaemonProc, workloads: Workloads) -> None:
@@ -128,3 +130,24 @@ def test_failed_dump_keeps_its_log(daemon: DaemonProc, workloads: Workloads) -> 
     assert res.returncode == 5
     kept = res.stderr.rsplit("full log: ", 1)[-1].rstrip(")\n")
     assert "/logs/" in kept and os.path.exists(kept), res.stderr
+
+
+def test_wait_and_watch_end_for_an_operation_finished_before_a_restart(tmp_path: Path, workloads: Workloads) -> None:
+    """Issue 19 item 4: ``gpusnap wait`` never returned for an operation that finished before the daemon
+    restarted, although GetOperation showed SUCCEEDED."""
+    d = start_daemon(tmp_path)
+    try:
+        w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
+        op_id = d.client().checkpoint(w.pid).id
+        d.client().wait(op_id, timeout_s=60)
+    finally:
+        stop_daemon(d)
+    d = start_daemon(tmp_path)
+    try:
+        res = d.cli("-o", "json", "wait", op_id, timeout=30)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["state"] == "succeeded", res.stdout
+        events = list(d.client().watch(op_id))
+        assert events and events[-1].type == operations_pb2.OperationEvent.TYPE_OPERATION_FINISHED
+    finally:
+        stop_daemon(d)
