@@ -112,12 +112,13 @@ class Daemon:
                     remote_ops.run_pull(run, self.deps, snapshot.id, caller),
                     run_restore(run, self.deps, here, caller),
                 )[1],
+                opts.replicas,
             )
         check_may_restore(snapshot, caller, lambda: self.deps.store.not_found(opts.snapshot))
         record = OperationRecord(
             OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
         )
-        return self.registry.start(record, (), lambda run: run_restore(run, self.deps, opts, caller))
+        return self.registry.start(record, (), lambda run: run_restore(run, self.deps, opts, caller), opts.replicas)
 
     def push(self, ref: str, caller: Caller) -> OperationRecord:
         """Validate and start pushing a local snapshot to the remote store.

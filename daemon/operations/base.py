@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -184,6 +184,15 @@ def result_json(result: Any) -> dict[str, Any] | None:
     return None
 
 
+class Slot(Protocol):
+    """A work slot an operation takes and gives back (``threading.BoundedSemaphore``, or a uid's share of
+    the daemon's: ``registry.WorkSlots``)."""
+
+    def acquire(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
 class PhaseRunner:
     """Runs an operation's phases, times them and keeps the undo stack.
 
@@ -193,7 +202,7 @@ class PhaseRunner:
             :meth:`waiting` (none: no bound).
     """
 
-    def __init__(self, record: OperationRecord, slots: threading.BoundedSemaphore | None = None):
+    def __init__(self, record: OperationRecord, slots: Slot | None = None):
         self.record = record
         self._slots = slots
         self.log = structlog.get_logger("gpusnap.operation").bind(operation_id=record.id, kind=record.kind.value)
