@@ -14,13 +14,12 @@ whose import of every image type costs about 0.4 s while the tree is frozen.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import struct
-import sys
 from collections.abc import Iterator
 from typing import Any
+
+from gpusnap.daemon.drivers import criu_images
 
 PAGE_SIZE = 4096
 PE_PARENT = 1 << 0
@@ -34,22 +33,12 @@ _PAGEMAP = re.compile(r"^pagemap-(\d+)\.img$")
 
 
 def _messages() -> tuple[Any, Any]:
-    """pycriu's ``pagemap_pb2`` and ``mm_pb2``, imported as pycriu's own ``images/__init__`` makes them importable
-    (its directory on ``sys.path``: the generated modules import their siblings by top-level name), without
-    running that ``__init__``.
+    """pycriu's ``pagemap_pb2`` and ``mm_pb2`` (``criu_images.modules``).
 
     Raises:
         ImportError: pycriu is not on the path.
     """
-    spec = importlib.util.find_spec("pycriu")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("pycriu is not importable; install it with `make criu`")
-    images = os.path.join(list(spec.submodule_search_locations)[0], "images")
-    if images not in sys.path:
-        sys.path.append(images)
-    import mm_pb2  # type: ignore[import-not-found]
-    import pagemap_pb2  # type: ignore[import-not-found]
-
+    pagemap_pb2, mm_pb2 = criu_images.modules("pagemap_pb2", "mm_pb2")
     return pagemap_pb2, mm_pb2
 
 
@@ -58,12 +47,7 @@ def _entries(dir_fd: int, name: str) -> Iterator[bytes]:
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
     with os.fdopen(fd, "rb") as fh:
         data = fh.read()
-    pos = 8  # the two magics
-    while pos + 4 <= len(data):
-        (size,) = struct.unpack_from("<I", data, pos)
-        pos += 4
-        yield data[pos : pos + size]
-        pos += size
+    return criu_images.entries(data)
 
 
 def _pages(dir_fd: int, name: str, entry_class: Any) -> int:

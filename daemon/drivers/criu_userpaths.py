@@ -51,15 +51,13 @@ import shutil
 import socket
 import stat
 import struct
-import sys
-from collections.abc import Iterator
 from typing import Any
+
+from gpusnap.daemon.drivers import criu_images
 
 USK_EXTERN = 1
 """criu/sk-unix.c: an entry CRIU does not create, bind or unlink by name."""
 TCP_ESTABLISHED, TCP_LISTEN = 1, 10
-IMG_COMMON_MAGICS = (0x54564319, 0x55105940)
-"""IMG_COMMON and IMG_SERVICE: a v1.1 image starts with one of them, then its own magic."""
 SETTABLE_FLAGS = os.O_APPEND | os.O_NONBLOCK | getattr(os, "O_ASYNC", 0o20000)
 """File status flags ``F_SETFL`` may change (fcntl(2)); CRIU's ``rst_file_params`` sets the recorded ones."""
 SO_SNDBUFFORCE, SO_RCVBUFFORCE, SO_PASSSEC = 32, 33, 34
@@ -108,32 +106,11 @@ def warm() -> None:
 
 
 def _pb() -> tuple[Any, Any, Any]:
-    """pycriu's ``fdinfo_pb2``, ``sk_packet_pb2`` and ``remap_file_path_pb2`` (they import their siblings
-    as top-level modules)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("pycriu")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("pycriu is not importable; install it with `make criu`")
-    images = os.path.join(list(spec.submodule_search_locations)[0], "images")
-    if images not in sys.path:
-        sys.path.append(images)
-    import fdinfo_pb2  # type: ignore[import-not-found]
-    import remap_file_path_pb2  # type: ignore[import-not-found]
-    import sk_packet_pb2  # type: ignore[import-not-found]
-
+    """pycriu's ``fdinfo_pb2``, ``sk_packet_pb2`` and ``remap_file_path_pb2`` (``criu_images.modules``)."""
+    fdinfo_pb2, sk_packet_pb2, remap_file_path_pb2 = criu_images.modules(
+        "fdinfo_pb2", "sk_packet_pb2", "remap_file_path_pb2"
+    )
     return fdinfo_pb2, sk_packet_pb2, remap_file_path_pb2
-
-
-def _entries(data: bytes, extra_of: Any = None) -> Iterator[tuple[int, int]]:
-    """(offset, size) of each entry's payload in a v1.1 CRIU image; ``extra_of(payload)`` gives the
-    bytes of extra data after an entry (sk-queues' packets)."""
-    off = 8 if len(data) >= 4 and struct.unpack_from("<I", data)[0] in IMG_COMMON_MAGICS else 4
-    while off + 4 <= len(data):
-        (size,) = struct.unpack_from("<I", data, off)
-        off += 4
-        yield off, size
-        off += size + (extra_of(data[off : off + size]) if extra_of else 0)
 
 
 def _name(raw: bytes) -> bytes:
@@ -146,16 +123,7 @@ def _show(name: bytes, directory: str = "") -> str:
 
 
 def _records(data: bytes, cls: Any) -> list[Any]:
-    out = []
-    for off, size in _entries(data):
-        entry = cls()
-        entry.ParseFromString(data[off : off + size])
-        out.append(entry)
-    return out
-
-
-def _header(data: bytes) -> bytes:
-    return data[: 8 if len(data) >= 4 and struct.unpack_from("<I", data)[0] in IMG_COMMON_MAGICS else 4]
+    return [cls.FromString(raw) for raw in criu_images.entries(data)]
 
 
 def _unrestorable(message: str) -> Refused:
@@ -227,7 +195,7 @@ def plan(files_img: bytes, remaps: list[Any], queued_for: set[int], scratch_dir:
     named = [u for u in usk.values() if _name(u.name) and not u.uflags & USK_EXTERN and u.ino not in ops]
     if not (ops or named or ghosts):
         return None
-    out = bytearray(_header(files_img))
+    out = bytearray(criu_images.header(files_img))
     for fe in files:
         if fe.HasField("usk") and fe.usk.ino in ops:
             fe.usk.uflags |= USK_EXTERN
@@ -263,7 +231,7 @@ def _queued(data: bytes) -> set[int]:
         found.add(pkt.id_for)
         return int(pkt.length)
 
-    for _ in _entries(data, extra):
+    for _ in criu_images.entries(data, extra):
         pass
     return found
 

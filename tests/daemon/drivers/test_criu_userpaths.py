@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.drivers import criu_userpaths
+from gpusnap.daemon.drivers import criu_images, criu_userpaths
 from gpusnap.daemon.drivers.criu_userpaths import USK_EXTERN, Refused, plan
 from tests.conftest import criu_prefix
 
@@ -21,7 +21,7 @@ ESTABLISHED, CLOSE, LISTEN = 1, 7, 10
 
 
 def _image(*entries: Any) -> bytes:
-    out = struct.pack("<II", criu_userpaths.IMG_COMMON_MAGICS[0], 0x5643A438)
+    out = struct.pack("<II", criu_images.IMG_COMMON_MAGICS[0], 0x5643A438)
     for e in entries:
         blob = e.SerializeToString()
         out += struct.pack("<I", len(blob)) + blob
