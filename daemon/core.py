@@ -275,6 +275,12 @@ class Daemon:
     def node_info(self, caller: Caller) -> NodeInfo:
         """The node's facts; the store's use (bytes, snapshots, blobs per tier) is the caller's own, or
         everyone's for root."""
+        if caller.anonymous:
+            raise PermissionDeniedError(
+                "callers without a verified client certificate may not read the node's facts; configure "
+                "tls_client_ca and connect with a listed client certificate, or use the Unix socket",
+                reason="ANONYMOUS",
+            )
         uid = None if caller.is_root else caller.uid
         snapshots = self.deps.store.list(owner_uid=uid)
         return NodeInfo(
