@@ -48,6 +48,31 @@ class Setup:
     snapshot: str
 
 
+def _dumped_by_root(tmp: Path, name: str, ready: Path, script: str, *args: str) -> Path:
+    """Run workload ``script`` as root until it writes ``ready``, dump it as ``name`` with a daemon on a
+    store under ``tmp`` (stopped again), and return the snapshot's directory, for tests/reown.py."""
+    holder = subprocess.Popen(
+        [SYSTEM_PYTHON, str(WORKLOADS / script), *args],
+        cwd="/",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: ready.exists(), 30, f"{script} did not start")
+        d = start_daemon(tmp / "d1")
+        try:
+            snap = json.loads(d.cli("-o", "json", "dump", str(holder.pid), "--name", name, check=True).stdout)
+        finally:
+            stop_daemon(d)
+        holder.wait(timeout=10)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    return d.store / "snapshots" / snap["id"]
+
+
 def _as(user: User, *cmd: str) -> None:
     subprocess.run([*user.argv(), *cmd], check=True)
 
@@ -60,31 +85,13 @@ def reowned(tmp_path_factory: pytest.TempPathFactory, hostile: tuple[User, User]
     os.chmod(base, 0o755)
     home = base / "home"
     (home / "s").mkdir(parents=True)
-    listener = subprocess.Popen(
-        [SYSTEM_PYTHON, str(WORKLOADS / "unix_listener.py"), str(home / "s" / "api.sock"), str(home)],
-        cwd=home,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        wait_for(lambda: (home / "ready").exists(), 30, "listener did not start")
-        d = start_daemon(tmp / "d1")
-        try:
-            snap = json.loads(d.cli("-o", "json", "dump", str(listener.pid), "--name", "sock", check=True).stdout)
-        finally:
-            stop_daemon(d)
-        listener.wait(timeout=10)
-    finally:
-        if listener.poll() is None:
-            listener.kill()
-    reown(d.store / "snapshots" / snap["id"], a)
+    snapshot = _dumped_by_root(tmp, "sock", home / "ready", "unix_listener.py", str(home / "s" / "api.sock"), str(home))
+    reown(snapshot, a)
     (home / "ready").unlink()
     for p in (home, home / "s", home / "s" / "api.sock"):
         os.chown(p, a.uid, a.gid)
     try:
-        yield Setup(base=base, home=home, user=a, tmp=tmp, snapshot=snap["id"])
+        yield Setup(base=base, home=home, user=a, tmp=tmp, snapshot=snapshot.name)
     finally:
         subprocess.run(["rm", "-rf", str(base)])
 
@@ -274,23 +281,9 @@ def test_ghosts_are_never_created_in_a_directory_the_user_swapped_in(
     os.chmod(base, 0o755)
     top = base / "g"
     (top / "d").mkdir(parents=True)
-    holder = subprocess.Popen(
-        [SYSTEM_PYTHON, str(WORKLOADS / "ghosts.py"), str(top)],
-        cwd="/",
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     try:
-        wait_for(lambda: (top / "ready").exists(), 30, "holder did not start")
-        d = start_daemon(tmp_path / "d1")
-        try:
-            snap = json.loads(d.cli("-o", "json", "dump", str(holder.pid), "--name", "ghosts", check=True).stdout)
-        finally:
-            stop_daemon(d)
-        holder.wait(timeout=10)
-        reown(d.store / "snapshots" / snap["id"], a)
+        snapshot = _dumped_by_root(tmp_path, "ghosts", top / "ready", "ghosts.py", str(top))
+        reown(snapshot, a)
         (top / "ready").unlink()
         for p in (top, top / "d"):
             os.chown(p, a.uid, a.gid)
@@ -322,6 +315,4 @@ def test_ghosts_are_never_created_in_a_directory_the_user_swapped_in(
         finally:
             stop_daemon(d)
     finally:
-        if holder.poll() is None:
-            holder.kill()
         subprocess.run(["rm", "-rf", str(base)])
