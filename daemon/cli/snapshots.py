@@ -19,6 +19,7 @@ from gpusnap.daemon.cli.output import (
     terminal_lines,
 )
 from gpusnap.daemon.cli.output import wide as output_wide
+from gpusnap.daemon.client.values import Snapshot
 
 
 @main.command("ls")
@@ -48,6 +49,33 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
             cells += [f"{s.source.pid} {s.source.comm}", str(gpus)]
         add_row(table, *cells)
     print_table(table)
+
+
+def process_rows(snap: Snapshot) -> list[tuple[str, str]]:
+    """One ``process`` row per process the snapshot says anything of: what stayed (the images' bytes of it,
+    its GPU memory at capture, which the CUDA checkpoint carries), what left (its buffers, in the buffer
+    store; what its quiesce released without saving), and where its weights went and why."""
+    primary = snap.worker.instance_id if snap.worker else ""
+    agents = {w.pid: w for w in ([snap.worker, *snap.agents] if snap.worker else []) if w.instance_id and w.pid}
+    images = {i.pid: i.image_bytes for i in snap.process_images}
+    gpus = {g.pid: g for g in snap.gpu_processes}
+    rows = []
+    for pid in sorted(set(agents) | set(images) | set(gpus)):
+        w, g = agents.get(pid), gpus.get(pid)
+        stayed = [f"{human_size(images[pid])} in the images"] if pid in images else []
+        if g and g.gpu_memory_bytes:
+            stayed.append(f"{human_size(g.gpu_memory_bytes)} of GPU memory on {', '.join(g.gpu_uuids)}")
+        left = []
+        if w:
+            held = sum(b.size_bytes for b in snap.buffers if (b.agent or primary) == w.instance_id)
+            left += [f"{human_size(held)} of buffers"] if held else []
+            left += [f"{human_size(w.released_bytes)} released"] if w.released_bytes else []
+        name = f"{w.role or 'worker'} {w.process or w.engine} " if w else ""
+        text = f"{name}PID {pid}: " + ("; ".join(stayed) or "nothing in the images")
+        text += f"; out: {', '.join(left)}" if left else ""
+        text += f"; weights {w.weights}" if w and w.weights else ""
+        rows.append(("process", text))
+    return rows
 
 
 @main.command()
@@ -87,20 +115,7 @@ def inspect(obj: Ctx, snapshot: str) -> None:
     ]
     if snap.host.nvidia_driver_version:
         rows.append(("driver", f"NVIDIA {snap.host.nvidia_driver_version}, CUDA {snap.host.cuda_driver_version}"))
-    for g in snap.gpu_processes:
-        rows.append(("gpu", f"PID {g.pid}: {', '.join(g.gpu_uuids)} ({human_size(g.gpu_memory_bytes)})"))
-    primary = snap.worker.instance_id if snap.worker else ""
-    for w in [snap.worker, *snap.agents] if snap.worker else []:
-        if w.instance_id:  # one row per agent: its role, process, and where its weights went
-            held = sum(b.size_bytes for b in snap.buffers if (b.agent or primary) == w.instance_id)
-            rows.append(
-                (
-                    "agent",
-                    f"{w.role or 'worker'} {w.process or w.engine} PID {w.pid}"
-                    + (f", {human_size(held)} of buffers" if held else "")
-                    + (f"; weights {w.weights}" if w.weights else ""),
-                )
-            )
+    rows += process_rows(snap)
     rows += [("terminal", line.removeprefix("terminal ")) for line in terminal_lines(snap)]
     table = new_table(show_header=False)
     for key, value in rows:

@@ -152,6 +152,8 @@ def test_stock_vllm_serve(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Pa
         assert int(worker_b["released_bytes"]) >= 64 << 20, "its KV cache was released, not saved"
         images_b = {int(i["pid"]): int(i["image_bytes"]) for i in snap_b["process_images"]}
         assert set(images_b) == set(snap_b["source"]["tree_pids"]) and 0 < images_b[worker_b["pid"]], images_b
+        shown = daemon.cli("inspect", "b-off", check=True).stdout
+        assert f"PID {worker_b['pid']}: " in shown and "released" in shown and "of buffers" in shown, shown
         assert b.proc.wait(timeout=60) == -9
         restored_b = json.loads(daemon.cli("-o", "json", "restore", "b-off", check=True, timeout=900).stdout)["pid"]
         assert b.complete(PROMPT) == before, "weights and KV cache back in their arenas: the same greedy tokens"

@@ -127,6 +127,7 @@ def test_dump_inspect_table_output(daemon: DaemonProc, workloads: Workloads) -> 
     assert snap_id.startswith("snap-") and "\n" not in snap_id, "table mode prints the id alone on stdout"
     inspect = daemon.cli("inspect", "tbl", check=True).stdout
     assert snap_id in inspect and "CRIU 4." in inspect and "dump" in inspect
+    assert f"PID {w.pid}: " in inspect and "in the images" in inspect, "what the images hold of the process"
     assert snap_id in daemon.cli("ls", check=True).stdout
     op_id = daemon.cli("restore", "tbl", "--detach", check=True).stdout.strip()
     assert op_id.startswith("op-")
