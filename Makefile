@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-vllm bench-gpu-buffers bench-gpu-arena bench-overhead bench-thp bench-remote bench-fanout perf-chart clean help
+.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-vllm bench-gpu-buffers bench-gpu-fill bench-restore-candidates bench-gpu-arena bench-overhead bench-thp bench-remote bench-fanout perf-chart clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -67,6 +67,12 @@ bench-gpu: $(PKG_LINKS) ## GPU checkpoint/restore phases, stock and offload, for
 
 bench-gpu-buffers: $(PKG_LINKS) ## the buffers data path alone (pinned slot kinds, threads) -> bench/results/*.json
 	$(GPU_ENV) $(PYTHON) bench/buffers_probe.py $(BENCH_ARGS)
+
+bench-gpu-fill: $(PKG_LINKS) ## the weight leg: gpusnapd's kept registration -> device fill, registration amortized [GIB=16] -> bench/results/*.json
+	$(GPU_ENV) $(PYTHON) bench/fill_bench.py --gib $(or $(GIB),16) $(BENCH_ARGS)
+
+bench-restore-candidates: $(PKG_LINKS) ## CPU: CRIU restore of a multi-GB image from disk, tmpfs and lazy pages, one run [RUNS=5] -> bench/results/*.json
+	$(GPU_ENV) $(PYTHON) bench/restore_candidates_bench.py --rounds $(or $(RUNS),5) $(BENCH_ARGS)
 
 bench-gpu-arena: $(PKG_LINKS) ## issue 12's pinned-arena lever: pinned memory shared by fd across processes [GIB=4] -> bench/results/*.json
 	$(GPU_ENV) $(PYTHON) bench/arena_probe.py --gib $(or $(GIB),4) $(BENCH_ARGS)

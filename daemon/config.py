@@ -8,10 +8,13 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpusnap.daemon.api.errors import InvalidArgumentError
 from gpusnap.daemon.defaults import DEFAULT_SOCKET, DEFAULT_STORE
+
+if TYPE_CHECKING:
+    from gpusnap.daemon.park.policy import ParkConfig
 
 __all__ = ["DEFAULT_SOCKET", "DEFAULT_STORE", "DaemonConfig", "parse_listen"]
 DEFAULT_METRICS_HOST = "127.0.0.1"
@@ -107,6 +110,19 @@ class DaemonConfig:
     address-stable arenas itself while CRIU restores the worker, and hands it over (``docs/performance.md``,
     "Device memory filled by gpusnapd"); ``auto`` uses it where the start-time probe passes. It costs a CUDA
     context in gpusnapd (about 520 MiB of device memory on each GPU it fills)."""
+    park_keep_warm: int = 0
+    """``[park] keep_warm``: standbys the park ladder keeps ready per snapshot unless a policy says otherwise
+    (``docs/standby.md``)."""
+    park_priority: int = 0
+    """``[park] priority``: the default priority; budgets take from the lowest first."""
+    park_standby_idle_s: float = 3600.0
+    """``[park] standby_idle_s``: a standby beyond keep_warm unused this long is dropped; 0: never."""
+    park_standby_ram_bytes: int = 0
+    """``[park] standby_ram_bytes``: host memory all standbys may hold together, bytes; 0: no budget."""
+    park_gpu_bytes: int = 0
+    """``[park] gpu_bytes``: GPU memory the trees gpusnapd restored may hold together, bytes; 0: no budget."""
+    park_interval_s: float = 30.0
+    """``[park] interval_s``: seconds between two passes of the park ladder (it also runs after operations)."""
     log_format: str = "auto"
     """``auto`` (JSON unless stderr is a terminal), ``json`` or ``console``."""
     log_level: str = "info"
@@ -129,7 +145,11 @@ class DaemonConfig:
                 doc = tomllib.loads(file.read_text())
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise InvalidArgumentError(f"cannot read config file {file}: {exc}", reason="BAD_CONFIG") from exc
-            values.update(doc.get("gpusnapd", doc))
+            top = doc.get("gpusnapd", doc)
+            park = top.get("park", doc.get("park"))
+            values.update({k: v for k, v in top.items() if k != "park"})
+            if isinstance(park, dict):  # the [park] section: park_<key>
+                values.update({f"park_{k}": v for k, v in park.items()})
         env = os.environ if env is None else env
         fields = {f.name: f for f in dataclasses.fields(cls)}
         for name in fields:
@@ -170,10 +190,31 @@ class DaemonConfig:
             raise InvalidArgumentError(
                 f"gpu_prefill must be off or auto, not {self.gpu_prefill!r}", reason="BAD_CONFIG"
             )
+        if min(self.park_keep_warm, self.park_standby_idle_s, self.park_standby_ram_bytes, self.park_gpu_bytes) < 0 or (
+            self.park_interval_s <= 0
+        ):
+            raise InvalidArgumentError(
+                "[park] keep_warm, standby_idle_s, standby_ram_bytes and gpu_bytes must not be negative, interval_s "
+                "must be positive",
+                reason="BAD_CONFIG",
+            )
         if self.log_format not in ("auto", "json", "console"):
             raise InvalidArgumentError(
                 f"log_format must be auto, json or console, not {self.log_format!r}", reason="BAD_CONFIG"
             )
+
+    def park(self) -> ParkConfig:
+        """The ``[park]`` section (``gpusnap.daemon.park.policy.ParkConfig``)."""
+        from gpusnap.daemon.park.policy import ParkConfig
+
+        return ParkConfig(
+            keep_warm=self.park_keep_warm,
+            priority=self.park_priority,
+            standby_idle_s=self.park_standby_idle_s,
+            standby_ram_bytes=self.park_standby_ram_bytes,
+            gpu_bytes=self.park_gpu_bytes,
+            interval_s=self.park_interval_s,
+        )
 
     def client_identities(self) -> dict[str, int]:
         """``tls_client_identities`` as common name -> uid.

@@ -7,12 +7,27 @@ bad request fails its RPC at once; the work itself runs as a background operatio
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 from gpusnap.daemon.api import paging, validate
-from gpusnap.daemon.api.errors import AbortedError, NotFoundError, PermissionDeniedError
-from gpusnap.daemon.api.types import Caller, CheckpointOptions, GpuPrefill, HostFacts, RestoreOptions, Snapshot
+from gpusnap.daemon.api.errors import (
+    AbortedError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from gpusnap.daemon.api.types import (
+    ROOT_CALLER,
+    Caller,
+    CheckpointOptions,
+    GpuPrefill,
+    HostFacts,
+    RestoreOptions,
+    RestoreResult,
+    Snapshot,
+)
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.operations import remote as remote_ops
@@ -21,7 +36,11 @@ from gpusnap.daemon.operations.checkpoint import host_facts, run_checkpoint
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.operations.restore import check_may_restore, check_replicas, run_restore
+from gpusnap.daemon.operations.standby import StandbyOptions, drop, registry, run_activate, run_standby
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
+from gpusnap.daemon.park.ladder import Budget, Event, Ladder, Workload
+from gpusnap.daemon.park.policy import Policy, Rule
+from gpusnap.daemon.park.standbys import Standby
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.store.tiers import TierUsage
 
@@ -43,6 +62,9 @@ class NodeInfo:
     """The buffer store's tiers, fastest first, then (with a remote store) ``remote``: what only it holds."""
     gpu_prefill: GpuPrefill = GpuPrefill(enabled=False, reason="off")
     """``gpu_prefill``'s state (``gpusnap.daemon.weights.prefill``)."""
+    standbys: int = 0
+    standby_host_memory_bytes: int = 0
+    """Resident memory of those standbys (the caller's; root: all), bytes."""
 
 
 class Daemon:
@@ -53,9 +75,13 @@ class Daemon:
         registry: where operations run.
     """
 
-    def __init__(self, deps: Deps, registry: OperationRegistry):
+    def __init__(self, deps: Deps, registry: OperationRegistry, ladder: Ladder | None = None):
         self.deps = deps
         self.registry = registry
+        self.ladder = ladder
+        if ladder is not None:  # the ladder's own moves go through the same calls as a caller's
+            ladder.make_standby = lambda snapshot_id: self.standby(StandbyOptions(snapshot_id), ROOT_CALLER)
+            ladder.drop_standby = lambda standby_id: drop(self.deps, standby_id)
 
     def checkpoint(self, opts: CheckpointOptions, caller: Caller, request_id: str = "") -> OperationRecord:
         """Validate and start a checkpoint (or, for a ``request_id`` the caller used before, return that
@@ -118,7 +144,148 @@ class Daemon:
         record = OperationRecord(
             OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
         )
-        return self.registry.start(record, (), lambda run: run_restore(run, self.deps, opts, caller), opts.replicas)
+        release = self.ladder.reserve_gpu(snapshot) if self.ladder is not None else _nothing
+        standby = self._standby_for(snapshot.id, opts)
+        if standby is not None:  # restored ahead: activate it instead (gpusnap.daemon.operations.standby)
+            return self._start_activation(record, standby, opts, caller, release)
+        return self._start_held(
+            record, (), lambda run: run_restore(run, self.deps, opts, caller), release, weight=opts.replicas
+        )
+
+    def _start_held(
+        self,
+        record: OperationRecord,
+        pids: Iterable[int],
+        body: Callable[[PhaseRunner], object],
+        release: Callable[[], None],
+        weight: int = 1,
+    ) -> OperationRecord:
+        """Start ``body`` (``weight``: its share of the caller's operations, as ``OperationRegistry.start``);
+        ``release`` (a park budget reservation) runs when it ends, or now if it never starts."""
+
+        def held(run: PhaseRunner) -> object:
+            try:
+                result = body(run)
+                if self.ladder is not None and isinstance(result, RestoreResult):
+                    self.ladder.track(result)  # on its rung before the operation is seen to end
+                return result
+            finally:
+                release()
+
+        try:
+            return self.registry.start(record, pids, held, weight)
+        except BaseException:
+            release()
+            raise
+
+    def _standby_for(self, snapshot_id: str, opts: RestoreOptions) -> Standby | None:
+        """A ready standby of ``snapshot_id`` that a restore with ``opts`` may take (claimed), if any."""
+        if self.deps.standbys is None or opts.no_standby or opts.replicas != 1 or opts.host_pid_namespace:
+            return None
+        return self.deps.standbys.claim_for(snapshot_id, opts.private_network)
+
+    def standby(self, opts: StandbyOptions, caller: Caller, request_id: str = "") -> OperationRecord:
+        """Validate and start a standby operation: ``opts.count`` copies of a snapshot restored ahead
+        (``gpusnap.daemon.operations.standby``); they belong to the snapshot's owner.
+
+        Raises:
+            InvalidArgumentError (``INVALID_REPLICAS``), NotFoundError, PermissionDeniedError.
+        """
+        _require_identified(caller)
+        earlier = self._earlier(caller, request_id)
+        if earlier is not None:
+            return earlier
+        registry(self.deps)
+        check_replicas(RestoreOptions(snapshot=opts.snapshot, replicas=opts.count))
+        snapshot = self.snapshot(opts.snapshot, caller)
+        record = OperationRecord(
+            OperationKind.STANDBY, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
+        )
+        here = dataclasses.replace(opts, snapshot=snapshot.id)
+        release = self.ladder.reserve_standby(snapshot, opts.count) if self.ladder is not None else _nothing
+        return self._start_held(record, (), lambda run: run_standby(run, self.deps, here, caller), release)
+
+    def activate(
+        self, standby_id: str, opts: RestoreOptions, caller: Caller, gpu: str = "", request_id: str = ""
+    ) -> OperationRecord:
+        """Validate and start the activation of standby ``standby_id`` (``opts.snapshot`` is ignored), onto
+        ``gpu`` (a UUID or index; a single-GPU snapshot) or ``opts.gpu_map``. A standby another activation
+        holds, or one activated or dropped lately, restores its snapshot instead (from another ready
+        standby of it when there is one; ``gpusnap.daemon.operations.standby``).
+
+        Raises:
+            InvalidArgumentError, NotFoundError (unknown standby, or another user's), PermissionDeniedError.
+        """
+        _require_identified(caller)
+        earlier = self._earlier(caller, request_id)
+        if earlier is not None:
+            return earlier
+        validate.standby_id(standby_id)
+        validate.restore_context(opts.env, opts.unset_env, opts.values)
+        standbys = registry(self.deps)
+        found = standbys.get(standby_id) or standbys.gone(standby_id)
+        if found is None or (not caller.is_root and found.owner_uid != caller.uid):
+            raise _no_standby(standby_id)
+        snapshot = self.snapshot(found.snapshot_id, caller)
+        opts = dataclasses.replace(
+            opts,
+            snapshot=snapshot.id,
+            gpu_map=_gpu_map(snapshot, gpu, opts.gpu_map),
+            private_network=found.private_network,  # (a restore instead takes a standby made alike)
+        )
+        claimed = standbys.claim(standby_id)
+        if claimed is None:  # another activation has it, or it is gone: restore its snapshot
+            return self.restore(opts, caller, request_id)
+        record = OperationRecord(
+            OperationKind.ACTIVATE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
+        )
+        try:
+            release = self.ladder.reserve_gpu(snapshot) if self.ladder is not None else _nothing
+        except BaseException:
+            standbys.unclaim(standby_id)
+            raise
+        return self._start_activation(record, claimed, opts, caller, release)
+
+    def _start_activation(
+        self,
+        record: OperationRecord,
+        standby: Standby,
+        opts: RestoreOptions,
+        caller: Caller,
+        release: Callable[[], None],
+    ) -> OperationRecord:
+        """Run the activation of the claimed ``standby``; a refused start gives the standby back."""
+        try:
+            return self._start_held(
+                record, standby.pids, lambda run: run_activate(run, self.deps, standby, opts, caller), release
+            )
+        except BaseException:
+            registry(self.deps).unclaim(standby.id)
+            raise
+
+    def standbys(self, caller: Caller, snapshot: str = "") -> list[Standby]:
+        """The caller's standbys (root: all), of ``snapshot`` when given, oldest first."""
+        snapshot_id = self.snapshot(snapshot, caller).id if snapshot else ""
+        return registry(self.deps).list(None if caller.is_root else caller.uid, snapshot_id)
+
+    def drop_standby(self, standby_id: str, caller: Caller) -> str:
+        """Kill a standby's tree and forget it.
+
+        Raises:
+            NotFoundError: no such standby of the caller's (``STANDBY_NOT_FOUND``).
+            AbortedError: an activation holds it (``STANDBY_BUSY``).
+        """
+        _require_identified(caller)
+        validate.standby_id(standby_id)
+        found = registry(self.deps).get(standby_id)
+        if found is None or (not caller.is_root and found.owner_uid != caller.uid):
+            raise _no_standby(standby_id)
+        if drop(self.deps, standby_id) is None:
+            raise AbortedError(
+                f"standby {standby_id} is being activated; it is gone once that activation ends",
+                reason="STANDBY_BUSY",
+            )
+        return standby_id
 
     def push(self, ref: str, caller: Caller) -> OperationRecord:
         """Validate and start pushing a local snapshot to the remote store.
@@ -265,12 +432,69 @@ class Daemon:
                 self.snapshot(ref, caller)
             snapshot_id = self.deps.store.path_of(ref, caller.uid).name
         busy = [r.id for r in self.registry.list() if not r.done and r.target_snapshot == snapshot_id]
+        standing = [s.id for s in self.deps.standbys.list(snapshot_id=snapshot_id)] if self.deps.standbys else []
+        if standing:
+            raise FailedPreconditionError(
+                f"snapshot {snapshot_id} has standbys ({', '.join(standing)}); drop them first (`gpusnap drop "
+                f"{standing[0]}`)",
+                reason="SNAPSHOT_HAS_STANDBYS",
+            )
         if busy:
             raise AbortedError(
                 f"snapshot {snapshot_id} is in use by operation {busy[0]}; wait for it (`gpusnap wait {busy[0]}`)",
                 reason="SNAPSHOT_BUSY",
             )
         return self.deps.store.delete(snapshot_id)
+
+    def _ladder(self) -> Ladder:
+        if self.ladder is None:
+            raise FailedPreconditionError("this gpusnapd keeps no park ladder", reason="STANDBY_UNAVAILABLE")
+        return self.ladder
+
+    def ladder_view(self, caller: Caller) -> tuple[list[Workload], list[Budget], list[Event]]:
+        """The caller's workloads (root: all) with their rungs, the node's budgets, and the latest moves of
+        the caller's workloads."""
+        ladder = self._ladder()
+        mine = [w for w in ladder.workloads() if caller.is_root or w.snapshot.owner_uid == caller.uid]
+        ids = {w.snapshot.id for w in mine}
+        events = [e for e in ladder.events if caller.is_root or e.snapshot_id in ids]
+        return mine, ladder.budgets(), events
+
+    def _rule(self, snapshot: str, labels: Mapping[str, str], policy: Policy, caller: Caller) -> Rule:
+        _require_identified(caller)
+        if snapshot and labels:
+            raise InvalidArgumentError("a policy selects one snapshot or labels, not both", reason="INVALID_POLICY")
+        validate.labels(labels)
+        snapshot_id = self.snapshot(snapshot, caller).id if snapshot else ""
+        return Rule(policy.check(), caller.uid, snapshot_id, dict(labels))
+
+    def set_policy(self, snapshot: str, labels: Mapping[str, str], policy: Policy, caller: Caller) -> Rule:
+        """Set the park policy of one snapshot (``snapshot``: a reference the caller may restore) or of the
+        caller's snapshots carrying ``labels`` (root's: everyone's); replaces the caller's rule for the same
+        selector.
+
+        Raises:
+            InvalidArgumentError (``INVALID_POLICY``), NotFoundError, PermissionDeniedError.
+        """
+        rule = self._ladder().policies.set(self._rule(snapshot, labels, policy, caller))
+        self._ladder().poke()
+        return rule
+
+    def policies(self, caller: Caller) -> list[Rule]:
+        """The caller's park policies (root: all)."""
+        return self._ladder().policies.rules(None if caller.is_root else caller.uid)
+
+    def delete_policy(self, snapshot: str, labels: Mapping[str, str], caller: Caller) -> None:
+        """Remove the caller's rule for this selector.
+
+        Raises:
+            NotFoundError: the caller has none (``POLICY_NOT_FOUND``).
+        """
+        if not self._ladder().policies.delete(self._rule(snapshot, labels, Policy(), caller)):
+            raise NotFoundError(
+                "no park policy of yours has that selector; `gpusnap park` lists them", reason="POLICY_NOT_FOUND"
+            )
+        self._ladder().poke()
 
     def node_info(self, caller: Caller) -> NodeInfo:
         """The node's facts; the store's use (bytes, snapshots, blobs per tier) is the caller's own, or
@@ -283,6 +507,7 @@ class Daemon:
             )
         uid = None if caller.is_root else caller.uid
         snapshots = self.deps.store.list(owner_uid=uid)
+        standbys = self.deps.standbys.list(uid) if self.deps.standbys is not None else []
         return NodeInfo(
             host=host_facts(self.deps),
             store_path=str(self.deps.store.root),
@@ -295,6 +520,8 @@ class Daemon:
             gpu_prefill=self.deps.prefill.status() if self.deps.prefill else GpuPrefill(enabled=False, reason="off"),
             remote=str(self.deps.remote or ""),
             tiers=self._tiers(uid),
+            standbys=len(standbys),
+            standby_host_memory_bytes=sum(s.host_memory_bytes for s in standbys),
         )
 
     def _tiers(self, uid: int | None) -> tuple[TierUsage, ...]:
@@ -312,6 +539,36 @@ def snapshot_key(snapshot: Snapshot) -> paging.Key:
 
 def operation_key(record: OperationRecord) -> paging.Key:
     return paging.key(record.started, record.id)
+
+
+def _nothing() -> None:
+    """No reservation to release (no park ladder)."""
+
+
+def _no_standby(standby_id: str) -> NotFoundError:
+    return NotFoundError(
+        f"no standby {standby_id!r} on this node; list them with `gpusnap standbys`", reason="STANDBY_NOT_FOUND"
+    )
+
+
+def _gpu_map(snapshot: Snapshot, gpu: str, gpu_map: Mapping[str, str]) -> dict[str, str]:
+    """``gpu_map``, or for ``gpu`` (one GPU, UUID or index) the map that sends the snapshot's one GPU there.
+
+    Raises:
+        InvalidArgumentError: ``gpu`` with ``gpu_map``, or for a snapshot on several GPUs or none
+            (``GPU_MAP_UNEXPECTED``).
+    """
+    if not gpu:
+        return dict(gpu_map)
+    used = sorted({u for g in snapshot.gpu_processes for u in g.gpu_uuids})
+    if gpu_map or len(used) != 1:
+        raise InvalidArgumentError(
+            f"--gpu names one GPU, but snapshot {snapshot.id} used {len(used)} GPUs"
+            + (" and a GPU map was given" if gpu_map else "")
+            + "; give --gpu-map OLD=NEW for each of them instead",
+            reason="GPU_MAP_UNEXPECTED",
+        )
+    return {used[0]: gpu}
 
 
 def _require_identified(caller: Caller) -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
@@ -40,13 +40,19 @@ class Usage:
     snapshots: int
     agents: int
     running_operations: dict[str, int]
+    rungs: dict[str, int] = field(default_factory=dict)
+    """Workloads per park rung (``gpusnap.daemon.park.ladder``)."""
+    standbys: int = 0
+    standby_bytes: int = 0
+    moves: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Park moves so far, by (from rung, to rung)."""
 
 
 class _UsageCollector(Collector):
     def __init__(self, read: Callable[[], Usage]):
         self._read = read
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         usage = self._read()
         tiers = GaugeMetricFamily("gpusnap_store_used_bytes", "Bytes used in the store, by tier", labels=["tier"])
         for tier, used in sorted(usage.tier_bytes.items()):
@@ -58,8 +64,22 @@ class _UsageCollector(Collector):
         for kind, count in sorted(usage.running_operations.items()):
             running.add_metric([kind], count)
         yield running
+        rungs = GaugeMetricFamily("gpusnap_park_workloads", "Workloads (snapshots) by park rung", labels=["rung"])
+        for rung, count in usage.rungs.items():
+            rungs.add_metric([rung], count)
+        yield rungs
+        yield GaugeMetricFamily("gpusnap_standbys", "Standbys (snapshots restored ahead)", value=usage.standbys)
+        yield GaugeMetricFamily(
+            "gpusnap_standby_host_memory_bytes", "Resident memory of the standbys", value=usage.standby_bytes
+        )
+        moves = CounterMetricFamily(
+            "gpusnap_park_moves", "Moves of workloads between park rungs", labels=["src", "dst"]
+        )
+        for (src, dst), count in sorted(usage.moves.items()):
+            moves.add_metric([src, dst], count)
+        yield moves
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         return iter(())  # values come only at scrape time
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,8 @@ from gpusnap.daemon._proto import (
     node_pb2_grpc,
     operations_pb2,
     operations_pb2_grpc,
+    park_pb2,
+    park_pb2_grpc,
     snapshots_pb2,
     snapshots_pb2_grpc,
 )
@@ -29,9 +30,15 @@ from gpusnap.daemon.drivers import host
 from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.operations import recovery
+from gpusnap.daemon.operations import standby as standby_ops
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.park.ladder import Ladder
+from gpusnap.daemon.park.policy import FILE as POLICIES
+from gpusnap.daemon.park.policy import Policies
+from gpusnap.daemon.park.standbys import FILE as STANDBYS
+from gpusnap.daemon.park.standbys import StandbyRegistry
 from gpusnap.daemon.remote.evict import RemoteEvictor
 from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
 from gpusnap.daemon.remote.store import RemoteStore
@@ -40,7 +47,7 @@ from gpusnap.daemon.service import reflection
 from gpusnap.daemon.service.aio import AioServer, AsyncServicer, OperationStreams
 from gpusnap.daemon.service.limits import CallerLimits
 from gpusnap.daemon.service.peercred import PeerCredProxy
-from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, SnapshotServicer
+from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, ParkServicer, SnapshotServicer
 from gpusnap.daemon.store import SnapshotStore
 from gpusnap.daemon.store.journal import JOURNAL, Journal
 from gpusnap.daemon.weights.prefill import PrefillSupport
@@ -52,6 +59,7 @@ SERVICE_NAMES = (
     operations_pb2.DESCRIPTOR.services_by_name["OperationService"].full_name,
     snapshots_pb2.DESCRIPTOR.services_by_name["SnapshotService"].full_name,
     node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
+    park_pb2.DESCRIPTOR.services_by_name["ParkService"].full_name,
 )
 
 RPC_THREADS = 32
@@ -127,6 +135,7 @@ def build_daemon(config: DaemonConfig) -> Running:
     if remote is not None:  # the disk tier may drop what is safely in the remote store
         store.buffers.evictor = RemoteEvictor(store, remote)
         store.buffers.schedule_budgets()
+    standbys = StandbyRegistry(config.store / STANDBYS)
     deps = Deps(
         config=config,
         store=store,
@@ -136,6 +145,7 @@ def build_daemon(config: DaemonConfig) -> Running:
         agents=agents,
         remote=remote,
         prefill=prefill,
+        standbys=standbys,
     )
     metrics = None
     if config.metrics_listen:  # prometheus-client is imported only when metrics are on
@@ -149,9 +159,10 @@ def build_daemon(config: DaemonConfig) -> Running:
             nvidia_driver_version=driver,
             cuda_driver_version=cuda,
         )
-    observe = metrics.observe if metrics is not None else None
-    if prefill.filler is not None:  # a published snapshot's blobs are registered ahead of its restore
-        observe = functools.partial(_after_operation, prefill, observe)
+    policies = Policies(config.store / POLICIES, config.park())
+    policies.load()
+    ladder = Ladder(store, standbys, policies, config.store, remote is not None)
+    observe = functools.partial(_after_operation, prefill if prefill.filler is not None else None, ladder, metrics)
     journal.open()
     registry = OperationRegistry(
         max_workers=config.max_operations,
@@ -161,7 +172,9 @@ def build_daemon(config: DaemonConfig) -> Running:
         on_finished=observe,
     )
     recovery.recover(deps, journal, registry)  # before anyone can reach the trees it touches
-    daemon = Daemon(deps, registry)
+    standby_ops.adopt(deps)  # after recovery: a standby an activation had claimed is recovery's
+    daemon = Daemon(deps, registry, ladder)
+    ladder.load()
 
     private_dir = config.socket.parent / ".gpusnapd-private"
     rundirs.make_own_dir(private_dir, 0o700)
@@ -196,6 +209,7 @@ def build_daemon(config: DaemonConfig) -> Running:
         snapshots = AsyncServicer(SnapshotServicer(daemon, proxy), server, limits)
         snapshots_pb2_grpc.add_SnapshotServiceServicer_to_server(snapshots, aio)  # type: ignore[arg-type]
         node_pb2_grpc.add_NodeServiceServicer_to_server(AsyncServicer(NodeServicer(daemon, proxy), server, limits), aio)  # type: ignore[arg-type]
+        park_pb2_grpc.add_ParkServiceServicer_to_server(AsyncServicer(ParkServicer(daemon, proxy), server, limits), aio)  # type: ignore[arg-type]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, aio)
         reflection.enable((*SERVICE_NAMES, health.SERVICE_NAME), aio)
         aio.add_insecure_port(f"unix:{private}")
@@ -220,6 +234,7 @@ def build_daemon(config: DaemonConfig) -> Running:
                 reason="METRICS_ADDRESS_IN_USE",
                 metadata={"listen": config.metrics_listen},
             ) from exc
+    ladder.start()
     running = Running(server=server, proxy=proxy, daemon=daemon, health=health_servicer, metrics=metrics)
     running.set_health(health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -242,19 +257,21 @@ def wake_dir(config: DaemonConfig) -> Path:
     return config.agent_socket.parent / "wake"
 
 
-def _after_operation(
-    prefill: PrefillSupport, observe: Callable[[OperationRecord], None] | None, record: OperationRecord
-) -> None:
-    """Each finished operation: to the metrics, and a snapshot a checkpoint published to prefill."""
-    if observe is not None:
-        observe(record)
-    if record.state is OperationState.SUCCEEDED and isinstance(record.result, Snapshot):
+def _after_operation(prefill: PrefillSupport | None, ladder: Ladder, metrics: Any, record: OperationRecord) -> None:
+    """Each finished operation: to the metrics, to the park ladder, and a snapshot a checkpoint published to
+    prefill."""
+    if metrics is not None:
+        metrics.observe(record)
+    ladder.after_operation(record)
+    if prefill is not None and record.state is OperationState.SUCCEEDED and isinstance(record.result, Snapshot):
         prefill.after_publish(record.result)
 
 
 def _release(daemon: Daemon) -> None:
     """Release what :func:`build_daemon` acquired before the servers started (agent socket, spare CRIU
     helper, store lock)."""
+    if daemon.ladder is not None:  # no standby made or dropped while the rest stops
+        daemon.ladder.stop()
     daemon.registry.shutdown(wait=True)
     if daemon.deps.prefill is not None:
         daemon.deps.prefill.close()
@@ -273,11 +290,13 @@ def _usage(daemon: Daemon) -> Any:
     for record in daemon.registry.list():
         if not record.done:
             running[record.kind.value] += 1
+    park = daemon.ladder.usage() if daemon.ladder is not None else {}
     return Usage(
         tier_bytes={"images": store.used_bytes() - buffers, "buffers": buffers},
         snapshots=len(store.list()),
         agents=daemon.deps.agents.connected(),
         running_operations=running,
+        **park,
     )
 
 

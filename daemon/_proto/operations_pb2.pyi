@@ -38,6 +38,8 @@ class _OperationKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Operati
     OPERATION_KIND_RESUME: _OperationKind.ValueType  # 4
     OPERATION_KIND_PUSH: _OperationKind.ValueType  # 5
     OPERATION_KIND_PULL: _OperationKind.ValueType  # 6
+    OPERATION_KIND_STANDBY: _OperationKind.ValueType  # 7
+    OPERATION_KIND_ACTIVATE: _OperationKind.ValueType  # 8
 
 class OperationKind(_OperationKind, metaclass=_OperationKindEnumTypeWrapper): ...
 
@@ -48,6 +50,8 @@ OPERATION_KIND_SUSPEND: OperationKind.ValueType  # 3
 OPERATION_KIND_RESUME: OperationKind.ValueType  # 4
 OPERATION_KIND_PUSH: OperationKind.ValueType  # 5
 OPERATION_KIND_PULL: OperationKind.ValueType  # 6
+OPERATION_KIND_STANDBY: OperationKind.ValueType  # 7
+OPERATION_KIND_ACTIVATE: OperationKind.ValueType  # 8
 Global___OperationKind: _TypeAlias = OperationKind  # noqa: Y015
 
 class _OperationState:
@@ -167,6 +171,28 @@ class RestoredReplica(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RestoredReplica: _TypeAlias = RestoredReplica  # noqa: Y015
+
+@_typing.final
+class StandbyResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STANDBYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def standbys(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Standby]:
+        """the standbys made, in copy order"""
+
+    def __init__(
+        self,
+        *,
+        standbys: _abc.Iterable[_types_pb2.Standby] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["standbys", b"standbys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StandbyResult: _TypeAlias = StandbyResult  # noqa: Y015
 
 @_typing.final
 class SuspendResult(_message.Message):
@@ -291,6 +317,7 @@ class Operation(_message.Message):
     SUSPEND_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
     TRANSFER_FIELD_NUMBER: _builtins.int
+    STANDBY_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     TARGET_PID_FIELD_NUMBER: _builtins.int
     TARGET_SNAPSHOT_FIELD_NUMBER: _builtins.int
@@ -323,6 +350,10 @@ class Operation(_message.Message):
         """push, pull"""
 
     @_builtins.property
+    def standby(self) -> Global___StandbyResult:
+        """standby"""
+
+    @_builtins.property
     def error(self) -> _status_pb2.Status:
         """set when state is FAILED; details carry google.rpc.ErrorInfo"""
 
@@ -341,15 +372,16 @@ class Operation(_message.Message):
         suspend: Global___SuspendResult | None = ...,
         resume: Global___ResumeResult | None = ...,
         transfer: Global___TransferResult | None = ...,
+        standby: Global___StandbyResult | None = ...,
         error: _status_pb2.Status | None = ...,
         target_pid: _builtins.int = ...,
         target_snapshot: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "started", b"started", "suspend", b"suspend", "transfer", b"transfer"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "standby", b"standby", "started", b"started", "suspend", b"suspend", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "id", b"id", "kind", b"kind", "phase", b"phase", "phases", b"phases", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "started", b"started", "state", b"state", "suspend", b"suspend", "target_pid", b"target_pid", "target_snapshot", b"target_snapshot", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "id", b"id", "kind", b"kind", "phase", b"phase", "phases", b"phases", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "standby", b"standby", "started", b"started", "state", b"state", "suspend", b"suspend", "target_pid", b"target_pid", "target_snapshot", b"target_snapshot", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["snapshot", "restore", "suspend", "resume", "transfer"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["snapshot", "restore", "suspend", "resume", "transfer", "standby"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -576,6 +608,7 @@ class RestoreRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     TERMINAL_FIELD_NUMBER: _builtins.int
+    NO_STANDBY_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.str
     """snapshot id, a name of the caller's own, or UID/NAME (docs/security.md)"""
     host_pid_namespace: _builtins.bool
@@ -599,6 +632,11 @@ class RestoreRequest(_message.Message):
     """
     terminal: _builtins.str
     """absolute path of the file standing in for terminals left behind at dump"""
+    no_standby: _builtins.bool
+    """(opened, appended to, as the snapshot's owner); empty: /dev/null
+    Restore from the images even when a ready standby of the snapshot exists (by default a restore with one
+    copy activates a standby made with the same private_network instead).
+    """
     @_builtins.property
     def gpu_map(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """old GPU (UUID or index) -> new GPU (UUID or index)"""
@@ -622,10 +660,11 @@ class RestoreRequest(_message.Message):
         request_id: _builtins.str = ...,
         replicas: _builtins.int = ...,
         terminal: _builtins.str = ...,
+        no_standby: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "private_network", b"private_network", "replicas", b"replicas", "request_id", b"request_id", "snapshot", b"snapshot", "terminal", b"terminal", "timeout", b"timeout", "verify_buffers", b"verify_buffers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu_map", b"gpu_map", "host_pid_namespace", b"host_pid_namespace", "no_standby", b"no_standby", "private_network", b"private_network", "replicas", b"replicas", "request_id", b"request_id", "snapshot", b"snapshot", "terminal", b"terminal", "timeout", b"timeout", "verify_buffers", b"verify_buffers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -726,6 +765,150 @@ class RestoreResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RestoreResponse: _TypeAlias = RestoreResponse  # noqa: Y015
+
+@_typing.final
+class StandbyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    PRIVATE_NETWORK_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    snapshot: _builtins.str
+    """as RestoreRequest.snapshot"""
+    count: _builtins.int
+    """copies (0 or 1: one); more than one get private network namespaces"""
+    private_network: _builtins.bool
+    """as RestoreRequest.private_network"""
+    request_id: _builtins.str
+    """idempotency key, as CheckpointRequest.request_id"""
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration: ...
+    def __init__(
+        self,
+        *,
+        snapshot: _builtins.str = ...,
+        count: _builtins.int = ...,
+        private_network: _builtins.bool = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "private_network", b"private_network", "request_id", b"request_id", "snapshot", b"snapshot", "timeout", b"timeout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StandbyRequest: _TypeAlias = StandbyRequest  # noqa: Y015
+
+@_typing.final
+class StandbyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPERATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def operation(self) -> Global___Operation: ...
+    def __init__(
+        self,
+        *,
+        operation: Global___Operation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StandbyResponse: _TypeAlias = StandbyResponse  # noqa: Y015
+
+@_typing.final
+class ActivateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class GpuMapEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    STANDBY_FIELD_NUMBER: _builtins.int
+    GPU_FIELD_NUMBER: _builtins.int
+    GPU_MAP_FIELD_NUMBER: _builtins.int
+    CONTEXT_FIELD_NUMBER: _builtins.int
+    VERIFY_BUFFERS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    standby: _builtins.str
+    """standby id ("sb-…")"""
+    gpu: _builtins.str
+    """the GPU (UUID or index) for a snapshot that used one GPU; or gpu_map"""
+    verify_buffers: _builtins.bool
+    """as RestoreRequest.verify_buffers"""
+    request_id: _builtins.str
+    """idempotency key, as CheckpointRequest.request_id"""
+    @_builtins.property
+    def gpu_map(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """as RestoreRequest.gpu_map"""
+
+    @_builtins.property
+    def context(self) -> Global___WorkerContext:
+        """as RestoreRequest.context"""
+
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration: ...
+    def __init__(
+        self,
+        *,
+        standby: _builtins.str = ...,
+        gpu: _builtins.str = ...,
+        gpu_map: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        context: Global___WorkerContext | None = ...,
+        verify_buffers: _builtins.bool = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gpu", b"gpu", "gpu_map", b"gpu_map", "request_id", b"request_id", "standby", b"standby", "timeout", b"timeout", "verify_buffers", b"verify_buffers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActivateRequest: _TypeAlias = ActivateRequest  # noqa: Y015
+
+@_typing.final
+class ActivateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPERATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def operation(self) -> Global___Operation: ...
+    def __init__(
+        self,
+        *,
+        operation: Global___Operation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActivateResponse: _TypeAlias = ActivateResponse  # noqa: Y015
 
 @_typing.final
 class SuspendRequest(_message.Message):

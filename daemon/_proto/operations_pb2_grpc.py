@@ -89,6 +89,16 @@ class OperationServiceStub:
                 request_serializer=gpusnap_dot_v1_dot_operations__pb2.CancelOperationRequest.SerializeToString,
                 response_deserializer=gpusnap_dot_v1_dot_operations__pb2.CancelOperationResponse.FromString,
                 _registered_method=True)
+        self.Standby = channel.unary_unary(
+                '/gpusnap.v1.OperationService/Standby',
+                request_serializer=gpusnap_dot_v1_dot_operations__pb2.StandbyRequest.SerializeToString,
+                response_deserializer=gpusnap_dot_v1_dot_operations__pb2.StandbyResponse.FromString,
+                _registered_method=True)
+        self.Activate = channel.unary_unary(
+                '/gpusnap.v1.OperationService/Activate',
+                request_serializer=gpusnap_dot_v1_dot_operations__pb2.ActivateRequest.SerializeToString,
+                response_deserializer=gpusnap_dot_v1_dot_operations__pb2.ActivateResponse.FromString,
+                _registered_method=True)
 
 
 class OperationServiceServicer:
@@ -171,6 +181,22 @@ class OperationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Standby(self, request, context):
+        """Restore a snapshot's CPU side ahead of demand: count copies, each stopped in a fresh PID namespace,
+        CUDA-checkpointed (no GPU memory), its agents quiesced (docs/standby.md). ParkService lists and drops them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Activate(self, request, context):
+        """Bring a standby up on a GPU: CUDA restore, weights, resume, canary. A standby another activation holds,
+        or one gone since, restores its snapshot instead (from another standby of it when there is one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OperationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +254,16 @@ def add_OperationServiceServicer_to_server(servicer, server):
                     servicer.CancelOperation,
                     request_deserializer=gpusnap_dot_v1_dot_operations__pb2.CancelOperationRequest.FromString,
                     response_serializer=gpusnap_dot_v1_dot_operations__pb2.CancelOperationResponse.SerializeToString,
+            ),
+            'Standby': grpc.unary_unary_rpc_method_handler(
+                    servicer.Standby,
+                    request_deserializer=gpusnap_dot_v1_dot_operations__pb2.StandbyRequest.FromString,
+                    response_serializer=gpusnap_dot_v1_dot_operations__pb2.StandbyResponse.SerializeToString,
+            ),
+            'Activate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Activate,
+                    request_deserializer=gpusnap_dot_v1_dot_operations__pb2.ActivateRequest.FromString,
+                    response_serializer=gpusnap_dot_v1_dot_operations__pb2.ActivateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -527,6 +563,60 @@ class OperationService:
             '/gpusnap.v1.OperationService/CancelOperation',
             gpusnap_dot_v1_dot_operations__pb2.CancelOperationRequest.SerializeToString,
             gpusnap_dot_v1_dot_operations__pb2.CancelOperationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Standby(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpusnap.v1.OperationService/Standby',
+            gpusnap_dot_v1_dot_operations__pb2.StandbyRequest.SerializeToString,
+            gpusnap_dot_v1_dot_operations__pb2.StandbyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Activate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpusnap.v1.OperationService/Activate',
+            gpusnap_dot_v1_dot_operations__pb2.ActivateRequest.SerializeToString,
+            gpusnap_dot_v1_dot_operations__pb2.ActivateResponse.FromString,
             options,
             channel_credentials,
             insecure,

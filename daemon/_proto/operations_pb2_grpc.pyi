@@ -56,6 +56,14 @@ class OperationServiceStub:
     with CANCELLED. Once its snapshot is published (or its restored tree validated) it runs to its end.
     Returns the operation as it is now; follow it with WaitOperation.
     """
+    Standby: _grpc.UnaryUnaryMultiCallable[_operations_pb2.StandbyRequest, _operations_pb2.StandbyResponse]
+    """Restore a snapshot's CPU side ahead of demand: count copies, each stopped in a fresh PID namespace,
+    CUDA-checkpointed (no GPU memory), its agents quiesced (docs/standby.md). ParkService lists and drops them.
+    """
+    Activate: _grpc.UnaryUnaryMultiCallable[_operations_pb2.ActivateRequest, _operations_pb2.ActivateResponse]
+    """Bring a standby up on a GPU: CUDA restore, weights, resume, canary. A standby another activation holds,
+    or one gone since, restores its snapshot instead (from another standby of it when there is one).
+    """
 
 @_typing.type_check_only
 class OperationServiceAsyncStub(OperationServiceStub):
@@ -82,6 +90,14 @@ class OperationServiceAsyncStub(OperationServiceStub):
     """Ask a running operation to stop: it rolls back at its next phase boundary (or wait) and ends FAILED
     with CANCELLED. Once its snapshot is published (or its restored tree validated) it runs to its end.
     Returns the operation as it is now; follow it with WaitOperation.
+    """
+    Standby: _aio.UnaryUnaryMultiCallable[_operations_pb2.StandbyRequest, _operations_pb2.StandbyResponse]  # type: ignore[assignment]
+    """Restore a snapshot's CPU side ahead of demand: count copies, each stopped in a fresh PID namespace,
+    CUDA-checkpointed (no GPU memory), its agents quiesced (docs/standby.md). ParkService lists and drops them.
+    """
+    Activate: _aio.UnaryUnaryMultiCallable[_operations_pb2.ActivateRequest, _operations_pb2.ActivateResponse]  # type: ignore[assignment]
+    """Bring a standby up on a GPU: CUDA restore, weights, resume, canary. A standby another activation holds,
+    or one gone since, restores its snapshot instead (from another standby of it when there is one).
     """
 
 class OperationServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -172,6 +188,26 @@ class OperationServiceServicer(metaclass=_abc_1.ABCMeta):
         """Ask a running operation to stop: it rolls back at its next phase boundary (or wait) and ends FAILED
         with CANCELLED. Once its snapshot is published (or its restored tree validated) it runs to its end.
         Returns the operation as it is now; follow it with WaitOperation.
+        """
+
+    @_abc_1.abstractmethod
+    def Standby(
+        self,
+        request: _operations_pb2.StandbyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_operations_pb2.StandbyResponse, _abc.Awaitable[_operations_pb2.StandbyResponse]]:
+        """Restore a snapshot's CPU side ahead of demand: count copies, each stopped in a fresh PID namespace,
+        CUDA-checkpointed (no GPU memory), its agents quiesced (docs/standby.md). ParkService lists and drops them.
+        """
+
+    @_abc_1.abstractmethod
+    def Activate(
+        self,
+        request: _operations_pb2.ActivateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_operations_pb2.ActivateResponse, _abc.Awaitable[_operations_pb2.ActivateResponse]]:
+        """Bring a standby up on a GPU: CUDA restore, weights, resume, canary. A standby another activation holds,
+        or one gone since, restores its snapshot instead (from another standby of it when there is one).
         """
 
 def add_OperationServiceServicer_to_server(servicer: OperationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -562,3 +562,58 @@ class BufferRef(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BufferRef: _TypeAlias = BufferRef  # noqa: Y015
+
+@_typing.final
+class Standby(_message.Message):
+    """A snapshot restored ahead of demand (OperationService.Standby): its tree stopped in a fresh PID namespace,
+    CUDA-checkpointed, holding host memory but no GPU memory.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    OWNER_UID_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    PIDS_FIELD_NUMBER: _builtins.int
+    HOST_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    PRIVATE_NETWORK_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """"sb-" + 26 lowercase base32 characters"""
+    snapshot_id: _builtins.str
+    owner_uid: _builtins.int
+    pid: _builtins.int
+    """host PID of its root"""
+    host_memory_bytes: _builtins.int
+    """resident memory of its tree"""
+    state: _builtins.str
+    """"ready" or "activating" """
+    private_network: _builtins.bool
+    @_builtins.property
+    def created(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """host PIDs of its tree"""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        snapshot_id: _builtins.str = ...,
+        owner_uid: _builtins.int = ...,
+        created: _timestamp_pb2.Timestamp | None = ...,
+        pid: _builtins.int = ...,
+        pids: _abc.Iterable[_builtins.int] | None = ...,
+        host_memory_bytes: _builtins.int = ...,
+        state: _builtins.str = ...,
+        private_network: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "host_memory_bytes", b"host_memory_bytes", "id", b"id", "owner_uid", b"owner_uid", "pid", b"pid", "pids", b"pids", "private_network", b"private_network", "snapshot_id", b"snapshot_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Standby: _TypeAlias = Standby  # noqa: Y015

@@ -67,6 +67,7 @@ _ACTION_BY_REASON: dict[str, Action] = {
     "GPU_NOT_FOUND": Action.FALL_BACK,
     # failed preconditions that a changed request or set-up cures
     "ADDRESS_IN_USE": Action.FIX,
+    "SNAPSHOT_HAS_STANDBYS": Action.FIX,  # drop its standbys first
     "DEV_SHM_NAME_TAKEN": Action.FIX,  # a /dev/shm name a --host-pidns restore needs
     "AGENT_MISSING": Action.FIX,  # an engine process without an agent: install gpusnap into the engine
     "AGENT_USERS": Action.FIX,

@@ -255,6 +255,8 @@ class OperationKind(enum.Enum):
     RESUME = "resume"
     PUSH = "push"
     PULL = "pull"
+    STANDBY = "standby"
+    ACTIVATE = "activate"
 
 
 class OperationState(enum.Enum):
@@ -365,6 +367,9 @@ class RestoreOptions:
     terminal: str = ""
     """Absolute path of the file that stands in for the terminals the tree was started from (appended to,
     created if missing, opened as the snapshot's owner); ``""``: ``/dev/null``."""
+    no_standby: bool = False
+    """Restore from the images even when a ready standby of the snapshot exists (by default a restore
+    activates one: ``gpusnap.daemon.operations.standby``)."""
 
 
 @dataclasses.dataclass(frozen=True)

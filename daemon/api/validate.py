@@ -10,6 +10,7 @@ from gpusnap.daemon.api.errors import InvalidArgumentError
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 SNAPSHOT_ID_RE = re.compile(r"^snap-[a-z2-7]{26}$")
 OPERATION_ID_RE = re.compile(r"^op-[a-z2-7]{26}$")
+STANDBY_ID_RE = re.compile(r"^sb-[a-z2-7]{26}$")
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
 MAX_LABEL_VALUE = 256
 RESERVED_LABEL_PREFIX = "gpusnap.dev/"
@@ -84,6 +85,20 @@ def operation_id(op_id: str) -> str:
             reason="INVALID_OPERATION_ID",
         )
     return op_id
+
+
+def standby_id(value: str) -> str:
+    """A standby id (``sb-`` + 26 base32 characters).
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_STANDBY_ID``.
+    """
+    if not STANDBY_ID_RE.fullmatch(value):
+        raise InvalidArgumentError(
+            f"{_shown(value)} is not a standby id (sb- and 26 characters; `gpusnap standbys` lists them)",
+            reason="INVALID_STANDBY_ID",
+        )
+    return value
 
 
 def labels(value: Mapping[str, str]) -> dict[str, str]:

@@ -13,7 +13,7 @@ Exit codes (also in ``gpusnap --help`` and the README):
 
 from __future__ import annotations
 
-from gpusnap.daemon.cli import capture, node, ops, snapshots, transfer  # noqa: F401  (each registers its commands)
+from gpusnap.daemon.cli import capture, node, ops, park, snapshots, transfer  # noqa: F401  (each registers its commands)
 from gpusnap.daemon.cli.app import EXIT_CODES, main, run
 
 __all__ = ["EXIT_CODES", "main", "run"]

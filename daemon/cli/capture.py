@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import click
 
 from gpusnap.daemon.cli.app import PID, SECONDS, Ctx, checked, command_options, main, parse_labels, parse_pairs
 from gpusnap.daemon.cli.follow import detached, follow, run_operation, start_held
 from gpusnap.daemon.cli.output import console, count, emit, human_size, outcome, phase_summary, terminal_lines
+
+if TYPE_CHECKING:
+    from gpusnap.daemon.client.values import Operation
 
 
 @main.command()
@@ -189,6 +193,7 @@ GPU_MAP_HELP = "move GPU state: OLD=NEW[,OLD=NEW…] (UUIDs or indexes); every c
     help="for a job started from a terminal: the file its terminal descriptors get instead (appended to, "
     "created as the snapshot's owner) [default: /dev/null]",
 )
+@click.option("--no-standby", is_flag=True, help="restore from the images even when a standby of SNAPSHOT is ready")
 @click.option("--detach", is_flag=True, help="print the operation id and return at once")
 @click.pass_obj
 def restore(
@@ -204,10 +209,12 @@ def restore(
     verify_buffers: bool,
     replicas: int,
     terminal: str,
+    no_standby: bool,
     detach: bool,
 ) -> None:
     """Restore SNAPSHOT (id or name) as a new process tree; prints the restored root's PID (one per line
-    with --replicas).
+    with --replicas). A ready standby of SNAPSHOT (`gpusnap standby`) is activated instead, unless
+    --no-standby.
 
     Without --gpu-map, GPU state returns to the original GPUs, or to free GPUs of the same model when
     those are busy or absent.
@@ -227,6 +234,7 @@ def restore(
                 verify_buffers=verify_buffers,
                 replicas=replicas,
                 terminal=os.path.abspath(terminal) if terminal else "",
+                no_standby=no_standby,
             )
         )
         if detach:
@@ -234,6 +242,11 @@ def restore(
             detached(obj, op.id)
             return
         done = checked(lambda: follow(client, op.id, obj.live, sigint))
+    print_restored(obj, done)
+
+
+def print_restored(obj: Ctx, done: Operation) -> None:
+    """A finished restore (or activation): the restored roots' PIDs, one per line, or its JSON."""
     from gpusnap.daemon.client.values import Replica
 
     res = outcome(done.restore, done)

@@ -12,7 +12,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpusnap.daemon.api.errors import GpusnapError
-from gpusnap.daemon.client.values import NodeInfo, Operation, PhaseTiming, Replica, Snapshot, StoreTier
+from gpusnap.daemon.client.values import (
+    Budget,
+    NodeInfo,
+    Operation,
+    ParkEvent,
+    PhaseTiming,
+    PolicyRule,
+    Replica,
+    Snapshot,
+    Standby,
+    StoreTier,
+    Workload,
+)
 
 SNAPSHOT_ID = {"schema": {"pattern": "^snap-[a-z2-7]{26}$"}}
 OPERATION_ID = {"schema": {"pattern": "^op-[a-z2-7]{26}$"}}
@@ -103,6 +115,35 @@ class Detached:
     operation: str = _f(OPERATION_ID)
 
 
+STANDBY_ID = {"schema": {"pattern": "^sb-[a-z2-7]{26}$"}}
+
+
+@dataclasses.dataclass(frozen=True)
+class StandbysMade:
+    """``standby``: the standbys made (docs/standby.md)."""
+
+    standbys: tuple[Standby, ...] = _f({})
+    operation: str = _f(OPERATION_ID)
+    phases: tuple[PhaseTiming, ...] = _f(PHASES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropped:
+    """``drop``: the standbys dropped."""
+
+    dropped: tuple[str, ...] = _f({"schema": {"items": STANDBY_ID["schema"]}})
+
+
+@dataclasses.dataclass(frozen=True)
+class ParkReport:
+    """``park``: the ladder (workloads, budgets, latest moves) and the policies."""
+
+    workloads: tuple[Workload, ...] = _f({})
+    budgets: tuple[Budget, ...] = _f({})
+    events: tuple[ParkEvent, ...] = _f({})
+    policies: tuple[PolicyRule, ...] = _f({})
+
+
 @dataclasses.dataclass(frozen=True)
 class Failed:
     """Any command that exits non-zero."""
@@ -127,5 +168,11 @@ COMMANDS: dict[str, tuple[Any, frozenset[str]]] = {
     "cancel": (Operation, frozenset()),
     "suspend": (Operation, frozenset()),
     "resume": (Operation, frozenset()),
+    "standby": (StandbysMade, frozenset()),
+    "activate": (Restored, frozenset()),
+    "standbys": (list[Standby], frozenset()),
+    "drop": (Dropped, frozenset()),
+    "park": (ParkReport, frozenset()),
+    "park_set": (PolicyRule, frozenset()),
 }
 """Command (``detached``: any ``--detach``; ``failed``: any failure) -> (document type, fields left out)."""

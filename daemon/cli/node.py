@@ -15,6 +15,7 @@ def node(obj: Ctx) -> None:
     """Show facts about the node: versions, store, GPUs."""
     with obj.client() as client:
         info = checked(client.node_info)
+        ladder = None if obj.output == "json" else checked(client.ladder)
     if obj.output == "json":
         emit(info)
         return
@@ -31,6 +32,7 @@ def node(obj: Ctx) -> None:
         ("nvidia driver", h.nvidia_driver_version or "-"),
         ("cuda checkpoint", "supported" if info.cuda_checkpoint_supported else (info.cuda_unavailable_reason or "-")),
         ("gpu prefill", info.gpu_prefill.summary()),
+        ("standbys", f"{info.standbys}, {human_size(info.standby_host_memory_bytes)} of host memory"),
     ):
         add_row(table, key, value)
     if not wide():  # one folded row per GPU: a UUID alone is 40 columns
@@ -57,6 +59,10 @@ def node(obj: Ctx) -> None:
                 ", ".join(str(p.pid) for p in g.processes) or "-",
             )
         print_table(gpus)
+    if ladder is not None and ladder.workloads:  # the park ladder (`gpusnap park`)
+        from gpusnap.daemon.cli.park import print_ladder
+
+        print_ladder(ladder, events=False)
 
 
 @main.command()

@@ -31,6 +31,7 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
     """List snapshots."""
     with obj.client() as client:
         snaps = checked(lambda: client.list_snapshots(parse_labels(labels), remote=remote))
+        standbys = [] if remote or obj.output == "json" else checked(client.list_standbys)
     if obj.output == "json":
         from gpusnap.daemon.cli.documents import LS_OMIT
 
@@ -49,6 +50,10 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
             cells += [f"{s.source.pid} {s.source.comm}", str(gpus)]
         add_row(table, *cells)
     print_table(table)
+    if standbys:  # snapshots restored ahead, with the host memory each holds (docs/standby.md)
+        from gpusnap.daemon.cli.park import print_standbys
+
+        print_standbys(standbys)
 
 
 def process_rows(snap: Snapshot) -> list[tuple[str, str]]:

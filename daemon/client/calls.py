@@ -25,11 +25,14 @@ from gpusnap.daemon._proto import (
     node_pb2_grpc,
     operations_pb2,
     operations_pb2_grpc,
+    park_pb2,
+    park_pb2_grpc,
     snapshots_pb2,
     snapshots_pb2_grpc,
 )
 from gpusnap.daemon.api.errors import Code, GpusnapError, PermissionDeniedError, UnavailableError
 from gpusnap.daemon.api.status import from_rpc_error
+from gpusnap.daemon.client import values
 from gpusnap.daemon.client.convert import value
 from gpusnap.daemon.client.values import NodeInfo, Operation, OperationEvent, OperationState, Snapshot
 from gpusnap.daemon.defaults import DEFAULT_SOCKET
@@ -69,6 +72,7 @@ class DaemonClient:
         self._ops = operations_pb2_grpc.OperationServiceStub(self._channel)
         self._snaps = snapshots_pb2_grpc.SnapshotServiceStub(self._channel)
         self._node = node_pb2_grpc.NodeServiceStub(self._channel)
+        self._park = park_pb2_grpc.ParkServiceStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -167,6 +171,7 @@ class DaemonClient:
         verify_buffers: bool = False,
         replicas: int = 1,
         terminal: str = "",
+        no_standby: bool = False,
         request_id: str = "",
     ) -> OperationHandle:
         """Start a restore of ``snapshot`` (id or name); returns the running operation.
@@ -189,9 +194,96 @@ class DaemonClient:
             verify_buffers=verify_buffers,
             replicas=replicas,
             terminal=terminal,
+            no_standby=no_standby,
             request_id=request_id or str(uuid.uuid4()),
         )
         return self._start(self._ops.Restore, req)
+
+    def standby(
+        self,
+        snapshot: str,
+        *,
+        count: int = 1,
+        private_network: bool = False,
+        timeout_s: float | None = None,
+        request_id: str = "",
+    ) -> OperationHandle:
+        """Start restoring ``count`` standbys of ``snapshot`` (ahead of demand: stopped, CUDA-checkpointed)."""
+        req = operations_pb2.StandbyRequest(
+            snapshot=snapshot,
+            count=count,
+            private_network=private_network,
+            timeout=_duration(timeout_s),
+            request_id=request_id or str(uuid.uuid4()),
+        )
+        return self._start(self._ops.Standby, req)
+
+    def activate(
+        self,
+        standby: str,
+        *,
+        gpu: str = "",
+        gpu_map: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+        unset_env: Sequence[str] = (),
+        values: Mapping[str, str] | None = None,
+        verify_buffers: bool = False,
+        timeout_s: float | None = None,
+        request_id: str = "",
+    ) -> OperationHandle:
+        """Start activating ``standby`` on ``gpu`` (or ``gpu_map``); the operation is a restore of its
+        snapshot when another activation took it first."""
+        context = operations_pb2.WorkerContext(
+            env=dict(env or {}), unset_env=list(unset_env), values=dict(values or {})
+        )
+        req = operations_pb2.ActivateRequest(
+            standby=standby,
+            gpu=gpu,
+            gpu_map=dict(gpu_map or {}),
+            context=context,
+            verify_buffers=verify_buffers,
+            timeout=_duration(timeout_s),
+            request_id=request_id or str(uuid.uuid4()),
+        )
+        return self._start(self._ops.Activate, req)
+
+    def list_standbys(self, snapshot: str = "") -> list[values.Standby]:
+        """The caller's standbys (of ``snapshot``), oldest first."""
+        found = self._call(self._park.ListStandbys, park_pb2.ListStandbysRequest(snapshot=snapshot)).standbys
+        return [value(values.Standby, s) for s in found]
+
+    def drop_standby(self, standby: str) -> str:
+        return str(self._call(self._park.DropStandby, park_pb2.DropStandbyRequest(standby=standby)).id)
+
+    def ladder(self) -> values.Ladder:
+        """The park ladder: workloads, budgets, the latest moves."""
+        return value(values.Ladder, self._call(self._park.GetLadder, park_pb2.GetLadderRequest()))
+
+    def set_policy(
+        self,
+        *,
+        snapshot: str = "",
+        labels: Mapping[str, str] | None = None,
+        keep_warm: int | None = None,
+        priority: int | None = None,
+        standby_idle_s: float | None = None,
+    ) -> values.PolicyRule:
+        """Set the park policy of ``snapshot`` or of the caller's snapshots carrying ``labels`` (``None``:
+        inherit that knob)."""
+        policy = park_pb2.Policy(keep_warm=keep_warm, priority=priority, standby_idle_seconds=standby_idle_s)
+        selector = park_pb2.PolicySelector(snapshot=snapshot, labels=dict(labels or {}))
+        rule = self._call(self._park.SetPolicy, park_pb2.SetPolicyRequest(selector=selector, policy=policy)).rule
+        return value(values.PolicyRule, rule)
+
+    def list_policies(self) -> list[values.PolicyRule]:
+        return [
+            value(values.PolicyRule, r)
+            for r in self._call(self._park.ListPolicies, park_pb2.ListPoliciesRequest()).rules
+        ]
+
+    def delete_policy(self, *, snapshot: str = "", labels: Mapping[str, str] | None = None) -> None:
+        selector = park_pb2.PolicySelector(snapshot=snapshot, labels=dict(labels or {}))
+        self._call(self._park.DeletePolicy, park_pb2.DeletePolicyRequest(selector=selector))
 
     def suspend(self, pid: int, *, gpu_lock_timeout_s: float | None = None, request_id: str = "") -> OperationHandle:
         """Start suspending the GPU state of the tree rooted at ``pid`` in place (a ``request_id`` used

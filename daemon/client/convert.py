@@ -55,7 +55,7 @@ def _field(hint: Any, msg: Message, field: Any) -> Any:
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union):  # X | None: an unset sub-message, an empty string or a 0
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        present = msg.HasField(field.name) if field.message_type is not None else bool(raw)
+        present = msg.HasField(field.name) if field.has_presence else bool(raw)
         return _one(inner, raw, field) if present else None
     if origin is tuple:
         return tuple(_one(typing.get_args(hint)[0], v, field) for v in raw)

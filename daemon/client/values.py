@@ -11,6 +11,7 @@ Parts the daemon's domain types already describe exactly (``ProcessFacts``, ``Im
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from datetime import datetime
 
@@ -31,6 +32,16 @@ from gpusnap.daemon.api.types import (
 
 __all__ = [
     "Agent",
+    "Budget",
+    "Ladder",
+    "ParkEvent",
+    "Policy",
+    "PolicyRule",
+    "PolicySelector",
+    "Rung",
+    "Standby",
+    "StandbyResult",
+    "Workload",
     "Buffer",
     "EventType",
     "GpuComputeProcess",
@@ -160,6 +171,27 @@ class ResumeResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class Standby:
+    """A snapshot restored ahead of demand (``gpusnap.v1.Standby``; docs/standby.md)."""
+
+    id: str
+    snapshot_id: str
+    owner_uid: int
+    created: datetime
+    pid: int
+    pids: tuple[int, ...]
+    host_memory_bytes: int
+    state: str
+    """``ready`` or ``activating``."""
+    private_network: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StandbyResult:
+    standbys: tuple[Standby, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Operation:
     """An operation of gpusnapd as it is now (``gpusnap.v1.Operation``); at most one result is set."""
 
@@ -175,6 +207,7 @@ class Operation:
     suspend: SuspendResult | None
     resume: ResumeResult | None
     transfer: TransferResult | None
+    standby: StandbyResult | None
     error: GpusnapError | None
     target_pid: int | None
     """checkpoint, suspend, resume: the tree's root."""
@@ -246,3 +279,83 @@ class NodeInfo:
     """The remote store (``s3://bucket/prefix``); ``None`` when none is configured."""
     tiers: tuple[StoreTier, ...]
     gpu_prefill: GpuPrefill
+    standbys: int
+    """Standbys (the caller's; root: all)."""
+    standby_host_memory_bytes: int
+
+
+class Rung(enum.Enum):
+    """A workload's place on the park ladder (``gpusnap.v1.Rung``), highest first."""
+
+    UNSPECIFIED = "unspecified"
+    ACTIVE = "active"
+    SUSPENDED = "suspended"
+    STANDBY = "standby"
+    RAM = "ram"
+    DISK = "disk"
+    REMOTE = "remote"
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Park policy knobs (``gpusnap.v1.Policy``); ``None``: inherited."""
+
+    keep_warm: int | None
+    priority: int | None
+    standby_idle_seconds: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySelector:
+    snapshot: str | None
+    labels: Mapping[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyRule:
+    selector: PolicySelector
+    policy: Policy
+    owner_uid: int
+    snapshot_id: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One snapshot's workload on the ladder (``gpusnap.v1.Workload``)."""
+
+    snapshot_id: str
+    name: str | None
+    rung: Rung
+    active: int
+    suspended: int
+    standbys: int
+    policy: Policy
+    host_memory_bytes: int
+    gpu_memory_bytes: int
+    ram_tier_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    name: str
+    used_bytes: int
+    budget_bytes: int
+    """0: none."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParkEvent:
+    time: datetime
+    snapshot_id: str
+    from_rung: Rung
+    to_rung: Rung
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Ladder:
+    """``ParkService.GetLadder``: workloads, budgets, the latest moves."""
+
+    workloads: tuple[Workload, ...]
+    budgets: tuple[Budget, ...]
+    events: tuple[ParkEvent, ...]

@@ -280,10 +280,14 @@ class CriuDriver:
         title: Sequence[str] = (),
         owner: Creds | None = None,
         scratch_dir: Path | None = None,
+        leave_stopped: bool = False,
     ) -> RestoredTree:
         """Restore the tree dumped in ``images_dir``; the log goes to ``work_dir/<log_name>``.
 
         Args:
+            leave_stopped: leave every restored task stopped (CRIU ``--leave-stopped``: each gets a
+                ``SIGSTOP`` before it runs an instruction of its own); the caller continues them with
+                ``SIGCONT`` (a standby: ``gpusnap.daemon.operations.standby``).
             before_criu: called with the helper's PID and the namespace init's (0 without ``new_pidns``)
                 before CRIU runs; CRIU runs only once it has returned (so a caller can journal where the
                 tree will be: everything CRIU restores lives under that init, or is started after that
@@ -317,6 +321,8 @@ class CriuDriver:
             "log_level": 4,
             "log_file": log_name,
         }
+        if leave_stopped:
+            opts["leave_stopped"] = True
         if tcp is TcpMode.ESTABLISHED:
             opts["tcp_established"] = True
             opts["network_lock"] = NETWORK_LOCK_NFTABLES

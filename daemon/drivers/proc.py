@@ -53,12 +53,7 @@ def facts(pid: int) -> ProcessFacts:
                 cwd = ""
     except psutil.NoSuchProcess as exc:
         raise _not_found(pid) from exc
-    rss = 0
-    for p in pids:
-        try:
-            rss += psutil.Process(p).memory_info().rss
-        except psutil.NoSuchProcess:
-            continue
+    rss = rss_bytes(pids)
     return ProcessFacts(
         pid=pid,
         comm=comm,
@@ -70,6 +65,17 @@ def facts(pid: int) -> ProcessFacts:
         cwd=cwd,
         listening=tuple(listening_addresses(pids)),
     )
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """Resident memory of ``pids`` together (bytes; gone ones count 0)."""
+    rss = 0
+    for p in pids:
+        try:
+            rss += psutil.Process(p).memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return rss
 
 
 def check_may_checkpoint(pid: int, caller: Caller) -> list[int]:

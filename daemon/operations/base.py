@@ -28,6 +28,7 @@ from gpusnap.daemon.api.types import OperationKind as OperationKind
 from gpusnap.daemon.api.types import OperationState as OperationState
 from gpusnap.daemon.api.types import PhaseTiming, RestoreResult, Snapshot
 from gpusnap.daemon.operations import failpoints
+from gpusnap.daemon.park.standbys import Standby
 from gpusnap.daemon.store.journal import Journal
 
 
@@ -174,7 +175,10 @@ class OperationRecord:
 
 
 def result_json(result: Any) -> dict[str, Any] | None:
-    """An operation's result as journal JSON: a snapshot by id, a restore's PIDs, a resume's GPU map."""
+    """An operation's result as journal JSON: a snapshot by id, a restore's PIDs, a resume's GPU map, a
+    standby operation's standbys by id."""
+    if isinstance(result, tuple) and result and all(isinstance(r, Standby) for r in result):
+        return {"standbys": [r.id for r in result]}
     if isinstance(result, Snapshot):
         return {"snapshot_id": result.id}
     if isinstance(result, RestoreResult):

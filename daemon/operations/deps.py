@@ -7,6 +7,7 @@ import dataclasses
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
+from gpusnap.daemon.park.standbys import StandbyRegistry
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.store import SnapshotStore
 from gpusnap.daemon.weights.prefill import PrefillSupport
@@ -25,3 +26,5 @@ class Deps:
     """The remote store (``--remote``), None when not configured."""
     prefill: PrefillSupport | None = None
     """Device memory filled by gpusnapd at restore (``gpu_prefill``); None: off."""
+    standbys: StandbyRegistry | None = None
+    """The node's standbys (``gpusnap.daemon.park.standbys``); None: this daemon keeps none (embedders)."""

@@ -7,9 +7,11 @@
   worker gets ``restore-complete``; staging was removed when the store opened. A snapshot published before
   the crash is complete and durable and stays listed: the operation then succeeded, with its source left
   running instead of stopped.
-- restore: a tree that CRIU brought back and ``validate`` accepted is adopted: its worker is resumed in a
-  new run reported under the original operation id. A tree that had not passed ``validate`` has its GPUs
-  released and is killed. The operation's message says which.
+- restore and activate (of a standby): a tree that CRIU brought back and ``validate`` accepted is adopted:
+  its worker is resumed in a new run reported under the original operation id. A tree that had not passed
+  ``validate`` has its GPUs released and is killed. The operation's message says which.
+- standby: the copy being made is killed; copies registered before the crash are standbys (the registry,
+  ``gpusnap.daemon.park.standbys``, adopts them after recovery).
 - Finally, every CUDA process of the journal's trees that is found LOCKED or CHECKPOINTED (and that no
   successful suspend left so on purpose) is restored and unlocked.
 
@@ -69,8 +71,17 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
         record.journal = journal
         log.warning("recovery.operation", operation_id=record.id, kind=kind.value, phase=record.phase)
         try:
-            if kind is OperationKind.RESTORE:
+            if kind in (OperationKind.RESTORE, OperationKind.ACTIVATE):
                 _recover_restore(deps, registry, record, facts)
+            elif kind is OperationKind.STANDBY:
+                killed = _kill_restored(deps, facts.get("tree", {}))
+                what = f"the copy being made (PIDs {killed}) was killed" if killed else "no copy was being made"
+                record.finish(
+                    error=_restarted(
+                        f"gpusnapd restarted during {record.phase or 'the start'} of this standby; {what}; standbys "
+                        "made before are kept (`gpusnap standbys`)"
+                    )
+                )
             elif kind in (OperationKind.CHECKPOINT, OperationKind.SUSPEND, OperationKind.RESUME):
                 _recover_capture(deps, record, facts)
             else:  # a transfer: it changed no process; a half-written local copy was removed with staging

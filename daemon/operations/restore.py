@@ -87,9 +87,29 @@ def check_host_compatible(snapshot: Snapshot) -> None:
         )
 
 
-def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Caller) -> RestoreResult:
-    """The body of a restore operation (see the module docstring)."""
-    timeout = opts.timeout_s or deps.config.restore_timeout
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare` checked: the snapshot, its buffer digests (pinned for the operation, with an
+    ``unpin-buffers`` undo), where its GPUs go (``None``: no GPU state, or not resolved), and whether its
+    buffers came back from the remote store."""
+
+    snapshot: Snapshot
+    digests: tuple[str, ...]
+    gpu_map: dict[str, str] | None
+    refetched: bool
+
+
+def prepare(
+    run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Caller, *, resolve_gpus: bool = True
+) -> Prepared:
+    """``preflight`` (and ``fetch-buffers`` when the disk tier evicted some): everything a restore or a
+    standby checks before CRIU runs (module docstring). ``resolve_gpus``: map the snapshot's GPUs and run
+    the GPU preflight now (a standby does that at activation).
+
+    Raises:
+        As the module docstring's preflight: NotFoundError, PermissionDeniedError, InvalidArgumentError,
+        FailedPreconditionError, DataLossError, ResourceExhaustedError.
+    """
     with run.phase("preflight"):
         snapshot = deps.store.get(opts.snapshot, caller.uid)
         run.record.target_snapshot = snapshot.id
@@ -116,7 +136,7 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
                     "restored copy); restore it with --private-net, or stop what holds the port",
                     reason="ADDRESS_IN_USE",
                 )
-        digests = [b.sha256 for b in snapshot.buffers]
+        digests = tuple(b.sha256 for b in snapshot.buffers)
         if digests:  # kept from garbage collection until the worker has read them
             deps.store.buffers.pin(snapshot.buffer_uid, digests)
             run.on_failure("unpin-buffers", lambda: deps.store.buffers.unpin(snapshot.buffer_uid, digests))
@@ -126,12 +146,30 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
         private_shm = shm_dir.is_dir() and not opts.host_pid_namespace
         file_rights.check_before_restore(snapshot, private_shm)
-        gpu_map = _resolve_gpu_map(deps, snapshot, opts)
+        gpu_map = resolve_gpu_map(deps, snapshot, opts) if resolve_gpus else None
     if refetch is not None:  # evicted from the disk tier: back from the remote store first
         with run.phase("fetch-buffers") as progress:
             assert deps.remote is not None
             progress.bytes = evict.fetch(deps.store, deps.remote, refetch, progress.every_percent()).transferred_bytes
         deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
+    return Prepared(snapshot, digests, gpu_map, refetch is not None)
+
+
+def release(deps: Deps, run: PhaseRunner, prepared: Prepared) -> None:
+    """The end of a successful operation that :func:`prepare` began: unpin its buffers, and let the tiers
+    spill what a fetch brought back."""
+    if prepared.digests:
+        run.drop_undo("unpin-buffers")
+        deps.store.buffers.unpin(prepared.snapshot.buffer_uid, prepared.digests)
+    if prepared.refetched:
+        deps.store.buffers.schedule_budgets()
+
+
+def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Caller) -> RestoreResult:
+    """The body of a restore operation (see the module docstring)."""
+    timeout = opts.timeout_s or deps.config.restore_timeout
+    prepared = prepare(run, deps, opts, caller)
+    snapshot, gpu_map = prepared.snapshot, prepared.gpu_map
     with run.phase("verify") as progress:
         deps.store.verify(snapshot)
         progress.bytes = snapshot.size_bytes
@@ -152,14 +190,10 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         for index in range(opts.replicas):
             copy_opts = replica_options(opts, index)
             with run.for_copy(f"#{index}"):
-                copy_map = gpu_map if index == 0 else _resolve_gpu_map(deps, snapshot, copy_opts)
+                copy_map = gpu_map if index == 0 else resolve_gpu_map(deps, snapshot, copy_opts)
                 copies.append(_restore_copy(run, deps, snapshot, copy_opts, copy_map, buffers_verified, timeout))
         result = dataclasses.replace(copies[0], replicas=tuple(copies))
-    if digests:
-        run.drop_undo("unpin-buffers")
-        deps.store.buffers.unpin(snapshot.buffer_uid, digests)
-    if refetch is not None:
-        deps.store.buffers.schedule_budgets()
+    release(deps, run, prepared)
     return result
 
 
@@ -208,12 +242,44 @@ def _restore_copy(
     earlier = run.record.facts.pop("tree", None)
     if earlier is not None:  # a fan-out's earlier copy: recovery must find every copy's tree
         run.record.facts.setdefault("earlier_trees", []).append(earlier)
-    run.record.note(
-        snapshot_id=snapshot.id, env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values)
-    )
     prefill = weights_prefill.start(deps.prefill, deps.store.buffers, snapshot, gpu_map)  # while CRIU runs
     if prefill is not None:
         run.on_failure("release-prefill", prefill.close)
+    side = restore_cpu(run, deps, snapshot, opts, timeout)
+    return bring_up(run, deps, snapshot, opts, side, gpu_map, buffers_verified, prefill)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuSide:
+    """A tree CRIU restored: its namespace init (0: none) and root (host PIDs), the processes CRIU restored
+    (counted at its ``pre-resume``, before any ran), and the host PIDs of its CUDA processes."""
+
+    init_pid: int
+    ns_pid: int
+    root: int
+    restored: tuple[int, ...]
+    cuda_pids: tuple[int, ...]
+
+
+def restore_cpu(
+    run: PhaseRunner,
+    deps: Deps,
+    snapshot: Snapshot,
+    opts: RestoreOptions,
+    timeout: float,
+    *,
+    leave_stopped: bool = False,
+) -> CpuSide:
+    """The ``restore`` phase: CRIU brings the tree back (its CUDA processes CHECKPOINTED: no GPU memory),
+    journaled for recovery, with a ``kill-restored`` undo registered. ``leave_stopped``: every task is left
+    stopped (a standby).
+
+    Raises:
+        FailedPreconditionError: CRIU restored too little (``RESTORE_INCOMPLETE``); as ``CriuDriver.restore``.
+    """
+    run.record.note(
+        snapshot_id=snapshot.id, env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values)
+    )
     with run.phase("restore") as progress:
         workers.before_restore(snapshot)
         shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
@@ -269,6 +335,7 @@ def _restore_copy(
             title=(f"snapshot={snapshot.id}", f"name={snapshot.name or '-'}", f"operation={run.record.id}"),
             owner=file_rights.owner_creds(snapshot) if snapshot.owner_uid != 0 else None,
             scratch_dir=scratch,
+            leave_stopped=leave_stopped,
         )
         devshm.remove_link_remaps(remaps)  # opened by CRIU: the restored tree holds the file, not the name
         progress.bytes = snapshot.size_bytes
@@ -284,9 +351,8 @@ def _restore_copy(
             root=root,
             root_start=proc.start_time(root),
         )
-    ctl: GpuTreeController | None = None
     cuda_pids: list[int] = []
-    if gpu_map is not None:
+    if snapshot.gpu_processes:
         host_pid_of = {proc.namespace_pid(p): p for p in proc.tree_pids(root)}
         cuda_pids = [host_pid_of[g.pid] for g in snapshot.gpu_processes if g.pid in host_pid_of]
         if len(cuda_pids) != len(snapshot.gpu_processes):
@@ -295,6 +361,46 @@ def _restore_copy(
                 reason="RESTORE_INCOMPLETE",
             )
         _note_tree(run, cuda_pids=cuda_pids)
+    return CpuSide(tree.init_pid, tree.ns_pid, root, tuple(restored), tuple(cuda_pids))
+
+
+def check_restored_count(run: PhaseRunner, snapshot: Snapshot, side: CpuSide) -> None:
+    """CRIU restored every process that was frozen (counted at its ``pre-resume`` against the tree as it was
+    frozen: a live count now would also see what the resumed tree forked or reaped since, zdtm
+    transition/fork) and the root is alive.
+
+    Raises:
+        FailedPreconditionError: reason ``RESTORE_INCOMPLETE``, naming CRIU's log.
+    """
+    expected = len(snapshot.source.tree_pids)
+    if len(side.restored) < expected or not proc.alive(side.root):  # more: CRIU's helpers, not yet gone
+        raise FailedPreconditionError(
+            f"restore of {snapshot.id} brought back {len(side.restored)} of {expected} processes"
+            f"{'' if proc.alive(side.root) else ' and its root is gone'}; "
+            f"see restore-{run.record.id}{run.phase_suffix.replace('#', '-')}.log in the snapshot directory",
+            reason="RESTORE_INCOMPLETE",
+        )
+
+
+def bring_up(
+    run: PhaseRunner,
+    deps: Deps,
+    snapshot: Snapshot,
+    opts: RestoreOptions,
+    side: CpuSide,
+    gpu_map: dict[str, str] | None,
+    buffers_verified: Callable[[], None],
+    prefill: weights_prefill.Prefill | None,
+    *,
+    counted: bool = False,
+) -> RestoreResult:
+    """After CRIU: ``gpu-restore`` onto ``gpu_map`` → ``gpu-unlock`` → ``validate`` → the worker's
+    ``reload-buffers`` and ``resume-worker``. Registers ``release-gpus`` (before the kill) for a failure.
+    ``counted``: the restored processes were counted already (a standby, when it was made): ``validate``
+    then checks that the root is alive."""
+    ctl: GpuTreeController | None = None
+    cuda_pids = list(side.cuda_pids)
+    if gpu_map is not None and cuda_pids:
         ctl = deps.gpu.controller(sum(g.gpu_memory_bytes for g in snapshot.gpu_processes))
         lock_ms = int(deps.config.gpu_lock_timeout * 1000)
         release = ctl.release_gpus_for_kill
@@ -310,20 +416,17 @@ def _restore_copy(
     with run.phase("validate"):
         if ctl is not None:
             ctl.verify_running(cuda_pids)
-        # Counted at CRIU's pre-resume against the tree as it was frozen: a live count now would also see
-        # what the resumed tree forked or reaped since (zdtm transition/fork).
-        expected = len(snapshot.source.tree_pids)
-        if len(restored) < expected or not proc.alive(root):  # more: CRIU's session/group helpers, not yet gone
+        if not counted:
+            check_restored_count(run, snapshot, side)
+        elif not proc.alive(side.root):
             raise FailedPreconditionError(
-                f"restore of {snapshot.id} brought back {len(restored)} of {expected} processes"
-                f"{'' if proc.alive(root) else ' and its root is gone'}; "
-                f"see restore-{run.record.id}{run.phase_suffix.replace('#', '-')}.log in the snapshot directory",
+                f"the standby of {snapshot.id} lost its root process (PID {side.root}); restore the snapshot again",
                 reason="RESTORE_INCOMPLETE",
             )
-        pids = proc.tree_pids(root)
+        pids = proc.tree_pids(side.root)
     _note_tree(run, validated=True, pids=pids)
     workers.resume_restored(run, deps, snapshot, opts, pids, buffers_verified, prefill)
-    return RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid)
+    return RestoreResult(pid=side.root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=side.ns_pid)
 
 
 def _note_tree(run: PhaseRunner, **facts: object) -> None:
@@ -336,7 +439,7 @@ def _tcp_mode_of(snapshot: Snapshot) -> TcpMode:
     return TcpMode(snapshot.labels.get(TCP_LABEL, TcpMode.REFUSE.value))
 
 
-def _resolve_gpu_map(deps: Deps, snapshot: Snapshot, opts: RestoreOptions) -> dict[str, str] | None:
+def resolve_gpu_map(deps: Deps, snapshot: Snapshot, opts: RestoreOptions) -> dict[str, str] | None:
     """Where each checkpointed GPU goes (``None`` for a CPU-only snapshot), after the GPU preflight.
 
     Raises:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import secrets
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
@@ -40,7 +39,7 @@ from gpusnap.daemon.remote import layout
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.remote.transfer import Item, Progress, Tally, pull_chunks
 from gpusnap.daemon.store import checksum
-from gpusnap.daemon.store.durable import fsync_dir
+from gpusnap.daemon.store.durable import write_json
 from gpusnap.daemon.store.store import SnapshotStore
 
 log = structlog.get_logger(__name__)
@@ -56,16 +55,7 @@ class Record:
 
 def write_record(snapshot_dir: Path, remote: str, buffers: Mapping[str, Sequence[str]]) -> None:
     """Record (durably, atomically) that the snapshot in ``snapshot_dir`` is published in ``remote``."""
-    doc = {"remote": remote, "buffers": {d: list(c) for d, c in buffers.items()}}
-    tmp = snapshot_dir / f".{RECORD}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, json.dumps(doc, sort_keys=True).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, snapshot_dir / RECORD)
-    fsync_dir(snapshot_dir)
+    write_json(snapshot_dir / RECORD, {"remote": remote, "buffers": {d: list(c) for d, c in buffers.items()}})
 
 
 def read_record(snapshot_dir: Path) -> Record | None:

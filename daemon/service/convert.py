@@ -24,6 +24,7 @@ from gpusnap.daemon.api.types import (
 )
 from gpusnap.daemon.core import NodeInfo
 from gpusnap.daemon.operations.base import EventType, OperationEvent, OperationKind, OperationRecord, OperationState
+from gpusnap.daemon.park.standbys import Standby
 from gpusnap.daemon.store import manifest
 
 _TCP = {
@@ -38,6 +39,8 @@ _KIND = {
     OperationKind.RESUME: operations_pb2.OPERATION_KIND_RESUME,
     OperationKind.PUSH: operations_pb2.OPERATION_KIND_PUSH,
     OperationKind.PULL: operations_pb2.OPERATION_KIND_PULL,
+    OperationKind.STANDBY: operations_pb2.OPERATION_KIND_STANDBY,
+    OperationKind.ACTIVATE: operations_pb2.OPERATION_KIND_ACTIVATE,
 }
 _STATE = {
     OperationState.RUNNING: operations_pb2.OPERATION_STATE_RUNNING,
@@ -127,6 +130,7 @@ def restore_options(req: operations_pb2.RestoreRequest) -> RestoreOptions:
         verify_buffers=req.verify_buffers,
         replicas=max(1, req.replicas),
         terminal=_terminal_path(req.terminal),
+        no_standby=req.no_standby,
     )
 
 
@@ -242,7 +246,23 @@ def operation(r: OperationRecord) -> operations_pb2.Operation:
         )
     elif isinstance(r.result, TransferResult):
         msg.transfer.CopyFrom(operations_pb2.TransferResult(**dataclasses.asdict(r.result)))
+    elif r.kind is OperationKind.STANDBY and isinstance(r.result, tuple):
+        msg.standby.CopyFrom(operations_pb2.StandbyResult(standbys=[standby(s) for s in r.result]))
     return msg
+
+
+def standby(s: Standby) -> types_pb2.Standby:
+    return types_pb2.Standby(
+        id=s.id,
+        snapshot_id=s.snapshot_id,
+        owner_uid=s.owner_uid,
+        created=timestamp(s.created),
+        pid=s.root,
+        pids=list(s.pids),
+        host_memory_bytes=s.host_memory_bytes,
+        state=s.state,
+        private_network=s.private_network,
+    )
 
 
 def event(r: OperationRecord, e: OperationEvent) -> operations_pb2.OperationEvent:
@@ -289,6 +309,8 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
             **{k: v for k, v in dataclasses.asdict(n.gpu_prefill).items() if v is not None}
         ),
         remote=n.remote,
+        standbys=n.standbys,
+        standby_host_memory_bytes=n.standby_host_memory_bytes,
         tiers=[
             node_pb2.StoreTier(
                 name=t.name,

@@ -14,6 +14,8 @@ from gpusnap.daemon._proto import (
     node_pb2_grpc,
     operations_pb2,
     operations_pb2_grpc,
+    park_pb2,
+    park_pb2_grpc,
     snapshots_pb2,
     snapshots_pb2_grpc,
 )
@@ -21,7 +23,7 @@ from gpusnap.daemon.api import paging
 from gpusnap.daemon.api.errors import GpusnapError, InternalError
 from gpusnap.daemon.api.types import ANONYMOUS_CALLER, ROOT_CALLER, Caller
 from gpusnap.daemon.core import Daemon, operation_key, snapshot_key
-from gpusnap.daemon.service import convert
+from gpusnap.daemon.service import convert, convert_park
 from gpusnap.daemon.service.errors import abort
 from gpusnap.daemon.service.peercred import PeerCredProxy
 
@@ -139,6 +141,22 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
         return operations_pb2.CancelOperationResponse(operation=convert.operation(record))
 
     @_rpc
+    def Standby(
+        self, request: operations_pb2.StandbyRequest, context: grpc.ServicerContext
+    ) -> operations_pb2.StandbyResponse:
+        opts = convert_park.standby_options(request)
+        record = self.daemon.standby(opts, self.caller(context), request.request_id)
+        return operations_pb2.StandbyResponse(operation=convert.operation(record))
+
+    @_rpc
+    def Activate(
+        self, request: operations_pb2.ActivateRequest, context: grpc.ServicerContext
+    ) -> operations_pb2.ActivateResponse:
+        opts = convert_park.activate_options(request)
+        record = self.daemon.activate(request.standby, opts, self.caller(context), request.gpu, request.request_id)
+        return operations_pb2.ActivateResponse(operation=convert.operation(record))
+
+    @_rpc
     def ListOperations(
         self, request: operations_pb2.ListOperationsRequest, context: grpc.ServicerContext
     ) -> operations_pb2.ListOperationsResponse:
@@ -180,3 +198,56 @@ class NodeServicer(_Base, node_pb2_grpc.NodeServiceServicer):
         self, request: node_pb2.GetNodeInfoRequest, context: grpc.ServicerContext
     ) -> node_pb2.GetNodeInfoResponse:
         return node_pb2.GetNodeInfoResponse(node=convert.node_info(self.daemon.node_info(self.caller(context))))
+
+
+class ParkServicer(_Base, park_pb2_grpc.ParkServiceServicer):
+    @_rpc
+    def ListStandbys(
+        self, request: park_pb2.ListStandbysRequest, context: grpc.ServicerContext
+    ) -> park_pb2.ListStandbysResponse:
+        found = self.daemon.standbys(self.caller(context), request.snapshot)
+        return park_pb2.ListStandbysResponse(standbys=[convert.standby(s) for s in found])
+
+    @_rpc
+    def DropStandby(
+        self, request: park_pb2.DropStandbyRequest, context: grpc.ServicerContext
+    ) -> park_pb2.DropStandbyResponse:
+        return park_pb2.DropStandbyResponse(id=self.daemon.drop_standby(request.standby, self.caller(context)))
+
+    @_rpc
+    def GetLadder(
+        self, request: park_pb2.GetLadderRequest, context: grpc.ServicerContext
+    ) -> park_pb2.GetLadderResponse:
+        workloads, budgets, events = self.daemon.ladder_view(self.caller(context))
+        return park_pb2.GetLadderResponse(
+            workloads=[convert_park.workload(w) for w in workloads],
+            budgets=[convert_park.budget(b) for b in budgets],
+            events=[convert_park.event(e) for e in events],
+        )
+
+    @_rpc
+    def SetPolicy(
+        self, request: park_pb2.SetPolicyRequest, context: grpc.ServicerContext
+    ) -> park_pb2.SetPolicyResponse:
+        rule = self.daemon.set_policy(
+            request.selector.snapshot,
+            dict(request.selector.labels),
+            convert_park.policy_of(request.policy),
+            self.caller(context),
+        )
+        return park_pb2.SetPolicyResponse(rule=convert_park.rule(rule))
+
+    @_rpc
+    def ListPolicies(
+        self, request: park_pb2.ListPoliciesRequest, context: grpc.ServicerContext
+    ) -> park_pb2.ListPoliciesResponse:
+        return park_pb2.ListPoliciesResponse(
+            rules=[convert_park.rule(r) for r in self.daemon.policies(self.caller(context))]
+        )
+
+    @_rpc
+    def DeletePolicy(
+        self, request: park_pb2.DeletePolicyRequest, context: grpc.ServicerContext
+    ) -> park_pb2.DeletePolicyResponse:
+        self.daemon.delete_policy(request.selector.snapshot, dict(request.selector.labels), self.caller(context))
+        return park_pb2.DeletePolicyResponse()

@@ -180,6 +180,9 @@ class BufferStore:
         """Says whether blob ``<uid>/<digest>`` of ``size`` bytes is safely in the remote store, so the
         slowest tier may drop it (``gpusnap.daemon.remote.evict``); None: no remote, nothing leaves."""
         self._held: tuple[set[Path], set[str]] = (set(), set())
+        self.rank: Callable[[str], int] | None = None
+        """A blob's rank for eviction (``<uid>/<digest>`` → the highest park priority of the snapshots using
+        it): lower ranks leave a tier first, least recently used first within a rank. None: LRU only."""
         self.after_collect: Callable[[], None] | None = None
         """Called after a garbage collection removed blobs or a budget pass moved them out of a tier (gpusnapd's
         prefill then unregisters their unlinked files, whose pages a kept registration would pin)."""
@@ -467,7 +470,7 @@ class BufferStore:
         gone = 0
         with self._lock:
             pinned = set(self._pins)
-        for key, path, size in eviction_order(tier, pinned):
+        for key, path, size in eviction_order(tier, pinned, self.rank):
             if used <= tier.budget_bytes:
                 break
             if drop(key, path, size):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,3 +43,17 @@ def fsync_tree(root: Path) -> None:
     with ThreadPoolExecutor(max_workers=min(FSYNC_THREADS, len(files)), thread_name_prefix="gpusnap-fsync") as pool:
         for done in [pool.submit(fsync_path, path, flags) for path, flags in files]:
             done.result()
+
+
+def write_json(path: Path, doc: object) -> None:
+    """Replace ``path`` with ``doc`` as JSON, durably and atomically (a crash leaves the old file or the new
+    one, mode 0600): a temporary file beside it, fsynced, renamed over it, then the directory fsynced."""
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps(doc, sort_keys=True).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    fsync_dir(path.parent)

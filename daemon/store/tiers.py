@@ -17,7 +17,7 @@ import dataclasses
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import structlog
@@ -112,14 +112,17 @@ def move(key: str, src: Path, dst_tier: Tier) -> bool:
     return True
 
 
-def eviction_order(tier: Tier, pinned: set[str]) -> list[tuple[str, Path, int]]:
-    """Unpinned blobs of ``tier``, least recently used first: (key, path, size)."""
+def eviction_order(
+    tier: Tier, pinned: set[str], rank: Callable[[str], int] | None = None
+) -> list[tuple[str, Path, int]]:
+    """Unpinned blobs of ``tier``, lowest ``rank`` first (the park ladder's priority of the snapshots using a
+    blob; none: all equal), least recently used first within a rank: (key, path, size)."""
     found = []
     for key, path in tier.blob_files():
         if key not in pinned:
             st = path.stat()
-            found.append((st.st_mtime, key, path, st.st_size))
-    return [(k, p, s) for _, k, p, s in sorted(found)]
+            found.append((rank(key) if rank is not None else 0, st.st_mtime, key, path, st.st_size))
+    return [(k, p, s) for _, _, k, p, s in sorted(found)]
 
 
 def mark_used(path: Path) -> None:

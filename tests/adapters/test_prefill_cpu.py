@@ -18,7 +18,7 @@ import pytest
 from gpusnap.daemon.api.errors import DataLossError
 from tests.adapters import torch_venv
 from tests.adapters.test_buffers_cpu import WEIGHT_BYTES, Worker
-from tests.conftest import REPO, DaemonProc, kill_tree, start_daemon, stop_daemon, wait_for
+from tests.conftest import REPO, DaemonProc, kill_tree, phase_seconds, start_daemon, stop_daemon, wait_for
 
 LAUNCHER = REPO / "tests" / "daemon" / "prefill_daemon.py"
 CHUNK_MIB = 64  # the 256 MiB arena in four chunks: four descriptors, copies split at chunk boundaries
@@ -173,3 +173,26 @@ def test_verify_buffers_checks_digests_before_the_filled_memory_reaches_the_work
         d.client().wait(op.id, timeout_s=300)
     assert not any("prefilled" in m for m in _reload_messages(d, op.id)), "nothing was handed over"
     assert _memfds(d.proc.pid) == [], "the filled memory was released"
+
+
+def test_a_standby_activates_with_prefilled_weights_and_the_same_tokens(tmp_path: Path, cleanup: list) -> None:  # type: ignore[type-arg]
+    """``gpusnap standby`` restores the worker ahead (stopped, its agent quiesced, its RAM-tier blob
+    registered for the fill); ``gpusnap activate`` wakes it, hands it the arena gpusnapd filled, resumes it
+    and checks its canary: the same tokens from the same address as before the capture."""
+    d = _daemon(tmp_path, GPUSNAP_BUFFER_DIR=str(tmp_path / "ram"))
+    cleanup.append(d)
+    w = Worker(d, tmp_path, "w", "--stable-fake", "--chunk-mib", str(CHUNK_MIB))
+    cleanup.append(w)
+    before = w.generate()
+    d.cli("dump", str(w.proc.pid), "--name", "w", check=True)
+    assert w.proc.wait(timeout=30) == -9
+    (sb,) = json.loads(d.cli("-o", "json", "standby", "w", check=True, timeout=300).stdout)["standbys"]
+    w.restored = sb["pid"]  # type: ignore[attr-defined]
+    registered = f"{WEIGHT_BYTES / 2**30:.1f} GiB of blobs registered"
+    wait_for(lambda: registered in d.cli("node", check=True).stdout, 60, "the standby's blob was not registered")
+    assert "resume" not in w.events()[-1], "the standby's worker has not resumed"
+    done = json.loads(d.cli("-o", "json", "activate", sb["id"], check=True, timeout=300).stdout)
+    assert done["pid"] == sb["pid"] and list(phase_seconds(done))[:2] == ["preflight", "wake"]
+    assert any(f"{WEIGHT_BYTES} bytes prefilled" in m for m in _reload_messages(d, done["operation"]))
+    assert w.generate() == before, "identical tokens, weights and address"
+    assert _memfds(d.proc.pid) == [], "gpusnapd released its handles after the hand-over"

@@ -262,14 +262,15 @@ def test_tmpfiles_creates_directories(tmp_path: Path) -> None:
 
 
 def _uncomment_keys(text: str) -> str:
-    """The example config with every ``# key = value`` line made active."""
-    return re.sub(r"(?m)^# ([a-z_]+ = )", r"\1", text)
+    """The example config with every ``# key = value`` line (and the ``# [park]`` header) made active."""
+    return re.sub(r"(?m)^# ([a-z_]+ = |\[park\]$)", r"\1", text)
 
 
 def test_example_config_documents_every_key_with_its_default(tmp_path: Path) -> None:
     text = EXAMPLE_CONFIG.read_text()
     assert tomllib.loads(text) == {}, "every key of the example must be commented out"
     doc = tomllib.loads(_uncomment_keys(text))
+    doc.update({f"park_{k}": v for k, v in doc.pop("park").items()})  # the [park] section
     fields = {f.name for f in dataclasses.fields(DaemonConfig)}
     assert set(doc) == fields
     active = tmp_path / "gpusnapd.toml"

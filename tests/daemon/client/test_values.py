@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gpusnap.daemon._proto import node_pb2, operations_pb2, types_pb2
+from gpusnap.daemon._proto import node_pb2, operations_pb2, park_pb2, types_pb2
 from gpusnap.daemon.api.errors import CancelledError, Code
 from gpusnap.daemon.api.status import to_status_proto
 from gpusnap.daemon.client import values
@@ -38,6 +38,15 @@ PAIRS = [
     (values.TransferResult, operations_pb2.TransferResult),
     (values.NodeInfo, node_pb2.NodeInfo),
     (values.StoreTier, node_pb2.StoreTier),
+    (values.Standby, types_pb2.Standby),
+    (values.StandbyResult, operations_pb2.StandbyResult),
+    (values.Ladder, park_pb2.GetLadderResponse),
+    (values.Workload, park_pb2.Workload),
+    (values.Budget, park_pb2.Budget),
+    (values.ParkEvent, park_pb2.ParkEvent),
+    (values.Policy, park_pb2.Policy),
+    (values.PolicyRule, park_pb2.PolicyRule),
+    (values.PolicySelector, park_pb2.PolicySelector),
 ]
 
 

@@ -78,3 +78,33 @@ def test_buffers_bigger_than_every_budget_are_refused(tmp_path: Path) -> None:
         staged.close()
     finally:
         s.close()
+
+
+def test_the_park_priority_orders_eviction_before_recency(tmp_path: Path) -> None:
+    """The park ladder ranks blobs by the priority of the snapshots using them (``BufferStore.rank``): over
+    the RAM budget, the lowest priority leaves first, even when it was used last."""
+    s = _store(tmp_path, ram=9 * MIB)
+    try:
+        high, low = _capture(s, 1), _capture(s, 2)
+        os.utime(s.path(0, high), (1, 1))  # least recently used, but of the higher priority
+        s.rank = lambda key: 10 if key.endswith(high) else 0
+        _capture(s, 3)
+        assert _tier_of(s, high) == "ram" and _tier_of(s, low) == "disk"
+    finally:
+        s.close()
+
+
+def test_the_slowest_tier_never_drops_a_blob_the_remote_lacks(tmp_path: Path) -> None:
+    """Over the disk budget a blob leaves only once the remote store holds it (``evictor``): the last copy
+    stays, over budget, and the others go."""
+    s = _store(tmp_path, ram=0, disk=5 * MIB)
+    s.tiers = s.tiers[1:]  # the disk tier alone
+    try:
+        only, pushed = _capture(s, 1), _capture(s, 2)
+        s.evictor = lambda key, size: key.endswith(pushed)
+        assert s.enforce_budgets() == 4 * MIB
+        assert s.path(0, only).exists() and not s.path(0, pushed).exists()
+        s.evictor = lambda key, size: False
+        assert s.enforce_budgets() == 0 and s.path(0, only).exists(), "over budget, but its only copy stays"
+    finally:
+        s.close()

@@ -1,0 +1,529 @@
+"""The park ladder: each workload's rung, the moves its policy asks for, an event for every move.
+
+A workload is a snapshot and every copy of it on this node. Its rung is the highest one it holds a copy on:
+
+    active     a tree gpusnapd restored or activated from it runs (on a GPU when it has GPU state)
+    suspended  such a tree is suspended in place (``gpusnap suspend``): GPU memory freed, the process alive
+    standby    restored ahead (``gpusnap standby``): stopped, CUDA-checkpointed, in host memory
+    ram        its snapshot, with every buffer (weights) in the RAM tier
+    disk       its snapshot, some buffer on the disk tier
+    remote     its snapshot, some buffer only in the remote store (S3)
+
+What moves a workload (:meth:`Ladder.tick`, every ``[park] interval_s`` and after every operation):
+
+- ``keep_warm``: the ladder makes standbys (one standby operation at a time per snapshot, highest priority
+  first) until the snapshot has as many as its policy keeps warm, and makes a new one when a restore or an
+  activation took one.
+- Idleness: a standby beyond ``keep_warm`` that has stood ``standby_idle_s`` is dropped (standby → ram/disk);
+  the buffer tiers move their least recently used blobs down when over budget (ram → disk; disk → remote
+  once the remote store holds them), lowest priority first (``BufferStore.rank``).
+- Budgets (``[park]``: ``standby_ram_bytes``, ``gpu_bytes``; the tiers' ``ram_tier_bytes``,
+  ``disk_tier_bytes``). A standby operation reserves its copies' image bytes before CRIU runs and a restore or
+  activation its GPU memory (CUDA state plus buffers) before anything moves, under one lock, so operations
+  running at once never pass a budget together. A standby that does not fit first takes the room of
+  standbys of lower priority (dropped: lowest priority, beyond ``keep_warm``, oldest first); else it, like a
+  restore over the GPU budget, is refused (``PARK_BUDGET``, a retry). A running tree is never suspended or
+  stopped by the ladder: active and suspended change only by operations (restore, activate, suspend, resume).
+- A move never loses the only copy: dropping a standby leaves its snapshot (which cannot be deleted while it
+  has standbys), a tier move copies before it removes, and the disk tier drops a blob only once the remote
+  store holds it whole (``gpusnap.daemon.remote.evict``). The ladder deletes no snapshot.
+
+Every rung change of a workload, whoever caused it, is an event (:attr:`Ladder.events`, the API's
+``GetLadder``, the log line ``park.move``, the metric ``gpusnap_park_moves_total``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import json
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpusnap.daemon.api.errors import GpusnapError, ResourceExhaustedError
+from gpusnap.daemon.api.types import RestoreResult, Snapshot
+from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState
+from gpusnap.daemon.park.policy import Policies, Policy
+from gpusnap.daemon.park.standbys import READY, Standby, StandbyRegistry
+from gpusnap.daemon.store import SnapshotStore
+from gpusnap.daemon.store.durable import write_json
+
+log = structlog.get_logger(__name__)
+
+ACTIVE_FILE = "park-active.json"
+KEEP_EVENTS = 256
+RETRY_S = 60.0
+"""After a standby the ladder made failed, it tries that snapshot again only this much later."""
+
+
+class Rung(enum.IntEnum):
+    """Highest first (the order of ``gpusnap.v1.Rung``)."""
+
+    ACTIVE = 1
+    SUSPENDED = 2
+    STANDBY = 3
+    RAM = 4
+    DISK = 5
+    REMOTE = 6
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One move of a workload from one rung to another."""
+
+    time: datetime
+    snapshot_id: str
+    from_rung: Rung | None
+    to_rung: Rung | None
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Tracked:
+    """A tree gpusnapd restored or activated (host PIDs; its start time names it)."""
+
+    snapshot_id: str
+    root: int
+    root_start: float
+    gpu_bytes: int
+    suspended: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One row of the ladder."""
+
+    snapshot: Snapshot
+    rung: Rung
+    active: int
+    suspended: int
+    standbys: int
+    policy: Policy
+    host_memory_bytes: int
+    gpu_memory_bytes: int
+    ram_tier_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    name: str
+    used_bytes: int
+    budget_bytes: int
+
+
+def gpu_need(snapshot: Snapshot) -> int:
+    """GPU memory a running copy of ``snapshot`` holds: its CUDA state at capture plus its buffers (bytes;
+    0 without GPU state)."""
+    if not snapshot.gpu_processes:
+        return 0
+    return sum(g.gpu_memory_bytes for g in snapshot.gpu_processes) + snapshot.buffer_bytes
+
+
+class Ladder:
+    """The node's park ladder (module docstring). Thread-safe.
+
+    Args:
+        store: the snapshot store (its buffer tiers are the ram/disk/remote rungs).
+        standbys: the node's standbys.
+        policies: the node's park policies and ``[park]`` settings.
+        state_dir: where the tracked trees are kept (``park-active.json``).
+        remote: whether a remote store is configured (a blob missing locally is then on the remote rung).
+    """
+
+    def __init__(
+        self, store: SnapshotStore, standbys: StandbyRegistry, policies: Policies, state_dir: Path, remote: bool
+    ):
+        self.store = store
+        self.standbys = standbys
+        self.policies = policies
+        self.config = policies.config
+        self.remote = remote
+        self.events: collections.deque[Event] = collections.deque(maxlen=KEEP_EVENTS)
+        self.moves: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.make_standby: Callable[[str], OperationRecord] | None = None
+        """Starts a standby operation of one copy of a snapshot, as root (set by the daemon)."""
+        self.drop_standby: Callable[[str], object] | None = None
+        """Drops a standby by id (set by the daemon)."""
+        self._active_path = state_dir / ACTIVE_FILE
+        self._lock = threading.RLock()
+        self._tracked: dict[int, Tracked] = {}
+        self._reserved: dict[str, dict[int, int]] = {"standby_ram": {}, "gpu": {}}
+        self._next_reservation = 0
+        self._making: dict[str, OperationRecord] = {}
+        self._failed_at: dict[str, float] = {}
+        self._last: dict[str, Rung] = {}
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Read the trees tracked before a restart; keep those still alive (same PID and start time)."""
+        try:
+            docs = json.loads(self._active_path.read_bytes())
+            found = [Tracked(**d) for d in docs]
+        except FileNotFoundError:
+            found = []
+        except (OSError, ValueError, TypeError) as exc:
+            log.error("park.active_unreadable", error=str(exc))
+            found = []
+        with self._lock:
+            self._tracked = {t.root: t for t in found if abs(proc.start_time(t.root) - t.root_start) < 0.01}
+            self._save_tracked()
+            self._last = {w.snapshot.id: w.rung for w in self._workloads()}
+        self.store.buffers.rank = self.blob_rank
+
+    def start(self) -> None:
+        """Run :meth:`tick` every ``interval_s`` (and when :meth:`poke` asks) on a thread of its own."""
+        self._thread = threading.Thread(target=self._loop, name="gpusnap-park", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def poke(self) -> None:
+        """Ask for a pass soon (after an operation, a policy change)."""
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # the ladder must keep running; the next pass tries again
+                log.exception("park.tick_failed")
+            self._wake.wait(self.config.interval_s)
+            self._wake.clear()
+
+    # -- what operations tell the ladder --------------------------------------------------------------------
+
+    def after_operation(self, record: OperationRecord) -> None:
+        """Track the tree a restore or activation brought up, a suspend or resume of a tracked tree, and
+        record the rung changes it caused; then ask for a pass."""
+        if record.state is OperationState.SUCCEEDED:
+            with self._lock:
+                if isinstance(record.result, RestoreResult):
+                    self.track(record.result)
+                elif record.kind in (OperationKind.SUSPEND, OperationKind.RESUME) and record.target_pid:
+                    found = self._tracked.get(record.target_pid)
+                    if found is not None:
+                        suspended = record.kind is OperationKind.SUSPEND
+                        self._tracked[found.root] = dataclasses.replace(found, suspended=suspended)
+                        self._save_tracked()
+        self.observe(f"{record.kind.value} {record.id}")
+        self.poke()
+
+    def track(self, result: RestoreResult) -> None:
+        """Count the tree(s) a restore or activation brought up as active (idempotent)."""
+        try:
+            snapshot = self.store.get(result.snapshot_id)
+        except GpusnapError:
+            return
+        with self._lock:
+            for copy in result.replicas or (result,):
+                if copy.pid not in self._tracked:
+                    start = proc.start_time(copy.pid)
+                    self._tracked[copy.pid] = Tracked(snapshot.id, copy.pid, start, gpu_need(snapshot))
+            self._save_tracked()
+
+    def _save_tracked(self) -> None:
+        try:
+            write_json(self._active_path, [dataclasses.asdict(t) for t in self._tracked.values()])
+        except OSError as exc:
+            log.warning("park.active_unwritable", error=str(exc))
+
+    # -- budgets --------------------------------------------------------------------------------------------
+
+    def reserve_standby(self, snapshot: Snapshot, count: int) -> Callable[[], None]:
+        """Hold ``count`` copies' image bytes of the standby budget until the returned release is called (the
+        standby operation's end; the standbys made count by their own memory once registered).
+
+        Raises:
+            ResourceExhaustedError: they do not fit, even after dropping standbys of lower priority
+                (``PARK_BUDGET``).
+        """
+        need = snapshot.size_bytes * count
+        priority = self.policies.effective(snapshot).priority or 0
+        with self._lock:
+            budget = self.config.standby_ram_bytes
+            if budget:
+                self._make_room(need, budget, priority, snapshot.id)
+            return self._reserve("standby_ram", need)
+
+    def reserve_gpu(self, snapshot: Snapshot) -> Callable[[], None]:
+        """Hold a running copy's GPU memory (:func:`gpu_need`) of the GPU budget until the returned release
+        is called (the restore's or activation's end; the tree counts by itself once tracked).
+
+        Raises:
+            ResourceExhaustedError: over ``[park] gpu_bytes`` (``PARK_BUDGET``).
+        """
+        need = gpu_need(snapshot)
+        with self._lock:
+            budget = self.config.gpu_bytes
+            used = self._gpu_used()
+            if budget and need and used + need > budget:
+                raise ResourceExhaustedError(
+                    f"restoring {snapshot.id} needs {need / 2**30:.1f} GiB of GPU memory, and the workloads gpusnapd "
+                    f"runs hold {used / 2**30:.1f} GiB of the {budget / 2**30:.1f} GiB [park] gpu_bytes budget; "
+                    "suspend or end one (`gpusnap suspend PID`), or raise the budget",
+                    reason="PARK_BUDGET",
+                    metadata={"budget": "gpu", "needed_bytes": str(need), "used_bytes": str(used)},
+                )
+            return self._reserve("gpu", need)
+
+    def _reserve(self, budget: str, nbytes: int) -> Callable[[], None]:
+        self._next_reservation += 1
+        key = self._next_reservation
+        self._reserved[budget][key] = nbytes
+
+        def release() -> None:
+            with self._lock:
+                self._reserved[budget].pop(key, None)
+
+        return release
+
+    def _standby_used(self) -> int:
+        ready = sum(s.host_memory_bytes for s in self.standbys.list())
+        return ready + sum(self._reserved["standby_ram"].values())
+
+    def _gpu_used(self) -> int:
+        self._prune_tracked()
+        running = sum(t.gpu_bytes for t in self._tracked.values() if not t.suspended)
+        return running + sum(self._reserved["gpu"].values())
+
+    def _make_room(self, need: int, budget: int, priority: int, for_snapshot: str) -> None:
+        """Drop standbys of priority below ``priority`` until ``need`` more fits ``budget``.
+
+        Raises:
+            ResourceExhaustedError: it does not fit even then (``PARK_BUDGET``).
+        """
+        if self._standby_used() + need <= budget:
+            return
+        for sb, prio in self._drop_order():
+            if prio >= priority:
+                break
+            self._drop(sb, f"standby_ram budget (room for a standby of {for_snapshot}, priority {priority})")
+            if self._standby_used() + need <= budget:
+                return
+        used = self._standby_used()
+        if used + need > budget:
+            raise ResourceExhaustedError(
+                f"standbys of {for_snapshot} need {need / 2**20:.0f} MiB of host memory, and standbys hold "
+                f"{used / 2**20:.0f} MiB of the {budget / 2**20:.0f} MiB [park] standby_ram_bytes budget with no "
+                "lower priority to give way; drop one (`gpusnap drop STANDBY`), lower keep_warm, or raise the budget",
+                reason="PARK_BUDGET",
+                metadata={"budget": "standby_ram", "needed_bytes": str(need), "used_bytes": str(used)},
+            )
+
+    def _drop_order(self) -> list[tuple[Standby, int]]:
+        """Ready standbys in the order budgets take them: lowest priority, beyond keep_warm, oldest first."""
+        ranked = []
+        for snapshot_id, standbys in self._by_snapshot().items():
+            policy = self._policy_of(snapshot_id)
+            keep = policy.keep_warm or 0
+            for n, sb in enumerate(sorted(standbys, key=lambda s: s.created, reverse=True)):
+                ranked.append((policy.priority or 0, n < keep, sb.created, sb))
+        ranked.sort(key=lambda r: (r[0], r[1], r[2]))
+        return [(sb, prio) for prio, _, _, sb in ranked]
+
+    def _by_snapshot(self, ready_only: bool = True) -> dict[str, list[Standby]]:
+        """Standbys by snapshot (with ``ready_only`` False also those an activation holds: they are on the
+        standby rung until their tree is up)."""
+        out: dict[str, list[Standby]] = {}
+        for sb in self.standbys.list():
+            if sb.state == READY or not ready_only:
+                out.setdefault(sb.snapshot_id, []).append(sb)
+        return out
+
+    def _policy_of(self, snapshot_id: str) -> Policy:
+        try:
+            return self.policies.effective(self.store.get(snapshot_id))
+        except GpusnapError:
+            return self.config.defaults
+
+    def _drop(self, sb: Standby, reason: str) -> None:
+        if self.drop_standby is None:
+            return
+        log.info("park.drop_standby", standby=sb.id, snapshot=sb.snapshot_id, reason=reason)
+        self.drop_standby(sb.id)
+        self.observe(reason)
+
+    # -- the pass -------------------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """One pass: idle standbys, the standby budget, keep_warm, the buffer tiers (module docstring)."""
+        now = datetime.now(UTC)
+        with self._lock:
+            for snapshot_id, standbys in self._by_snapshot().items():
+                policy = self._policy_of(snapshot_id)
+                idle = policy.standby_idle_s or 0
+                extra = sorted(standbys, key=lambda s: s.created, reverse=True)[policy.keep_warm or 0 :]
+                for sb in extra:
+                    if idle and (now - sb.created).total_seconds() > idle:
+                        self._drop(sb, f"standby idle {idle:.0f} s")
+            budget = self.config.standby_ram_bytes
+            if budget:
+                for sb, _ in self._drop_order():
+                    if self._standby_used() <= budget:
+                        break
+                    self._drop(sb, "standby_ram budget")
+            self._keep_warm()
+        self.store.buffers.enforce_budgets()
+        self.observe("tier budgets", tiers_only=True)
+
+    def _keep_warm(self) -> None:
+        if self.make_standby is None:
+            return
+        have = self._by_snapshot()
+        wanted = []
+        for snapshot in self.store.list():
+            policy = self.policies.effective(snapshot)
+            if (policy.keep_warm or 0) > len(have.get(snapshot.id, [])):
+                wanted.append((-(policy.priority or 0), snapshot.created, snapshot.id, policy.keep_warm))
+        for _, _, snapshot_id, keep in sorted(wanted):
+            making = self._making.get(snapshot_id)
+            if making is not None and not making.done:
+                continue  # one at a time per snapshot
+            self._making.pop(snapshot_id, None)
+            if making is not None and making.error is not None:
+                self._failed_at[snapshot_id] = time.monotonic()
+            if time.monotonic() - self._failed_at.get(snapshot_id, -RETRY_S) < RETRY_S:
+                continue
+            try:
+                self._making[snapshot_id] = self.make_standby(snapshot_id)
+                log.info("park.keep_warm", snapshot=snapshot_id, keep_warm=keep)
+            except GpusnapError as exc:  # over budget, busy: try again at a later pass
+                self._failed_at[snapshot_id] = time.monotonic()
+                log.info("park.keep_warm_deferred", snapshot=snapshot_id, reason=exc.reason, error=str(exc))
+
+    # -- rungs and events -----------------------------------------------------------------------------------
+
+    def workloads(self) -> list[Workload]:
+        """Every snapshot's workload, highest rung first."""
+        with self._lock:
+            return sorted(self._workloads(), key=lambda w: (w.rung, w.snapshot.created))
+
+    def budgets(self) -> list[Budget]:
+        with self._lock:
+            tiers = [Budget(f"{t.name}_tier", t.used_bytes(), t.budget_bytes) for t in self.store.buffers.tiers]
+            return [
+                Budget("gpu", self._gpu_used(), self.config.gpu_bytes),
+                Budget("standby_ram", self._standby_used(), self.config.standby_ram_bytes),
+                *tiers,
+            ]
+
+    def _prune_tracked(self) -> None:
+        gone = [r for r, t in self._tracked.items() if abs(proc.start_time(r) - t.root_start) >= 0.01]
+        for root in gone:
+            del self._tracked[root]
+        if gone:
+            self._save_tracked()
+
+    def _workloads(self) -> list[Workload]:
+        self._prune_tracked()
+        standbys = self._by_snapshot(ready_only=False)
+        out = []
+        for snapshot in self.store.list():
+            trees = [t for t in self._tracked.values() if t.snapshot_id == snapshot.id]
+            active = [t for t in trees if not t.suspended]
+            suspended = [t for t in trees if t.suspended]
+            mine = standbys.get(snapshot.id, [])
+            ram, tier = self._tier_of(snapshot)
+            rung = Rung.ACTIVE if active else Rung.SUSPENDED if suspended else Rung.STANDBY if mine else tier
+            out.append(
+                Workload(
+                    snapshot=snapshot,
+                    rung=rung,
+                    active=len(active),
+                    suspended=len(suspended),
+                    standbys=len(mine),
+                    policy=self.policies.effective(snapshot),
+                    host_memory_bytes=sum(s.host_memory_bytes for s in mine)
+                    + sum(proc.rss_bytes(proc.tree_pids_or_empty(t.root)) for t in suspended),
+                    gpu_memory_bytes=sum(t.gpu_bytes for t in active),
+                    ram_tier_bytes=ram,
+                )
+            )
+        return out
+
+    def _tier_of(self, snapshot: Snapshot) -> tuple[int, Rung]:
+        """(bytes of its buffers in the RAM tier, the lowest tier one of its buffers is only on)."""
+        buffers = self.store.buffers
+        ram = 0
+        rung = Rung.RAM if snapshot.buffers else Rung.DISK  # (its images are on the store's disk)
+        for ref in {r.sha256: r for r in snapshot.buffers}.values():
+            path = buffers.path(snapshot.buffer_uid, ref.sha256)
+            if not path.exists():
+                rung = max(rung, Rung.REMOTE if self.remote else Rung.DISK)
+            elif buffers.in_ram_tier(path):
+                ram += ref.size_bytes
+            else:
+                rung = max(rung, Rung.DISK)
+        return ram, rung
+
+    def observe(self, reason: str, tiers_only: bool = False) -> list[Event]:
+        """Compare every workload's rung with the last one seen; an event for each change (``reason``: what
+        caused it). ``tiers_only``: only changes between the ram, disk and remote rungs (or into one, from
+        none); the others are an operation's, recorded with its reason when it ends. Returns the new events."""
+        with self._lock:
+            now = {w.snapshot.id: w.rung for w in self._workloads()}
+            new = []
+            for snapshot_id in sorted(set(now) | set(self._last)):
+                before, after = self._last.get(snapshot_id), now.get(snapshot_id)
+                if before == after or (tiers_only and not (_tier(before) and _tier(after))):
+                    continue
+                new.append(Event(datetime.now(UTC), snapshot_id, before, after, reason))
+                if after is None:
+                    self._last.pop(snapshot_id, None)
+                else:
+                    self._last[snapshot_id] = after
+            for event in new:
+                self.events.append(event)
+                names = (_label(event.from_rung), _label(event.to_rung))
+                self.moves[names] += 1
+                log.info("park.move", snapshot=event.snapshot_id, src=names[0], dst=names[1], reason=reason)
+            return new
+
+    def blob_rank(self, key: str) -> int:
+        """``BufferStore.rank``: the highest priority of the snapshots using blob ``<uid>/<digest>``."""
+        uid, _, digest = key.partition("/")
+        ranks = [
+            self.policies.effective(s).priority or 0
+            for s in self.store.list()
+            if str(s.buffer_uid) == uid and any(b.sha256 == digest for b in s.buffers)
+        ]
+        return max(ranks, default=0)
+
+    def usage(self) -> dict[str, Any]:
+        """What a metrics scrape reads: workloads per rung, standbys and their memory, moves so far."""
+        workloads = self.workloads()
+        return {
+            "rungs": {r.label: sum(1 for w in workloads if w.rung is r) for r in Rung},
+            "standbys": len(self.standbys.list()),
+            "standby_bytes": sum(s.host_memory_bytes for s in self.standbys.list()),
+            "moves": dict(self.moves),
+        }
+
+
+def _tier(rung: Rung | None) -> bool:
+    """A rung of the snapshot's own (ram, disk, remote), or none yet."""
+    return rung is None or rung >= Rung.RAM
+
+
+def _label(rung: Rung | None) -> str:
+    return rung.label if rung is not None else "none"

@@ -1,0 +1,193 @@
+"""Park policies: how each snapshot's workload is kept, set per snapshot or per labels, over the node's defaults.
+
+A :class:`Policy` has three knobs; an unset one (``None``) inherits. The effective policy of a snapshot is its
+snapshot rule over its label rules (in the order they were set, later over earlier) over the node's defaults
+(``[park]`` in ``gpusnapd.toml``: :class:`ParkConfig`):
+
+- ``keep_warm``: standbys kept ready for the snapshot (default 0). The ladder makes them and makes a new one
+  once a restore or activation took one.
+- ``priority``: budgets take from the lowest priority first (default 0); within one priority, from the
+  least recently used.
+- ``standby_idle_s``: a standby beyond ``keep_warm`` that has stood this long is dropped (default 3600 s;
+  0: never).
+
+A rule belongs to its setter: a label rule of a non-root user applies to that user's snapshots only, a
+snapshot rule needs the right to restore that snapshot. Rules live in ``<store>/park-policies.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpusnap.daemon.api.errors import InvalidArgumentError
+from gpusnap.daemon.api.types import Snapshot
+from gpusnap.daemon.store.durable import write_json
+
+log = structlog.get_logger(__name__)
+
+FILE = "park-policies.json"
+MAX_RULES = 1024
+MAX_KEEP_WARM = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """One rule's knobs (module docstring); ``None``: inherit."""
+
+    keep_warm: int | None = None
+    priority: int | None = None
+    standby_idle_s: float | None = None
+
+    def over(self, base: Policy) -> Policy:
+        """This policy's set knobs over ``base``'s."""
+        return Policy(
+            keep_warm=self.keep_warm if self.keep_warm is not None else base.keep_warm,
+            priority=self.priority if self.priority is not None else base.priority,
+            standby_idle_s=self.standby_idle_s if self.standby_idle_s is not None else base.standby_idle_s,
+        )
+
+    def check(self) -> Policy:
+        """Raises InvalidArgumentError (``INVALID_POLICY``) for out-of-range knobs; returns ``self``."""
+        if self.keep_warm is not None and not 0 <= self.keep_warm <= MAX_KEEP_WARM:
+            raise InvalidArgumentError(f"keep_warm must be 0 to {MAX_KEEP_WARM}", reason="INVALID_POLICY")
+        if self.priority is not None and not -1000 <= self.priority <= 1000:
+            raise InvalidArgumentError("priority must be -1000 to 1000", reason="INVALID_POLICY")
+        if self.standby_idle_s is not None and not 0 <= self.standby_idle_s <= 365 * 86400:
+            raise InvalidArgumentError("standby_idle_s must be 0 to a year (in seconds)", reason="INVALID_POLICY")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class ParkConfig:
+    """The node's ``[park]`` section: default policy, budgets (bytes; 0: none) and the ladder's pace."""
+
+    keep_warm: int = 0
+    priority: int = 0
+    standby_idle_s: float = 3600.0
+    standby_ram_bytes: int = 0
+    """Host memory all standbys together may hold (their resident memory; reservations of standbys being
+    made included). 0: none."""
+    gpu_bytes: int = 0
+    """GPU memory the trees gpusnapd restored or activated may hold together (as captured: CUDA state plus
+    buffers; reservations of restores in flight included). 0: none."""
+    interval_s: float = 30.0
+    """Seconds between two passes of the ladder (it also runs after every operation)."""
+
+    @property
+    def defaults(self) -> Policy:
+        return Policy(self.keep_warm, self.priority, self.standby_idle_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A policy for one snapshot (``snapshot_id``) or for the snapshots carrying ``labels``, set by
+    ``owner_uid``."""
+
+    policy: Policy
+    owner_uid: int
+    snapshot_id: str = ""
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def applies_to(self, snapshot: Snapshot) -> bool:
+        if self.owner_uid != 0 and snapshot.owner_uid != self.owner_uid:
+            return False
+        if self.snapshot_id:
+            return snapshot.id == self.snapshot_id
+        return all(snapshot.labels.get(k) == v for k, v in self.labels.items())
+
+    def same_selector(self, other: Rule) -> bool:
+        return (self.owner_uid, self.snapshot_id, dict(self.labels)) == (
+            other.owner_uid,
+            other.snapshot_id,
+            dict(other.labels),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": dataclasses.asdict(self.policy),
+            "owner_uid": self.owner_uid,
+            "snapshot_id": self.snapshot_id,
+            "labels": dict(self.labels),
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Rule:
+        return cls(Policy(**doc["policy"]).check(), int(doc["owner_uid"]), str(doc["snapshot_id"]), doc["labels"])
+
+
+class Policies:
+    """The node's rules (module docstring), durable in ``path``. Thread-safe."""
+
+    def __init__(self, path: Path, config: ParkConfig):
+        self.path = path
+        self.config = config
+        self._lock = threading.Lock()
+        self._rules: list[Rule] = []
+
+    def load(self) -> None:
+        """Read the rules file (a missing one: no rules; an unreadable one is logged and ignored)."""
+        try:
+            docs = json.loads(self.path.read_bytes())
+            rules = [Rule.from_json(d) for d in docs]
+        except FileNotFoundError:
+            rules = []
+        except (OSError, ValueError, KeyError, TypeError, InvalidArgumentError) as exc:
+            log.error("park.policies_unreadable", path=str(self.path), error=str(exc))
+            rules = []
+        with self._lock:
+            self._rules = rules
+
+    def set(self, rule: Rule) -> Rule:
+        """Replace the rule with the same selector and owner (or add it); durable before returning.
+
+        Raises:
+            InvalidArgumentError: a policy out of range, or more than ``MAX_RULES`` rules (``INVALID_POLICY``).
+        """
+        rule.policy.check()
+        with self._lock:
+            rules = [r for r in self._rules if not r.same_selector(rule)] + [rule]
+            if len(rules) > MAX_RULES:
+                raise InvalidArgumentError(f"at most {MAX_RULES} park policies", reason="INVALID_POLICY")
+            self._rules = rules
+            write_json(self.path, [r.to_json() for r in rules])
+        return rule
+
+    def delete(self, rule: Rule) -> bool:
+        """Remove the rule with ``rule``'s selector and owner; False when there was none."""
+        with self._lock:
+            rules = [r for r in self._rules if not r.same_selector(rule)]
+            if len(rules) == len(self._rules):
+                return False
+            self._rules = rules
+            write_json(self.path, [r.to_json() for r in rules])
+        return True
+
+    def rules(self, owner_uid: int | None = None) -> list[Rule]:
+        """The rules (of ``owner_uid`` only, when given), in the order they apply."""
+        with self._lock:
+            return [r for r in self._rules if owner_uid is None or r.owner_uid == owner_uid]
+
+    def effective(self, snapshot: Snapshot) -> Policy:
+        """``snapshot``'s policy: its snapshot rules over its label rules over the defaults, every knob set."""
+        policy = self.config.defaults
+        rules = self.rules()
+        for rule in [r for r in rules if not r.snapshot_id] + [r for r in rules if r.snapshot_id]:
+            if rule.applies_to(snapshot):
+                policy = rule.policy.over(policy)
+        return policy
+
+    def forget_snapshots(self, present: Sequence[str]) -> None:
+        """Drop snapshot rules whose snapshot is gone (deleted)."""
+        keep = set(present)
+        with self._lock:
+            rules = [r for r in self._rules if not r.snapshot_id or r.snapshot_id in keep]
+            if len(rules) != len(self._rules):
+                self._rules = rules
+                write_json(self.path, [r.to_json() for r in rules])

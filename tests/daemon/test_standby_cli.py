@@ -1,0 +1,85 @@
+"""What a person types: ``gpusnap standby``, ``ls``/``node``/``standbys`` showing it with its host memory,
+``restore`` finding it, ``activate`` of one another activation took, ``drop``, ``rm`` refused while standbys
+exist, and a standby that survives gpusnapd's restart (real gpusnapd, real CRIU, a CPU tree)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from gpusnap.daemon.drivers import proc
+from tests.conftest import DaemonProc, Workloads, phase_seconds, start_daemon, stop_daemon, wait_for
+from tests.daemon.test_json_schema import check
+
+
+def _json(d: DaemonProc, *args: str) -> object:
+    """``gpusnap -o json ARGS``, checked against its command's schema (docs/schemas/v1/cli.schema.json)."""
+    doc = json.loads(d.cli("-o", "json", *args, check=True).stdout)
+    command = {"restore": "restore", "activate": "activate", "standby": "standby", "standbys": "standbys"}
+    check(command.get(args[0], args[0]), doc)
+    return doc
+
+
+def test_standby_ls_restore_activate_drop_and_a_restart(
+    tmp_path: Path, daemon: DaemonProc, workloads: Workloads
+) -> None:
+    w = workloads.start("--mem-mb", "8", "--no-listener")
+    daemon.cli("dump", str(w.pid), "--name", "counter", check=True)
+    dumped_at = w.last("parent.log")
+
+    made = _json(daemon, "standby", "counter", "--count", "2")
+    ids = [s["id"] for s in made["standbys"]]  # type: ignore[index]
+    assert len(ids) == 2 and all(re.fullmatch(r"sb-[a-z2-7]{26}", i) for i in ids)
+    roots = [s["pid"] for s in made["standbys"]]  # type: ignore[index]
+    for root in roots:
+        workloads.adopt(root)
+    assert all(proc.stopped(p) for r in roots for p in proc.tree_pids(r)), "standbys wait stopped"
+    assert w.last("parent.log") == dumped_at
+
+    listed = daemon.cli("ls", check=True).stdout
+    row = next(line for line in listed.splitlines() if ids[0] in line)
+    assert "HOST MEMORY" in listed and re.search(r"[0-9.]+ MiB\s+ready", row), listed
+    assert all(s["host_memory_bytes"] > 8 << 20 for s in _json(daemon, "standbys")), "8 MiB of pattern at least"  # type: ignore[union-attr,index]
+    node = daemon.cli("node", check=True).stdout
+    assert re.search(r"standbys\s+2, [0-9.]+ MiB of host memory", node), node
+    assert re.search(r"standby\s+counter\s+0/0/2", node), "the ladder shows the workload on the standby rung"
+    assert _json(daemon, "node")["standbys"] == 2  # type: ignore[index]
+
+    # rm is refused while the snapshot has standbys (the standby's only snapshot)
+    res = daemon.cli("rm", "counter")
+    assert res.returncode == 4 and "drop them first" in res.stderr, res.stderr
+
+    # standbys were made in private network namespaces (--count 2): a default restore does not take them
+    restored = _json(daemon, "restore", "counter", "--private-net")
+    assert restored["pid"] in roots, "a restore of the snapshot activated one of its standbys"  # type: ignore[index]
+    assert "wake" in phase_seconds(restored) and "restore" not in phase_seconds(restored)  # type: ignore[arg-type]
+    wait_for(lambda: w.last("parent.log") > dumped_at + 2, 15, "the activated standby does not run")
+    moves = [(e["from_rung"], e["to_rung"], e["reason"]) for e in _json(daemon, "park")["events"]]  # type: ignore[index]
+    assert [m[:2] for m in moves] == [("unspecified", "disk"), ("disk", "standby"), ("standby", "active")], moves
+    assert moves[1][2].startswith("standby op-") and moves[2][2].startswith("restore op-"), "each move says why"
+
+    # the standby the restore took is gone: activating it restores the snapshot (from the other standby)
+    taken = next(i for i, r in zip(ids, roots, strict=True) if r == restored["pid"])  # type: ignore[index]
+    other = next(i for i in ids if i != taken)
+    again = _json(daemon, "activate", taken)
+    workloads.adopt(again["pid"])  # type: ignore[index]
+    assert again["pid"] == roots[ids.index(other)], "it activated the snapshot's other standby"  # type: ignore[index]
+    assert _json(daemon, "standbys") == []
+
+    # a standby outlives gpusnapd: the next one adopts it
+    third = _json(daemon, "standby", "counter", "--private-net")["standbys"][0]  # type: ignore[index]
+    workloads.adopt(third["pid"])
+    stop_daemon(daemon)
+    second = start_daemon(tmp_path)
+    try:
+        assert [s["id"] for s in _json(second, "standbys")] == [third["id"]]  # type: ignore[union-attr]
+        assert proc.stopped(third["pid"])
+        assert _json(second, "drop", third["id"]) == {"dropped": [third["id"]]}
+        wait_for(lambda: not proc.alive(third["pid"]), 10, "the dropped standby survived")
+        res = second.cli("drop", third["id"])
+        assert res.returncode == 3 and "no standby" in res.stderr
+        (workload,) = _json(second, "park")["workloads"]  # type: ignore[index]
+        assert (workload["rung"], workload["active"], workload["standbys"]) == ("active", 2, 0), workload
+    finally:
+        stop_daemon(second)
