@@ -192,7 +192,7 @@ class Daemon:
             InvalidArgumentError (``INVALID_REPLICAS``), NotFoundError, PermissionDeniedError.
         """
         _require_identified(caller)
-        earlier = self._earlier(caller, request_id)
+        earlier = self._earlier(caller, OperationKind.STANDBY, request_id)
         if earlier is not None:
             return earlier
         registry(self.deps)
@@ -217,7 +217,7 @@ class Daemon:
             InvalidArgumentError, NotFoundError (unknown standby, or another user's), PermissionDeniedError.
         """
         _require_identified(caller)
-        earlier = self._earlier(caller, request_id)
+        earlier = self._earlier(caller, OperationKind.ACTIVATE, request_id)
         if earlier is not None:
             return earlier
         validate.standby_id(standby_id)
