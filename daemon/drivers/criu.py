@@ -14,6 +14,7 @@ supported", checkpoint-restore/criu#2718, fixed in 4.2), and inference workers a
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -526,11 +527,11 @@ class CriuDriver:
                 raise on_notify.error
             lines = log_lines(log_path)
             log_path = self._keep_log(log_path)
-            died = any(w in result["error"] for w in ("not running", "Connection", "connection", "Broken pipe"))
+            died = int(result.get("errno") or 0) in CRIU_GONE_ERRNOS
             headline = result["error"]
             if lines and any(b in headline for b in BENIGN_LOG_LINES):  # CRIU's first error, not its cause
                 headline = lines[0]
-            hint = next((h for pattern, h in LOG_HINTS if any(pattern in ln for ln in lines)), "")
+            hint = failure_hint(action, int(result.get("errno") or 0), lines)
             if hint:
                 headline = f"{headline} ({hint})"
             details = f"{_joined(lines, LOG_EXCERPT_CHARS)} (full log: {log_path})"
@@ -643,6 +644,17 @@ _REFUSALS: dict[str, type[GpusnapError]] = {
 KEPT_LOGS = 50
 """Logs of failed requests kept in ``failed_logs_dir``; older ones are removed."""
 
+CRIU_GONE_ERRNOS = frozenset({errno.EPIPE, errno.ECONNRESET})
+"""The helper's ``errno`` (``criu_exec``) when CRIU went away in the middle of a request (killed or crashed):
+the exchange broke instead of CRIU answering (``CRIU_DIED``). CRIU's own answers carry its ``cr_errno``,
+which is never one of these: 0, ``ESRCH``, ``EEXIST`` or ``EBADRQC`` (criu/include/cr-errno.h)."""
+
+ERRNO_HINTS = {
+    ("restore", errno.EEXIST): "a PID of the tree is in use: restore without --host-pidns",
+}
+"""CRIU's ``cr_errno`` answers whose cause gpusnap can name, by action, with the fix (CRIU sets ``EEXIST``
+when a PID it must give a restored task is taken)."""
+
 LOG_HINTS = (
     (
         "has bad size",
@@ -651,9 +663,16 @@ LOG_HINTS = (
         "size CRIU expects",
     ),
     ("Address already in use", "a restored socket's address is taken: restore with --private-net, or stop its owner"),
-    ("Can't fork for", "a PID of the tree is in use: restore without --host-pidns"),
 )
-"""CRIU log phrases whose cause gpusnap can name, with the fix."""
+"""CRIU log phrases whose cause gpusnap can name, with the fix (causes CRIU reports with no ``cr_errno``)."""
+
+
+def failure_hint(action: str, cr_errno: int, lines: list[str]) -> str:
+    """The cause and fix of a failed CRIU ``action`` ("dump" or "restore") that gpusnap can name, or "":
+    by CRIU's ``cr_errno`` first, then by the lines of its log (``log_lines``)."""
+    hint = ERRNO_HINTS.get((action, cr_errno), "")
+    return hint or next((h for pattern, h in LOG_HINTS if any(pattern in ln for ln in lines)), "")
+
 
 BENIGN_LOG_LINES = (
     "Can't setup RLIMIT_NOFILE for self",  # CRIU raising its own fd limit without CAP_SYS_RESOURCE

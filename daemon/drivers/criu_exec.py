@@ -35,7 +35,10 @@ Replies, one JSON object per line::
     {"event": "start", "helper": <this helper's PID>, "init": <the init's PID, or 0>}   # restore: CRIU
                                               # gets its request only once the daemon answers {"ok": true}
     {"event": "result", "ok": true, "pid": <restored root PID, as CRIU sees it>}
-    {"event": "result", "ok": false, "error": "…", "errno": 0}
+    {"event": "result", "ok": false, "error": "…", "errno": 0}   # errno: CRIU's own ``cr_errno`` when CRIU
+                                              # answered (0, ESRCH, EEXIST or EBADRQC: criu/include/cr-errno.h);
+                                              # EPIPE or ECONNRESET when CRIU went away without answering
+                                              # (killed, crashed); another OSError's errno, or 0, otherwise
     {"event": "result", "ok": false, "error": "…", "errno": 0, "reason": "…", "code": "…"}  # refused before
                                               # CRIU ran (criu_userpaths.Refused): the message is the daemon's
 
@@ -49,6 +52,7 @@ never clash with PIDs in use and the tree outlives both the helper and gpusnapd.
 from __future__ import annotations
 
 import ctypes
+import errno
 import importlib.util
 import json
 import os
@@ -226,7 +230,9 @@ def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared
                 resp = rpc.criu_resp()
                 size, reaped = _next_size(sk, swrk.pid)
                 if size == 0:  # end of stream: criu is gone (killed or crashed) without answering
-                    raise ConnectionError("criu closed the connection without answering (killed?)")
+                    raise ConnectionResetError(
+                        errno.ECONNRESET, "criu closed the connection without answering (killed?)"
+                    )
                 resp.ParseFromString(sk.recv(size))
                 if resp.type != rpc.NOTIFY:
                     break

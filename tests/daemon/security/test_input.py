@@ -131,6 +131,7 @@ def test_failed_criu_operations_leave_no_descriptors_behind(daemon: DaemonProc, 
     def fail_once() -> None:
         res = daemon.cli("restore", "busy", "--host-pidns")
         assert res.returncode != 0 and "CRIU" in res.stderr, res.stderr
+        assert "restore without --host-pidns" in res.stderr, res.stderr  # CRIU's cr_errno EEXIST, named
 
     def idle_fds() -> int:  # the spare CRIU helper is refilled in the background: wait for the count to settle
         last = -1
