@@ -70,6 +70,10 @@ class DaemonConfig:
     agent_socket: Path = Path("/run/gpusnap/agent.sock")
     """Where worker agents connect (mode 0666); workers find it through GPUSNAP_AGENT_SOCKET. Unset, it is
     ``agent.sock`` beside ``socket``."""
+    agent_wait: float = 15.0
+    """How long a capture waits for each engine process that an agent names (vLLM's front end names its
+    EngineCore and Workers) to attach an agent of its own; they attach from background threads, so one
+    just started may not have yet. Past it the capture is refused (``AGENT_MISSING``)."""
     warmup_timeout: float = 600.0
     quiesce_timeout: float = 300.0
     resume_timeout: float = 600.0
@@ -180,6 +184,8 @@ class DaemonConfig:
             raise InvalidArgumentError(
                 f"remote_endpoint must be an http:// or https:// URL, not {self.remote_endpoint!r}", reason="BAD_CONFIG"
             )
+        if self.agent_wait < 0:
+            raise InvalidArgumentError(f"agent_wait must not be negative, not {self.agent_wait:g}", reason="BAD_CONFIG")
         if self.remote_threads < 1 or self.remote_memory_bytes < 1 or self.remote_gc_grace < 0 or self.pull_grace < 0:
             raise InvalidArgumentError(
                 "remote_threads and remote_memory_bytes must be positive, remote_gc_grace and pull_grace not negative",

@@ -31,6 +31,11 @@ IN_USE_REASONS = frozenset({"STORE_LOCKED", "SOCKET_IN_USE"})
     type=click.Path(path_type=Path),
     help="where worker agents connect [agent.sock beside --socket]; workers find it via GPUSNAP_AGENT_SOCKET",
 )
+@click.option(
+    "--agent-wait",
+    type=float,
+    help="seconds a capture waits for the engine processes an agent names to attach their own agents [15]",
+)
 @click.option("--store", type=click.Path(path_type=Path), help="snapshot store directory [/var/lib/gpusnap]")
 @click.option("--buffer-dir", help="buffer store for workers' weights, e.g. on tmpfs [<store>/buffers]")
 @click.option(

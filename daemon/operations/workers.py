@@ -37,9 +37,6 @@ from gpusnap.daemon.workers.agents import AgentInfo, AgentRegistry, AgentSession
 from gpusnap.daemon.workers.client import AgentClient
 from gpusnap.daemon.workers.parallel import in_parallel
 
-AGENT_WAIT_S = 15.0
-"""How long a capture waits for the agents that other agents name (they attach from background threads)."""
-
 
 @dataclasses.dataclass
 class AgentCapture(weights.AgentWeights):
@@ -87,9 +84,9 @@ def _attached_agents(deps: Deps, tree_pids: Collection[int]) -> list[AgentSessio
     """The tree's agents, once every engine process an agent names has one of its own.
 
     Raises:
-        FailedPreconditionError: one is still missing after ``AGENT_WAIT_S`` (``AGENT_MISSING``, naming it).
+        FailedPreconditionError: one is still missing after ``agent_wait`` seconds (``AGENT_MISSING``, naming it).
     """
-    deadline = time.monotonic() + AGENT_WAIT_S
+    deadline = time.monotonic() + deps.config.agent_wait
     while True:
         sessions = deps.agents.find_all(tree_pids)
         missing = _missing_agents(sessions, tree_pids)
@@ -100,9 +97,9 @@ def _attached_agents(deps: Deps, tree_pids: Collection[int]) -> list[AgentSessio
         pid, starter = missing[0]
         raise FailedPreconditionError(
             f"PID {pid} ({proc.title(pid) or 'unknown'}), an engine process that the {starter.label} started, has no "
-            "gpusnap agent, so its memory cannot be prepared for the capture; install gpusnap into the engine's Python "
-            "environment (vLLM then loads gpusnap's plugin in every process it starts), keep GPUSNAP_AGENT_SOCKET "
-            "set for the whole engine, and restart it",
+            f"gpusnap agent after {deps.config.agent_wait:g} s (agent_wait), so its memory cannot be prepared for the "
+            "capture; install gpusnap into the engine's Python environment (vLLM then loads gpusnap's plugin in every "
+            "process it starts), keep GPUSNAP_AGENT_SOCKET set for the whole engine, and restart it",
             reason="AGENT_MISSING",
             metadata={"pid": str(pid)},
         )

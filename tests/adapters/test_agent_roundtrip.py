@@ -159,14 +159,18 @@ def test_quiesce_timeout_still_resumes_the_worker(tmp_path: Path) -> None:
         stop_daemon(d)
 
 
-def test_engine_process_without_agent_is_refused_by_name(daemon: DaemonProc, tmp_path: Path) -> None:
-    toy = _start(daemon, tmp_path, "--child-without-agent")
+def test_engine_process_without_agent_is_refused_by_name(tmp_path: Path) -> None:
+    from tests.conftest import start_daemon, stop_daemon
+
+    d = start_daemon(tmp_path / "d", extra_env={"GPUSNAP_AGENT_WAIT": "1.5"})  # agent_wait: 15 s by default
+    toy = _start(d, tmp_path, "--child-without-agent")
     try:
         child = psutil.Process(toy.proc.pid).children()[0].pid
-        res = daemon.cli("dump", str(toy.proc.pid), "--name", "toy")
+        res = d.cli("dump", str(toy.proc.pid), "--name", "toy")
         assert res.returncode == 4, res.stderr
-        assert f"PID {child} (" in res.stderr and "has no gpusnap agent" in res.stderr, res.stderr
+        assert f"PID {child} (" in res.stderr and "has no gpusnap agent after 1.5 s" in res.stderr, res.stderr
         assert not (toy.workdir / "events").exists(), "refused before anything was touched"
         assert isinstance(toy.generate(), list), "the worker serves on"
     finally:
         kill_tree(toy.proc.pid)
+        stop_daemon(d)
