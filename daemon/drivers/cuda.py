@@ -39,8 +39,6 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from gpusnap.daemon.api.errors import Code, FailedPreconditionError, InternalError, InvalidArgumentError
-from gpusnap.daemon.drivers import custom_storage
-from gpusnap.daemon.drivers.custom_storage import CustomStorage
 
 
 class ProcessState(enum.IntEnum):
@@ -519,15 +517,6 @@ class CudaDriver:
         """:attr:`driver_version` as ``"13.0"``; ``None`` before :meth:`init`."""
         v = self._driver_version
         return None if v is None else f"{v // 1000}.{(v % 1000) // 10}"
-
-    def custom_storage(self) -> CustomStorage:
-        """Whether the checkpoint's custom storage is usable here (:mod:`~gpusnap.daemon.drivers.custom_storage`).
-
-        Raises:
-            FailedPreconditionError, CudaError: as :meth:`init`.
-        """
-        drv = self._ready()
-        return custom_storage.probe(drv, self._driver_version)
 
     # -- CudaCheckpointApi -----------------------------------------------------------------------------
 

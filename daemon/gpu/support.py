@@ -17,7 +17,6 @@ from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError
 from gpusnap.daemon.api.types import GpuProcess
 from gpusnap.daemon.drivers import host
 from gpusnap.daemon.drivers.cuda import CudaCheckpointApi, CudaDriver
-from gpusnap.daemon.drivers.custom_storage import CustomStorage
 from gpusnap.daemon.drivers.nvml import GpuDevice, NvmlDriver
 from gpusnap.daemon.gpu import preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController, suggest_transfer_timeout_s
@@ -67,9 +66,6 @@ class GpuSupport:
         self.reason = reason
         self.call_timeout_s = call_timeout_s
         self.host_memory_bytes = host_memory_bytes
-        self.custom_storage = CustomStorage(False, reason or "not probed")
-        """The CUDA checkpoint's custom storage (probed at start); until a data path uses it, captures take
-        the named-buffer path (``docs/performance.md``)."""
         self.suspended: dict[int, GpuTree] = {}
         """Trees suspended in place, by root PID (for ``Resume``)."""
         self._lock = threading.Lock()
@@ -89,14 +85,7 @@ class GpuSupport:
             log.warning("gpu.cuda_unavailable", reason=str(exc))
             return cls(None, nvml, str(exc), call_timeout_s=call_timeout_s, host_memory_bytes=host_memory_bytes)
         log.info("gpu.ready", driver=nvml.driver_version(), cuda=cuda.driver_version_string, gpus=len(nvml.gpus()))
-        support = cls(cuda, nvml, "", call_timeout_s=call_timeout_s, host_memory_bytes=host_memory_bytes)
-        support.custom_storage = cuda.custom_storage()
-        log.info(
-            "gpu.custom_storage",
-            supported=support.custom_storage.supported,
-            reason=support.custom_storage.reason or None,
-        )
-        return support
+        return cls(cuda, nvml, "", call_timeout_s=call_timeout_s, host_memory_bytes=host_memory_bytes)
 
     @property
     def available(self) -> bool:
