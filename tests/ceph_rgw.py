@@ -23,6 +23,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tests.starts import starts
+
 ACCESS_KEY = "GPUSNAPTESTACCESSKEY"
 SECRET_KEY = "gpusnap-test-secret-key-not-a-real-one"
 REGION = "us-east-1"
@@ -181,6 +183,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+@starts("Ceph gateway")
 def start(memstore_bytes: int = 4 << 30) -> Gateway:
     """Start a cluster under a fresh temporary directory and create the S3 user (``ACCESS_KEY``).
 

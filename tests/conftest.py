@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpusnap.daemon.client import DaemonClient
+from tests.starts import refused, started_by, starts
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS = Path(__file__).resolve().parent / "daemon" / "workloads"
@@ -79,6 +81,7 @@ def _cli_env() -> dict[str, str]:
     return env
 
 
+@starts("gpusnapd")
 def start_daemon(
     tmp: Path,
     extra_env: dict[str, str] | None = None,
@@ -199,6 +202,7 @@ class Workloads:
         self.started: list[Workload] = []
         self.extra_pids: list[int] = []
 
+    @starts("workload")
     def start(self, *args: str, user: int | None = None, name: str = "w") -> Workload:
         workdir = self.tmp / f"{name}{len(self.started)}"
         workdir.mkdir()
@@ -313,37 +317,47 @@ def hostile() -> Iterator[tuple[Any, Any]]:
         yield users
 
 
-# `make test-fast` runs `-m "not slow"`: tests that start gpusnapd, real workloads or CRIU, an engine or a
-# wheel build take seconds each and are marked slow here by what they use, so new ones need no marker.
-SLOW_FIXTURES = frozenset(
-    {"daemon", "open_daemon", "workloads", "node", "criu_version", "hostile", "ceph_gateway", "fleet"}
-)
-SLOW_MODULES = frozenset(
-    {
-        "tests.test_packaging",
-        "tests.daemon.test_tls",
-        "tests.daemon.test_faults",
-        "tests.systemd.test_unit",
-        "tests.adapters.test_vllm_cpu",
-        "tests.adapters.test_buffers_cpu",
-        "tests.adapters.test_agent_faults",
-        "tests.adapters.test_agent_roundtrip",
-        "tests.adapters.test_controldir",
-        "tests.daemon.service.test_lists",
-        "tests.daemon.security.test_dirs",
-        "tests.daemon.test_metrics",
-        "tests.daemon.remote.test_faults",
-        "tests.adapters.test_vllm_plugin",
-        "tests.adapters.test_vmm",
-    }
-)
-
-
+# `make test-fast` runs `-m "not slow"`: a test is slow when it starts gpusnapd, CRIU, an engine or worker, a
+# workload, a pip install, a Ceph gateway or test users, as its code shows (tests/starts.py); and a test that is
+# not slow fails if it starts one of the first five all the same.
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        module = getattr(item, "module", None)
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or getattr(module, "__name__", "") in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
+        what = _started(item)
+        if what:
+            item.add_marker(pytest.mark.slow(starts=sorted(what)))
+
+
+def _started(item: pytest.Item) -> frozenset[str]:
+    """What ``item`` starts: its own code's and its fixtures' starts."""
+    found = started_by(getattr(item, "obj", None))
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        for fixture in info.name2fixturedefs.get(name, ()) if info else ():
+            found |= started_by(fixture.func)
+    return found
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    if item.get_closest_marker("slow") or item.get_closest_marker("gpu"):
+        return (yield)
+    real = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def execute_child(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
+        what = refused(shlex.split(args) if isinstance(args, str) else [args] if isinstance(args, bytes) else args)
+        if what:
+            raise AssertionError(
+                f"{item.nodeid} starts {what} ({' '.join(map(str, args))[:160]}) but is not marked slow: mark the "
+                "helper, fixture or test that starts it with @starts(...) (tests/starts.py), so that `make test-fast` "
+                "leaves it out"
+            )
+        real(self, args, *rest, **kw)
+
+    subprocess.Popen._execute_child = execute_child  # type: ignore[attr-defined]
+    try:
+        return (yield)
+    finally:
+        subprocess.Popen._execute_child = real  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")

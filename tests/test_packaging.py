@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, Workloads, start_daemon, stop_daemon, wait_for
+from tests.starts import starts
 
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "daemon", "adapters")
 
@@ -33,6 +34,7 @@ def _package_dirs(top: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
+@starts("a wheel build and a pip install")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv with the wheel installed; returns its ``bin`` directory."""
     tmp = tmp_path_factory.mktemp("pkg")

@@ -16,6 +16,8 @@ import re
 import subprocess
 from collections.abc import Iterator
 
+from tests.starts import starts
+
 PREFIX = "gsn"
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)[ab]?$")
 
@@ -54,6 +56,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@starts("test users")
 @contextlib.contextmanager
 def hostile_users() -> Iterator[tuple[User, User]]:
     """Create the two users (and their shared group); remove them on exit."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 
 from tests.conftest import DaemonProc, criu_killed, kill_tree, phase_seconds, wait_for
+from tests.starts import starts
 
 WORKER = Path(__file__).resolve().parent / "toy_worker.py"
 
@@ -32,6 +33,7 @@ class Toy:
         return (self.workdir / "events").read_text().split("\n")[:-1]
 
 
+@starts("engine")
 def _start(daemon: DaemonProc, tmp_path: Path, *args: str) -> Toy:
     wd = tmp_path / "toy"
     wd.mkdir()

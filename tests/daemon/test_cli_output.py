@@ -12,10 +12,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-
 from gpusnap.daemon.cli.output import moved
 from tests.conftest import DaemonProc, Workloads, _cli_env, _healthy, criu_prefix, wait_for
+from tests.starts import starts
 
 LONG_NAME = "a-rather-long-snapshot-name-for-a-warmed-up-inference-worker-01"
 
@@ -79,6 +78,7 @@ def test_wait_on_a_malformed_id_says_what_an_id_looks_like(daemon: DaemonProc) -
     assert res.stderr.count("\n") == 1
 
 
+@starts("gpusnapd")
 def _gpusnapd(tmp: Path, *flags: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in _cli_env().items() if k != "GPUSNAP_AGENT_SOCKET"}
     prefix = criu_prefix()
@@ -101,7 +101,6 @@ def _gpusnapd(tmp: Path, *flags: str) -> subprocess.Popen[bytes]:
     )
 
 
-@pytest.mark.slow
 def test_agent_socket_follows_socket_and_the_flag(tmp_path: Path) -> None:
     default_agent = Path("/run/gpusnap/agent.sock")
     existed = default_agent.exists()

@@ -9,8 +9,10 @@ import psutil
 
 from gpusnap.daemon.drivers.criu import launch_command
 from tests.conftest import DaemonProc, Workloads, criu_prefix, wait_for
+from tests.starts import starts
 
 
+@starts("CRIU")
 def test_the_prefix_wrapper_is_run_as_the_command_it_execs() -> None:
     wrapper = criu_prefix() / "bin" / "criu"
     command = launch_command(str(wrapper))

@@ -40,6 +40,7 @@ from gpusnap.daemon.store import SnapshotStore
 from tests.conftest import Workload, Workloads, criu_prefix, wait_for
 from tests.daemon.operations.fakes_cuda import ProcessCuda
 from tests.daemon.operations.fakes_nvml import GIB, FakeGpu, FakeNvml, fake_uuid
+from tests.starts import starts
 
 MIB = 1 << 20
 GPU_BYTES = 512 * MIB
@@ -263,6 +264,7 @@ def processes_with(text: str) -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="session")
+@starts("CRIU")
 def criu_version() -> str:
     prefix = criu_prefix()
     return CriuDriver(str(prefix / "bin" / "criu"), str(prefix / "python")).require_supported()
