@@ -177,9 +177,9 @@ class DaemonConfig:
         if self.metrics_listen:
             parse_listen(self.metrics_listen)
         if self.remote:
-            from gpusnap.daemon.remote.s3 import RemoteUrl  # boto3 only in the daemon, not in every CLI call
+            from gpusnap.daemon.remote import objects  # no SDK in every CLI call
 
-            RemoteUrl.parse(self.remote)
+            objects.check_url(self.remote)
         if self.remote_endpoint and not self.remote_endpoint.startswith(("http://", "https://")):
             raise InvalidArgumentError(
                 f"remote_endpoint must be an http:// or https:// URL, not {self.remote_endpoint!r}", reason="BAD_CONFIG"

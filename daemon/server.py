@@ -39,8 +39,8 @@ from gpusnap.daemon.park.policy import FILE as POLICIES
 from gpusnap.daemon.park.policy import Policies
 from gpusnap.daemon.park.standbys import FILE as STANDBYS
 from gpusnap.daemon.park.standbys import StandbyRegistry
+from gpusnap.daemon.remote import objects as remote_objects
 from gpusnap.daemon.remote.evict import RemoteEvictor
-from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.remote.transfer import TransferLimits
 from gpusnap.daemon.service import reflection
@@ -304,8 +304,8 @@ def _remote(config: DaemonConfig) -> RemoteStore | None:
     if not config.remote:
         return None
     limits = TransferLimits.from_config(config.remote_threads, config.remote_memory_bytes, config.remote_gc_grace)
-    objects = ObjectStore(
-        RemoteUrl.parse(config.remote), config.remote_endpoint, config.remote_ca_bundle, connections=limits.threads * 2
+    objects = remote_objects.connect(
+        config.remote, config.remote_endpoint, config.remote_ca_bundle, connections=limits.threads * 2
     )
     return RemoteStore(objects, limits)
 

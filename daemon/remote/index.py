@@ -29,7 +29,7 @@ import structlog
 from gpusnap.daemon.api import paging, validate
 from gpusnap.daemon.api.errors import DataLossError, NotFoundError
 from gpusnap.daemon.api.types import Snapshot
-from gpusnap.daemon.remote.s3 import ObjectStore
+from gpusnap.daemon.remote.objects import ObjectStore
 from gpusnap.daemon.store import manifest
 
 log = structlog.get_logger(__name__)

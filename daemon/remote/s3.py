@@ -1,4 +1,5 @@
-"""ObjectStore: the few S3 calls the remote store makes, through boto3, with errors as domain errors.
+"""The S3 backend of the remote store: :class:`S3ObjectStore` makes the few S3 calls the remote store needs
+(``gpusnap.daemon.remote.objects.ObjectStore``), through boto3, with errors as domain errors.
 
 boto3 was chosen over obstore by measurement (bench/s3_clients.py, bench/results/s3-clients-*.json):
 on the Ceph RADOS Gateway both move 16 MiB chunks at the gateway's speed, so the difference lies
@@ -7,7 +8,8 @@ elsewhere: boto3 reads credentials from the SDK's usual chain (``AWS_ACCESS_KEY_
 accounts, instance roles), honours ``AWS_CA_BUNDLE``, and has typed stubs (docs/fleet.md).
 
 Objects are put whole (chunks are at most ``checksum.CHUNK_BYTES``); the store's parallelism comes
-from many chunks in flight, each one request (see ``gpusnap.daemon.remote.transfer``).
+from many chunks in flight, each one request (see ``gpusnap.daemon.remote.transfer``). The backend is named
+by the scheme ``s3://`` (``gpusnap.daemon.remote.objects.BACKENDS``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import dataclasses
 import re
 import sys
 from collections.abc import Iterator
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from gpusnap.daemon.api.errors import (
@@ -27,11 +28,14 @@ from gpusnap.daemon.api.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
+from gpusnap.daemon.remote.objects import ObjectInfo
 
 if TYPE_CHECKING:
     import botocore.exceptions
     from mypy_boto3_s3 import S3Client
 
+URL_FORM = "s3://BUCKET/PREFIX (bucket: 3-63 of a-z, 0-9, '.', '-'; prefix: A-Z, a-z, 0-9, '.', '_', '-', '/')"
+"""The URLs this backend takes, for messages."""
 URL_RE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>[A-Za-z0-9._/-]{0,512}))?$")
 
 
@@ -53,11 +57,7 @@ class RemoteUrl:
         m = URL_RE.fullmatch(url)
         prefix = (m.group("prefix") or "").strip("/") if m else ""
         if m is None or any(part in ("", ".", "..") for part in prefix.split("/") if prefix):
-            raise InvalidArgumentError(
-                f"remote {url!r} is not s3://BUCKET/PREFIX (bucket: 3-63 of a-z, 0-9, '.', '-'; prefix: "
-                "A-Z, a-z, 0-9, '.', '_', '-', '/')",
-                reason="BAD_CONFIG",
-            )
+            raise InvalidArgumentError(f"remote {url!r} is not {URL_FORM}", reason="BAD_CONFIG")
         return cls(bucket=m.group("bucket"), prefix=prefix)
 
     def key(self, name: str) -> str:
@@ -67,15 +67,18 @@ class RemoteUrl:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
 
-@dataclasses.dataclass(frozen=True)
-class ObjectInfo:
-    key: str
-    size: int
-    modified: datetime
+def parse_url(url: str) -> RemoteUrl:
+    """``RemoteUrl.parse``: the backend's URL check (``gpusnap.daemon.remote.objects``)."""
+    return RemoteUrl.parse(url)
 
 
-class ObjectStore:
-    """One bucket and prefix of an S3-compatible service.
+def connect(url: str, endpoint: str, ca_bundle: str, connections: int) -> S3ObjectStore:
+    """The backend's constructor (``gpusnap.daemon.remote.objects.connect``). Raises as :meth:`RemoteUrl.parse`."""
+    return S3ObjectStore(RemoteUrl.parse(url), endpoint, ca_bundle, connections=connections)
+
+
+class S3ObjectStore:
+    """One bucket and prefix of an S3-compatible service: a ``gpusnap.daemon.remote.objects.ObjectStore``.
 
     Args:
         url: where snapshots go.
@@ -108,6 +111,9 @@ class ObjectStore:
             config=config,
             region_name=session.region_name or "us-east-1",
         )
+
+    def __str__(self) -> str:
+        return str(self.url)
 
     def where(self) -> str:
         return f"{self.url}" + (f" at {self.endpoint}" if self.endpoint else "")
@@ -230,3 +236,10 @@ class ObjectStore:
             f"the remote store {self.where()} failed {verb} {name} ({code or status}); try again",
             reason="REMOTE_UNAVAILABLE",
         )
+
+
+if TYPE_CHECKING:
+    from gpusnap.daemon.remote.objects import ObjectStore
+
+    def _an_object_store(store: S3ObjectStore) -> ObjectStore:
+        return store  # mypy checks that S3ObjectStore implements the protocol

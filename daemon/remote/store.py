@@ -22,7 +22,7 @@ from gpusnap.daemon.api.types import Snapshot
 from gpusnap.daemon.remote import layout
 from gpusnap.daemon.remote.index import RemoteIndex
 from gpusnap.daemon.remote.layout import RemoteManifest
-from gpusnap.daemon.remote.s3 import ObjectStore
+from gpusnap.daemon.remote.objects import ObjectStore
 from gpusnap.daemon.remote.transfer import TransferLimits
 
 log = structlog.get_logger(__name__)
@@ -37,7 +37,7 @@ class RemoteStore:
         self.index = RemoteIndex(objects, limits.threads)
 
     def __str__(self) -> str:
-        return str(self.objects.url)
+        return str(self.objects)
 
     def manifest(self, snapshot_id: str) -> RemoteManifest:
         """The published snapshot ``snapshot_id``.

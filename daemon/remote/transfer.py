@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gpusnap.daemon.api.errors import DataLossError
 from gpusnap.daemon.remote import layout
-from gpusnap.daemon.remote.s3 import ObjectStore
+from gpusnap.daemon.remote.objects import ObjectStore
 from gpusnap.daemon.store import checksum
 
 Progress = Callable[[int, int], None]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.remote.s3 import ObjectStore, RemoteUrl
+from gpusnap.daemon.remote import objects
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.remote.transfer import TransferLimits
 from tests import ceph_rgw
@@ -90,7 +90,7 @@ def remote(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> RemoteStore:
     """The fleet's bucket as this test process's own RemoteStore (in-process tests of the remote store)."""
     for k, v in fleet.gw.env().items():
         monkeypatch.setenv(k, v)
-    return RemoteStore(ObjectStore(RemoteUrl.parse(fleet.url), fleet.gw.endpoint), TransferLimits(4, 3600))
+    return RemoteStore(objects.connect(fleet.url, fleet.gw.endpoint), TransferLimits(4, 3600))
 
 
 def cli_json(d: DaemonProc, *args: str, timeout: float = 300) -> Any:
