@@ -4,7 +4,8 @@ An adapter is a small object with four coroutines, called by the worker agent on
 event loop, one at a time:
 
 - ``warm_up()``: run deterministic request(s) that exercise prefill, decode, the sampler and the host
-  path (``engine-apis.md`` §5), then reset prefix caches; returns the canary's token ids.
+  path (docs/engines.md, "The warm-up request and the canary"), then reset prefix caches; returns the
+  canary's token ids.
 - ``quiesce()``: stop taking work, finish or abort in-flight requests, and free what should not be
   captured (the KV cache by default). If it raises, the agent calls ``resume(None)`` and reports the
   error, so a failed capture leaves the worker serving.
@@ -41,7 +42,7 @@ class RestoreContext:
 
 
 WARMUP_PROMPT_TOKEN_IDS = (1, 5, 6, 7)
-"""Token-only warm-up prompt: needs no tokenizer or chat template (engine-apis.md §5)."""
+"""Token-only warm-up prompt: needs no tokenizer or chat template (docs/engines.md, "The warm-up request")."""
 WARMUP_MAX_TOKENS = 2
 """Two tokens: one prefill and at least one decode step (a CUDA-graph replay on GPU engines)."""
 

@@ -5,7 +5,8 @@ their reasons are the one table in :mod:`gpusnap.adapters.contract.capture_setti
 preflight checks against, so a worker configured with this helper passes preflight with one or several
 CUDA processes. Each setting is only a default: values already in the environment are kept (and a
 conflicting one is what preflight then names). Sources: NVIDIA Dynamo Snapshot's
-``configure_snapshot_capture_env`` and the cuda-checkpoint README (prior-art.md §(c)).
+``configure_snapshot_capture_env`` (ai-dynamo/dynamo) and the README of NVIDIA/cuda-checkpoint; each
+setting's reason and failure cases (docs/failure-cases.md) are in its row of the table.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """block_io_uring(): make ``io_uring_setup`` fail in this process and its future children, so none of them
-holds an io_uring instance, which CRIU cannot checkpoint (``anon_inode:[io_uring]``; prior-art-2026-12.md,
-"Driver, NCCL, CRIU").
+holds an io_uring instance, which CRIU cannot checkpoint (``anon_inode:[io_uring]``; docs/criu-limits.md).
+NVIDIA Dynamo blocks it with a seccomp profile too; vLLM's own snapshot asks for ``kernel.io_uring_disabled=2``.
 
 Where vLLM's io_uring comes from: the API server runs ``uvloop.run(run_server(args))``
 (``vllm/entrypoints/launchers/api_server/entry.py``, vLLM 0.32). uvloop 0.23 bundles libuv >= 1.49,

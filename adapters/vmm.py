@@ -24,7 +24,7 @@ memory while CRIU restores the worker and hands it over as shareable handles (PO
 which :meth:`Arena.adopt` imports and maps at the same addresses (:meth:`Arena.layout` describes the
 arena for it; ``agent.proto``, MapArenas).
 
-In an engine's worker process (e.g. vLLM's ``Worker``, ``engine-apis.md``): call :func:`stabilize` on the
+In an engine's worker process (e.g. vLLM's ``Worker``, docs/engines.md): call :func:`stabilize` on the
 model's parameters once they are loaded and post-processed (after ``Worker.load_model``) and before the
 engine captures its graphs (``Worker.compile_or_warm_up_model``); then have the adapter's ``buffers()``
 name those same tensors, and only tensors for which :func:`is_stable` holds, since a plain storage that a

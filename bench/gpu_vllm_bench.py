@@ -12,7 +12,7 @@ restored by gpusnap two ways in the same run, each to its first token.
 Each restore is timed from the gRPC Restore call (an orchestrator's; the CLI adds its own start-up) to the
 restored server's answer of one token, then asked for 16 tokens to compare with the source's. The model is a
 Llama ``config.json`` of the chosen size (``--size 8b``: Llama-3-8B's shapes) with dummy bf16 weights; the
-engine is vLLM from ``/tmp/engine-site`` (``../shared/device/README.md``). JSON:
+engine is vLLM from ``/tmp/engine-site`` (docs/engines.md, "What is tested, and where"). JSON:
 ``bench/results/gpu-vllm-h200-<size>-<UTC>.json``.
 """
 

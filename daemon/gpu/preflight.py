@@ -30,9 +30,9 @@ from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError, Res
 from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid
 from gpusnap.daemon.drivers.nvml import GpuDevice
 
-#: Minimum NVIDIA driver major for CUDA checkpoint via the driver API with CRIU (prior-art §(a), FC-16).
+#: Minimum NVIDIA driver major for CUDA checkpoint via the driver API with CRIU (docs/cuda-checkpoint.md, FC-16).
 MIN_DRIVER_MAJOR = 570
-#: Minimum driver major for restoring onto other GPUs (``gpuPairs``; prior-art §(a)).
+#: Minimum driver major for restoring onto other GPUs (``gpuPairs``; docs/cuda-checkpoint.md).
 MIN_DRIVER_MAJOR_REMAP = 580
 #: Machines CUDA checkpoint supports (cuda-checkpoint README: x86-64 only; FC-15).
 SUPPORTED_MACHINES = frozenset({"x86_64", "amd64"})
@@ -241,7 +241,7 @@ def check_host_memory(
     """Host RAM can take the GPU contents checkpoint stages there (plus images kept in RAM).
 
     ``cuCheckpointProcessCheckpoint`` copies every byte of device memory into driver-owned host memory of the
-    target; with images on tmpfs the dump needs the same again (prior-art §(f)).
+    target; with images on tmpfs the dump needs the same again (docs/cuda-checkpoint.md, "Host memory").
 
     Args:
         mem_available_bytes: ``MemAvailable`` of ``/proc/meminfo``, in bytes.

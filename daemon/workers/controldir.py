@@ -1,6 +1,7 @@
 """The control-directory contract of NVIDIA Dynamo Snapshot workers, played by gpusnapd.
 
-Files in ``SNAPSHOT_CONTROL_DIR`` (prior-art.md §(c), ai-dynamo/dynamo ``docs/reference/workload-contract.md``):
+Files in ``SNAPSHOT_CONTROL_DIR`` (docs/engines.md, "Workers written to NVIDIA Dynamo Snapshot's
+control-directory contract"; ai-dynamo/dynamo ``docs/reference/workload-contract.md``):
 the worker writes ``ready-for-snapshot`` once quiesced; the agent writes ``snapshot-complete`` (the
 source may exit) and ``restore-complete`` (resume now), plus ``restore-context.json``
 (``{"version": 1, "env": {NAME: value or null}}``). Writers use a temporary file and a rename;

@@ -4,7 +4,7 @@ These are in-process, call-order fakes for the adapters' unit tests; the engines
 (SGLang's schedulers, TensorRT-LLM's executor workers, one gpusnap agent in each) are faked in
 ``tests/adapters/fake_engines/`` and captured through the daemon in ``test_fake_engines_cpu.py``.
 
-Neither engine runs on gpusnap's CPU hosts (``engine-apis.md`` §7.2), so the adapters are tested against
+Neither engine runs on gpusnap's CPU hosts (docs/engines.md, "What is tested, and where"), so the adapters are tested against
 these fakes, in Dynamo's style: every engine call is recorded on one parent :class:`unittest.mock.Mock`
 (``fake.calls``), and tests compare ``fake.calls.mock_calls`` with the exact expected sequence. A call is
 recorded with its positional parameters and every keyword parameter that differs from the upstream default

@@ -1,4 +1,4 @@
-"""SglangAdapter against a fake SGLang ``Engine`` with the real signatures (engine-apis.md §4, §7.2)."""
+"""SglangAdapter against a fake SGLang ``Engine`` with the real signatures (docs/engines.md, "SGLang")."""
 
 from __future__ import annotations
 

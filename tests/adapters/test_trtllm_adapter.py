@@ -1,4 +1,4 @@
-"""TrtLlmAdapter against a fake TensorRT-LLM ``LLM`` with the real signatures (engine-apis.md §3, §7.2)."""
+"""TrtLlmAdapter against a fake TensorRT-LLM ``LLM`` with the real signatures (docs/engines.md, "TensorRT-LLM")."""
 
 from __future__ import annotations
 

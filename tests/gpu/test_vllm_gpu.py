@@ -1,4 +1,4 @@
-"""A stock ``vllm serve`` on the GPU (vLLM 0.26 from ``../shared/device``, unpacked at ``/tmp/engine-site``):
+"""A stock ``vllm serve`` on the GPU (vLLM 0.26 installed at ``/tmp/engine-site``: docs/engines.md, "What is tested"):
 a small Llama with dummy bf16 weights and vLLM's default CUDA graphs, gpusnap installed into the engine's
 path and ``GPUSNAP_AGENT_SOCKET`` set, nothing else changed. Skipped, with the reason, where no vLLM is there.
 
@@ -41,7 +41,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not (ENGINE_SITE / "vllm" / "__init__.py").exists(),
-        reason=f"no vLLM at {ENGINE_SITE} (../shared/device/README.md builds and unpacks it; GPUSNAP_ENGINE_SITE)",
+        reason=f"no vLLM at {ENGINE_SITE} (install vLLM 0.26 there, or set GPUSNAP_ENGINE_SITE: docs/engines.md)",
     ),
 ]
 

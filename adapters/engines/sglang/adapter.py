@@ -4,7 +4,7 @@ This is the in-process form: your code starts one agent, and the scheduler proce
 their weights in the image. gpusnap's plugin (``gpusnap.adapters.engines.sglang.plugin``, which SGLang loads in every
 process; docs/engines.md) uses this adapter in the front end and gives each scheduler an agent of its own.
 
-Build the engine for it (``engine-apis.md`` §4): ``sgl.Engine(…, enable_memory_saver=True)`` with
+Build the engine for it (docs/engines.md, "SGLang"): ``sgl.Engine(…, enable_memory_saver=True)`` with
 ``torch_memory_saver`` installed (without it the memory calls warn and free nothing). Then::
 
     from gpusnap.adapters import start_agent

@@ -4,7 +4,7 @@ This is the in-process form: your code starts one agent, and the executor worker
 keep their weights in the image. ``gpusnap.adapters.engines.trtllm.plugin.enable()`` (docs/engines.md) uses this adapter in
 the front end and gives each executor worker an agent of its own.
 
-Build the engine for it (``engine-apis.md`` §3): PyTorch backend, ``sleep_config=SleepConfig()`` (older
+Build the engine for it (docs/engines.md, "TensorRT-LLM"): PyTorch backend, ``sleep_config=SleepConfig()`` (older
 releases: ``enable_sleep=True``), ``kv_cache_config.use_kv_cache_manager_v2=False``, and a world size of 1
 under MPI (multi-rank sleep needs the Ray orchestrator). Then::
 
@@ -33,7 +33,7 @@ Upstream calls, checked against NVIDIA/TensorRT-LLM (main, 1.3–1.4 era):
   ``top_k=1`` is greedy; ``end_id=None`` is filled from the tokenizer, so pass ``end_id`` when the LLM was
   built with ``skip_tokenizer_init=True``).
 
-Stopping work: TensorRT-LLM's sync ``LLM`` has no pause (``engine-apis.md`` §3). ``sleep`` drains whatever
+Stopping work: TensorRT-LLM's sync ``LLM`` has no pause (``tensorrt_llm/llmapi/llm.py``). ``sleep`` drains whatever
 is in flight inside ``control_action()``, and both ``_collective_rpc`` and ``LLM.release`` block the
 calling thread, which is the engine's event loop, so nothing new is submitted from that loop while memory
 is released. Requests submitted *after* quiesce returns and before the dump would find no KV cache: a

@@ -1,7 +1,7 @@
 """vLLM adapter for ``AsyncLLM`` (``vllm.v1.engine.async_llm``) and the offline ``LLM``.
 
-Calls, from vLLM 0.32–0.33 (``engine-apis.md`` §2; ``vllm/v1/engine/async_llm.py``,
-``vllm/entrypoints/llm.py``):
+Calls, from vLLM 0.32–0.33 (``vllm/v1/engine/async_llm.py``, ``vllm/entrypoints/llm.py``; the warm-up:
+docs/engines.md, "The warm-up request and the canary"):
 
 - warm-up: one token-only request per local data-parallel rank (``data_parallel_rank``, ``AsyncLLM``
   only), greedy, 2 tokens, EOS ignored; then ``reset_prefix_cache()`` so warm-up blocks are not reused.

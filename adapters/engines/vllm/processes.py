@@ -1,7 +1,7 @@
 """VllmProcessAdapter: the adapter of one vLLM process, whatever it holds (front end, EngineCore, Workers).
 
 gpusnap's vLLM plugin (``gpusnap.adapters.engines.vllm.plugin``) starts one agent per vLLM process with this
-adapter. What each process does at capture (vLLM 0.32–0.33 layout, ``engine-apis.md`` §6):
+adapter. What each process does at capture (vLLM 0.32–0.33 layout: docs/engines.md, "vLLM"):
 
 - **front end** (``AsyncLLM`` or ``LLM``; the API server under ``vllm serve``): warm-up, then quiesce and
   resume through :class:`~gpusnap.adapters.engines.vllm.adapter.VllmAdapter` (``pause_generation`` … ``resume_generation``);
