@@ -10,8 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpusnap.daemon._proto import operations_pb2
 from gpusnap.daemon.api.errors import AbortedError
+from gpusnap.daemon.api.types import EventType
 from tests.conftest import DaemonProc, Workloads, criu_killed, start_daemon, stop_daemon, wait_for
 
 
@@ -65,11 +65,11 @@ def test_watch_streams_phases(daemon: DaemonProc, workloads: Workloads) -> None:
     client = daemon.client()
     op = client.checkpoint(w.pid)
     events = list(client.watch(op.id))
-    finished = [e.phase for e in events if e.type == e.TYPE_PHASE_FINISHED]
+    finished = [e.phase for e in events if e.type is EventType.PHASE_FINISHED]
     assert finished == ["preflight", "dump", "checksum", "publish", "finish"]
-    assert events[-1].type == events[-1].TYPE_OPERATION_FINISHED
+    assert events[-1].type is EventType.OPERATION_FINISHED
     assert [e.sequence for e in events] == list(range(len(events)))
-    checksum = next(e for e in events if e.type == e.TYPE_PHASE_FINISHED and e.phase == "checksum")
+    checksum = next(e for e in events if e.type is EventType.PHASE_FINISHED and e.phase == "checksum")
     assert checksum.bytes == events[-1].operation.snapshot.size_bytes > 8 * 2**20
 
 
@@ -148,6 +148,6 @@ def test_wait_and_watch_end_for_an_operation_finished_before_a_restart(tmp_path:
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["state"] == "succeeded", res.stdout
         events = list(d.client().watch(op_id))
-        assert events and events[-1].type == operations_pb2.OperationEvent.TYPE_OPERATION_FINISHED
+        assert events and events[-1].type is EventType.OPERATION_FINISHED
     finally:
         stop_daemon(d)

@@ -20,6 +20,7 @@ import pytest
 
 from gpusnap.daemon._proto import operations_pb2, operations_pb2_grpc
 from gpusnap.daemon.api.errors import ResourceExhaustedError
+from gpusnap.daemon.api.types import OperationState
 from tests.conftest import DaemonProc, Workloads, start_daemon, stop_daemon, wait_for
 
 NOBODY = 65534
@@ -111,7 +112,7 @@ def test_waiting_phases_hold_no_operation_slot(tight: DaemonProc, workloads: Wor
     assert err.value.reason == "TOO_MANY_OPERATIONS"
     os.kill(waiting[0][1], 9)
     wait_for(
-        lambda: tight.client().get_operation(waiting[0][0].id).state == operations_pb2.OPERATION_STATE_FAILED,
+        lambda: tight.client().get_operation(waiting[0][0].id).state is OperationState.FAILED,
         30,
         "the dead worker's checkpoint did not end",
     )
