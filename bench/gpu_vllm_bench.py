@@ -36,10 +36,10 @@ sys.path.insert(0, str(REPO))
 
 from bench import results_file  # noqa: E402
 from bench.gpu_bench import wait_registered_ahead  # noqa: E402
-from gpusnap.daemon._proto import operations_pb2  # noqa: E402
+from gpusnap.daemon.api.types import OperationState  # noqa: E402
 from tests.adapters.vllm_model import make_tiny_llama  # noqa: E402
 from tests.adapters.vllm_server import install_gpusnap, request  # noqa: E402
-from tests.conftest import DaemonProc, kill_tree, start_daemon, stop_daemon  # noqa: E402
+from tests.conftest import DaemonProc, kill_tree, phase_seconds, start_daemon, stop_daemon  # noqa: E402
 from tests.gpu.test_vllm_gpu import ENGINE_SITE, PROMPT, start_server  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -83,14 +83,14 @@ def restore_to_first_token(daemon: DaemonProc, snapshot: str, port: int) -> dict
     t0 = time.time()
     done = client.wait(client.restore(snapshot).id, timeout_s=1800)
     restored_at = time.time()
-    if done.state != operations_pb2.OPERATION_STATE_SUCCEEDED:
+    if done.state is not OperationState.SUCCEEDED or done.restore is None:
         raise SystemExit(f"restore of {snapshot} failed: {done}")
     first = request(port, PROMPT, 1)
     answer = request(port, PROMPT, 16)["token_ids"]
     return {
         "pid": done.restore.pid,
         "restore_call_s": restored_at - t0,
-        "restore_to_first_token_s": float(first["t_done"]) - t0,  # type: ignore[arg-type]
+        "restore_to_first_token_s": float(first["t_done"]) - t0,
         "phases": {p.phase: round(p.duration_seconds, 4) for p in done.phases},
         "answer": answer,
     }
@@ -121,6 +121,38 @@ def vllm_memory_lines(log: Path) -> list[str]:
     ][:20]
 
 
+def standby_then_activate(daemon: DaemonProc, snapshot: str, port: int) -> dict[str, Any]:
+    """Restore ``snapshot`` ahead (``gpusnap standby``: CPU side only, CUDA-checkpointed, no GPU memory), wait
+    until gpusnapd has registered its weights for the fill, then time the gRPC Activate call → the server's
+    first token, then its 16 greedy tokens for the prompt."""
+    client = daemon.client()
+    t0 = time.time()
+    made = client.wait(client.standby(snapshot).id, timeout_s=1800)
+    standby_s = time.time() - t0
+    if made.state is not OperationState.SUCCEEDED or made.standby is None:
+        raise SystemExit(f"standby of {snapshot} failed: {made}")
+    (sb,) = made.standby.standbys
+    registered = wait_registered_ahead(daemon)
+    node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
+    t0 = time.time()
+    done = client.wait(client.activate(sb.id).id, timeout_s=1800)
+    if done.state is not OperationState.SUCCEEDED or done.restore is None:
+        raise SystemExit(f"activation of {sb.id} failed: {done}")
+    first = request(port, PROMPT, 1)
+    answer = request(port, PROMPT, 16)["token_ids"]
+    return {
+        "pid": done.restore.pid,
+        "standby_s": standby_s,
+        "standby_phases": {p.phase: round(p.duration_seconds, 4) for p in made.phases},
+        "standby_host_memory_bytes": sb.host_memory_bytes,
+        "gpu_free_bytes_while_standing_by": [int(g["memory_free_bytes"]) for g in node["gpus"]],
+        "blobs_registered": registered,
+        "activation_to_first_token_s": float(first["t_done"]) - t0,
+        "activate_phases": {p.phase: round(p.duration_seconds, 4) for p in done.phases},
+        "answer": answer,
+    }
+
+
 def engine_version() -> str:
     out = subprocess.run(
         [sys.executable, "-c", "import vllm; print(vllm.__version__)"],
@@ -140,6 +172,9 @@ def main() -> int:
     )
     ap.add_argument("--gpu-memory-utilization", default="0.2")
     ap.add_argument("--no-stock", action="store_true", help="leave the stock path out")
+    ap.add_argument(
+        "--standby", action="store_true", help="also a standby of the fast snapshot, activated: to first token"
+    )
     results_file.add_arguments(ap)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-vllm-bench-"))
@@ -156,7 +191,7 @@ def main() -> int:
         pids.append(server.proc.pid)
         server.wait_up(1500)
         first = request(server.port, PROMPT, 1)
-        result["cold_start_to_first_token_s"] = float(first["t_done"]) - t_launch  # type: ignore[arg-type]
+        result["cold_start_to_first_token_s"] = float(first["t_done"]) - t_launch
         before = request(server.port, PROMPT, 16)["token_ids"]
         result["host_memory_before_capture"] = host_memory(server.proc.pid)
         result["vllm_memory_log"] = vllm_memory_lines(server.log)
@@ -170,6 +205,10 @@ def main() -> int:
         kill_tree(fast[0]["pid"])
         fast.append(restore_to_first_token(daemon, "fast", server.port))
         kill_tree(fast[1]["pid"])
+        standby = None
+        if args.standby:
+            standby = standby_then_activate(daemon, "fast", server.port)
+            kill_tree(standby["pid"])
         stock = None
         if not args.no_stock:
             stock = restore_to_first_token(daemon, "stock", server.port)
@@ -183,7 +222,11 @@ def main() -> int:
         shutil.rmtree(args.buffer_dir, ignore_errors=True)
     cold = result["cold_start_to_first_token_s"]
     best = min(r["restore_to_first_token_s"] for r in fast)
-    same = all(r["answer"] == before for r in fast) and (stock is None or stock["answer"] == before)
+    same = (
+        all(r["answer"] == before for r in fast)
+        and (stock is None or stock["answer"] == before)
+        and (standby is None or standby["answer"] == before)
+    )
     result.update(
         {
             "host": {
@@ -202,7 +245,7 @@ def main() -> int:
             "buffer_bytes": fast_dump["buffer_bytes"],
             "gpu_memory_at_capture_bytes": sum(int(g["gpu_memory_bytes"]) for g in snap.get("gpu_processes", [])),
             "blobs_registered_after_checkpoint": registered,
-            "checkpoint_phases": fast_dump["phases"],
+            "checkpoint_phases": phase_seconds(fast_dump),
             "restore_phases": fast[0]["phases"],
             "restore_again_phases": fast[1]["phases"],
             "restore_call_s": [r["restore_call_s"] for r in fast],
@@ -214,10 +257,17 @@ def main() -> int:
                 "over_fast": stock["restore_to_first_token_s"] / best,
                 "checkpoint_s": stock_s,
                 "image_bytes": stock_dump["size_bytes"],
-                "checkpoint_phases": stock_dump["phases"],
+                "checkpoint_phases": phase_seconds(stock_dump),
                 "restore_phases": stock["phases"],
             },
-            "targets": {"restore_to_first_token_s": 1.5, "speedup": 50, "checkpoint_s": 5},
+            "standby": None
+            if standby is None
+            else {
+                **{k: v for k, v in standby.items() if k not in ("pid", "answer")},
+                "cold_over_activation": cold / standby["activation_to_first_token_s"],
+                "restore_over_activation": best / standby["activation_to_first_token_s"],
+            },
+            "targets": {"restore_to_first_token_s": 1.5, "speedup": 50, "checkpoint_s": 5, "activation_s": 0.4},
         }
     )
     print(json.dumps(result, indent=2))

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -145,7 +146,7 @@ print(json.dumps({"token_ids": out["token_ids"], "t0": t0, "t_done": time.time()
 """
 
 
-def request(port: int, prompt: list[int], n: int, *, netns_of: int = 0) -> dict[str, object]:
+def request(port: int, prompt: list[int], n: int, *, netns_of: int = 0) -> dict[str, Any]:
     """POST ``/v1/completions`` (greedy, ``n`` tokens, token ids back); returns ``token_ids`` and the wall
     times ``t0`` (sent) and ``t_done`` (answered). ``netns_of``: from inside that process's network
     namespace (``setns``: Python 3.12, as root)."""

@@ -33,7 +33,7 @@ import pytest
 
 from tests.adapters.vllm_model import make_tiny_llama
 from tests.adapters.vllm_server import VllmServer, engine_env, install_gpusnap, pythonpath
-from tests.conftest import DaemonProc, kill_tree, start_daemon, stop_daemon
+from tests.conftest import DaemonProc, kill_tree, phase_seconds, start_daemon, stop_daemon
 
 ENGINE_SITE = Path(os.environ.get("GPUSNAP_ENGINE_SITE", "/tmp/engine-site"))
 
@@ -131,7 +131,9 @@ def test_stock_vllm_serve_with_cuda_graphs(tmp_path: Path) -> None:
 
         # a default dump: weights to the buffer store, KV cache released, neither in the images
         dumped = dump(daemon, server.proc.pid, "vllm")
-        assert {"warm-up", "quiesce", "offload", "gpu-checkpoint", "dump"} <= set(dumped["phases"]), dumped["phases"]
+        assert {"warm-up", "quiesce", "offload", "gpu-checkpoint", "dump"} <= set(phase_seconds(dumped)), dumped[
+            "phases"
+        ]
         snap = inspect(daemon, "vllm")
         weights = int(snap["buffer_bytes"])
         assert weights >= 200 << 20, "the model's weights are in the buffer store"
@@ -151,7 +153,7 @@ def test_stock_vllm_serve_with_cuda_graphs(tmp_path: Path) -> None:
 
         restored = json.loads(daemon.cli("-o", "json", "restore", "vllm", check=True, timeout=900).stdout)
         pids.append(restored["pid"])
-        assert list(restored["phases"])[-2:] == ["reload-buffers", "resume-worker"], restored["phases"]
+        assert list(phase_seconds(restored))[-2:] == ["reload-buffers", "resume-worker"], restored["phases"]
         assert server.complete(PROMPT) == before, "the restored server gives the same greedy token ids"
         assert server.complete(OTHER_PROMPT) == other, "and serves new prompts as the source did"
 
@@ -169,7 +171,7 @@ def test_stock_vllm_serve_with_cuda_graphs(tmp_path: Path) -> None:
         )
         pids.append(copy["pid"])
         assert server.complete(PROMPT, netns_of=copy["pid"]) == before, "the private copy serves the same tokens"
-        print(f"MEASURED vllm gpu: dump {dumped['phases']} restore {restored['phases']}")
+        print(f"MEASURED vllm gpu: dump {phase_seconds(dumped)} restore {phase_seconds(restored)}")
     finally:
         kill_tree(*pids)
         stop_daemon(daemon)
