@@ -112,6 +112,7 @@ class RestoreResult(_message.Message):
     SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
     NAMESPACE_PID_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    FILE_COPIES_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     """host PID of the restored tree's root"""
     snapshot_id: _builtins.str
@@ -125,6 +126,12 @@ class RestoreResult(_message.Message):
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___RestoredReplica]:
         """With replicas > 1, every copy in index order (the fields above repeat the first); else empty."""
 
+    @_builtins.property
+    def file_copies(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileCopy]:
+        """Files the tree continues writing in a copy of its own instead of where it held them: a file it wrote at its
+        own position (opened without O_APPEND) that the source or an earlier restore continues (the first copy's).
+        """
+
     def __init__(
         self,
         *,
@@ -133,10 +140,11 @@ class RestoreResult(_message.Message):
         snapshot_id: _builtins.str = ...,
         namespace_pid: _builtins.int = ...,
         replicas: _abc.Iterable[Global___RestoredReplica] | None = ...,
+        file_copies: _abc.Iterable[Global___FileCopy] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace_pid", b"namespace_pid", "pid", b"pid", "pids", b"pids", "replicas", b"replicas", "snapshot_id", b"snapshot_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_copies", b"file_copies", "namespace_pid", b"namespace_pid", "pid", b"pid", "pids", b"pids", "replicas", b"replicas", "snapshot_id", b"snapshot_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -150,12 +158,17 @@ class RestoredReplica(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     PIDS_FIELD_NUMBER: _builtins.int
     NAMESPACE_PID_FIELD_NUMBER: _builtins.int
+    FILE_COPIES_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """"{i}" of its restore context"""
     pid: _builtins.int
     namespace_pid: _builtins.int
     @_builtins.property
     def pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def file_copies(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileCopy]:
+        """as RestoreResult.file_copies, for this copy"""
+
     def __init__(
         self,
         *,
@@ -163,14 +176,43 @@ class RestoredReplica(_message.Message):
         pid: _builtins.int = ...,
         pids: _abc.Iterable[_builtins.int] | None = ...,
         namespace_pid: _builtins.int = ...,
+        file_copies: _abc.Iterable[Global___FileCopy] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "namespace_pid", b"namespace_pid", "pid", b"pid", "pids", b"pids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_copies", b"file_copies", "index", b"index", "namespace_pid", b"namespace_pid", "pid", b"pid", "pids", b"pids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RestoredReplica: _TypeAlias = RestoredReplica  # noqa: Y015
+
+@_typing.final
+class FileCopy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    COPY_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """the file the tree held at dump (left as it is)"""
+    copy: _builtins.str
+    """the copy it writes instead: <path>.gpusnap-<operation>[-<i>]"""
+    size_bytes: _builtins.int
+    """bytes copied: the file's size at dump"""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        copy: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy", b"copy", "path", b"path", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileCopy: _TypeAlias = FileCopy  # noqa: Y015
 
 @_typing.final
 class StandbyResult(_message.Message):

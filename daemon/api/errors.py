@@ -85,6 +85,7 @@ _ACTION_BY_REASON: dict[str, Action] = {
     "BAD_DIRECTORY": Action.FIX,
     "EXTERNAL_PIPE": Action.FIX,
     "TERMINAL": Action.FIX,  # a job started from a terminal, restored with --host-pidns
+    "FILE_COPY_FAILED": Action.FIX,  # a copy of a file the tree writes that its owner may not create
     "CRIU_UNSUPPORTED": Action.FIX,
     "TCP_ESTABLISHED": Action.FIX,
     "USER_NAMESPACE": Action.FIX,

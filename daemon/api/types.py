@@ -163,6 +163,12 @@ class HeldFile:
     ino: int
     access: int
     """What the holder needs of it: ``os.R_OK | os.W_OK | os.X_OK`` bits (0: only that it resolves)."""
+    size: int = -1
+    """A regular file held by an fd: its size at dump in bytes, as CRIU records it (-1: not recorded)."""
+    pos: int = -1
+    """A regular file held by an fd: the fd's file position at dump (-1: not recorded)."""
+    flags: int = -1
+    """A regular file held by an fd: its ``open(2)`` flags at dump (``fdinfo``; -1: not recorded)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,6 +379,18 @@ class RestoreOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class FileCopy:
+    """A file the restored tree continues writing in a copy of its own (``operations.file_copies``)."""
+
+    path: str
+    """The file the tree held at dump."""
+    copy: str
+    """The copy it writes instead: ``<path>.gpusnap-<operation>[-<i>]``."""
+    size_bytes: int
+    """Bytes copied: the file's size at dump."""
+
+
+@dataclasses.dataclass(frozen=True)
 class RestoreResult:
     """Where a restored tree lives: host PIDs, root first."""
 
@@ -382,6 +400,8 @@ class RestoreResult:
     namespace_pid: int
     replicas: tuple[RestoreResult, ...] = ()
     """With fan-out, every copy in index order (the fields above are the first's); else empty."""
+    file_copies: tuple[FileCopy, ...] = ()
+    """Files this tree continues writing in a copy of its own, not where it held them (the first copy's)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -250,7 +250,9 @@ def print_restored(obj: Ctx, done: Operation) -> None:
     from gpusnap.daemon.client.values import Replica
 
     res = outcome(done.restore, done)
-    copies = res.replicas or (Replica(index=0, pid=res.pid, pids=res.pids, namespace_pid=res.namespace_pid),)
+    copies = res.replicas or (
+        Replica(index=0, pid=res.pid, pids=res.pids, namespace_pid=res.namespace_pid, file_copies=res.file_copies),
+    )
     if obj.output == "json":
         from gpusnap.daemon.cli.documents import Restored
 
@@ -268,7 +270,15 @@ def print_restored(obj: Ctx, done: Operation) -> None:
     else:
         click.echo("\n".join(str(c.pid) for c in copies))
         pids = ", ".join(str(c.pid) for c in copies)
-        console(stderr=True).print(f"restored {res.snapshot_id} as PID {pids}: {phase_summary(done)}", highlight=False)
+        err = console(stderr=True)
+        err.print(f"restored {res.snapshot_id} as PID {pids}: {phase_summary(done)}", highlight=False)
+        for c in copies:  # files an earlier copy (or the source) continues: this one writes its own copy
+            for f in c.file_copies:
+                err.print(
+                    f"PID {c.pid} continues {f.path} in a copy of its first {f.size_bytes} bytes: {f.copy}",
+                    highlight=False,
+                    soft_wrap=True,  # a path whole, to be copied
+                )
 
 
 @main.command()

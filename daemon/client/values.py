@@ -5,7 +5,7 @@ and their parts); field names are the proto field names (proto/gpusnap/v1), so `
 the schema in docs/schemas/v1/cli.schema.json follow from them. A field that may be absent is typed
 ``X | None`` and is ``None`` when the wire leaves it unset or empty (no ``""`` or 0 standing for "none").
 Parts the daemon's domain types already describe exactly (``ProcessFacts``, ``ImageFile``,
-``PhaseTiming``, ``GpuProcess``, ``TransferResult``, ``GpuPrefill``) are those types. Built from wire messages by ``gpusnap.daemon.client.convert``.
+``PhaseTiming``, ``GpuProcess``, ``TransferResult``, ``GpuPrefill``, ``FileCopy``) are those types. Built from wire messages by ``gpusnap.daemon.client.convert``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from datetime import datetime
 from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.api.types import (
     EventType,
+    FileCopy,
     GpuPrefill,
     GpuProcess,
     ImageFile,
@@ -44,6 +45,7 @@ __all__ = [
     "Workload",
     "Buffer",
     "EventType",
+    "FileCopy",
     "GpuComputeProcess",
     "GpuInfo",
     "GpuPrefill",
@@ -147,6 +149,7 @@ class Replica:
     pid: int
     pids: tuple[int, ...]
     namespace_pid: int
+    file_copies: tuple[FileCopy, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +161,8 @@ class RestoreResult:
     snapshot_id: str
     namespace_pid: int
     replicas: tuple[Replica, ...]
+    file_copies: tuple[FileCopy, ...] = ()
+    """Files the tree continues writing in a copy of its own (the first copy's)."""
 
 
 @dataclasses.dataclass(frozen=True)

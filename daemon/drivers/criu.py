@@ -39,7 +39,7 @@ from gpusnap.daemon.api.errors import (
     InternalError,
     PermissionDeniedError,
 )
-from gpusnap.daemon.api.types import Creds, TcpMode
+from gpusnap.daemon.api.types import Creds, FileCopy, TcpMode
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +69,8 @@ class RestoredTree:
 
     init_pid: int
     ns_pid: int
+    file_copies: tuple[FileCopy, ...] = ()
+    """Files the tree continues writing in copies made for it (``filecopies``)."""
 
 
 class CriuError(GpusnapError):
@@ -282,6 +284,7 @@ class CriuDriver:
         owner: Creds | None = None,
         scratch_dir: Path | None = None,
         leave_stopped: bool = False,
+        file_copies: Mapping[str, Any] | None = None,
     ) -> RestoredTree:
         """Restore the tree dumped in ``images_dir``; the log goes to ``work_dir/<log_name>``.
 
@@ -306,11 +309,15 @@ class CriuDriver:
                 rights and inherited by CRIU, which then resolves none of their paths as root
                 (``criu_userpaths``); needs ``scratch_dir``, a directory to be created and removed again on
                 the images' file system (it gets links to them).
+            file_copies: files the tree continues writing that get copies of their own, made as their owner
+                (``operations.file_copies.request``; ``criu_exec``).
 
         Raises:
             PermissionDeniedError, FailedPreconditionError, InternalError: ``owner``'s sockets could not be
                 made (reasons ``FILE_NOT_PERMITTED``, ``ADDRESS_IN_USE``, ``UNIX_SOCKET_UNRESTORABLE``,
                 ``ACCESS_CHECK_FAILED``); CRIU did not run.
+            FailedPreconditionError, InternalError: the copies could not be made (reasons ``FILE_SHRUNK``,
+                ``FILE_COPY_FAILED``); CRIU did not run.
             CriuError: CRIU refused or died; nothing of the tree is left running.
             DeadlineExceededError: not done within ``timeout_s``; everything restored so far was killed.
         """
@@ -341,6 +348,7 @@ class CriuDriver:
             "shm_dir": str(shm_dir) if shm_dir else "",
             "terminals": dict(terminals) if terminals else None,
             "title": list(title),
+            "file_copies": dict(file_copies) if file_copies else None,
         }
         if owner is not None:
             if scratch_dir is None:
@@ -361,7 +369,10 @@ class CriuDriver:
         )
         init_pid = next((e["pid"] for e in events if e.get("event") == "init"), 0)
         result = events[-1]
-        return RestoredTree(init_pid=init_pid, ns_pid=int(result["pid"]))
+        copies = tuple(
+            FileCopy(str(c["path"]), str(c["copy"]), int(c["size_bytes"])) for c in result.get("file_copies", [])
+        )
+        return RestoredTree(init_pid=init_pid, ns_pid=int(result["pid"]), file_copies=copies)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -639,7 +650,8 @@ _REFUSALS: dict[str, type[GpusnapError]] = {
     "PERMISSION_DENIED": PermissionDeniedError,
     "FAILED_PRECONDITION": FailedPreconditionError,
 }
-"""gRPC code names of the helper's refusals (``criu_userpaths.Refused``) -> the error raised."""
+"""gRPC code names of the helper's refusals (``criu_userpaths.Refused``, ``filecopies.Refused``) -> the
+error raised."""
 
 KEPT_LOGS = 50
 """Logs of failed requests kept in ``failed_logs_dir``; older ones are removed."""
@@ -658,9 +670,9 @@ when a PID it must give a restored task is taken)."""
 LOG_HINTS = (
     (
         "has bad size",
-        "a file the tree had open changed size after the capture: a log opened without O_APPEND, or a "
-        "--leave-running source that kept writing; open logs for appending (`>>`) or give the file back the "
-        "size CRIU expects",
+        "a file the tree only reads or maps changed size after the capture (a file it writes gets a copy of its "
+        "own, but one it reads cannot: it would read what another wrote): give the file back its content at the "
+        "dump, or dump the worker again",
     ),
     ("Address already in use", "a restored socket's address is taken: restore with --private-net, or stop its owner"),
 )

@@ -26,21 +26,25 @@ Request (one JSON object)::
      "title": ["snapshot=snap-…", …],          # restore with new_pidns: what the namespace init's command line
                                                # says once the tree runs (``gpusnap.daemon.drivers.reaper``)
      "owner": null | {"uid": …, "gid": …, "groups": […]},  # restore of a non-root snapshot: its path-named
-     "scratch_dir": "…"}                       # unix sockets are made as the owner (criu_userpaths), the
+     "scratch_dir": "…",                       # unix sockets are made as the owner (criu_userpaths), the
                                                # images CRIU reads are links made in scratch_dir
+     "file_copies": null | {…}}                # restore: copies of files the tree continues writing, made as
+                                               # their owner and inherited by CRIU (``filecopies``)
 
 Replies, one JSON object per line::
 
     {"event": "init", "pid": <host PID of the namespace's init>}   # restore with new_pidns only
     {"event": "start", "helper": <this helper's PID>, "init": <the init's PID, or 0>}   # restore: CRIU
                                               # gets its request only once the daemon answers {"ok": true}
-    {"event": "result", "ok": true, "pid": <restored root PID, as CRIU sees it>}
+    {"event": "result", "ok": true, "pid": <restored root PID, as CRIU sees it>,
+     "file_copies": [{"path": "…", "copy": "…", "size_bytes": 0}]}   # restore: the copies made, if any
     {"event": "result", "ok": false, "error": "…", "errno": 0}   # errno: CRIU's own ``cr_errno`` when CRIU
                                               # answered (0, ESRCH, EEXIST or EBADRQC: criu/include/cr-errno.h);
                                               # EPIPE or ECONNRESET when CRIU went away without answering
                                               # (killed, crashed); another OSError's errno, or 0, otherwise
     {"event": "result", "ok": false, "error": "…", "errno": 0, "reason": "…", "code": "…"}  # refused before
-                                              # CRIU ran (criu_userpaths.Refused): the message is the daemon's
+                                              # CRIU ran (criu_userpaths.Refused, also for filecopies): the
+                                              # message is the daemon's
 
 With ``new_pidns`` the helper unshares a PID and a mount namespace and forks the namespace's init:
 that init (PID 1 inside) makes mounts slaves of the host's, mounts a fresh /proc and starts CRIU
@@ -60,9 +64,10 @@ import select
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from gpusnap.daemon.drivers import criu_userpaths
+from gpusnap.daemon.drivers import criu_userpaths, filecopies
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
@@ -307,9 +312,10 @@ def _prepare_sockets(req: dict[str, Any]) -> criu_userpaths.Prepared | None:
     return criu_userpaths.prepare(req["images_dir"], req["scratch_dir"], req["owner"])
 
 
-def _criu_for(prepared: criu_userpaths.Prepared, command: list[str], stdin: int = -1) -> Swrk:
-    """A CRIU that inherits ``prepared``'s sockets; this process's copies are closed once it runs."""
-    fds = tuple(fd for _, fd in prepared.inherit)
+def _criu_for(inherit: Sequence[tuple[str, int]], command: list[str], stdin: int = -1) -> Swrk:
+    """A CRIU that inherits the descriptors of ``inherit`` ((key, fd) pairs); this process's copies are closed
+    once it runs."""
+    fds = tuple(fd for _, fd in inherit)
     try:
         return Swrk(command, stdin=stdin, keep_fds=fds)
     finally:
@@ -319,6 +325,36 @@ def _criu_for(prepared: criu_userpaths.Prepared, command: list[str], stdin: int 
 
 def _refused(exc: criu_userpaths.Refused) -> dict[str, Any]:
     return {"event": "result", "ok": False, "error": str(exc), "errno": 0, "reason": exc.reason, "code": exc.code}
+
+
+def _restore(req: dict[str, Any], swrk: Swrk, command: list[str], stdin: int = -1) -> dict[str, Any]:
+    """CRIU's restore on ``swrk`` (``stdin``: the terminal standing in for a shell job's). First, a non-root
+    snapshot's path-named unix sockets, made as its owner (``criu_userpaths``), and copies of the files the tree
+    continues writing (``req["file_copies"]``, ``filecopies``): when there are any, a fresh CRIU inherits them.
+    The result lists the copies (``file_copies``); a failed restore removes them."""
+    prepared = None
+    made = filecopies.Made()
+    try:
+        prepared = _prepare_sockets(req)  # in the tree's namespaces, as its owner (criu_userpaths)
+        made = filecopies.make(req.get("file_copies"))
+        inherit = [*(prepared.inherit if prepared else ()), *made.inherit]
+        if inherit:  # CRIU must inherit them: a fresh one
+            swrk.close()
+            swrk = _criu_for(inherit, command, stdin)
+        copies = [{"key": key, "fd": fd} for key, fd in made.inherit]
+        req["opts"]["inherit_fd"] = [*req["opts"].get("inherit_fd", []), *copies]
+        result = _run_criu(req, swrk, prepared)
+    except criu_userpaths.Refused as exc:
+        swrk.close()
+        result = _refused(exc)
+    finally:
+        if prepared is not None:
+            criu_userpaths.discard(prepared.images_dir)
+    if result["ok"]:
+        result["file_copies"] = made.copies
+    else:
+        made.discard()
+    return result
 
 
 def _reap_forever() -> None:
@@ -437,7 +473,6 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
         os.close(r)
         os.close(go_w)
         swrk: Swrk | None = None
-        prepared: criu_userpaths.Prepared | None = None
         failed: BaseException | None = None
         slave = master = term_out = -1
         try:  # while the daemon journals this init: nothing here is seen outside the new namespaces
@@ -459,13 +494,7 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
             if failed is not None:
                 raise failed
             assert swrk is not None
-            prepared = _prepare_sockets(req)  # in the tree's namespaces, as its owner (criu_userpaths)
-            if prepared is not None:  # CRIU must inherit the sockets: a fresh one
-                swrk.close()
-                swrk = _criu_for(prepared, command, stdin=slave)
-            result = _run_criu(req, swrk, prepared)
-        except criu_userpaths.Refused as exc:
-            result = _refused(exc)
+            result = _restore(req, swrk, command, stdin=slave)
         except BaseException as exc:  # report anything, never hang the daemon
             result = {
                 "event": "result",
@@ -473,9 +502,6 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
                 "error": f"namespace init: {exc}",
                 "errno": getattr(exc, "errno", 0) or 0,
             }
-        finally:
-            if prepared is not None:
-                criu_userpaths.discard(prepared.images_dir)
         os.write(w, (json.dumps(result) + "\n").encode())
         os.close(w)
         if not result["ok"]:
@@ -595,18 +621,10 @@ def main() -> int:
             },
         )
         return 1
-    prepared = None
-    try:
-        prepared = _prepare_sockets(req)
-        if prepared is not None:
-            warm.close()  # CRIU must inherit the sockets: a fresh one
-        result = _run_criu(req, _criu_for(prepared, command) if prepared else _ready(warm, command), prepared)
-    except criu_userpaths.Refused as exc:
-        warm.close()
-        result = _refused(exc)
-    finally:
-        if prepared is not None:
-            criu_userpaths.discard(prepared.images_dir)
+    if req["action"] == "restore":
+        result = _restore(req, _ready(warm, command), command)
+    else:
+        result = _run_criu(req, _ready(warm, command))
     _emit(out, result)
     return 0 if result["ok"] else 1
 

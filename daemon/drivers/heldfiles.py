@@ -9,7 +9,9 @@ not reopened by path. See proc(5) for the links and ``fdinfo``'s ``flags``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -20,19 +22,29 @@ SKIPPED_PREFIXES = ("/proc/", "/sys/")
 """Kernel-made trees whose names no user can replace; CRIU handles procfs files on its own."""
 
 
-def _access_of_fd(pid: int, fd: str) -> int:
-    """R/W bits an fd was opened with (``fdinfo`` flags, octal); 0 for ``O_PATH`` descriptors."""
+def _fdinfo(pid: int, fd: str) -> tuple[int, int]:
+    """An fd's ``open(2)`` flags and file position (``fdinfo``'s ``flags``, octal, and ``pos``); -1 each if gone."""
+    flags = pos = -1
     try:
         for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
-            if line.startswith("flags:"):
-                flags = int(line.split()[1], 8)
-                if flags & os.O_PATH:
-                    return 0
-                mode = flags & os.O_ACCMODE
-                return {os.O_RDONLY: os.R_OK, os.O_WRONLY: os.W_OK}.get(mode, os.R_OK | os.W_OK)
-    except OSError:
+            key, _, value = line.partition(":")
+            if key == "flags":
+                flags = int(value.strip(), 8)
+            elif key == "pos":
+                pos = int(value.strip())
+    except (OSError, ValueError):
         pass
-    return os.R_OK
+    return flags, pos
+
+
+def _access_of_fd(pid: int, fd: str) -> int:
+    """R/W bits an fd was opened with (``fdinfo`` flags); 0 for ``O_PATH`` descriptors."""
+    flags, _ = _fdinfo(pid, fd)
+    if flags < 0:
+        return os.R_OK
+    if flags & os.O_PATH:
+        return 0
+    return {os.O_RDONLY: os.R_OK, os.O_WRONLY: os.W_OK}.get(flags & os.O_ACCMODE, os.R_OK | os.W_OK)
 
 
 def _maps_access(pid: int) -> dict[str, int]:
@@ -88,7 +100,8 @@ def target(link: str) -> tuple[str, os.stat_result] | None:
 
 def held_files(pids: Iterable[int]) -> list[HeldFile]:
     """Every linked (not deleted) path-based file the processes hold; deleted ones are ghost or
-    link-remap files that CRIU copies into, or links beside, the images itself."""
+    link-remap files that CRIU copies into, or links beside, the images itself. A regular file held by an
+    fd also gets its size and the fd's flags and position (``operations.file_copies``)."""
     out: list[HeldFile] = []
     for pid in pids:
         for what, link, bits in links(pid):
@@ -98,7 +111,11 @@ def held_files(pids: Iterable[int]) -> list[HeldFile]:
             name, st = found
             if name.endswith(DELETED) or name.startswith(SKIPPED_PREFIXES):
                 continue
-            out.append(HeldFile(pid=pid, what=what, path=name, dev=st.st_dev, ino=st.st_ino, access=bits))
+            held = HeldFile(pid=pid, what=what, path=name, dev=st.st_dev, ino=st.st_ino, access=bits)
+            if what.startswith("fd ") and stat.S_ISREG(st.st_mode):  # what a restore continues it from
+                flags, pos = _fdinfo(pid, what.removeprefix("fd "))
+                held = dataclasses.replace(held, size=st.st_size, pos=pos, flags=flags)
+            out.append(held)
     return out
 
 

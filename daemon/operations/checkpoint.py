@@ -30,6 +30,7 @@ from gpusnap.daemon.operations import capture_checks, file_rights, workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.checksum import image_files
+from gpusnap.daemon.store.store import IN_PLACE
 from gpusnap.daemon.weights import capture as weights
 
 DEV_SHM_DIR = "dev-shm"
@@ -116,6 +117,8 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
                 files = image_files(staging.images)
                 progress.bytes = sum(f.size_bytes for f in files)
                 buffers = weights.commit(capture.parts, lambda staged: run.record.note(staged=staged))
+            if opts.leave_running:  # the source keeps its files: no restore continues them in place
+                (staging.path / IN_PLACE).touch(mode=0o600)
             with run.phase("publish"):
                 snapshot = Snapshot(
                     id=staging.snapshot_id,

@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from gpusnap.daemon.api.errors import AbortedError, Code, GpusnapError, error_for_code
-from gpusnap.daemon.api.types import RestoreOptions, RestoreResult
+from gpusnap.daemon.api.types import FileCopy, RestoreOptions, RestoreResult
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.drivers.cuda import ProcessState
 from gpusnap.daemon.operations import workers
@@ -177,7 +177,11 @@ def _restore_result(deps: Deps, record: OperationRecord, entry: dict[str, Any]) 
     elif "restore" in result:
         r = result["restore"]
         record.result = RestoreResult(
-            pid=r["pid"], pids=tuple(r["pids"]), snapshot_id=r["snapshot_id"], namespace_pid=r["namespace_pid"]
+            pid=r["pid"],
+            pids=tuple(r["pids"]),
+            snapshot_id=r["snapshot_id"],
+            namespace_pid=r["namespace_pid"],
+            file_copies=tuple(FileCopy(**f) for f in r.get("file_copies", [])),
         )
     elif "gpu_map" in result:
         record.result = dict(result["gpu_map"])

@@ -32,12 +32,12 @@ from gpusnap.daemon.api.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snapshot, TcpMode
+from gpusnap.daemon.api.types import Caller, FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import criu_userpaths, devshm, host, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap, preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController
-from gpusnap.daemon.operations import failpoints, file_rights, provenance, workers
+from gpusnap.daemon.operations import failpoints, file_copies, file_rights, provenance, workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
 from gpusnap.daemon.operations.deps import Deps
@@ -259,6 +259,8 @@ class CpuSide:
     root: int
     restored: tuple[int, ...]
     cuda_pids: tuple[int, ...]
+    file_copies: tuple[FileCopy, ...] = ()
+    """Files the tree continues writing in copies of its own (``operations.file_copies``)."""
 
 
 def restore_cpu(
@@ -336,6 +338,11 @@ def restore_cpu(
             owner=file_rights.owner_creds(snapshot) if snapshot.owner_uid != 0 else None,
             scratch_dir=scratch,
             leave_stopped=leave_stopped,
+            file_copies=file_copies.request(
+                snapshot,
+                run.record.id + run.phase_suffix.replace("#", "-"),
+                lambda: deps.store.take_in_place(snapshot.id),
+            ),
         )
         devshm.remove_link_remaps(remaps)  # opened by CRIU: the restored tree holds the file, not the name
         progress.bytes = snapshot.size_bytes
@@ -361,7 +368,7 @@ def restore_cpu(
                 reason="RESTORE_INCOMPLETE",
             )
         _note_tree(run, cuda_pids=cuda_pids)
-    return CpuSide(tree.init_pid, tree.ns_pid, root, tuple(restored), tuple(cuda_pids))
+    return CpuSide(tree.init_pid, tree.ns_pid, root, tuple(restored), tuple(cuda_pids), tree.file_copies)
 
 
 def check_restored_count(run: PhaseRunner, snapshot: Snapshot, side: CpuSide) -> None:
@@ -426,7 +433,13 @@ def bring_up(
         pids = proc.tree_pids(side.root)
     _note_tree(run, validated=True, pids=pids)
     workers.resume_restored(run, deps, snapshot, opts, pids, buffers_verified, prefill)
-    return RestoreResult(pid=side.root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=side.ns_pid)
+    return RestoreResult(
+        pid=side.root,
+        pids=tuple(pids),
+        snapshot_id=snapshot.id,
+        namespace_pid=side.ns_pid,
+        file_copies=side.file_copies,
+    )
 
 
 def _note_tree(run: PhaseRunner, **facts: object) -> None:

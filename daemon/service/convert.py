@@ -239,9 +239,16 @@ def operation(r: OperationRecord) -> operations_pb2.Operation:
                 snapshot_id=r.result.snapshot_id,
                 namespace_pid=r.result.namespace_pid,
                 replicas=[
-                    operations_pb2.RestoredReplica(index=i, pid=c.pid, pids=list(c.pids), namespace_pid=c.namespace_pid)
+                    operations_pb2.RestoredReplica(
+                        index=i,
+                        pid=c.pid,
+                        pids=list(c.pids),
+                        namespace_pid=c.namespace_pid,
+                        file_copies=[operations_pb2.FileCopy(**dataclasses.asdict(f)) for f in c.file_copies],
+                    )
                     for i, c in enumerate(r.result.replicas)
                 ],
+                file_copies=[operations_pb2.FileCopy(**dataclasses.asdict(f)) for f in r.result.file_copies],
             )
         )
     elif isinstance(r.result, TransferResult):

@@ -15,7 +15,8 @@ Schema (``manifest_version`` 3; version 1 lacks ``buffers``, version 2 ``agents`
      "agents": [{…}],
      "buffers": [{"name": "model.embed_tokens.weight", "size_bytes": 1050673152, "sha256": "…", "agent": "…",
                   "arena": 1, "arena_offset": 0}],
-     "held_files": [{"pid": 1234, "what": "fd 3", "path": "/home/u/log", "dev": 2049, "ino": 131, "access": 2}],
+     "held_files": [{"pid": 1234, "what": "fd 3", "path": "/home/u/log", "dev": 2049, "ino": 131, "access": 2,
+                     "size": 18649, "pos": 18649, "flags": 32769}],
      "owner_creds": {"uid": 1000, "gid": 1000, "groups": [1000, 27]},
      "process_images": [{"pid": 1234, "image_bytes": 2042482688}],
      "terminals": [{"path": "/dev/pts/3", "key": "tty[8803:19]", "fds": ["1234/0"], "controlling": true}]}
@@ -28,7 +29,10 @@ back) describe address-stable arenas for ``--gpu-prefill``.
 process, what its images hold and what its quiesce freed without saving (``gpusnap inspect``).
 
 ``held_files`` and ``owner_creds`` (optional, absent in older manifests) let a restore check that the
-snapshot's owner may still open every file CRIU reopens by path (``gpusnap.daemon.operations.file_rights``).
+snapshot's owner may still open every file CRIU reopens by path (``gpusnap.daemon.operations.file_rights``);
+a held file's ``size``, ``pos`` and ``flags`` (regular files held by an fd; optional, -1 or absent in older
+manifests) let a restore give the tree a copy of a file it writes that has grown
+(``gpusnap.daemon.operations.file_copies``).
 
 ``terminals`` (optional, absent in older manifests) are the terminals a shell's job was started from, left
 behind at dump; a restore replaces each descriptor of one by a file (``gpusnap.daemon.api.types.Terminal``).

@@ -53,6 +53,9 @@ log = structlog.get_logger(__name__)
 
 IMAGES = "images"
 PROVENANCE = "provenance.json"
+IN_PLACE = "in-place"
+"""In a snapshot's directory: a restore (or the source, left running at the dump) continues the files the tree
+writes at its own position; every later restore writes copies of them (``operations.file_copies``)."""
 
 
 def _last_write(path: Path) -> float:
@@ -359,6 +362,15 @@ class SnapshotStore:
         return self.buffers.collect_garbage(
             lambda: {self.buffers.key(s.buffer_uid, b.sha256) for s in self.list() for b in s.buffers}
         )
+
+    def take_in_place(self, snapshot_id: str) -> bool:
+        """Take the published snapshot's in-place claim (:data:`IN_PLACE`); ``False`` when it is taken."""
+        try:
+            fd = os.open(self.snapshots_dir / snapshot_id / IN_PLACE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return False
+        os.close(fd)
+        return True
 
     def images_dir(self, snapshot_id: str) -> Path:
         """The images directory of a published snapshot."""

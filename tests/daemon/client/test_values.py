@@ -33,6 +33,7 @@ PAIRS = [
     (values.OperationEvent, operations_pb2.OperationEvent),
     (values.RestoreResult, operations_pb2.RestoreResult),
     (values.Replica, operations_pb2.RestoredReplica),
+    (values.FileCopy, operations_pb2.FileCopy),
     (values.SuspendResult, operations_pb2.SuspendResult),
     (values.ResumeResult, operations_pb2.ResumeResult),
     (values.TransferResult, operations_pb2.TransferResult),

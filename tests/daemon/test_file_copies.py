@@ -1,0 +1,143 @@
+"""A snapshot of a worker that writes a log it opened without O_APPEND restores as often as asked, one copy at a
+time and as --replicas: the first restore continues the log, every later one a copy of the log as it was at
+the dump (``NAME.gpusnap-<operation>[-<i>]``); no byte an earlier copy wrote is overwritten or cut back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.conftest import WORKLOADS, DaemonProc, Workloads, _cli_env, start_daemon, stop_daemon, wait_for
+from tests.reown import reown
+from tests.users import User
+
+
+def _lines(path: Path) -> list[int]:
+    text = path.read_text()
+    return [int(n) for n in text[: text.rfind("\n") + 1].split()]
+
+
+def _counts_on(path: Path, prefix: bytes, beyond: int) -> None:
+    """``path`` starts with ``prefix`` and counts on after it, each number once, up to at least ``beyond``."""
+    wait_for(lambda: path.exists() and len(_lines(path)) > beyond, 30, f"{path} does not grow")
+    assert path.read_bytes().startswith(prefix), f"{path} does not start with the log as dumped"
+    got = _lines(path)
+    assert got == list(range(len(got))), f"{path} skips or repeats a number: {got}"
+
+
+def _writer(python: str, log: Path, workloads: Workloads) -> subprocess.Popen[bytes]:
+    """workloads/log_writer.py writing ``log`` (in its directory), once it has written a few lines."""
+    writer = subprocess.Popen(
+        [python, str(WORKLOADS / "log_writer.py"), str(log)],
+        cwd=log.parent,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    workloads.adopt(writer.pid)
+    wait_for(lambda: log.exists() and len(_lines(log)) >= 5, 30, "the writer does not write")
+    return writer
+
+
+def test_a_log_opened_without_append_restores_many_times(
+    daemon: DaemonProc, workloads: Workloads, tmp_path: Path
+) -> None:
+    log = tmp_path / "w.log"
+    writer = _writer(sys.executable, log, workloads)
+    daemon.cli("dump", str(writer.pid), "--name", "live", "--leave-running", check=True)
+    live = json.loads(daemon.cli("-o", "json", "restore", "live", check=True).stdout)  # the source keeps its log
+    workloads.adopt(live["pid"])
+    [kept] = live["replicas"][0]["file_copies"]
+    assert kept["copy"] == f"{log}.gpusnap-{live['operation']}", kept
+    daemon.cli("dump", str(writer.pid), "--name", "logger", check=True)
+    writer.wait(timeout=10)
+    dumped = log.read_bytes()
+    last = len(_lines(log)) - 1
+
+    def restore(*args: str) -> dict[str, object]:
+        doc = json.loads(daemon.cli("-o", "json", "restore", "logger", *args, check=True).stdout)
+        for r in doc["replicas"]:
+            workloads.adopt(r["pid"])
+        return doc
+
+    first = restore()
+    assert first["replicas"][0].get("file_copies", []) == [], "the first restore continues the log itself"
+    _counts_on(log, dumped, last + 3)
+    later = [restore(), restore("--host-pidns"), restore("--replicas", "2")]  # a copy each
+    copies = [(doc, r) for doc in later for r in doc["replicas"]]
+    for i, (doc, r) in enumerate(copies):
+        suffix = f"-{r['index']}" if len(doc["replicas"]) > 1 else ""
+        name = f"{log}.gpusnap-{doc['operation']}{suffix}"
+        assert r["file_copies"] == [{"path": str(log), "copy": name, "size_bytes": len(dumped)}], (i, r)
+        _counts_on(Path(name), dumped, last + 3)
+        assert os.stat(name).st_mode & 0o777 == os.stat(log).st_mode & 0o777
+    _counts_on(log, dumped, last + 10)  # the first copy still counts on in the log: nothing overwrote it
+    text = subprocess.run(
+        [*daemon.cli_argv, "--socket", str(daemon.socket), "restore", "logger"], capture_output=True, text=True
+    )
+    assert (
+        text.returncode == 0
+        and f"continues {log} in a copy of its first {len(dumped)} bytes: {log}.gpusnap-op-" in text.stderr
+    ), text.stderr
+    workloads.adopt(int(text.stdout.split()[0]))
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+"""The writer runs on a Python every user may open (this test's may live under root's home)."""
+
+
+def test_a_users_copies_are_made_with_the_users_rights(
+    tmp_path: Path, hostile: tuple[User, User], workloads: Workloads
+) -> None:
+    """A re-owned snapshot (root cannot dump another user's tree here: tests/reown.py): its second restore's copy
+    is the user's; where the user may not create files, the restore is refused, though root could create it."""
+    user, _ = hostile
+    base = Path(tempfile.mkdtemp(prefix="gpusnap-copies-"))
+    try:
+        os.chmod(base, 0o755)
+        home = base / "home"
+        home.mkdir()
+        os.chown(home, user.uid, user.gid)
+        log = home / "w.log"
+        writer = _writer(SYSTEM_PYTHON, log, workloads)
+        d = start_daemon(tmp_path / "d")
+        try:
+            snap = json.loads(d.cli("-o", "json", "dump", str(writer.pid), "--name", "mine", check=True).stdout)
+        finally:
+            stop_daemon(d)
+        writer.wait(timeout=10)
+        os.chown(log, user.uid, user.gid)
+        reown(d.store / "snapshots" / snap["id"], user)
+        dumped = log.read_bytes()
+        d = start_daemon(tmp_path / "d", extra_env={"GPUSNAP_SOCKET_GROUP": user.group})
+        try:
+
+            def restore() -> subprocess.CompletedProcess[str]:
+                cmd = [*user.argv(), *d.cli_argv, "--socket", str(d.socket), "-o", "json", "restore", "mine"]
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_cli_env())
+                if res.returncode == 0:
+                    workloads.adopt(json.loads(res.stdout)["pid"])
+                return res
+
+            assert restore().returncode == 0
+            second = restore()
+            assert second.returncode == 0, second.stderr
+            [made] = json.loads(second.stdout)["replicas"][0]["file_copies"]
+            _counts_on(Path(made["copy"]), dumped, len(dumped.split()) + 3)
+            assert os.stat(made["copy"]).st_uid == user.uid, "the copy is the user's"
+            os.chmod(home, 0o555)  # the user's own directory, closed to the user: root could still write in it
+            refused = restore()
+            assert refused.returncode == 4, refused.stderr
+            error = json.loads(refused.stdout)["error"]
+            assert error["reason"] == "FILE_COPY_FAILED", error
+            assert f"uid {user.uid} could not create (Permission denied)" in error["message"], error
+            assert sorted(p.name for p in home.iterdir()) == sorted(["w.log", Path(made["copy"]).name])
+        finally:
+            stop_daemon(d)
+    finally:
+        subprocess.run(["rm", "-rf", str(base)])
