@@ -53,7 +53,8 @@ class DaemonConfig:
     """Rights of mutual-TLS clients: ``CN:UID`` pairs, comma-separated (``orchestrator:0`` acts as root,
     ``ci:1000`` as uid 1000). A certificate whose common name is not listed has no rights (anonymous)."""
     criu_binary: str = "criu"
-    """``criu`` executable; ``make criu`` installs one under ``.criu/bin/criu``."""
+    """``criu`` executable; ``gpusnap-install-criu`` installs one as ``/opt/gpusnap/criu/bin/criu`` (``make criu``:
+    ``.criu/bin/criu`` in a checkout)."""
     pycriu_path: str = ""
     """Directory holding the ``pycriu`` package when it is not importable already."""
     checkpoint_timeout: float = 900.0

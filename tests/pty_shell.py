@@ -13,6 +13,7 @@ import pty
 import re
 import select
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +35,9 @@ class Shell:
                 {**env, "PS1": PROMPT, "PS2": "", "TERM": "dumb", "COLUMNS": "200", "LINES": "50"},
             )
         self.transcript = ""
+        self._held = b""
+        self._stop = threading.Event()
+        self._reader: threading.Thread | None = None
         self._read_until_prompt(30)
 
     def run(self, line: str, timeout: float = 120) -> str:
@@ -43,8 +47,33 @@ class Shell:
         echoed, _, rest = out.partition("\n")
         return rest if echoed.strip() == line.strip()[: len(echoed.strip())] else out
 
+    def start(self, line: str) -> None:
+        """Type ``line``, a command that keeps the terminal (a server in the foreground); what it shows is read in
+        the background (a full terminal would stop it) until :meth:`interrupt`."""
+        os.write(self.fd, line.encode() + b"\n")
+        self._stop.clear()
+        self._reader = threading.Thread(target=self._hold, name="pty-shell-reader", daemon=True)
+        self._reader.start()
+
+    def _hold(self) -> None:
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self.fd], [], [], 0.1)
+            if ready:
+                try:
+                    self._held += os.read(self.fd, 65536)
+                except OSError:
+                    return
+
+    def interrupt(self, timeout: float = 60) -> str:
+        """Ctrl-C to the command :meth:`start` typed; everything it showed, once the prompt is back."""
+        self._stop.set()
+        if self._reader is not None:
+            self._reader.join()
+        os.write(self.fd, b"\x03")
+        return self._read_until_prompt(timeout)
+
     def _read_until_prompt(self, timeout: float) -> str:
-        buf = b""
+        buf, self._held = self._held, b""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.fd], [], [], 0.2)

@@ -113,3 +113,37 @@ def test_installed_daemon_and_cli_round_trip_a_process(installed: Path, tmp_path
     finally:
         stop_daemon(d)
     assert "Traceback" not in d.log.read_text(), d.log.read_text()[-3000:]
+
+
+def test_gpusnap_install_criu_gives_the_criu_gpusnapd_runs_with(
+    installed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wheel's way to CRIU (no Makefile): `gpusnap-install-criu PREFIX` prints the flags that the README's
+    install block passes; a gpusnapd started with them serves with that CRIU."""
+    from gpusnap.daemon.defaults import DEFAULT_CRIU_PREFIX
+    from gpusnap.daemon.install_criu import flags
+
+    block = (REPO / "README.md").read_text().split("## Install from the wheel", 1)[1].split("```sh\n", 1)[1]
+    lines = block.split("```", 1)[0].splitlines()
+    assert any(line.startswith("/opt/gpusnap/venv/bin/gpusnap-install-criu ") for line in lines), lines
+    assert lines[-1] == f"/opt/gpusnap/venv/bin/gpusnapd {flags(str(DEFAULT_CRIU_PREFIX))}", lines
+    prefix = tmp_path / "criu"
+    out = subprocess.run(
+        [str(installed / "gpusnap-install-criu"), str(prefix)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_clean_env(),
+        cwd="/",
+    )
+    assert out.returncode == 0, out.stderr
+    assert flags(str(prefix)) in out.stdout, out.stdout
+    monkeypatch.setenv("GPUSNAP_CRIU_PREFIX", str(prefix))  # start_daemon passes --criu and --pycriu-path from it
+    d = start_daemon(tmp_path / "d", bin_dir=installed, base_env=_clean_env())
+    try:
+        assert d.alive(), d.log.read_text()
+        node = json.loads(d.cli("-o", "json", "node", check=True).stdout)
+        assert node["criu_path"] == f"{prefix}/bin/criu", node
+        assert node["host"]["criu_version"] == (prefix / "VERSION").read_text().strip(), node["host"]
+    finally:
+        stop_daemon(d)

@@ -118,7 +118,7 @@ class DaemonClient:
         if err.code == Code.UNAVAILABLE and err.reason in ("DAEMON_UNAVAILABLE", "UNAVAILABLE"):
             return UnavailableError(
                 f"cannot reach gpusnapd at {self.target.removeprefix('unix:')} ({err.message}); is it running? "
-                "start it with `make run` or `systemctl start gpusnapd`, or pass --socket",
+                "start it (`systemctl start gpusnapd`, `sudo gpusnapd`, or `make run` in a checkout), or pass --socket",
                 reason="DAEMON_UNAVAILABLE",
             )
         return err

@@ -40,6 +40,7 @@ from gpusnap.daemon.api.errors import (
     PermissionDeniedError,
 )
 from gpusnap.daemon.api.types import Creds, FileCopy, TcpMode
+from gpusnap.daemon.defaults import INSTALL_CRIU
 
 log = structlog.get_logger(__name__)
 
@@ -155,7 +156,7 @@ class CriuDriver:
             out = subprocess.run([self.binary, "--version"], capture_output=True, text=True, timeout=30, check=True)
         except (OSError, subprocess.SubprocessError) as exc:
             raise FailedPreconditionError(
-                f"cannot run CRIU at {self.binary!r} ({exc}); install it with `make criu` or set criu_binary",
+                f"cannot run CRIU at {self.binary!r} ({exc}); {INSTALL_CRIU}",
                 reason="CRIU_MISSING",
             ) from exc
         match = re.search(r"Version:\s*(\S+)", out.stdout)
@@ -177,14 +178,14 @@ class CriuDriver:
         if parts < MIN_VERSION:
             raise FailedPreconditionError(
                 f"CRIU {version} is too old: gpusnap needs CRIU >= 4.1 (older releases fail on Linux >= 6.13 "
-                "with 'Unexpected rt vDSO area bounds'); install it with `make criu`",
+                f"with 'Unexpected rt vDSO area bounds'); {INSTALL_CRIU}",
                 reason="CRIU_TOO_OLD",
                 metadata={"criu_version": version},
             )
         if kernel >= (6, 16) and parts < MIN_VERSION_SO_PASSCRED:
             raise FailedPreconditionError(
                 f"CRIU {version} is too old for Linux {os.uname().release}: on kernels >= 6.16 it cannot dump "
-                "processes with TCP sockets (criu#2718); gpusnap needs CRIU >= 4.2 here: install it with `make criu`",
+                f"processes with TCP sockets (criu#2718); gpusnap needs CRIU >= 4.2 here: {INSTALL_CRIU}",
                 reason="CRIU_TOO_OLD",
                 metadata={"criu_version": version},
             )
@@ -193,7 +194,7 @@ class CriuDriver:
         )
         if probe.returncode != 0:
             raise FailedPreconditionError(
-                f"pycriu cannot be imported ({probe.stderr.strip().splitlines()[-1:]}); install it with `make criu`",
+                f"pycriu cannot be imported ({probe.stderr.strip().splitlines()[-1:]}); {INSTALL_CRIU}",
                 reason="PYCRIU_MISSING",
             )
         return version

@@ -67,6 +67,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from gpusnap.daemon.defaults import INSTALL_CRIU
 from gpusnap.daemon.drivers import criu_userpaths, filecopies
 
 CLONE_NEWNS = 0x00020000
@@ -117,7 +118,7 @@ def _pycriu() -> tuple[Any, Any]:
     That file also imports ``pycriu.images``, the decoders of every image type: about 0.4 s of protobuf
     descriptors on a loaded 2-core host (``python -X importtime``), 2/3 of a helper's start, for code
     a helper never runs. The package is registered with its ``__init__`` unrun, so ``pycriu.criu``'s own
-    ``import pycriu.rpc_pb2`` resolves. pycriu comes from the CRIU prefix (scripts/install-criu.sh).
+    ``import pycriu.rpc_pb2`` resolves. pycriu comes from the CRIU prefix (install-criu.sh).
 
     Raises:
         ImportError: pycriu is not on the path.
@@ -125,7 +126,7 @@ def _pycriu() -> tuple[Any, Any]:
     if "pycriu" not in sys.modules:
         spec = importlib.util.find_spec("pycriu")
         if spec is None or spec.submodule_search_locations is None:
-            raise ImportError("pycriu is not importable; install it with `make criu`")
+            raise ImportError(f"pycriu is not importable; {INSTALL_CRIU}")
         sys.modules["pycriu"] = importlib.util.module_from_spec(spec)
     from pycriu import criu as client
     from pycriu import rpc_pb2

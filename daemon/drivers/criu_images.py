@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gpusnap.daemon.defaults import INSTALL_CRIU
+
 IMG_COMMON_MAGICS = (0x54564319, 0x55105940)
 """IMG_COMMON and IMG_SERVICE: a v1.1 image starts with one of them, then its own magic."""
 
@@ -30,7 +32,7 @@ def modules(*names: str) -> tuple[Any, ...]:
     """
     spec = importlib.util.find_spec("pycriu")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("pycriu is not importable; install it with `make criu`")
+        raise ImportError(f"pycriu is not importable; {INSTALL_CRIU}")
     images = os.path.join(list(spec.submodule_search_locations)[0], "images")
     if images not in sys.path:
         sys.path.append(images)

@@ -153,3 +153,13 @@ def test_dump_dry_run_and_socket_after_the_command(daemon: DaemonProc, workloads
         [*argv, "ls", "-o", "json", "--socket", str(daemon.socket)], capture_output=True, text=True, env=env
     )
     assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed.stderr
+
+
+def test_a_missing_criu_names_the_installer_a_wheel_brings(tmp_path: Path) -> None:
+    """No Makefile in a wheel: the fix is `gpusnap-install-criu` and the flags that use what it installs."""
+    from gpusnap.daemon.install_criu import DEFAULT_PREFIX, flags
+
+    proc = _gpusnapd(tmp_path, "--socket", str(tmp_path / "s.sock"), "--criu", str(tmp_path / "no-criu"))
+    assert proc.wait(timeout=60) == 3
+    log = (tmp_path / "log").read_text()
+    assert "`gpusnap-install-criu`" in log and flags(DEFAULT_PREFIX) in log, log

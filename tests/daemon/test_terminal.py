@@ -1,4 +1,5 @@
-"""A worker started with ``&`` from an interactive shell (a real pty, job control) is captured and restored:
+"""The README's quick start typed into real terminals, and a worker started with ``&`` from an interactive shell
+(a real pty, job control) is captured and restored:
 its terminal is left behind at dump, and a restore gives the tree a terminal of its own whose output goes to
 a file (or /dev/null), in a session of its own, under an init whose command line names the snapshot."""
 
@@ -7,25 +8,44 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import REPO, DaemonProc, _cli_env, kill_tree, wait_for
+from tests.conftest import REPO, DaemonProc, _cli_env, _healthy, criu_prefix, kill_tree, wait_for
 from tests.pty_shell import Shell
+from tests.starts import starts
 
 COUNTER = "python3 -c 'import time,itertools; [print(i, flush=True) or time.sleep(1) for i in itertools.count()]'"
 
 
-def readme_first_example() -> list[str]:
-    """The README's first shell block after "In another shell:", continued lines joined: the lines a person
-    types."""
-    text = (REPO / "README.md").read_text()
-    block = text.split("In another shell:", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
-    return block.replace("\\\n", " ").splitlines()
+def quick_start() -> list[list[str]]:
+    """The shell blocks of the README's quick start (before its first section), each as the lines a person types
+    (continued lines joined)."""
+    text = (REPO / "README.md").read_text().split("\n## ", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in text.split("```sh\n")[1:]]
+    return [b.replace("\\\n", " ").splitlines() for b in blocks]
+
+
+@pytest.fixture
+def checkout() -> Iterator[Path]:
+    """A directory laid out as a checkout after `make venv criu`: this checkout's Makefile, scripts and CRIU prefix,
+    and a .venv whose bin is this interpreter's (its stamp new, so make installs nothing). Short: the socket's
+    path must fit a sockaddr_un."""
+    home = Path(tempfile.mkdtemp(prefix="gsq-"))
+    for name in ("Makefile", "pyproject.toml", "scripts"):
+        (home / name).symlink_to(REPO / name)
+    (home / ".criu").symlink_to(criu_prefix())
+    (home / ".venv").mkdir()
+    (home / ".venv" / "bin").symlink_to(Path(sys.executable).parent)
+    (home / ".venv" / ".installed").touch()
+    yield home
+    shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture
@@ -51,24 +71,40 @@ def _inits(snapshot_id: str) -> list[psutil.Process]:
     ]
 
 
-def test_the_readme_first_example_as_typed_in_a_terminal(shell: Shell, daemon: DaemonProc) -> None:
+@starts("gpusnapd")  # `make run`, typed into a terminal
+def test_the_readme_quick_start_as_typed_in_two_terminals(checkout: Path) -> None:
+    """`make run` in one terminal, the example in another, each line as typed; then Ctrl-C stops gpusnapd."""
+    [[run], example] = quick_start()
+    assert run.split("#")[0].strip() == "make run"
     Path("/tmp/w.log").unlink(missing_ok=True)
-    out = [shell.run(line) for line in readme_first_example()]
-    dumped = re.search(r"^(snap-[a-z2-7]{26})$", out[2], re.M)
-    assert dumped, f"dump printed no snapshot id:\n{shell.transcript}"
-    assert "terminal /dev/pts/" in out[2] and "controlling terminal" in out[2], "the dump says what it left behind"
-    before, after = out[3].split()
-    assert before == after, f"the worker still counts after its dump:\n{shell.transcript}"
-    assert "my-worker" in out[4] and dumped[1] in out[4]
-    pid = int(re.search(r"^(\d+)$", out[5], re.M)[1])  # type: ignore[index]
-    counted = [int(n) for n in out[6].split()]
-    assert len(counted) == 3 and counted[0] > int(before) and counted == sorted(counted), shell.transcript
-    [init] = _inits(dumped[1])
-    assert psutil.Process(pid).ppid() == init.pid and init.name() == "gpusnap-init"
-    assert os.getsid(pid) == init.pid != os.getsid(shell.pid), "the restored tree runs in a session of its own"
-    assert f"snapshot={dumped[1]}" in init.cmdline() and "name=my-worker" in init.cmdline()
-    shell.run(f"kill {pid}")  # the README's way to stop a restored tree: its root's PID, as restore printed it
-    wait_for(lambda: not psutil.pid_exists(init.pid), 20, "the restored tree's init outlived its root")
+    env = {k: v for k, v in _cli_env().items() if k != "GPUSNAP_SOCKET"}
+    server, sh = Shell(checkout, env), Shell(checkout, env)
+    try:
+        server.start(run)
+        socket = checkout / "build" / "run" / "gpusnapd.sock"
+        wait_for(lambda: socket.exists() and _healthy(socket), 120, "`make run` did not start serving")
+        out = [sh.run(line) for line in example]
+        dumped = re.search(r"^(snap-[a-z2-7]{26})$", out[2], re.M)
+        assert dumped, f"dump printed no snapshot id:\n{sh.transcript}"
+        assert "terminal /dev/pts/" in out[2] and "controlling terminal" in out[2], "the dump says what it left behind"
+        before, after = out[3].split()
+        assert before == after, f"the worker still counts after its dump:\n{sh.transcript}"
+        assert "my-worker" in out[4] and dumped[1] in out[4]
+        pid = int(re.search(r"^(\d+)$", out[5], re.M)[1])  # type: ignore[index]
+        counted = [int(n) for n in out[6].split()]
+        assert len(counted) == 3 and counted[0] > int(before) and counted == sorted(counted), sh.transcript
+        [init] = _inits(dumped[1])
+        assert psutil.Process(pid).ppid() == init.pid and init.name() == "gpusnap-init"
+        assert os.getsid(pid) == init.pid != os.getsid(sh.pid), "the restored tree runs in a session of its own"
+        assert f"snapshot={dumped[1]}" in init.cmdline() and "name=my-worker" in init.cmdline()
+        sh.run(f"kill {pid}")  # the README's way to stop a restored tree: its root's PID, as restore printed it
+        wait_for(lambda: not psutil.pid_exists(init.pid), 20, "the restored tree's init outlived its root")
+        shown = server.interrupt()
+        assert "daemon.started" in shown and not socket.exists(), f"Ctrl-C did not stop gpusnapd:\n{shown}"
+    finally:
+        server.close()
+        sh.close()
+        Path("/tmp/w.log").unlink(missing_ok=True)
 
 
 def test_a_job_with_its_output_on_the_terminal_restores_with_a_file(
