@@ -10,12 +10,16 @@ the manifest's image digests. Run it while no daemon serves the store (a daemon 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.conftest import criu_prefix
+from tests.conftest import WORKLOADS, criu_prefix, start_daemon, stop_daemon, wait_for
 from tests.users import User
 
 
@@ -79,3 +83,48 @@ def reown(snapshot_dir: Path, user: User) -> None:
     doc["owner_creds"] = {"uid": user.uid, "gid": user.gid, "groups": groups}
     doc["files"] = [{"path": f.path, "size_bytes": f.size_bytes, "sha256": f.sha256} for f in image_files(images)]
     manifest.write_text(json.dumps(doc, indent=2, sort_keys=True))
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+"""Workloads for re-owning run on a Python every user may open (this test's may live under root's home)."""
+
+
+def dumped_by_root(tmp: Path, name: str, ready: Path, script: str, *args: str, cwd: str = "/") -> Path:
+    """Run workload ``script`` as root until it writes ``ready``, dump it as ``name`` with a daemon on a
+    store under ``tmp`` (stopped again), and return the snapshot's directory, for :func:`reown`. ``cwd``: where it
+    runs (``/`` unless the workload's files are relative)."""
+    holder = subprocess.Popen(
+        [SYSTEM_PYTHON, str(WORKLOADS / script), *args],
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: ready.exists(), 30, f"{script} did not start")
+        d = start_daemon(tmp / "d1")
+        try:
+            snap = json.loads(d.cli("-o", "json", "dump", str(holder.pid), "--name", name, check=True).stdout)
+        finally:
+            stop_daemon(d)
+        holder.wait(timeout=10)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    return d.store / "snapshots" / snap["id"]
+
+
+@contextlib.contextmanager
+def user_home(user: User, prefix: str) -> Iterator[Path]:
+    """A home directory of ``user``'s in a fresh directory every user may traverse (this test's temporary
+    directory may not be), removed with everything in it afterwards."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        os.chmod(base, 0o755)
+        home = base / "home"
+        home.mkdir()
+        os.chown(home, user.uid, user.gid)
+        yield home
+    finally:
+        subprocess.run(["rm", "-rf", str(base)])

@@ -8,11 +8,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from tests.conftest import WORKLOADS, DaemonProc, Workloads, _cli_env, start_daemon, stop_daemon, wait_for
-from tests.reown import reown
+from tests.reown import dumped_by_root, reown, user_home
 from tests.users import User
 
 
@@ -87,34 +86,19 @@ def test_a_log_opened_without_append_restores_many_times(
     workloads.adopt(int(text.stdout.split()[0]))
 
 
-SYSTEM_PYTHON = "/usr/bin/python3"
-"""The writer runs on a Python every user may open (this test's may live under root's home)."""
-
-
 def test_a_users_copies_are_made_with_the_users_rights(
     tmp_path: Path, hostile: tuple[User, User], workloads: Workloads
 ) -> None:
     """A re-owned snapshot (root cannot dump another user's tree here: tests/reown.py): its second restore's copy
     is the user's; where the user may not create files, the restore is refused, though root could create it."""
     user, _ = hostile
-    base = Path(tempfile.mkdtemp(prefix="gpusnap-copies-"))
-    try:
-        os.chmod(base, 0o755)
-        home = base / "home"
-        home.mkdir()
-        os.chown(home, user.uid, user.gid)
+    with user_home(user, "gpusnap-copies-") as home:
         log = home / "w.log"
-        writer = _writer(SYSTEM_PYTHON, log, workloads)
-        d = start_daemon(tmp_path / "d")
-        try:
-            snap = json.loads(d.cli("-o", "json", "dump", str(writer.pid), "--name", "mine", check=True).stdout)
-        finally:
-            stop_daemon(d)
-        writer.wait(timeout=10)
+        snapshot = dumped_by_root(tmp_path, "mine", log, "log_writer.py", str(log), cwd=str(home))
         os.chown(log, user.uid, user.gid)
-        reown(d.store / "snapshots" / snap["id"], user)
+        reown(snapshot, user)
         dumped = log.read_bytes()
-        d = start_daemon(tmp_path / "d", extra_env={"GPUSNAP_SOCKET_GROUP": user.group})
+        d = start_daemon(tmp_path / "d1", extra_env={"GPUSNAP_SOCKET_GROUP": user.group})
         try:
 
             def restore() -> subprocess.CompletedProcess[str]:
@@ -139,5 +123,3 @@ def test_a_users_copies_are_made_with_the_users_rights(
             assert sorted(p.name for p in home.iterdir()) == sorted(["w.log", Path(made["copy"]).name])
         finally:
             stop_daemon(d)
-    finally:
-        subprocess.run(["rm", "-rf", str(base)])

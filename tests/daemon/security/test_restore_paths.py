@@ -28,13 +28,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import WORKLOADS, DaemonProc, Workloads, _cli_env, start_daemon, stop_daemon, wait_for
-from tests.reown import reown
+from tests.conftest import DaemonProc, Workloads, _cli_env, start_daemon, stop_daemon, wait_for
+from tests.reown import SYSTEM_PYTHON, dumped_by_root, reown
 from tests.users import User
 
 HERE = Path(__file__).parent
-SYSTEM_PYTHON = "/usr/bin/python3"
-"""The listener runs on a Python every user may open (this test's may live under root's home)."""
 RESTORES = 200
 """Restores against the flipping directory (issue 19: at least 200)."""
 
@@ -46,31 +44,6 @@ class Setup:
     user: User
     tmp: Path
     snapshot: str
-
-
-def _dumped_by_root(tmp: Path, name: str, ready: Path, script: str, *args: str) -> Path:
-    """Run workload ``script`` as root until it writes ``ready``, dump it as ``name`` with a daemon on a
-    store under ``tmp`` (stopped again), and return the snapshot's directory, for tests/reown.py."""
-    holder = subprocess.Popen(
-        [SYSTEM_PYTHON, str(WORKLOADS / script), *args],
-        cwd="/",
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        wait_for(lambda: ready.exists(), 30, f"{script} did not start")
-        d = start_daemon(tmp / "d1")
-        try:
-            snap = json.loads(d.cli("-o", "json", "dump", str(holder.pid), "--name", name, check=True).stdout)
-        finally:
-            stop_daemon(d)
-        holder.wait(timeout=10)
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-    return d.store / "snapshots" / snap["id"]
 
 
 def _as(user: User, *cmd: str) -> None:
@@ -85,7 +58,7 @@ def reowned(tmp_path_factory: pytest.TempPathFactory, hostile: tuple[User, User]
     os.chmod(base, 0o755)
     home = base / "home"
     (home / "s").mkdir(parents=True)
-    snapshot = _dumped_by_root(tmp, "sock", home / "ready", "unix_listener.py", str(home / "s" / "api.sock"), str(home))
+    snapshot = dumped_by_root(tmp, "sock", home / "ready", "unix_listener.py", str(home / "s" / "api.sock"), str(home))
     reown(snapshot, a)
     (home / "ready").unlink()
     for p in (home, home / "s", home / "s" / "api.sock"):
@@ -282,7 +255,7 @@ def test_ghosts_are_never_created_in_a_directory_the_user_swapped_in(
     top = base / "g"
     (top / "d").mkdir(parents=True)
     try:
-        snapshot = _dumped_by_root(tmp_path, "ghosts", top / "ready", "ghosts.py", str(top))
+        snapshot = dumped_by_root(tmp_path, "ghosts", top / "ready", "ghosts.py", str(top))
         reown(snapshot, a)
         (top / "ready").unlink()
         for p in (top, top / "d"):
