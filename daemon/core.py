@@ -24,11 +24,12 @@ from gpusnap.daemon.api.types import (
     CheckpointOptions,
     GpuPrefill,
     HostFacts,
+    RestoredTree,
     RestoreOptions,
     RestoreResult,
     Snapshot,
 )
-from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.drivers import proc, restored
 from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.operations import remote as remote_ops
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, PhaseRunner
@@ -495,6 +496,54 @@ class Daemon:
                 "no park policy of yours has that selector; `gpusnap park` lists them", reason="POLICY_NOT_FOUND"
             )
         self._ladder().poke()
+
+    def restored_trees(self, caller: Caller) -> list[RestoredTree]:
+        """The restored trees running now whose root runs as the caller (root: all), oldest first.
+
+        Raises:
+            PermissionDeniedError: an anonymous caller (reason ``ANONYMOUS``).
+        """
+        _require_identified(caller)
+        return [t for t in restored.running() if caller.is_root or t.uid == caller.uid]
+
+    def stop_restored_trees(self, caller: Caller, pid: int = 0, operation_id: str = "") -> list[RestoredTree]:
+        """Stop the caller's restored tree whose root (or namespace init) is host PID ``pid``, or every tree of
+        restore ``operation_id``; returns them, as listed, once they are gone (``drivers.restored.stop``).
+
+        Raises:
+            InvalidArgumentError: neither or both named (reason ``INVALID_ARGUMENT``).
+            NotFoundError: no such tree runs, or it is not the caller's (reason ``TREE_NOT_FOUND``).
+            AbortedError: its restore is still running (reason ``TREE_BUSY``): cancel that instead.
+            PermissionDeniedError: an anonymous caller.
+        """
+        if bool(pid) == bool(operation_id):
+            raise InvalidArgumentError(
+                "name one restored tree: the PID `gpusnap restore` printed, or its restore's operation id",
+                reason="INVALID_ARGUMENT",
+            )
+        if operation_id:
+            validate.operation_id(operation_id)
+        chosen = [
+            t
+            for t in self.restored_trees(caller)
+            if (pid and pid in (t.pid, t.init_pid)) or (operation_id and t.operation_id == operation_id)
+        ]
+        if not chosen:
+            raise NotFoundError(
+                f"no restored tree {pid or operation_id} of yours is running; `gpusnap ls --running` lists them",
+                reason="TREE_NOT_FOUND",
+                metadata={"tree": str(pid or operation_id)},
+            )
+        busy = [r.id for r in self.registry.list() if not r.done and r.id in {t.operation_id for t in chosen}]
+        if busy:
+            raise AbortedError(
+                f"restore {busy[0]} is still bringing that tree up; cancel it (`gpusnap cancel {busy[0]}`), which "
+                "removes what it restored",
+                reason="TREE_BUSY",
+                metadata={"operation_id": busy[0]},
+            )
+        restored.stop(chosen)
+        return chosen
 
     def node_info(self, caller: Caller) -> NodeInfo:
         """The node's facts; the store's use (bytes, snapshots, blobs per tier) is the caller's own, or

@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from gpusnap.daemon._proto import types_pb2 as gpusnap_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agpusnap/v1/snapshots.proto\x12\ngpusnap.v1\x1a\x16gpusnap/v1/types.proto\"\xd0\x01\n\x14ListSnapshotsRequest\x12K\n\x0elabel_selector\x18\x01 \x03(\x0b\x32\x33.gpusnap.v1.ListSnapshotsRequest.LabelSelectorEntry\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\x12\x0e\n\x06remote\x18\x04 \x01(\x08\x1a\x34\n\x12LabelSelectorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Y\n\x15ListSnapshotsResponse\x12\'\n\tsnapshots\x18\x01 \x03(\x0b\x32\x14.gpusnap.v1.Snapshot\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"&\n\x12GetSnapshotRequest\x12\x10\n\x08snapshot\x18\x01 \x01(\t\"=\n\x13GetSnapshotResponse\x12&\n\x08snapshot\x18\x01 \x01(\x0b\x32\x14.gpusnap.v1.Snapshot\"9\n\x15\x44\x65leteSnapshotRequest\x12\x10\n\x08snapshot\x18\x01 \x01(\t\x12\x0e\n\x06remote\x18\x02 \x01(\x08\"$\n\x16\x44\x65leteSnapshotResponse\x12\n\n\x02id\x18\x01 \x01(\t2\x90\x02\n\x0fSnapshotService\x12T\n\rListSnapshots\x12 .gpusnap.v1.ListSnapshotsRequest\x1a!.gpusnap.v1.ListSnapshotsResponse\x12N\n\x0bGetSnapshot\x12\x1e.gpusnap.v1.GetSnapshotRequest\x1a\x1f.gpusnap.v1.GetSnapshotResponse\x12W\n\x0e\x44\x65leteSnapshot\x12!.gpusnap.v1.DeleteSnapshotRequest\x1a\".gpusnap.v1.DeleteSnapshotResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agpusnap/v1/snapshots.proto\x12\ngpusnap.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16gpusnap/v1/types.proto\"\xd0\x01\n\x14ListSnapshotsRequest\x12K\n\x0elabel_selector\x18\x01 \x03(\x0b\x32\x33.gpusnap.v1.ListSnapshotsRequest.LabelSelectorEntry\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\x12\x0e\n\x06remote\x18\x04 \x01(\x08\x1a\x34\n\x12LabelSelectorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Y\n\x15ListSnapshotsResponse\x12\'\n\tsnapshots\x18\x01 \x03(\x0b\x32\x14.gpusnap.v1.Snapshot\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"&\n\x12GetSnapshotRequest\x12\x10\n\x08snapshot\x18\x01 \x01(\t\"=\n\x13GetSnapshotResponse\x12&\n\x08snapshot\x18\x01 \x01(\x0b\x32\x14.gpusnap.v1.Snapshot\"9\n\x15\x44\x65leteSnapshotRequest\x12\x10\n\x08snapshot\x18\x01 \x01(\t\x12\x0e\n\x06remote\x18\x02 \x01(\x08\"$\n\x16\x44\x65leteSnapshotResponse\x12\n\n\x02id\x18\x01 \x01(\t\"\xc0\x01\n\x0cRestoredTree\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x10\n\x08init_pid\x18\x02 \x01(\x05\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\t\x12\x15\n\rsnapshot_name\x18\x04 \x01(\t\x12\x14\n\x0coperation_id\x18\x05 \x01(\t\x12\x0b\n\x03uid\x18\x06 \x01(\r\x12+\n\x07started\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rprocess_count\x18\x08 \x01(\r\"\x1a\n\x18ListRestoredTreesRequest\"D\n\x19ListRestoredTreesResponse\x12\'\n\x05trees\x18\x01 \x03(\x0b\x32\x18.gpusnap.v1.RestoredTree\"H\n\x17StopRestoredTreeRequest\x12\r\n\x03pid\x18\x01 \x01(\x05H\x00\x12\x16\n\x0coperation_id\x18\x02 \x01(\tH\x00\x42\x06\n\x04tree\"E\n\x18StopRestoredTreeResponse\x12)\n\x07stopped\x18\x01 \x03(\x0b\x32\x18.gpusnap.v1.RestoredTree2\xd1\x03\n\x0fSnapshotService\x12T\n\rListSnapshots\x12 .gpusnap.v1.ListSnapshotsRequest\x1a!.gpusnap.v1.ListSnapshotsResponse\x12N\n\x0bGetSnapshot\x12\x1e.gpusnap.v1.GetSnapshotRequest\x1a\x1f.gpusnap.v1.GetSnapshotResponse\x12W\n\x0e\x44\x65leteSnapshot\x12!.gpusnap.v1.DeleteSnapshotRequest\x1a\".gpusnap.v1.DeleteSnapshotResponse\x12`\n\x11ListRestoredTrees\x12$.gpusnap.v1.ListRestoredTreesRequest\x1a%.gpusnap.v1.ListRestoredTreesResponse\x12]\n\x10StopRestoredTree\x12#.gpusnap.v1.StopRestoredTreeRequest\x1a$.gpusnap.v1.StopRestoredTreeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +35,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LISTSNAPSHOTSREQUEST_LABELSELECTORENTRY']._loaded_options = None
   _globals['_LISTSNAPSHOTSREQUEST_LABELSELECTORENTRY']._serialized_options = b'8\001'
-  _globals['_LISTSNAPSHOTSREQUEST']._serialized_start=67
-  _globals['_LISTSNAPSHOTSREQUEST']._serialized_end=275
-  _globals['_LISTSNAPSHOTSREQUEST_LABELSELECTORENTRY']._serialized_start=223
-  _globals['_LISTSNAPSHOTSREQUEST_LABELSELECTORENTRY']._serialized_end=275
-  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_start=277
-  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_end=366
-  _globals['_GETSNAPSHOTREQUEST']._serialized_start=368
-  _globals['_GETSNAPSHOTREQUEST']._serialized_end=406
-  _globals['_GETSNAPSHOTRESPONSE']._serialized_start=408
-  _globals['_GETSNAPSHOTRESPONSE']._serialized_end=469
-  _globals['_DELETESNAPSHOTREQUEST']._serialized_start=471
-  _globals['_DELETESNAPSHOTREQUEST']._serialized_end=528
-  _globals['_DELETESNAPSHOTRESPONSE']._serialized_start=530
-  _globals['_DELETESNAPSHOTRESPONSE']._serialized_end=566
-  _globals['_SNAPSHOTSERVICE']._serialized_start=569
-  _globals['_SNAPSHOTSERVICE']._serialized_end=841
+  _globals['_LISTSNAPSHOTSREQUEST']._serialized_start=100
+  _globals['_LISTSNAPSHOTSREQUEST']._serialized_end=308
+  _globals['_LISTSNAPSHOTSREQUEST_LABELSELECTORENTRY']._serialized_start=256
+  _globals['_LISTSNAPSHOTSREQUEST_LABELSELECTORENTRY']._serialized_end=308
+  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_start=310
+  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_end=399
+  _globals['_GETSNAPSHOTREQUEST']._serialized_start=401
+  _globals['_GETSNAPSHOTREQUEST']._serialized_end=439
+  _globals['_GETSNAPSHOTRESPONSE']._serialized_start=441
+  _globals['_GETSNAPSHOTRESPONSE']._serialized_end=502
+  _globals['_DELETESNAPSHOTREQUEST']._serialized_start=504
+  _globals['_DELETESNAPSHOTREQUEST']._serialized_end=561
+  _globals['_DELETESNAPSHOTRESPONSE']._serialized_start=563
+  _globals['_DELETESNAPSHOTRESPONSE']._serialized_end=599
+  _globals['_RESTOREDTREE']._serialized_start=602
+  _globals['_RESTOREDTREE']._serialized_end=794
+  _globals['_LISTRESTOREDTREESREQUEST']._serialized_start=796
+  _globals['_LISTRESTOREDTREESREQUEST']._serialized_end=822
+  _globals['_LISTRESTOREDTREESRESPONSE']._serialized_start=824
+  _globals['_LISTRESTOREDTREESRESPONSE']._serialized_end=892
+  _globals['_STOPRESTOREDTREEREQUEST']._serialized_start=894
+  _globals['_STOPRESTOREDTREEREQUEST']._serialized_end=966
+  _globals['_STOPRESTOREDTREERESPONSE']._serialized_start=968
+  _globals['_STOPRESTOREDTREERESPONSE']._serialized_end=1037
+  _globals['_SNAPSHOTSERVICE']._serialized_start=1040
+  _globals['_SNAPSHOTSERVICE']._serialized_end=1505
 # @@protoc_insertion_point(module_scope)

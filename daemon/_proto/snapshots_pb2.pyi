@@ -6,6 +6,7 @@ The snapshot store: list, inspect and delete published snapshots."""
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from gpusnap.daemon._proto import types_pb2 as _types_pb2
 import builtins as _builtins
@@ -184,3 +185,137 @@ class DeleteSnapshotResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteSnapshotResponse: _TypeAlias = DeleteSnapshotResponse  # noqa: Y015
+
+@_typing.final
+class RestoredTree(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    INIT_PID_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_NAME_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
+    UID_FIELD_NUMBER: _builtins.int
+    STARTED_FIELD_NUMBER: _builtins.int
+    PROCESS_COUNT_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    """host PID of the tree's root: what restore printed"""
+    init_pid: _builtins.int
+    """host PID of its PID namespace's init (comm gpusnap-init)"""
+    snapshot_id: _builtins.str
+    snapshot_name: _builtins.str
+    """empty when the snapshot has no name"""
+    operation_id: _builtins.str
+    """the restore that made it"""
+    uid: _builtins.int
+    """the real uid its root runs as: who may stop it (and root)"""
+    process_count: _builtins.int
+    """processes in the tree now"""
+    @_builtins.property
+    def started(self) -> _timestamp_pb2.Timestamp:
+        """when the root was restored"""
+
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        init_pid: _builtins.int = ...,
+        snapshot_id: _builtins.str = ...,
+        snapshot_name: _builtins.str = ...,
+        operation_id: _builtins.str = ...,
+        uid: _builtins.int = ...,
+        started: _timestamp_pb2.Timestamp | None = ...,
+        process_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["started", b"started"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["init_pid", b"init_pid", "operation_id", b"operation_id", "pid", b"pid", "process_count", b"process_count", "snapshot_id", b"snapshot_id", "snapshot_name", b"snapshot_name", "started", b"started", "uid", b"uid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoredTree: _TypeAlias = RestoredTree  # noqa: Y015
+
+@_typing.final
+class ListRestoredTreesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRestoredTreesRequest: _TypeAlias = ListRestoredTreesRequest  # noqa: Y015
+
+@_typing.final
+class ListRestoredTreesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TREES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def trees(self) -> _containers.RepeatedCompositeFieldContainer[Global___RestoredTree]:
+        """oldest first"""
+
+    def __init__(
+        self,
+        *,
+        trees: _abc.Iterable[Global___RestoredTree] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["trees", b"trees"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRestoredTreesResponse: _TypeAlias = ListRestoredTreesResponse  # noqa: Y015
+
+@_typing.final
+class StopRestoredTreeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    """the tree whose root (or namespace init) has this host PID"""
+    operation_id: _builtins.str
+    """every tree this restore made (all copies of a fan-out)"""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        operation_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["operation_id", b"operation_id", "pid", b"pid", "tree", b"tree"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operation_id", b"operation_id", "pid", b"pid", "tree", b"tree"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_tree: _TypeAlias = _typing.Literal["pid", "operation_id"]  # noqa: Y015
+    _WhichOneofArgType_tree: _TypeAlias = _typing.Literal["tree", b"tree"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_tree) -> _WhichOneofReturnType_tree | None: ...
+
+Global___StopRestoredTreeRequest: _TypeAlias = StopRestoredTreeRequest  # noqa: Y015
+
+@_typing.final
+class StopRestoredTreeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STOPPED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stopped(self) -> _containers.RepeatedCompositeFieldContainer[Global___RestoredTree]:
+        """as they were listed before they were stopped"""
+
+    def __init__(
+        self,
+        *,
+        stopped: _abc.Iterable[Global___RestoredTree] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stopped", b"stopped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopRestoredTreeResponse: _TypeAlias = StopRestoredTreeResponse  # noqa: Y015

@@ -49,6 +49,16 @@ class SnapshotServiceStub:
                 request_serializer=gpusnap_dot_v1_dot_snapshots__pb2.DeleteSnapshotRequest.SerializeToString,
                 response_deserializer=gpusnap_dot_v1_dot_snapshots__pb2.DeleteSnapshotResponse.FromString,
                 _registered_method=True)
+        self.ListRestoredTrees = channel.unary_unary(
+                '/gpusnap.v1.SnapshotService/ListRestoredTrees',
+                request_serializer=gpusnap_dot_v1_dot_snapshots__pb2.ListRestoredTreesRequest.SerializeToString,
+                response_deserializer=gpusnap_dot_v1_dot_snapshots__pb2.ListRestoredTreesResponse.FromString,
+                _registered_method=True)
+        self.StopRestoredTree = channel.unary_unary(
+                '/gpusnap.v1.SnapshotService/StopRestoredTree',
+                request_serializer=gpusnap_dot_v1_dot_snapshots__pb2.StopRestoredTreeRequest.SerializeToString,
+                response_deserializer=gpusnap_dot_v1_dot_snapshots__pb2.StopRestoredTreeResponse.FromString,
+                _registered_method=True)
 
 
 class SnapshotServiceServicer:
@@ -72,6 +82,22 @@ class SnapshotServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRestoredTrees(self, request, context):
+        """The restored trees running now, each under the init of its PID namespace: the caller's own (those whose
+        root runs as the caller), or all for root. Trees restored with --host-pidns have no init and are not listed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopRestoredTree(self, request, context):
+        """Stop restored trees: SIGTERM to every process of each, SIGKILL to what is left after 10 s; answers once they
+        are gone. NOT_FOUND (TREE_NOT_FOUND) for a tree that is not running or not the caller's (root: any).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SnapshotServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +115,16 @@ def add_SnapshotServiceServicer_to_server(servicer, server):
                     servicer.DeleteSnapshot,
                     request_deserializer=gpusnap_dot_v1_dot_snapshots__pb2.DeleteSnapshotRequest.FromString,
                     response_serializer=gpusnap_dot_v1_dot_snapshots__pb2.DeleteSnapshotResponse.SerializeToString,
+            ),
+            'ListRestoredTrees': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRestoredTrees,
+                    request_deserializer=gpusnap_dot_v1_dot_snapshots__pb2.ListRestoredTreesRequest.FromString,
+                    response_serializer=gpusnap_dot_v1_dot_snapshots__pb2.ListRestoredTreesResponse.SerializeToString,
+            ),
+            'StopRestoredTree': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopRestoredTree,
+                    request_deserializer=gpusnap_dot_v1_dot_snapshots__pb2.StopRestoredTreeRequest.FromString,
+                    response_serializer=gpusnap_dot_v1_dot_snapshots__pb2.StopRestoredTreeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +208,60 @@ class SnapshotService:
             '/gpusnap.v1.SnapshotService/DeleteSnapshot',
             gpusnap_dot_v1_dot_snapshots__pb2.DeleteSnapshotRequest.SerializeToString,
             gpusnap_dot_v1_dot_snapshots__pb2.DeleteSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRestoredTrees(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpusnap.v1.SnapshotService/ListRestoredTrees',
+            gpusnap_dot_v1_dot_snapshots__pb2.ListRestoredTreesRequest.SerializeToString,
+            gpusnap_dot_v1_dot_snapshots__pb2.ListRestoredTreesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopRestoredTree(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpusnap.v1.SnapshotService/StopRestoredTree',
+            gpusnap_dot_v1_dot_snapshots__pb2.StopRestoredTreeRequest.SerializeToString,
+            gpusnap_dot_v1_dot_snapshots__pb2.StopRestoredTreeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,6 +34,14 @@ class SnapshotServiceStub:
     ListSnapshots: _grpc.UnaryUnaryMultiCallable[_snapshots_pb2.ListSnapshotsRequest, _snapshots_pb2.ListSnapshotsResponse]
     GetSnapshot: _grpc.UnaryUnaryMultiCallable[_snapshots_pb2.GetSnapshotRequest, _snapshots_pb2.GetSnapshotResponse]
     DeleteSnapshot: _grpc.UnaryUnaryMultiCallable[_snapshots_pb2.DeleteSnapshotRequest, _snapshots_pb2.DeleteSnapshotResponse]
+    ListRestoredTrees: _grpc.UnaryUnaryMultiCallable[_snapshots_pb2.ListRestoredTreesRequest, _snapshots_pb2.ListRestoredTreesResponse]
+    """The restored trees running now, each under the init of its PID namespace: the caller's own (those whose
+    root runs as the caller), or all for root. Trees restored with --host-pidns have no init and are not listed.
+    """
+    StopRestoredTree: _grpc.UnaryUnaryMultiCallable[_snapshots_pb2.StopRestoredTreeRequest, _snapshots_pb2.StopRestoredTreeResponse]
+    """Stop restored trees: SIGTERM to every process of each, SIGKILL to what is left after 10 s; answers once they
+    are gone. NOT_FOUND (TREE_NOT_FOUND) for a tree that is not running or not the caller's (root: any).
+    """
 
 @_typing.type_check_only
 class SnapshotServiceAsyncStub(SnapshotServiceStub):
@@ -41,6 +49,14 @@ class SnapshotServiceAsyncStub(SnapshotServiceStub):
     ListSnapshots: _aio.UnaryUnaryMultiCallable[_snapshots_pb2.ListSnapshotsRequest, _snapshots_pb2.ListSnapshotsResponse]  # type: ignore[assignment]
     GetSnapshot: _aio.UnaryUnaryMultiCallable[_snapshots_pb2.GetSnapshotRequest, _snapshots_pb2.GetSnapshotResponse]  # type: ignore[assignment]
     DeleteSnapshot: _aio.UnaryUnaryMultiCallable[_snapshots_pb2.DeleteSnapshotRequest, _snapshots_pb2.DeleteSnapshotResponse]  # type: ignore[assignment]
+    ListRestoredTrees: _aio.UnaryUnaryMultiCallable[_snapshots_pb2.ListRestoredTreesRequest, _snapshots_pb2.ListRestoredTreesResponse]  # type: ignore[assignment]
+    """The restored trees running now, each under the init of its PID namespace: the caller's own (those whose
+    root runs as the caller), or all for root. Trees restored with --host-pidns have no init and are not listed.
+    """
+    StopRestoredTree: _aio.UnaryUnaryMultiCallable[_snapshots_pb2.StopRestoredTreeRequest, _snapshots_pb2.StopRestoredTreeResponse]  # type: ignore[assignment]
+    """Stop restored trees: SIGTERM to every process of each, SIGKILL to what is left after 10 s; answers once they
+    are gone. NOT_FOUND (TREE_NOT_FOUND) for a tree that is not running or not the caller's (root: any).
+    """
 
 class SnapshotServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -63,5 +79,25 @@ class SnapshotServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _snapshots_pb2.DeleteSnapshotRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_snapshots_pb2.DeleteSnapshotResponse, _abc.Awaitable[_snapshots_pb2.DeleteSnapshotResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListRestoredTrees(
+        self,
+        request: _snapshots_pb2.ListRestoredTreesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_snapshots_pb2.ListRestoredTreesResponse, _abc.Awaitable[_snapshots_pb2.ListRestoredTreesResponse]]:
+        """The restored trees running now, each under the init of its PID namespace: the caller's own (those whose
+        root runs as the caller), or all for root. Trees restored with --host-pidns have no init and are not listed.
+        """
+
+    @_abc_1.abstractmethod
+    def StopRestoredTree(
+        self,
+        request: _snapshots_pb2.StopRestoredTreeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_snapshots_pb2.StopRestoredTreeResponse, _abc.Awaitable[_snapshots_pb2.StopRestoredTreeResponse]]:
+        """Stop restored trees: SIGTERM to every process of each, SIGKILL to what is left after 10 s; answers once they
+        are gone. NOT_FOUND (TREE_NOT_FOUND) for a tree that is not running or not the caller's (root: any).
+        """
 
 def add_SnapshotServiceServicer_to_server(servicer: SnapshotServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

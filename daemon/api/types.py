@@ -405,6 +405,26 @@ class RestoreResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class RestoredTree:
+    """A restored tree running now, under the init of its PID namespace (``gpusnap.daemon.drivers.restored``)."""
+
+    pid: int
+    """Host PID of its root: what ``restore`` printed."""
+    init_pid: int
+    """Host PID of its PID namespace's init (``gpusnap.daemon.drivers.reaper``, comm ``gpusnap-init``)."""
+    snapshot_id: str
+    snapshot_name: str
+    """``""`` when the snapshot has no name."""
+    operation_id: str
+    """The restore that made it."""
+    uid: int
+    """The real uid its root runs as: who may stop it (and root)."""
+    started: datetime
+    """When its root was restored (UTC)."""
+    process_count: int
+
+
+@dataclasses.dataclass(frozen=True)
 class TransferResult:
     """What a push or pull moved (``gpusnap.v1.TransferResult``); bytes are chunk bytes."""
 

@@ -20,6 +20,7 @@ from gpusnap.daemon.client.values import (
     PhaseTiming,
     PolicyRule,
     Replica,
+    RestoredTree,
     Snapshot,
     Standby,
     StoreTier,
@@ -145,6 +146,13 @@ class ParkReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stopped:
+    """``stop``: the restored trees stopped, as they were listed before."""
+
+    stopped: tuple[RestoredTree, ...] = _f({"schema": {"minItems": 1}})
+
+
+@dataclasses.dataclass(frozen=True)
 class Failed:
     """Any command that exits non-zero."""
 
@@ -161,6 +169,8 @@ COMMANDS: dict[str, tuple[Any, frozenset[str]]] = {
     "detached": (Detached, frozenset()),
     "failed": (Failed, frozenset()),
     "ls": (list[Snapshot], LS_OMIT),
+    "ls_running": (list[RestoredTree], frozenset()),
+    "stop": (Stopped, frozenset()),
     "inspect": (Snapshot, frozenset()),
     "node": (NodeInfo, frozenset()),
     "ops": (list[Operation], OPS_OMIT),

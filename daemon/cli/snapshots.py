@@ -1,4 +1,4 @@
-"""``ls``, ``inspect``, ``rm``: the store's snapshots."""
+"""``ls``, ``inspect``, ``rm``: the store's snapshots; ``ls --running`` and ``stop``: the trees restored from them."""
 
 from __future__ import annotations
 
@@ -26,9 +26,13 @@ from gpusnap.daemon.client.values import Snapshot
 @command_options
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="only snapshots with this label")
 @click.option("--remote", is_flag=True, help="list the remote store's snapshots instead of this node's")
+@click.option("--running", is_flag=True, help="list the restored trees running now instead (yours; root: all)")
 @click.pass_obj
-def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool) -> None:
-    """List snapshots."""
+def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool, running: bool) -> None:
+    """List snapshots, or with --running the trees restored from them that run now."""
+    if running:
+        list_trees(obj)
+        return
     with obj.client() as client:
         snaps = checked(lambda: client.list_snapshots(parse_labels(labels), remote=remote))
         standbys = [] if remote or obj.output == "json" else checked(client.list_standbys)
@@ -81,6 +85,54 @@ def process_rows(snap: Snapshot) -> list[tuple[str, str]]:
         text += f"; weights {w.weights}" if w and w.weights else ""
         rows.append(("process", text))
     return rows
+
+
+def list_trees(obj: Ctx) -> None:
+    """``ls --running``: one row per restored tree; narrower than ``WIDE``, each tree's operation goes under its
+    snapshot, so that PIDs, times and counts stay whole within 80 columns."""
+    with obj.client() as client:
+        trees = checked(client.restored_trees)
+    if obj.output == "json":
+        emit(trees)
+        return
+    wide = output_wide()
+    headers = (
+        ("PID", "SNAPSHOT", "OPERATION", "STARTED", "UID", "PROCESSES")
+        if wide
+        else ("PID", "SNAPSHOT / OPERATION", "STARTED", "UID", "PROCESSES")
+    )
+    table = new_table(*headers)
+    for i in range(len(headers)):
+        table.columns[i].no_wrap = headers[i] != "SNAPSHOT"
+    for t in trees:
+        started = t.started.astimezone().strftime("%Y-%m-%d %H:%M")
+        rest = (started, str(t.uid), str(t.process_count))
+        if wide:
+            add_row(table, str(t.pid), t.snapshot_name or t.snapshot_id, t.operation_id, *rest)
+        else:
+            add_row(table, str(t.pid), (t.snapshot_name or t.snapshot_id, t.operation_id), *rest)
+    print_table(table)
+
+
+@main.command()
+@command_options
+@click.argument("tree")
+@click.pass_obj
+def stop(obj: Ctx, tree: str) -> None:
+    """Stop a restored tree: TREE is the PID `restore` printed (see `ls --running`), or a restore's operation id
+    (every copy it made). Its processes get SIGTERM, SIGKILL after 10 s; returns once they are gone."""
+    pid = int(tree) if tree.isdigit() else 0
+    with obj.client() as client:
+        stopped = checked(lambda: client.stop_restored_tree(pid=pid, operation_id="" if pid else tree))
+    if obj.output == "json":
+        from gpusnap.daemon.cli.documents import Stopped
+
+        emit(Stopped(stopped=tuple(stopped)))
+        return
+    for t in stopped:
+        click.echo(
+            f"stopped PID {t.pid} ({count(t.process_count, 'process', 'processes')} of {t.snapshot_name or t.snapshot_id}, {t.operation_id})"
+        )
 
 
 @main.command()

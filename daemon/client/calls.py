@@ -34,11 +34,13 @@ from gpusnap.daemon.api.errors import Code, GpusnapError, PermissionDeniedError,
 from gpusnap.daemon.api.status import from_rpc_error
 from gpusnap.daemon.client import values
 from gpusnap.daemon.client.convert import value
-from gpusnap.daemon.client.values import NodeInfo, Operation, OperationEvent, OperationState, Snapshot
+from gpusnap.daemon.client.values import NodeInfo, Operation, OperationEvent, OperationState, RestoredTree, Snapshot
 from gpusnap.daemon.defaults import DEFAULT_SOCKET
 
 R = TypeVar("R")
 START_RETRY_S = 15.0
+STOP_TIMEOUT_S = 60.0
+"""A stop answers once the trees are gone: their grace (10 s), the kill after it, and room for a loaded node."""
 
 TCP_MODES = {
     "refuse": operations_pb2.TCP_MODE_UNSPECIFIED,
@@ -367,6 +369,20 @@ class DaemonClient:
 
     def node_info(self) -> NodeInfo:
         return value(NodeInfo, self._call(self._node.GetNodeInfo, node_pb2.GetNodeInfoRequest()).node)
+
+    def restored_trees(self) -> list[RestoredTree]:
+        """The restored trees running now that the caller may stop (root: all), oldest first."""
+        msg = self._call(self._snaps.ListRestoredTrees, snapshots_pb2.ListRestoredTreesRequest())
+        return [value(RestoredTree, t) for t in msg.trees]
+
+    def stop_restored_tree(self, pid: int = 0, operation_id: str = "") -> list[RestoredTree]:
+        """Stop the restored tree whose root has host PID ``pid`` (as restore printed it), or every tree of restore
+        ``operation_id``; returns them once they are gone (up to ``STOP_TIMEOUT_S``)."""
+        req = snapshots_pb2.StopRestoredTreeRequest(pid=pid) if pid else snapshots_pb2.StopRestoredTreeRequest()
+        if operation_id:
+            req.operation_id = operation_id
+        msg = self._call(self._snaps.StopRestoredTree, req, timeout=STOP_TIMEOUT_S)
+        return [value(RestoredTree, t) for t in msg.stopped]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,7 @@ __all__ = [
     "ProcessFacts",
     "ProcessImage",
     "Replica",
+    "RestoredTree",
     "RestoreResult",
     "ResumeResult",
     "Snapshot",
@@ -163,6 +164,21 @@ class RestoreResult:
     replicas: tuple[Replica, ...]
     file_copies: tuple[FileCopy, ...] = ()
     """Files the tree continues writing in a copy of its own (the first copy's)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredTree:
+    """A restored tree running now (``gpusnap.v1.RestoredTree``): its root, the init of its PID namespace, what
+    it was restored from and by, the uid its root runs as."""
+
+    pid: int
+    init_pid: int
+    snapshot_id: str
+    snapshot_name: str | None
+    operation_id: str
+    uid: int
+    started: datetime
+    process_count: int
 
 
 @dataclasses.dataclass(frozen=True)

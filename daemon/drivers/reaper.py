@@ -1,9 +1,9 @@
 """The init (PID 1) of a restored tree's PID namespace, once CRIU is done: reaps the tree, stops it on SIGTERM.
 
 The namespace init of ``gpusnap.daemon.drivers.criu_exec`` execs ``python -m gpusnap.daemon.drivers.reaper
-snapshot=ID name=NAME operation=OP`` once the tree runs, so that ``ps``, ``pgrep -f`` and ``gpusnap ps``
-tell which snapshot each restored tree came from (its ``comm`` is ``gpusnap-init``). It stays PID 1 of
-the namespace, keeping every PID of the tree its own, and:
+--root=NSPID snapshot=ID name=NAME operation=OP`` once the tree runs, so that ``ps``, ``pgrep -f`` and
+``gpusnap ls --running`` (``gpusnap.daemon.drivers.restored``) tell which snapshot each restored tree came from
+(its ``comm`` is ``gpusnap-init``). It stays PID 1 of the namespace, keeping every PID of the tree its own, and:
 
 - reaps the tree's processes as they end, and exits when none is left;
 - when the tree's root (``--root=PID``, in the namespace) ends, stops the rest as on SIGTERM: ``kill PID``

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from gpusnap.daemon._proto import node_pb2, operations_pb2, types_pb2
+from gpusnap.daemon._proto import node_pb2, operations_pb2, snapshots_pb2, types_pb2
 from gpusnap.daemon.api.errors import InvalidArgumentError
 from gpusnap.daemon.api.status import to_status_proto
 from gpusnap.daemon.api.types import (
@@ -15,6 +15,7 @@ from gpusnap.daemon.api.types import (
     GpuProcess,
     HostFacts,
     PhaseTiming,
+    RestoredTree,
     RestoreOptions,
     RestoreResult,
     Snapshot,
@@ -330,6 +331,10 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
             for t in n.tiers
         ],
     )
+
+
+def restored_tree(t: RestoredTree) -> snapshots_pb2.RestoredTree:
+    return snapshots_pb2.RestoredTree(**{**dataclasses.asdict(t), "started": timestamp(t.started)})
 
 
 def gpu_process(g: GpuProcess) -> types_pb2.GpuProcess:

@@ -191,6 +191,20 @@ class SnapshotServicer(_Base, snapshots_pb2_grpc.SnapshotServiceServicer):
         delete = self.daemon.delete_remote_snapshot if request.remote else self.daemon.delete_snapshot
         return snapshots_pb2.DeleteSnapshotResponse(id=delete(request.snapshot, self.caller(context)))
 
+    @_rpc
+    def ListRestoredTrees(
+        self, request: snapshots_pb2.ListRestoredTreesRequest, context: grpc.ServicerContext
+    ) -> snapshots_pb2.ListRestoredTreesResponse:
+        trees = self.daemon.restored_trees(self.caller(context))
+        return snapshots_pb2.ListRestoredTreesResponse(trees=[convert.restored_tree(t) for t in trees])
+
+    @_rpc
+    def StopRestoredTree(
+        self, request: snapshots_pb2.StopRestoredTreeRequest, context: grpc.ServicerContext
+    ) -> snapshots_pb2.StopRestoredTreeResponse:
+        stopped = self.daemon.stop_restored_trees(self.caller(context), request.pid, request.operation_id)
+        return snapshots_pb2.StopRestoredTreeResponse(stopped=[convert.restored_tree(t) for t in stopped])
+
 
 class NodeServicer(_Base, node_pb2_grpc.NodeServiceServicer):
     @_rpc

@@ -76,6 +76,9 @@ def test_every_command_matches_the_schema(daemon: DaemonProc, workloads: Workloa
 
     listed = run(daemon, "ls")
     check("ls", listed)
+    trees = [t for t in run(daemon, "ls", "--running") if t["snapshot_id"] == dump["id"]]
+    check("ls_running", trees)
+    assert sorted(t["pid"] for t in trees) == sorted([restored["pid"], waited["restore"]["pid"]])
     assert "cpu_flags" not in listed[0]["host"], "per-snapshot CPU flags stay out of ls"
     inspected = run(daemon, "inspect", "schema")
     check("inspect", inspected)
@@ -117,6 +120,8 @@ def test_every_command_matches_the_schema(daemon: DaemonProc, workloads: Workloa
     error = ops[-1]["error"]
     assert ops[-1]["state"] == "failed" and (error["reason"], error["action"]) == ("ADDRESS_IN_USE", "fix")
 
+    stopped = run(daemon, "stop", str(restored["pid"]))
+    check("stop", stopped)
     removed = run(daemon, "rm", "schema")
     check("rm", removed)
     assert removed == {"deleted": [dump["id"]], "failed": []}

@@ -83,7 +83,8 @@ def test_the_readme_quick_start_as_typed_in_two_terminals(checkout: Path) -> Non
         server.start(run)
         socket = checkout / "build" / "run" / "gpusnapd.sock"
         wait_for(lambda: socket.exists() and _healthy(socket), 120, "`make run` did not start serving")
-        out = [sh.run(line) for line in example]
+        *typed, stop = example
+        out = [sh.run(line) for line in typed]
         dumped = re.search(r"^(snap-[a-z2-7]{26})$", out[2], re.M)
         assert dumped, f"dump printed no snapshot id:\n{sh.transcript}"
         assert "terminal /dev/pts/" in out[2] and "controlling terminal" in out[2], "the dump says what it left behind"
@@ -97,8 +98,9 @@ def test_the_readme_quick_start_as_typed_in_two_terminals(checkout: Path) -> Non
         assert psutil.Process(pid).ppid() == init.pid and init.name() == "gpusnap-init"
         assert os.getsid(pid) == init.pid != os.getsid(sh.pid), "the restored tree runs in a session of its own"
         assert f"snapshot={dumped[1]}" in init.cmdline() and "name=my-worker" in init.cmdline()
-        sh.run(f"kill {pid}")  # the README's way to stop a restored tree: its root's PID, as restore printed it
-        wait_for(lambda: not psutil.pid_exists(init.pid), 20, "the restored tree's init outlived its root")
+        assert re.search(rf"^ {pid} +my-worker", out[7], re.M), f"ls --running lists it:\n{out[7]}"
+        assert f"stopped PID {pid} " in sh.run(stop), sh.transcript
+        assert not init.is_running() or init.status() == psutil.STATUS_ZOMBIE, "stop returned before the tree ended"
         shown = server.interrupt()
         assert "daemon.started" in shown and not socket.exists(), f"Ctrl-C did not stop gpusnapd:\n{shown}"
     finally:

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gpusnap.daemon._proto import node_pb2, operations_pb2, park_pb2, types_pb2
+from gpusnap.daemon._proto import node_pb2, operations_pb2, park_pb2, snapshots_pb2, types_pb2
 from gpusnap.daemon.api.errors import CancelledError, Code
 from gpusnap.daemon.api.status import to_status_proto
 from gpusnap.daemon.client import values
@@ -34,6 +34,7 @@ PAIRS = [
     (values.RestoreResult, operations_pb2.RestoreResult),
     (values.Replica, operations_pb2.RestoredReplica),
     (values.FileCopy, operations_pb2.FileCopy),
+    (values.RestoredTree, snapshots_pb2.RestoredTree),
     (values.SuspendResult, operations_pb2.SuspendResult),
     (values.ResumeResult, operations_pb2.ResumeResult),
     (values.TransferResult, operations_pb2.TransferResult),

@@ -1,0 +1,103 @@
+"""The restored trees running now, found by the inits of their PID namespaces, and how one is stopped.
+
+Every restore into a fresh PID namespace leaves that namespace's init running as the tree's reaper: root's
+``python -m gpusnap.daemon.drivers.reaper --root=NSPID … snapshot=ID name=NAME operation=OP`` (comm
+``gpusnap-init``, :mod:`gpusnap.daemon.drivers.reaper`). :func:`running` finds them in /proc and trusts only
+one that is root's (real uid 0: no user can make such a process) and PID 1 of its namespace; its tree's root
+is its child whose PID in the namespace is ``NSPID``. A tree whose root has ended is not listed: its init is
+stopping the rest. :func:`stop` sends the init SIGTERM through a pidfd opened before the init is checked
+again, so a PID reused meanwhile is never signalled; the init stops its whole tree (SIGTERM, SIGKILL after
+``reaper.STOP_GRACE_S``), and is killed itself (taking the namespace with it) if it outlives that.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+import psutil
+
+from gpusnap.daemon.api.types import RestoredTree
+from gpusnap.daemon.drivers import proc, reaper
+
+REAPER = "gpusnap.daemon.drivers.reaper"
+COMM = reaper.COMM.decode()
+STOP_MARGIN_S = 5.0
+"""Seconds past the init's own grace before it is killed."""
+
+
+def running() -> list[RestoredTree]:
+    """The restored trees running now, oldest first (see the module docstring)."""
+    trees = []
+    for p in psutil.process_iter(["name"]):
+        if p.info["name"] != COMM:
+            continue
+        tree = _tree(p.pid)
+        if tree is not None:
+            trees.append(tree)
+    return sorted(trees, key=lambda t: (t.started, t.pid))
+
+
+def _tree(init_pid: int) -> RestoredTree | None:
+    """The tree under ``init_pid`` if that is a restored tree's init whose root runs, else ``None``."""
+    try:
+        init = psutil.Process(init_pid)
+        argv = init.cmdline()
+        if init.uids().real != 0 or argv[1:3] != ["-m", REAPER] or proc.namespace_pid(init_pid) != 1:
+            return None
+        args = dict(a.lstrip("-").partition("=")[::2] for a in argv[3:] if "=" in a)
+        ns_root = int(args.get("root", "0"))
+        root = next((c for c in proc.children(init_pid) if proc.namespace_pid(c) == ns_root), 0)
+        if not ns_root or not root:
+            return None
+        process = psutil.Process(root)
+        return RestoredTree(
+            pid=root,
+            init_pid=init_pid,
+            snapshot_id=args.get("snapshot", ""),
+            snapshot_name="" if args.get("name", "-") == "-" else args["name"],
+            operation_id=args.get("operation", ""),
+            uid=process.uids().real,
+            started=datetime.fromtimestamp(process.create_time(), UTC),
+            process_count=max(len(proc.tree_pids_or_empty(init_pid)) - 1, 0),
+        )
+    except (psutil.Error, OSError, ValueError, LookupError):  # gone meanwhile, or not one of ours
+        return None
+
+
+def stop(trees: Sequence[RestoredTree], grace_s: float = reaper.STOP_GRACE_S + STOP_MARGIN_S) -> None:
+    """Stop ``trees`` (as :func:`running` listed them) and return once their inits are gone: each init gets
+    SIGTERM, and SIGKILL if it still runs after ``grace_s``."""
+    fds = []
+    for tree in trees:
+        try:
+            fd = os.pidfd_open(tree.init_pid)
+        except ProcessLookupError:
+            continue
+        same = _tree(tree.init_pid)  # checked after the pidfd holds the process: no reused PID is signalled
+        if same is None or (same.operation_id, same.started) != (tree.operation_id, tree.started):
+            os.close(fd)
+            continue
+        signal.pidfd_send_signal(fd, signal.SIGTERM)
+        fds.append(fd)
+    try:
+        left = _wait(fds, time.monotonic() + grace_s)
+        for fd in left:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        _wait(left, time.monotonic() + STOP_MARGIN_S)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _wait(fds: list[int], deadline: float) -> list[int]:
+    """The pidfds of ``fds`` whose process still runs at ``deadline`` (a pidfd reads ready once it exits)."""
+    left = list(fds)
+    while left and (remaining := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select(left, [], [], remaining)
+        left = [fd for fd in left if fd not in ready]
+    return left
