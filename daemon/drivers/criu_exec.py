@@ -128,8 +128,9 @@ def _pycriu() -> tuple[Any, Any]:
         if spec is None or spec.submodule_search_locations is None:
             raise ImportError(f"pycriu is not importable; {INSTALL_CRIU}")
         sys.modules["pycriu"] = importlib.util.module_from_spec(spec)
-    from pycriu import criu as client
-    from pycriu import rpc_pb2
+    # (by module name: a pycriu imported whole binds ``pycriu.criu`` to its class ``criu``, not the module)
+    client = importlib.import_module("pycriu.criu")
+    rpc_pb2 = importlib.import_module("pycriu.rpc_pb2")
 
     return client.criu, rpc_pb2
 
