@@ -28,6 +28,7 @@ def _pycriu():  # type: ignore[no-untyped-def]
     if path not in sys.path:
         sys.path.append(path)
     import pycriu
+    import pycriu.images  # (by name: the CRIU helper's loader, run in-process by driver tests, skips pycriu's __init__)
 
     return pycriu
 

@@ -121,7 +121,9 @@ class OperationRegistry:
                 record.save()  # durable, with its idempotency key, before the caller hears of it
             except OSError as exc:
                 raise os_error(exc, "") from exc
-            busy = {p: self._claimed[p] for p in pids if p in self._claimed}
+            # (an operation that has ended holds its PIDs only until its thread lets go of them: a caller woken by
+            # its end may already start the next one on the same tree)
+            busy = {p: self._claimed[p] for p in pids if p in self._claimed and not self._ended(self._claimed[p])}
             if busy:
                 pid, other = next(iter(busy.items()))
                 raise AbortedError(
@@ -193,6 +195,10 @@ class OperationRegistry:
         with self._lock:
             self._threads[record.id] = thread
         thread.start()
+
+    def _ended(self, op_id: str) -> bool:
+        op = self._ops.get(op_id)
+        return op is not None and op.done
 
     def _check_room(self, uid: int, weight: int = 1) -> None:
         running = [r for r in self._ops.values() if not r.done]

@@ -91,7 +91,11 @@ def test_answers_a_caller_never_reads_stay_bounded(crowded: DaemonProc, hostile:
         env=_cli_env(),
     )
     try:
-        assert flood.stdout is not None and flood.stdout.readline().strip() == "sent", flood.stderr
+        assert flood.stdout is not None and flood.stderr is not None
+        line = flood.stdout.readline().strip()
+        if line != "sent":  # the flooder ended without flooding: say why
+            flood.kill()
+            raise AssertionError(f"the flooder said {line!r}: {flood.stderr.read()[-2000:]}")
         grown = _settled_rss(crowded.proc.pid) - before
         print(f"daemon RSS grew by {grown >> 20} MiB")
         assert grown < GROWTH_LIMIT, f"the daemon grew by {grown >> 20} MiB"
