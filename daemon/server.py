@@ -11,7 +11,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gpusnap.daemon import __version__, rundirs
+from gpusnap.daemon import __version__
 from gpusnap.daemon._proto import (
     node_pb2,
     node_pb2_grpc,
@@ -22,6 +22,7 @@ from gpusnap.daemon._proto import (
     snapshots_pb2,
     snapshots_pb2_grpc,
 )
+from gpusnap.daemon.access import rundirs
 from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.api.types import Snapshot
 from gpusnap.daemon.config import DaemonConfig

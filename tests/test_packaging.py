@@ -57,7 +57,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     names = zipfile.ZipFile(wheel).namelist()
     in_wheel = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
     assert _package_dirs("daemon") | _package_dirs("adapters") <= in_wheel, "every package directory is in the wheel"
-    assert "gpusnap/daemon/workers/safefs.py" in names and "gpusnap/daemon/py.typed" in names
+    assert "gpusnap/daemon/access/safefs.py" in names and "gpusnap/daemon/py.typed" in names
 
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -87,7 +87,7 @@ def test_installed_wheel_imports_from_the_venv_only(installed: Path) -> None:
         [
             str(installed / "python"),
             "-c",
-            "import gpusnap.daemon.workers.safefs as m, gpusnap.daemon.main, gpusnap.adapters.agent; print(m.__file__)",
+            "import gpusnap.daemon.access.safefs as m, gpusnap.daemon.main, gpusnap.adapters.agent; print(m.__file__)",
         ],
         check=True,
         capture_output=True,

@@ -3,7 +3,7 @@
 Three readers use this table and nothing else: :func:`gpusnap.adapters.env.configure_capture_env` (sets
 the environment defaults inside the worker), the vLLM plugin (sets them, and the engine arguments, in
 every vLLM process before the engine is built), and the daemon's preflight
-(``gpusnap.daemon.gpu.preflight.check_nccl_env``), which refuses a tree whose CUDA processes lack what
+(``gpusnap.daemon.preflight.gpu.check_nccl_env``), which refuses a tree whose CUDA processes lack what
 their layout needs. A worker configured with the helper therefore passes preflight whatever its layout.
 
 Each :class:`CaptureSetting` has a :class:`Scope`:

@@ -3,7 +3,7 @@ defines ``SETTINGS`` (:class:`~gpusnap.adapters.contract.settings.EngineSettings
 to name the engine (``docs/engines.md``, "Adding an engine").
 
 Read by the capture-settings table (:mod:`gpusnap.adapters.contract.capture_settings`) and by the daemon's
-preflight (``gpusnap.daemon.gpu.preflight``: engine markers, tensor-parallel flags). Only the ``settings``
+preflight (``gpusnap.daemon.preflight.gpu``: engine markers, tensor-parallel flags). Only the ``settings``
 module of each folder is imported (standard library only), never the engine's adapter or plugin.
 """
 

@@ -1,11 +1,11 @@
 """Can a given user open these paths? Answered by a helper process that *is* that user.
 
 gpusnapd is root, so it cannot ask the kernel on a user's behalf in-process (``setfsuid`` is per thread,
-but supplementary groups are not). :func:`check` starts ``python -m gpusnap.daemon.drivers.asowner``,
+but supplementary groups are not). :func:`check` starts ``python -m gpusnap.daemon.access.asowner``,
 which optionally enters a mount namespace (a restored tree's, while it is still root), drops to the
 user's uid, gid and groups for good (``setresgid``/``setresuid``), and then for each path:
 
-- resolves it from ``/`` one component at a time with ``O_NOFOLLOW`` (``drivers.nofollow.walk``), so the
+- resolves it from ``/`` one component at a time with ``O_NOFOLLOW`` (``access.nofollow.walk``), so the
   kernel checks search permission on every directory as that user and no symlink is followed;
 - compares the inode it reaches (``st_dev``, ``st_ino``) with the expected one;
 - checks the wanted access against the inode's mode bits for that user's uid, gid and groups
@@ -34,9 +34,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from gpusnap.daemon.access.nofollow import permits, walk
 from gpusnap.daemon.api.errors import InternalError
 from gpusnap.daemon.api.types import Creds
-from gpusnap.daemon.drivers.nofollow import permits, walk
 
 CLONE_NEWNS = 0x00020000
 

@@ -7,7 +7,7 @@ process would hold root's file. gpusnap closes this in three places (docs/securi
 
 1. At dump, while the tree is frozen, it records each such file's path and inode (``st_dev``,
    ``st_ino``) and the access its holder needs, and the owner's credentials (:func:`record`).
-2. Before CRIU runs, a helper that *is* the owner (``drivers.asowner``) resolves every recorded path
+2. Before CRIU runs, a helper that *is* the owner (``access.asowner``) resolves every recorded path
    with no symlink followed and checks that it reaches the same inode with that access
    (:func:`check_before_restore`); on another host only the rights are checked (inode numbers differ).
 3. At CRIU's ``pre-resume`` notification, when every task is restored but stopped before its first
@@ -25,9 +25,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from gpusnap.daemon.access import asowner
 from gpusnap.daemon.api.errors import PermissionDeniedError
 from gpusnap.daemon.api.types import Creds, HeldFile, Snapshot
-from gpusnap.daemon.drivers import asowner, heldfiles, host, proc
+from gpusnap.daemon.drivers import heldfiles, host, proc
 
 ANONYMOUS_SHARED = re.compile(r"^/(dev/zero|SYSV[0-9a-f]{8}|memfd:.*)$")
 """Link names of shared anonymous memory (mmap MAP_SHARED|MAP_ANONYMOUS, SysV shm, memfd): no path."""

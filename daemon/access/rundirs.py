@@ -18,8 +18,8 @@ import socket
 import stat
 from pathlib import Path
 
+from gpusnap.daemon.access import safefs
 from gpusnap.daemon.api.errors import FailedPreconditionError
-from gpusnap.daemon.workers import safefs
 
 
 def _trusted_owner(uid: int) -> bool:

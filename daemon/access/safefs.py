@@ -12,8 +12,8 @@ import pwd
 from collections.abc import Iterator
 from pathlib import Path
 
+from gpusnap.daemon.access.nofollow import searchable_by, walk
 from gpusnap.daemon.api.errors import InvalidArgumentError, PermissionDeniedError
-from gpusnap.daemon.drivers.nofollow import searchable_by, walk
 
 _shared_dirs: set[tuple[int, int]] = set()
 """(st_dev, st_ino) of sticky directories the daemon made itself (its wake directory), usable by all."""

@@ -36,7 +36,7 @@ peer it no longer restores), and a bound socket in a connected pair of the tree;
 link remap outside ``/dev/shm`` (whose own name gpusnap puts back with ``O_EXCL``, ``drivers.devshm``, or
 restores into a private tmpfs). Abstract socket names have no path and stay CRIU's. Root's snapshots
 are restored as CRIU does it (root's own paths). Files CRIU only opens by path (open, mapped, cwd, root,
-exe, FIFOs) are the file-rights check's (``operations.file_rights``; docs/security.md).
+exe, FIFOs) are the file-rights check's (``access.file_rights``; docs/security.md).
 
 Only the helper imports this module: it needs pycriu's generated image classes (``fdinfo_pb2``).
 """

@@ -18,8 +18,8 @@ from gpusnap.daemon.api.types import GpuProcess
 from gpusnap.daemon.drivers import host
 from gpusnap.daemon.drivers.cuda import CudaCheckpointApi, CudaDriver
 from gpusnap.daemon.drivers.nvml import GpuDevice, NvmlDriver
-from gpusnap.daemon.gpu import preflight
 from gpusnap.daemon.gpu.controller import GpuTreeController, suggest_transfer_timeout_s
+from gpusnap.daemon.preflight import gpu as preflight
 
 log = structlog.get_logger(__name__)
 

@@ -24,11 +24,13 @@ from __future__ import annotations
 import dataclasses
 from datetime import UTC, datetime
 
+from gpusnap.daemon.access import file_rights
 from gpusnap.daemon.api.types import CheckpointOptions, HostFacts, ProcessImage, Snapshot, TcpMode
 from gpusnap.daemon.drivers import devshm, host, proc
-from gpusnap.daemon.operations import capture_checks, file_rights, workers
+from gpusnap.daemon.operations import workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.preflight import capture as capture_checks
 from gpusnap.daemon.store.checksum import image_files
 from gpusnap.daemon.store.store import IN_PLACE
 from gpusnap.daemon.weights import capture as weights

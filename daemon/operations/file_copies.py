@@ -29,9 +29,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from gpusnap.daemon.access import file_rights
 from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.api.types import HeldFile, Snapshot
-from gpusnap.daemon.operations import file_rights
 
 INFIX = ".gpusnap-"
 """A copy's name is the file's name, this, and the restore's operation id (and ``-<i>`` in a fan-out)."""

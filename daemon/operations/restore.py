@@ -26,6 +26,7 @@ import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from gpusnap.daemon.access import file_rights
 from gpusnap.daemon.api.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -35,12 +36,13 @@ from gpusnap.daemon.api.errors import (
 from gpusnap.daemon.api.types import Caller, FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import criu_userpaths, devshm, host, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
-from gpusnap.daemon.gpu import gpumap, preflight
+from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.gpu.controller import GpuTreeController
-from gpusnap.daemon.operations import failpoints, file_copies, file_rights, provenance, workers
+from gpusnap.daemon.operations import failpoints, file_copies, provenance, workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
 from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.preflight import gpu as preflight
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.weights import prefill as weights_prefill
 

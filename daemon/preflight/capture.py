@@ -11,7 +11,7 @@ from pathlib import Path
 from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.api.types import CheckpointOptions, ProcessFacts, TcpMode, Terminal
 from gpusnap.daemon.drivers import host, proc
-from gpusnap.daemon.operations import criu_limits
+from gpusnap.daemon.preflight import criu_limits
 
 _PIPE = re.compile(r"^pipe:\[(\d+)\]$")
 _IO_URING = "anon_inode:[io_uring]"

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import structlog
 
+from gpusnap.daemon.access.rundirs import socket_answers, unlink_if_ours
 from gpusnap.daemon.api.errors import FailedPreconditionError, UnauthenticatedError
 from gpusnap.daemon.api.types import ROOT_CALLER, Caller
 from gpusnap.daemon.logthrottle import Throttle
-from gpusnap.daemon.rundirs import socket_answers, unlink_if_ours
 
 log = structlog.get_logger(__name__)
 

@@ -29,7 +29,7 @@ back) describe address-stable arenas for ``--gpu-prefill``.
 process, what its images hold and what its quiesce freed without saving (``gpusnap inspect``).
 
 ``held_files`` and ``owner_creds`` (optional, absent in older manifests) let a restore check that the
-snapshot's owner may still open every file CRIU reopens by path (``gpusnap.daemon.operations.file_rights``);
+snapshot's owner may still open every file CRIU reopens by path (``gpusnap.daemon.access.file_rights``);
 a held file's ``size``, ``pos`` and ``flags`` (regular files held by an fd; optional, -1 or absent in older
 manifests) let a restore give the tree a copy of a file it writes that has grown
 (``gpusnap.daemon.operations.file_copies``).

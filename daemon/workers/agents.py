@@ -24,11 +24,10 @@ import structlog
 
 from gpusnap.adapters.contract import capture_settings, wire
 from gpusnap.adapters.contract._proto import agent_pb2
-from gpusnap.daemon import rundirs
+from gpusnap.daemon.access import rundirs, safefs
 from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.logthrottle import Throttle
-from gpusnap.daemon.workers import safefs
 
 log = structlog.get_logger(__name__)
 

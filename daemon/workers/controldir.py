@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from gpusnap.daemon.access import safefs
 from gpusnap.daemon.api.errors import DeadlineExceededError, InvalidArgumentError
-from gpusnap.daemon.workers import safefs
 
 READY = "ready-for-snapshot"
 SNAPSHOT_COMPLETE = "snapshot-complete"

@@ -11,7 +11,7 @@ import pytest
 from gpusnap.adapters import engines
 from gpusnap.adapters.contract import capture_settings, registry
 from gpusnap.adapters.contract.settings import CaptureSetting, EngineSettings
-from gpusnap.daemon.gpu import preflight
+from gpusnap.daemon.preflight import gpu as preflight
 
 
 def test_engines_come_from_their_folders() -> None:

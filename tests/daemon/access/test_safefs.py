@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.daemon.access import safefs
 from gpusnap.daemon.api.errors import InvalidArgumentError, PermissionDeniedError
-from gpusnap.daemon.workers import controldir, safefs
+from gpusnap.daemon.workers import controldir
 
 
 def test_create_replaces_a_planted_symlink_instead_of_following_it(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from gpusnap.daemon.drivers import host
-from gpusnap.daemon.operations import capture_checks
+from gpusnap.daemon.preflight import capture as capture_checks
 from tests.conftest import WORKLOADS, DaemonProc, Workloads, wait_for
 from tests.users import User
 
@@ -169,7 +169,7 @@ def test_a_child_of_another_user_gets_the_capability_message(
 _SESSION_PROBE = """
 import json, subprocess, sys
 from gpusnap.daemon.api.errors import FailedPreconditionError
-from gpusnap.daemon.operations.capture_checks import check_sessions
+from gpusnap.daemon.preflight.capture import check_sessions
 out = {}
 for name, own in (("inherited", False), ("own", True)):
     p = subprocess.Popen(["sleep", "60"], start_new_session=own)

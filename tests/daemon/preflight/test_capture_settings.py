@@ -16,7 +16,7 @@ from gpusnap.adapters.contract import capture_settings as cs
 from gpusnap.adapters.env import CAPTURE_ENV
 from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.drivers.nvml import GpuDevice
-from gpusnap.daemon.gpu import preflight as pf
+from gpusnap.daemon.preflight import gpu as pf
 from tests.fakes.cuda import FakeProc
 
 GIB = 1 << 30

@@ -8,7 +8,7 @@ import pytest
 
 from gpusnap.daemon.api.errors import FailedPreconditionError, ResourceExhaustedError
 from gpusnap.daemon.drivers.nvml import GpuDevice
-from gpusnap.daemon.gpu import preflight as pf
+from gpusnap.daemon.preflight import gpu as pf
 from tests.fakes.cuda import FakeProc
 
 GIB = 1 << 30

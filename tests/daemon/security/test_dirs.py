@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.daemon.access import safefs
 from gpusnap.daemon.api.errors import InvalidArgumentError, PermissionDeniedError
-from gpusnap.daemon.workers import controldir, safefs
+from gpusnap.daemon.workers import controldir
 from tests.conftest import start_daemon, stop_daemon
 from tests.users import User
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gpusnap.daemon.access import file_rights
 from gpusnap.daemon.api.errors import PermissionDeniedError
 from gpusnap.daemon.api.types import Creds, HostFacts, ProcessFacts, Snapshot
-from gpusnap.daemon.operations import file_rights
 from tests.conftest import WORKLOADS, DaemonProc, Workloads, kill_tree, start_daemon, stop_daemon, wait_for
 from tests.reown import reown
 from tests.users import User
