@@ -10,13 +10,13 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
+from gpusnap.daemon.access import callers
 from gpusnap.daemon.api import paging, validate
 from gpusnap.daemon.api.errors import (
     AbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
-    PermissionDeniedError,
 )
 from gpusnap.daemon.api.types import (
     ROOT_CALLER,
@@ -29,19 +29,20 @@ from gpusnap.daemon.api.types import (
     RestoreResult,
     Snapshot,
 )
-from gpusnap.daemon.drivers import proc, restored
+from gpusnap.daemon.drivers import restored
 from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.operations import remote as remote_ops
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, PhaseRunner
 from gpusnap.daemon.operations.checkpoint import host_facts, run_checkpoint
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
-from gpusnap.daemon.operations.restore import check_may_restore, check_replicas, run_restore
+from gpusnap.daemon.operations.restore import run_restore
 from gpusnap.daemon.operations.standby import StandbyOptions, drop, registry, run_activate, run_standby
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
 from gpusnap.daemon.park.ladder import Budget, Event, Ladder, Workload
 from gpusnap.daemon.park.policy import Policy, Rule
 from gpusnap.daemon.park.standbys import Standby
+from gpusnap.daemon.preflight.restore import check_replicas
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.store.tiers import TierUsage
 
@@ -113,7 +114,7 @@ class Daemon:
         Raises:
             InvalidArgumentError, NotFoundError, PermissionDeniedError, DataLossError (manifest).
         """
-        _require_identified(caller)
+        callers.require_identified(caller)
         earlier = self._earlier(caller, OperationKind.RESTORE, request_id)
         if earlier is not None:
             return earlier
@@ -127,7 +128,7 @@ class Daemon:
             # Only in the remote store: pull it first, in the same operation (pull phases, then restore's).
             remote = remote_ops.require_remote(self.deps)
             snapshot = remote.find(opts.snapshot, caller.uid).snapshot
-            check_may_restore(snapshot, caller, lambda: remote.not_found(opts.snapshot))
+            callers.check_may_restore(snapshot, caller, lambda: remote.not_found(opts.snapshot))
             here = dataclasses.replace(opts, snapshot=snapshot.id)
             record = OperationRecord(
                 OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
@@ -141,7 +142,7 @@ class Daemon:
                 )[1],
                 opts.replicas,
             )
-        check_may_restore(snapshot, caller, lambda: self.deps.store.not_found(opts.snapshot))
+        callers.check_may_restore(snapshot, caller, lambda: self.deps.store.not_found(opts.snapshot))
         record = OperationRecord(
             OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
         )
@@ -192,7 +193,7 @@ class Daemon:
         Raises:
             InvalidArgumentError (``INVALID_REPLICAS``), NotFoundError, PermissionDeniedError.
         """
-        _require_identified(caller)
+        callers.require_identified(caller)
         earlier = self._earlier(caller, OperationKind.STANDBY, request_id)
         if earlier is not None:
             return earlier
@@ -217,7 +218,7 @@ class Daemon:
         Raises:
             InvalidArgumentError, NotFoundError (unknown standby, or another user's), PermissionDeniedError.
         """
-        _require_identified(caller)
+        callers.require_identified(caller)
         earlier = self._earlier(caller, OperationKind.ACTIVATE, request_id)
         if earlier is not None:
             return earlier
@@ -225,7 +226,7 @@ class Daemon:
         validate.restore_context(opts.env, opts.unset_env, opts.values)
         standbys = registry(self.deps)
         found = standbys.get(standby_id) or standbys.gone(standby_id)
-        if found is None or (not caller.is_root and found.owner_uid != caller.uid):
+        if found is None or not callers.sees(caller, found.owner_uid):
             raise _no_standby(standby_id)
         snapshot = self.snapshot(found.snapshot_id, caller)
         opts = dataclasses.replace(
@@ -267,7 +268,7 @@ class Daemon:
     def standbys(self, caller: Caller, snapshot: str = "") -> list[Standby]:
         """The caller's standbys (root: all), of ``snapshot`` when given, oldest first."""
         snapshot_id = self.snapshot(snapshot, caller).id if snapshot else ""
-        return registry(self.deps).list(None if caller.is_root else caller.uid, snapshot_id)
+        return registry(self.deps).list(callers.visible_uid(caller), snapshot_id)
 
     def drop_standby(self, standby_id: str, caller: Caller) -> str:
         """Kill a standby's tree and forget it.
@@ -276,10 +277,10 @@ class Daemon:
             NotFoundError: no such standby of the caller's (``STANDBY_NOT_FOUND``).
             AbortedError: an activation holds it (``STANDBY_BUSY``).
         """
-        _require_identified(caller)
+        callers.require_identified(caller)
         validate.standby_id(standby_id)
         found = registry(self.deps).get(standby_id)
-        if found is None or (not caller.is_root and found.owner_uid != caller.uid):
+        if found is None or not callers.sees(caller, found.owner_uid):
             raise _no_standby(standby_id)
         if drop(self.deps, standby_id) is None:
             raise AbortedError(
@@ -294,7 +295,7 @@ class Daemon:
         Raises:
             FailedPreconditionError (no remote), InvalidArgumentError, NotFoundError, PermissionDeniedError.
         """
-        _require_identified(caller)
+        callers.require_identified(caller)
         remote_ops.require_remote(self.deps)
         snapshot = self.snapshot(ref, caller)
         record = OperationRecord(OperationKind.PUSH, target_snapshot=snapshot.id, owner_uid=caller.uid)
@@ -307,10 +308,10 @@ class Daemon:
             FailedPreconditionError (no remote), InvalidArgumentError, NotFoundError, PermissionDeniedError,
             UnavailableError (remote unreachable).
         """
-        _require_identified(caller)
+        callers.require_identified(caller)
         remote = remote_ops.require_remote(self.deps)
         doc = remote.find(ref, caller.uid)
-        check_may_restore(doc.snapshot, caller, lambda: remote.not_found(ref))
+        callers.check_may_restore(doc.snapshot, caller, lambda: remote.not_found(ref))
         record = OperationRecord(OperationKind.PULL, target_snapshot=doc.snapshot.id, owner_uid=caller.uid)
         return self.registry.start(record, (), lambda run: remote_ops.run_pull(run, self.deps, doc.snapshot.id, caller))
 
@@ -321,7 +322,7 @@ class Daemon:
         caller's part of the name index is listed, and only the page's entries are read (all of them with a
         label selector)."""
         index = remote_ops.require_remote(self.deps).index
-        entries = index.entries(None if caller.is_root else caller.uid)
+        entries = index.entries(callers.visible_uid(caller))
         size = paging.page_size(page_size)
         if not label_selector:
             page = paging.paginate(entries, lambda e: e.sort_key, size, page_token)
@@ -331,11 +332,11 @@ class Daemon:
 
     def delete_remote_snapshot(self, ref: str, caller: Caller) -> str:
         """Delete a snapshot's remote manifest, then collect unreferenced chunks past the grace period."""
-        _require_identified(caller)
+        callers.require_identified(caller)
         remote = remote_ops.require_remote(self.deps)
         with _nothing_to_delete():
             snapshot = remote.find(ref, caller.uid).snapshot
-            check_may_restore(snapshot, caller, lambda: remote.not_found(ref))
+            callers.check_may_restore(snapshot, caller, lambda: remote.not_found(ref))
         remote.delete(snapshot)
         remote.collect_garbage(self.deps.config.remote_gc_grace)
         return snapshot.id
@@ -374,9 +375,9 @@ class Daemon:
         self, kind: OperationKind, pid: int, caller: Caller, body: Callable[[PhaseRunner], object], request_id: str = ""
     ) -> OperationRecord:
         """Validate ``pid`` and the caller's right to it, then start ``body`` holding the whole tree."""
-        _require_identified(caller)
+        callers.require_identified(caller)
         validate.pid(pid)
-        tree = proc.check_may_checkpoint(pid, caller)
+        tree = callers.check_may_checkpoint(pid, caller)
         record = OperationRecord(kind, target_pid=pid, owner_uid=caller.uid, request_id=request_id)
         return self.registry.start(record, tree, body)
 
@@ -394,7 +395,7 @@ class Daemon:
             NotFoundError: as :meth:`operation`.
             PermissionDeniedError: an anonymous caller.
         """
-        _require_identified(caller)
+        callers.require_identified(caller)
         record = self.operation(op_id, caller)
         if not record.done:
             record.cancel_requested.set()
@@ -403,13 +404,13 @@ class Daemon:
     def operation(self, op_id: str, caller: Caller) -> OperationRecord:
         """An operation the caller may see (its own, or any for root)."""
         record = self.registry.get(op_id)
-        if not caller.is_root and record.owner_uid != caller.uid:
+        if not callers.sees(caller, record.owner_uid):
             raise NotFoundError(f"no operation {op_id!r} in this daemon", reason="OPERATION_NOT_FOUND")
         return record
 
     def operations(self, caller: Caller, page_size: int = 0, page_token: str = "") -> paging.Page[OperationRecord]:
         """A page of the operations the caller may see, oldest first (raises as :func:`paging.paginate`)."""
-        records = [r for r in self.registry.list() if caller.is_root or r.owner_uid == caller.uid]
+        records = [r for r in self.registry.list() if callers.sees(caller, r.owner_uid)]
         return paging.paginate(records, operation_key, paging.page_size(page_size), page_token)
 
     def snapshots(
@@ -417,17 +418,17 @@ class Daemon:
     ) -> paging.Page[Snapshot]:
         """A page of the caller's snapshots (root: all) matching ``label_selector``, oldest first; the index
         is filtered by owner before anything else (raises as :func:`paging.paginate`)."""
-        snaps = self.deps.store.list(label_selector, owner_uid=None if caller.is_root else caller.uid)
+        snaps = self.deps.store.list(label_selector, owner_uid=callers.visible_uid(caller))
         return paging.paginate(snaps, snapshot_key, paging.page_size(page_size), page_token)
 
     def snapshot(self, ref: str, caller: Caller) -> Snapshot:
         snapshot = self.deps.store.get(ref, caller.uid)
-        check_may_restore(snapshot, caller, lambda: self.deps.store.not_found(ref))
+        callers.check_may_restore(snapshot, caller, lambda: self.deps.store.not_found(ref))
         return snapshot
 
     def delete_snapshot(self, ref: str, caller: Caller) -> str:
         """Delete a snapshot; root may delete damaged ones whose owner cannot be read."""
-        _require_identified(caller)
+        callers.require_identified(caller)
         with _nothing_to_delete():
             if not caller.is_root:
                 self.snapshot(ref, caller)
@@ -456,13 +457,13 @@ class Daemon:
         """The caller's workloads (root: all) with their rungs, the node's budgets, and the latest moves of
         the caller's workloads."""
         ladder = self._ladder()
-        mine = [w for w in ladder.workloads() if caller.is_root or w.snapshot.owner_uid == caller.uid]
+        mine = [w for w in ladder.workloads() if callers.sees(caller, w.snapshot.owner_uid)]
         ids = {w.snapshot.id for w in mine}
         events = [e for e in ladder.events if caller.is_root or e.snapshot_id in ids]
         return mine, ladder.budgets(), events
 
     def _rule(self, snapshot: str, labels: Mapping[str, str], policy: Policy, caller: Caller) -> Rule:
-        _require_identified(caller)
+        callers.require_identified(caller)
         if snapshot and labels:
             raise InvalidArgumentError("a policy selects one snapshot or labels, not both", reason="INVALID_POLICY")
         validate.labels(labels)
@@ -483,7 +484,7 @@ class Daemon:
 
     def policies(self, caller: Caller) -> list[Rule]:
         """The caller's park policies (root: all)."""
-        return self._ladder().policies.rules(None if caller.is_root else caller.uid)
+        return self._ladder().policies.rules(callers.visible_uid(caller))
 
     def delete_policy(self, snapshot: str, labels: Mapping[str, str], caller: Caller) -> None:
         """Remove the caller's rule for this selector.
@@ -503,8 +504,8 @@ class Daemon:
         Raises:
             PermissionDeniedError: an anonymous caller (reason ``ANONYMOUS``).
         """
-        _require_identified(caller)
-        return [t for t in restored.running() if caller.is_root or t.uid == caller.uid]
+        callers.require_identified(caller)
+        return [t for t in restored.running() if callers.sees(caller, t.uid)]
 
     def stop_restored_trees(self, caller: Caller, pid: int = 0, operation_id: str = "") -> list[RestoredTree]:
         """Stop the caller's restored tree whose root (or namespace init) is host PID ``pid``, or every tree of
@@ -548,13 +549,8 @@ class Daemon:
     def node_info(self, caller: Caller) -> NodeInfo:
         """The node's facts; the store's use (bytes, snapshots, blobs per tier) is the caller's own, or
         everyone's for root."""
-        if caller.anonymous:
-            raise PermissionDeniedError(
-                "callers without a verified client certificate may not read the node's facts; configure "
-                "tls_client_ca and connect with a listed client certificate, or use the Unix socket",
-                reason="ANONYMOUS",
-            )
-        uid = None if caller.is_root else caller.uid
+        callers.require_identified_to_read_node(caller)
+        uid = callers.visible_uid(caller)
         snapshots = self.deps.store.list(owner_uid=uid)
         standbys = self.deps.standbys.list(uid) if self.deps.standbys is not None else []
         return NodeInfo(
@@ -618,20 +614,6 @@ def _gpu_map(snapshot: Snapshot, gpu: str, gpu_map: Mapping[str, str]) -> dict[s
             reason="GPU_MAP_UNEXPECTED",
         )
     return {used[0]: gpu}
-
-
-def _require_identified(caller: Caller) -> None:
-    """Refuse changes from anonymous callers (TCP without a client certificate).
-
-    Raises:
-        PermissionDeniedError: reason ``ANONYMOUS``.
-    """
-    if caller.anonymous:
-        raise PermissionDeniedError(
-            "callers without a verified client certificate may not change anything; configure tls_client_ca "
-            "and connect with a client certificate, or use the Unix socket",
-            reason="ANONYMOUS",
-        )
 
 
 @contextmanager

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import psutil
 
-from gpusnap.daemon.api.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
-from gpusnap.daemon.api.types import Caller, ProcessFacts
+from gpusnap.daemon.api.errors import NotFoundError
+from gpusnap.daemon.api.types import ProcessFacts
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -76,115 +76,6 @@ def rss_bytes(pids: list[int]) -> int:
         except psutil.NoSuchProcess:
             continue
     return rss
-
-
-def check_may_checkpoint(pid: int, caller: Caller) -> list[int]:
-    """Refuse targets no caller may checkpoint, and other users' processes for non-root callers.
-
-    Returns:
-        The tree's PIDs, root first (as :func:`tree_pids`).
-
-    Raises:
-        InvalidArgumentError: the daemon itself or one of its ancestors.
-        PermissionDeniedError: a non-root caller names a process it does not own.
-        NotFoundError: no such process.
-    """
-    status = _status(pid)
-    if status.get("Tgid", str(pid)) != str(pid):
-        raise InvalidArgumentError(
-            f"{pid} is a thread of process {status['Tgid']}; checkpoint the process (or its tree's root) instead",
-            reason="INVALID_PID",
-            metadata={"pid": str(pid)},
-        )
-    if pid == 2 or status.get("PPid") == "2":
-        raise InvalidArgumentError(
-            f"PID {pid} is a kernel thread; only user processes can be checkpointed",
-            reason="INVALID_PID",
-            metadata={"pid": str(pid)},
-        )
-    own = os.getpid()
-    ancestors = {own}
-    try:
-        ancestors.update(p.pid for p in psutil.Process(own).parents())
-    except psutil.Error:
-        pass
-    if pid in ancestors:
-        raise InvalidArgumentError(
-            f"PID {pid} is gpusnapd itself or one of its ancestors; name the worker's process tree instead",
-            reason="INVALID_PID",
-            metadata={"pid": str(pid)},
-        )
-    owners = set()
-    tree = tree_pids(pid)
-    if caller.pid and caller.pid in tree:
-        raise InvalidArgumentError(
-            f"the tree of PID {pid} contains the calling process ({caller.pid}), whose connection to gpusnapd "
-            "cannot be captured; call gpusnap from outside the tree",
-            reason="INVALID_PID",
-            metadata={"pid": str(pid)},
-        )
-    for p in tree:
-        if p == own:
-            raise InvalidArgumentError(
-                f"the tree of PID {pid} contains gpusnapd itself", reason="INVALID_PID", metadata={"pid": str(pid)}
-            )
-        try:
-            owners.add(psutil.Process(p).uids().real)
-        except psutil.NoSuchProcess:
-            continue
-    if not caller.is_root and owners != {caller.uid}:
-        raise PermissionDeniedError(
-            f"PID {pid} (or a process of its tree) does not belong to uid {caller.uid}; "
-            "only root may checkpoint other users' processes",
-            reason="NOT_OWNER",
-            metadata={"pid": str(pid)},
-        )
-    if not caller.is_root:
-        check_plain_rights(tree, caller.uid)
-    return tree
-
-
-def check_plain_rights(pids: list[int], uid: int) -> None:
-    """Refuse a non-root caller's tree with a process that holds more than uid ``uid``'s own rights.
-
-    Checked at preflight and again on the frozen tree (a process may exec a set-user-ID program between).
-
-    Raises:
-        PermissionDeniedError: reason ``NOT_OWNER``, naming the process and what it holds.
-    """
-    for p in pids:
-        extra = _rights_beyond(p, uid)
-        if extra:
-            raise PermissionDeniedError(
-                f"process {p} of the tree runs with rights beyond uid {uid}'s own ({extra}): a set-user-ID or "
-                "set-group-ID program, or one with file capabilities, whose restore would bring them back; end it "
-                "before the capture, or have root checkpoint the tree",
-                reason="NOT_OWNER",
-                metadata={"pid": str(p)},
-            )
-
-
-def _rights_beyond(pid: int, uid: int) -> str:
-    """What ``pid`` holds beyond a plain process of ``uid`` (``/proc/<pid>/status``: every uid ``uid``, its
-    effective, saved and filesystem gids its real one, no permitted, effective or ambient capability); ``""``
-    when nothing or gone. CRIU restores all of these from the images (``creds`` of ``core-*.img``)."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return ""
-    fields = {k: v.split() for k, _, v in (line.partition(":") for line in text.splitlines())}
-    uids, gids = fields.get("Uid", []), fields.get("Gid", [])
-    names = ("real", "effective", "saved", "filesystem")
-    for name, value in zip(names, uids, strict=False):
-        if int(value) != uid:
-            return f"{name} uid {value}"
-    for name, value in zip(names[1:], gids[1:], strict=False):
-        if gids and value != gids[0]:
-            return f"{name} gid {value}, real gid {gids[0]}"
-    for key in ("CapPrm", "CapEff", "CapAmb"):
-        if int((fields.get(key) or ["0"])[0], 16):
-            return f"capabilities {key}={fields[key][0]}"
-    return ""
 
 
 def established_tcp(pids: list[int]) -> list[str]:
@@ -287,17 +178,30 @@ def start_time(pid: int) -> float:
         return 0.0
 
 
-def _status(pid: int) -> dict[str, str]:
-    """``/proc/<pid>/status`` as a dict (first word of each value); empty when unreadable."""
+def status(pid: int) -> dict[str, list[str]]:
+    """``/proc/<pid>/status``, each field's words (``{"Uid": ["1000", "1000", "1000", "1000"], …}``); empty when
+    unreadable (gone)."""
     try:
         text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return {}
-    out = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        out[key] = value.split()[0] if value.split() else ""
-    return out
+    return {key: value.split() for key, _, value in (line.partition(":") for line in text.splitlines())}
+
+
+def ancestors(pid: int) -> list[int]:
+    """``pid``'s parent, its parent's, … up to PID 1; empty when it is gone."""
+    try:
+        return [p.pid for p in psutil.Process(pid).parents()]
+    except psutil.Error:
+        return []
+
+
+def real_uid(pid: int) -> int | None:
+    """``pid``'s real uid; ``None`` when it is gone."""
+    try:
+        return int(psutil.Process(pid).uids().real)
+    except psutil.NoSuchProcess:
+        return None
 
 
 def title(pid: int) -> str:

@@ -38,7 +38,7 @@ from typing import Any, NoReturn, TypeVar
 from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError, InternalError, NotFoundError
 from gpusnap.daemon.drivers.cuda import CudaCheckpointApi, CudaError, ProcessState
 from gpusnap.daemon.drivers.deadline import call_with_deadline
-from gpusnap.daemon.preflight.gpu import open_paths, pid_alive
+from gpusnap.daemon.drivers.procfs import open_paths, pid_alive
 
 T = TypeVar("T")
 

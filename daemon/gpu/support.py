@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 
 import structlog
 
 from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError
 from gpusnap.daemon.api.types import GpuProcess
-from gpusnap.daemon.drivers import host
+from gpusnap.daemon.drivers import host, procfs
 from gpusnap.daemon.drivers.cuda import CudaCheckpointApi, CudaDriver
 from gpusnap.daemon.drivers.nvml import GpuDevice, NvmlDriver
 from gpusnap.daemon.gpu.controller import GpuTreeController, suggest_transfer_timeout_s
-from gpusnap.daemon.preflight import gpu as preflight
 
 log = structlog.get_logger(__name__)
 
@@ -143,41 +142,11 @@ class GpuSupport:
                 pid=p,
                 gpu_uuids=tuple(u for u, _ in usage.get(p, [])),
                 gpu_memory_bytes=sum(b for _, b in usage.get(p, [])),
-                visible_gpu_uuids=visible_gpus(preflight.read_environ(p).get("CUDA_VISIBLE_DEVICES"), gpus),
+                visible_gpu_uuids=visible_gpus(procfs.read_environ(p).get("CUDA_VISIBLE_DEVICES"), gpus),
             )
             for p in cuda_pids
         )
         return GpuTree(cuda_pids=tuple(cuda_pids), processes=processes)
-
-    def check_capture(
-        self, tree: GpuTree, tree_pids: Iterable[int], reported_env: Mapping[int, Mapping[str, str]] | None = None
-    ) -> None:
-        """Every capture precondition (driver, MIG, MPS, devices, capture settings, host RAM) before anything is
-        locked.
-
-        Args:
-            tree: the tree's CUDA side.
-            tree_pids: every PID of the tree.
-            reported_env: capture settings agents reported for their processes (``AgentRegistry.capture_env``),
-                laid over ``/proc/<pid>/environ``, which shows only the environment at exec.
-        """
-        tree_pids = list(tree_pids)
-        reported_env = reported_env or {}
-        driver, _ = self.driver_versions()
-        facts = preflight.CaptureFacts(
-            machine=host.machine(),
-            driver_version=driver,
-            gpus=self.gpus(),
-            gpu_uuids=tree.uuids,
-            cuda_pids=tree.cuda_pids,
-            env_by_pid={p: preflight.effective_environ(p, reported_env.get(p, {})) for p in tree.cuda_pids},
-            open_paths_by_pid={p: preflight.open_paths(p) for p in tree_pids},
-            cmdline_by_pid={p: preflight.read_cmdline(p) for p in tree_pids},
-            mem_available_bytes=self.host_memory(),
-            gpu_bytes=tree.gpu_bytes,
-            mps_daemon_running=preflight.mps_daemon_running(),
-        )
-        preflight.check_capture(facts)
 
 
 def visible_gpus(cuda_visible_devices: str | None, gpus: Sequence[GpuDevice]) -> tuple[str, ...]:
@@ -200,6 +169,6 @@ def visible_gpus(cuda_visible_devices: str | None, gpus: Sequence[GpuDevice]) ->
 
 def _uses_nvidia_devices(pid: int) -> bool:
     try:
-        return any(p.startswith(NVIDIA_DEVICE_PREFIX) for p in preflight.open_paths(pid))
+        return any(p.startswith(NVIDIA_DEVICE_PREFIX) for p in procfs.open_paths(pid))
     except OSError:
         return False

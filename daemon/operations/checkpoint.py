@@ -24,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 from datetime import UTC, datetime
 
-from gpusnap.daemon.access import file_rights
+from gpusnap.daemon.access import callers, file_rights
 from gpusnap.daemon.api.types import CheckpointOptions, HostFacts, ProcessImage, Snapshot, TcpMode
 from gpusnap.daemon.drivers import devshm, host, proc
 from gpusnap.daemon.operations import workers
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import capture as capture_checks
+from gpusnap.daemon.preflight import gpu as gpu_preflight
 from gpusnap.daemon.store.checksum import image_files
 from gpusnap.daemon.store.store import IN_PLACE
 from gpusnap.daemon.weights import capture as weights
@@ -71,7 +72,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
         enter_ns_of = opts.pid if ns_pid != opts.pid else 0
         gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))
         if gpu_tree:
-            deps.gpu.check_capture(gpu_tree, facts.tree_pids, deps.agents.capture_env(facts.tree_pids))
+            gpu_preflight.check_tree(deps.gpu, gpu_tree, facts.tree_pids, deps.agents.capture_env(facts.tree_pids))
     if opts.dry_run:
         return None
 
@@ -108,7 +109,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             run.close_phase()
             frozen = proc.tree_pids_or_empty(opts.pid) or list(facts.tree_pids)  # the tree as CRIU froze it
             if owner_uid != 0:  # a set-user-ID program exec'd since preflight: refused, CRIU resumes the tree
-                proc.check_plain_rights(frozen, owner_uid)
+                callers.check_plain_rights(frozen, owner_uid)
             held, creds = file_rights.record(frozen)
             shm_files = devshm.files(frozen)
             if shm_files:

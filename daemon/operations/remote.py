@@ -19,12 +19,12 @@ import contextlib
 import os
 import shutil
 
+from gpusnap.daemon.access import callers
 from gpusnap.daemon.api.errors import FailedPreconditionError, ResourceExhaustedError
 from gpusnap.daemon.api.types import Caller, TransferResult
 from gpusnap.daemon.operations import provenance
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
-from gpusnap.daemon.operations.restore import check_may_restore
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.remote.layout import RemoteManifest
 from gpusnap.daemon.remote.store import RemoteStore
@@ -66,7 +66,7 @@ def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
     with contextlib.ExitStack() as stack:
         with run.phase("preflight"):
             snap = store.get(ref, caller.uid)
-            check_may_restore(snap, caller, lambda: store.not_found(ref))
+            callers.check_may_restore(snap, caller, lambda: store.not_found(ref))
             uid = snap.buffer_uid
             blobs = {b.sha256: b for b in snap.buffers}  # a blob shared by two names goes once
             missing = store.buffers.missing(uid, snap.buffers)
@@ -111,7 +111,7 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
             doc = remote.find(ref, caller.uid)
             snap = doc.snapshot
             run.record.target_snapshot = snap.id
-            check_may_restore(snap, caller, lambda: remote.not_found(ref))
+            callers.check_may_restore(snap, caller, lambda: remote.not_found(ref))
             if (store.snapshots_dir / snap.id).exists():
                 return TransferResult(snapshot_id=snap.id, remote=str(remote))
             provenance.check(deps, snap.id, doc.provenance)

@@ -26,15 +26,13 @@ import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from gpusnap.daemon.access import file_rights
+from gpusnap.daemon.access import callers, file_rights
 from gpusnap.daemon.api.errors import (
     FailedPreconditionError,
-    InvalidArgumentError,
     NotFoundError,
-    PermissionDeniedError,
 )
 from gpusnap.daemon.api.types import Caller, FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
-from gpusnap.daemon.drivers import criu_userpaths, devshm, host, proc
+from gpusnap.daemon.drivers import criu_userpaths, devshm, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.gpu.controller import GpuTreeController
@@ -42,51 +40,9 @@ from gpusnap.daemon.operations import failpoints, file_copies, provenance, worke
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
 from gpusnap.daemon.operations.deps import Deps
-from gpusnap.daemon.preflight import gpu as preflight
+from gpusnap.daemon.preflight import restore as restore_preflight
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.weights import prefill as weights_prefill
-
-
-def check_may_restore(snapshot: Snapshot, caller: Caller, missing: Callable[[], NotFoundError]) -> None:
-    """Non-root callers may use only snapshots they took of their own processes.
-
-    Args:
-        missing: the error the store gives for a snapshot it does not have: another user's snapshot gets
-            the same, so that a caller learns nothing of snapshots that are not theirs.
-
-    Raises:
-        NotFoundError: another user's snapshot (``missing()``).
-        PermissionDeniedError: the caller's snapshot of another user's processes (reason ``NOT_OWNER``).
-    """
-    if caller.is_root:
-        return
-    if snapshot.owner_uid != caller.uid:
-        raise missing()
-    if snapshot.source.uid != caller.uid:
-        raise PermissionDeniedError(
-            f"snapshot {snapshot.id} holds processes of uid {snapshot.source.uid}; only root may use it",
-            reason="NOT_OWNER",
-            metadata={"snapshot": snapshot.id},
-        )
-
-
-def check_host_compatible(snapshot: Snapshot) -> None:
-    """Refuse snapshots taken on another CPU architecture.
-
-    Raises:
-        FailedPreconditionError: reason ``HOST_INCOMPATIBLE``.
-    """
-    if snapshot.host.machine != host.machine():
-        raise FailedPreconditionError(
-            f"snapshot {snapshot.id} was taken on {snapshot.host.machine}, this host is {host.machine()}; "
-            "restore it on a host of the same architecture",
-            reason="HOST_INCOMPATIBLE",
-            metadata={
-                "snapshot": snapshot.id,
-                "snapshot_machine": snapshot.host.machine,
-                "host_machine": host.machine(),
-            },
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,29 +71,10 @@ def prepare(
     with run.phase("preflight"):
         snapshot = deps.store.get(opts.snapshot, caller.uid)
         run.record.target_snapshot = snapshot.id
-        check_may_restore(snapshot, caller, lambda: deps.store.not_found(opts.snapshot))
-        check_host_compatible(snapshot)
+        callers.check_may_restore(snapshot, caller, lambda: deps.store.not_found(opts.snapshot))
+        restore_preflight.check_host_compatible(snapshot)
         provenance.check_pulled(deps, snapshot.id)
-        if opts.private_network and opts.host_pid_namespace:
-            raise InvalidArgumentError(
-                "--private-net needs the fresh namespaces of a default restore; drop --host-pidns",
-                reason="INVALID_ARGUMENT",
-            )
-        check_replicas(opts)
-        if (opts.env or opts.unset_env or opts.values) and snapshot.worker is None:
-            raise InvalidArgumentError(
-                f"snapshot {snapshot.id} has no worker agent or control directory to hand a restore context to; "
-                "drop --env/--unset-env/--set",
-                reason="CONTEXT_UNEXPECTED",
-            )
-        if not opts.private_network and opts.replicas == 1:
-            busy = proc.ports_in_use(list(snapshot.source.listening))
-            if busy:
-                raise FailedPreconditionError(
-                    f"the tree listened on {', '.join(busy)}, where something listens now (its source, or another "
-                    "restored copy); restore it with --private-net, or stop what holds the port",
-                    reason="ADDRESS_IN_USE",
-                )
+        restore_preflight.check_request(snapshot, opts)
         digests = tuple(b.sha256 for b in snapshot.buffers)
         if digests:  # kept from garbage collection until the worker has read them
             deps.store.buffers.pin(snapshot.buffer_uid, digests)
@@ -145,10 +82,8 @@ def prepare(
         refetch = evict.plan(deps.store, deps.remote, snapshot)
         if refetch is None:
             deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
-        shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
-        private_shm = shm_dir.is_dir() and not opts.host_pid_namespace
-        file_rights.check_before_restore(snapshot, private_shm)
-        gpu_map = resolve_gpu_map(deps, snapshot, opts) if resolve_gpus else None
+        restore_preflight.check_files(snapshot, opts, deps.store.images_dir(snapshot.id) / DEV_SHM_DIR)
+        gpu_map = restore_preflight.resolve_gpu_map(deps.gpu, snapshot, opts) if resolve_gpus else None
     if refetch is not None:  # evicted from the disk tier: back from the remote store first
         with run.phase("fetch-buffers") as progress:
             assert deps.remote is not None
@@ -192,34 +127,14 @@ def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Call
         for index in range(opts.replicas):
             copy_opts = replica_options(opts, index)
             with run.for_copy(f"#{index}"):
-                copy_map = gpu_map if index == 0 else resolve_gpu_map(deps, snapshot, copy_opts)
+                copy_map = gpu_map if index == 0 else restore_preflight.resolve_gpu_map(deps.gpu, snapshot, copy_opts)
                 copies.append(_restore_copy(run, deps, snapshot, copy_opts, copy_map, buffers_verified, timeout))
         result = dataclasses.replace(copies[0], replicas=tuple(copies))
     release(deps, run, prepared)
     return result
 
 
-MAX_REPLICAS = 64
 REPLICA_INDEX = "{i}"
-
-
-def check_replicas(opts: RestoreOptions) -> None:
-    """Fan-out needs fresh namespaces and a sane count.
-
-    Raises:
-        InvalidArgumentError: reason ``INVALID_REPLICAS``.
-    """
-    if not 1 <= opts.replicas <= MAX_REPLICAS:
-        raise InvalidArgumentError(
-            f"replicas must be 1 to {MAX_REPLICAS}, not {opts.replicas}",
-            reason="INVALID_REPLICAS",
-            metadata={"replicas": str(opts.replicas)},
-        )
-    if opts.replicas > 1 and opts.host_pid_namespace:
-        raise InvalidArgumentError(
-            "--replicas restores copies side by side, each in fresh PID and network namespaces; drop --host-pidns",
-            reason="INVALID_REPLICAS",
-        )
 
 
 def replica_options(opts: RestoreOptions, index: int) -> RestoreOptions:
@@ -452,39 +367,6 @@ def _note_tree(run: PhaseRunner, **facts: object) -> None:
 
 def _tcp_mode_of(snapshot: Snapshot) -> TcpMode:
     return TcpMode(snapshot.labels.get(TCP_LABEL, TcpMode.REFUSE.value))
-
-
-def resolve_gpu_map(deps: Deps, snapshot: Snapshot, opts: RestoreOptions) -> dict[str, str] | None:
-    """Where each checkpointed GPU goes (``None`` for a CPU-only snapshot), after the GPU preflight.
-
-    Raises:
-        InvalidArgumentError: a GPU map for a snapshot without GPU state, or a malformed/incomplete map.
-        FailedPreconditionError, ResourceExhaustedError: see :func:`gpumap.resolve_gpu_map` and
-            :func:`preflight.check_restore`.
-    """
-    if not snapshot.gpu_processes:
-        if opts.gpu_map:
-            raise InvalidArgumentError(
-                f"snapshot {snapshot.id} holds no GPU state; drop --gpu-map", reason="GPU_MAP_UNEXPECTED"
-            )
-        return None
-    deps.gpu.require(f"restoring snapshot {snapshot.id} (it holds GPU state)")
-    gpus = deps.gpu.gpus()
-    resolved, need = gpumap.resolve_for_processes(opts.gpu_map, snapshot.gpu_processes, gpus)
-    driver, _ = deps.gpu.driver_versions()
-    preflight.check_restore(
-        preflight.RestoreFacts(
-            machine=host.machine(),
-            driver_version=driver,
-            gpus=gpus,
-            gpu_map=resolved,
-            required_free_bytes=need,
-            mem_available_bytes=deps.gpu.host_memory(),
-            image_bytes=snapshot.size_bytes,
-            mps_daemon_running=preflight.mps_daemon_running(),
-        )
-    )
-    return resolved
 
 
 def _host_root_pid(init_pid: int, ns_pid: int) -> int:

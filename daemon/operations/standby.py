@@ -31,6 +31,7 @@ import signal
 import time
 from collections.abc import Callable
 
+from gpusnap.daemon.access import callers
 from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError, InvalidArgumentError
 from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snapshot
 from gpusnap.daemon.drivers import proc
@@ -39,6 +40,7 @@ from gpusnap.daemon.operations import restore
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.park.standbys import Standby, StandbyRegistry, kill, new_standby_id, now
+from gpusnap.daemon.preflight import restore as restore_preflight
 from gpusnap.daemon.weights import prefill as weights_prefill
 
 STOP_WAIT_S = 5.0
@@ -230,7 +232,7 @@ def run_activate(run: PhaseRunner, deps: Deps, sb: Standby, opts: RestoreOptions
         run.on_failure("unpin-buffers", lambda: _unpin(deps, sb))
         snapshot = deps.store.get(sb.snapshot_id)
         run.record.target_snapshot = snapshot.id
-        restore.check_may_restore(snapshot, caller, lambda: deps.store.not_found(sb.snapshot_id))
+        callers.check_may_restore(snapshot, caller, lambda: deps.store.not_found(sb.snapshot_id))
         if not sb.tree_alive():
             raise FailedPreconditionError(
                 f"standby {sb.id} of {snapshot.id} lost its processes; restore the snapshot instead",
@@ -242,7 +244,7 @@ def run_activate(run: PhaseRunner, deps: Deps, sb: Standby, opts: RestoreOptions
                 "drop --env/--unset-env/--set",
                 reason="CONTEXT_UNEXPECTED",
             )
-        gpu_map = restore.resolve_gpu_map(deps, snapshot, opts)
+        gpu_map = restore_preflight.resolve_gpu_map(deps.gpu, snapshot, opts)
     checked = (
         deps.store.buffers.start_verify(snapshot.buffer_uid, snapshot.buffers)
         if snapshot.buffers and opts.verify_buffers

@@ -18,6 +18,7 @@ from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.gpu.support import GpuTree
 from gpusnap.daemon.operations.base import PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.preflight import gpu as gpu_preflight
 
 
 def run_suspend(run: PhaseRunner, deps: Deps, pid: int, lock_timeout_s: float | None) -> tuple[GpuProcess, ...]:
@@ -37,7 +38,7 @@ def run_suspend(run: PhaseRunner, deps: Deps, pid: int, lock_timeout_s: float | 
                 reason="NO_CUDA_PROCESS",
                 metadata={"pid": str(pid)},
             )
-        deps.gpu.check_capture(tree, tree_pids, deps.agents.capture_env(tree_pids))
+        gpu_preflight.check_tree(deps.gpu, tree, tree_pids, deps.agents.capture_env(tree_pids))
     ctl = deps.gpu.controller(tree.gpu_bytes)
     timeout_ms = int((lock_timeout_s or deps.config.gpu_lock_timeout) * 1000)
     with run.phase("gpu-lock"):

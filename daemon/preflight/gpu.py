@@ -11,15 +11,12 @@ Error classes: environment facts (driver, arch, MIG, MPS, device files, NCCL env
 reserves it for "not enough disk, host RAM or GPU memory"); the combined checks raise ``FailedPreconditionError``
 (reason ``PREFLIGHT_FAILED``) when more than one check fails.
 
-The *fact readers* at the end (:func:`pid_alive`, :func:`open_paths`, :func:`read_environ`,
-:func:`mps_pipe_dir_exists`, :func:`mps_daemon_running`) read ``/proc`` under a ``proc_root`` parameter so tests
-can point them at a fake tree (``gpusnap.daemon.drivers.proc``/``.host`` read the real one through psutil;
-use ``host.mem_available_bytes()`` for ``MemAvailable``).
+The facts come from ``gpusnap.daemon.drivers.procfs`` (``/proc`` under a ``proc_root``, so tests can point the
+readers at a fake tree), NVML and ``drivers.host``; :func:`check_tree` gathers them for a capture.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,8 +24,11 @@ from pathlib import Path
 
 from gpusnap.adapters.contract import capture_settings, registry
 from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError, ResourceExhaustedError
+from gpusnap.daemon.drivers import host, procfs
 from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid
 from gpusnap.daemon.drivers.nvml import GpuDevice
+from gpusnap.daemon.drivers.procfs import DEFAULT_MPS_PIPE_DIR
+from gpusnap.daemon.gpu.support import GpuSupport, GpuTree
 
 #: Minimum NVIDIA driver major for CUDA checkpoint via the driver API with CRIU (docs/cuda-checkpoint.md, FC-16).
 MIN_DRIVER_MAJOR = 570
@@ -36,8 +36,6 @@ MIN_DRIVER_MAJOR = 570
 MIN_DRIVER_MAJOR_REMAP = 580
 #: Machines CUDA checkpoint supports (cuda-checkpoint README: x86-64 only; FC-15).
 SUPPORTED_MACHINES = frozenset({"x86_64", "amd64"})
-#: Default MPS pipe directory when ``CUDA_MPS_PIPE_DIRECTORY`` is unset.
-DEFAULT_MPS_PIPE_DIR = "/tmp/nvidia-mps"
 #: Device files CRIU cannot dump, with the fix for each (FC-20; vLLM snapshot refuses /dev/infiniband).
 FORBIDDEN_DEVICES: Mapping[str, str] = {
     "/dev/gdrdrv": (
@@ -165,8 +163,8 @@ def check_mps_inactive(
 
     Args:
         target_env: the target's environment (``/proc/<pid>/environ``).
-        pipe_dir_exists: see above (:func:`mps_pipe_dir_exists`).
-        mps_daemon_running: see above (:func:`mps_daemon_running`).
+        pipe_dir_exists: see above (``procfs.mps_pipe_dir_exists``).
+        mps_daemon_running: see above (``procfs.mps_daemon_running``).
         pid: the target, for the message.
 
     Raises:
@@ -269,7 +267,7 @@ def check_no_forbidden_devices(pid: int, paths: Iterable[str]) -> None:
 
     Args:
         pid: the process.
-        paths: its open fd targets and mapped file paths (:func:`open_paths`).
+        paths: its open fd targets and mapped file paths (``procfs.open_paths``).
 
     Raises:
         FailedPreconditionError: reason ``FORBIDDEN_DEVICE_OPEN``, naming the device and the fix.
@@ -602,121 +600,35 @@ def check_restore(facts: RestoreFacts) -> None:
     _run_all(checks)
 
 
-# --------------------------------------------------------------------------------------- fact readers
-
-
-def pid_alive(pid: int, proc_root: Path = Path("/proc")) -> bool:
-    """Whether ``pid`` exists and is not a zombie (``<proc_root>/<pid>/stat`` state not Z/X)."""
-    base = proc_root / str(pid)
-    if not base.is_dir():
-        return False
-    try:
-        text = (base / "stat").read_text()
-    except OSError:  # vanished meanwhile, or a fake tree without stat: trust the directory
-        return base.is_dir()
-    state = text.rpartition(")")[2].split()
-    return not (state and state[0] in ("Z", "X"))
-
-
-def open_paths(pid: int, proc_root: Path = Path("/proc")) -> list[str]:
-    """Targets of ``<proc_root>/<pid>/fd/*`` and file paths of ``<proc_root>/<pid>/maps``.
+def check_tree(
+    gpu: GpuSupport,
+    tree: GpuTree,
+    tree_pids: Iterable[int],
+    reported_env: Mapping[int, Mapping[str, str]] | None = None,
+) -> None:
+    """Every capture precondition of a tree's CUDA side (driver, MIG, MPS, devices, capture settings, host RAM),
+    its facts gathered from ``gpu`` and ``/proc``, before anything is locked (:func:`check_capture`).
 
     Args:
-        pid: the process.
-        proc_root: ``/proc`` or a fake tree (fd entries as symlinks, ``maps`` as text).
-
-    Returns:
-        Paths such as ``"/dev/nvidia0"``, ``"socket:[123]"``; `` (deleted)`` suffixes stripped; fds closed while
-        reading are skipped; empty when the process vanished.
+        tree: the tree's CUDA side (``GpuSupport.find_tree``).
+        tree_pids: every PID of the tree.
+        reported_env: capture settings agents reported for their processes (``AgentRegistry.capture_env``),
+            laid over ``/proc/<pid>/environ``, which shows only the environment at exec.
     """
-    base = proc_root / str(pid)
-    paths: list[str] = []
-    try:
-        fds = os.listdir(base / "fd")
-    except OSError:
-        fds = []
-    for fd in fds:
-        try:
-            paths.append(os.readlink(base / "fd" / fd))
-        except OSError:
-            continue
-    try:
-        maps = (base / "maps").read_text()
-    except OSError:
-        maps = ""
-    for line in maps.splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].startswith("/"):
-            paths.append(parts[5].removesuffix(" (deleted)"))
-    return [p.removesuffix(" (deleted)") for p in dict.fromkeys(paths)]
-
-
-def read_environ(pid: int, proc_root: Path = Path("/proc")) -> dict[str, str]:
-    """``<proc_root>/<pid>/environ`` as a dict (the environment at exec time).
-
-    Raises:
-        OSError: unreadable (process gone, no permission).
-    """
-    raw = (proc_root / str(pid) / "environ").read_bytes()
-    env: dict[str, str] = {}
-    for item in raw.split(b"\0"):
-        if b"=" in item:
-            key, _, value = item.partition(b"=")
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
-    return env
-
-
-def effective_environ(pid: int, reported: Mapping[str, str], proc_root: Path = Path("/proc")) -> dict[str, str]:
-    """A process's environment as its libraries see it: ``/proc/<pid>/environ`` (as at exec), with the
-    capture settings its agent reported (``capture_settings.reported``) laid over it.
-
-    ``configure_capture_env`` run inside a process changes ``getenv`` there but not ``/proc/<pid>/environ``;
-    without the agent's report the preflight would refuse a front end configured as documented.
-
-    Raises:
-        OSError: ``environ`` unreadable (process gone, no permission).
-    """
-    return {**read_environ(pid, proc_root), **reported}
-
-
-def read_cmdline(pid: int, proc_root: Path = Path("/proc")) -> list[str]:
-    """``<proc_root>/<pid>/cmdline`` as argv; empty when the process vanished or is a kernel thread."""
-    try:
-        raw = (proc_root / str(pid) / "cmdline").read_bytes()
-    except OSError:
-        return []
-    return [a.decode(errors="replace") for a in raw.removesuffix(b"\0").split(b"\0")] if raw else []
-
-
-def mps_pipe_dir_exists(pid: int, env: Mapping[str, str], proc_root: Path = Path("/proc")) -> bool:
-    """Whether the target's MPS pipe directory holds a ``control`` socket, seen from its mount namespace.
-
-    Args:
-        pid: the target.
-        env: its environment (``CUDA_MPS_PIPE_DIRECTORY`` or default ``/tmp/nvidia-mps``).
-        proc_root: ``/proc`` or a fake tree; the directory is looked up under ``<proc_root>/<pid>/root``.
-    """
-    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_MPS_PIPE_DIR
-    return (proc_root / str(pid) / "root" / pipe.lstrip("/") / "control").exists()
-
-
-def mps_daemon_running(proc_root: Path = Path("/proc")) -> bool:
-    """Whether an MPS daemon runs: some ``<proc_root>/<pid>/comm`` starts with ``nvidia-cuda-mps``.
-
-    ``comm`` is truncated to 15 characters, so ``nvidia-cuda-mps-control`` and ``nvidia-cuda-mps-server`` both
-    read ``nvidia-cuda-mps``.
-    """
-    try:
-        entries = os.listdir(proc_root)
-    except OSError:
-        return False
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            comm = (proc_root / entry / "comm").read_text().strip()
-        except OSError:
-            continue
-        if comm.startswith("nvidia-cuda-mps"):
-            return True
-    return False
+    tree_pids = list(tree_pids)
+    reported_env = reported_env or {}
+    driver, _ = gpu.driver_versions()
+    facts = CaptureFacts(
+        machine=host.machine(),
+        driver_version=driver,
+        gpus=gpu.gpus(),
+        gpu_uuids=tree.uuids,
+        cuda_pids=tree.cuda_pids,
+        env_by_pid={p: procfs.effective_environ(p, reported_env.get(p, {})) for p in tree.cuda_pids},
+        open_paths_by_pid={p: procfs.open_paths(p) for p in tree_pids},
+        cmdline_by_pid={p: procfs.read_cmdline(p) for p in tree_pids},
+        mem_available_bytes=gpu.host_memory(),
+        gpu_bytes=tree.gpu_bytes,
+        mps_daemon_running=procfs.mps_daemon_running(),
+    )
+    check_capture(facts)

@@ -15,6 +15,7 @@ from gpusnap.adapters import configure_capture_env
 from gpusnap.adapters.contract import capture_settings as cs
 from gpusnap.adapters.env import CAPTURE_ENV
 from gpusnap.daemon.api.errors import FailedPreconditionError
+from gpusnap.daemon.drivers import procfs
 from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.preflight import gpu as pf
 from tests.fakes.cuda import FakeProc
@@ -33,7 +34,7 @@ def _gpus() -> list[GpuDevice]:
 
 
 def _preflight(proc: FakeProc, cuda_pids: list[int], all_pids: list[int], reported: dict[int, dict[str, str]]) -> None:
-    """What ``GpuSupport.check_capture`` gathers, read from the fake tree."""
+    """What ``preflight.gpu.check_tree`` gathers, read from the fake tree."""
     pf.check_capture(
         pf.CaptureFacts(
             machine="x86_64",
@@ -41,9 +42,9 @@ def _preflight(proc: FakeProc, cuda_pids: list[int], all_pids: list[int], report
             gpus=_gpus(),
             gpu_uuids=[U0, U1],
             cuda_pids=cuda_pids,
-            env_by_pid={p: pf.effective_environ(p, reported.get(p, {}), proc.root) for p in cuda_pids},
-            open_paths_by_pid={p: pf.open_paths(p, proc.root) for p in all_pids},
-            cmdline_by_pid={p: pf.read_cmdline(p, proc.root) for p in all_pids},
+            env_by_pid={p: procfs.effective_environ(p, reported.get(p, {}), proc.root) for p in cuda_pids},
+            open_paths_by_pid={p: procfs.open_paths(p, proc.root) for p in all_pids},
+            cmdline_by_pid={p: procfs.read_cmdline(p, proc.root) for p in all_pids},
             mem_available_bytes=64 * GIB,
             gpu_bytes=2 * GIB,
         )

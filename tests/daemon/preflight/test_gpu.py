@@ -1,15 +1,12 @@
-"""Preflight checks over plain facts, and the /proc fact readers (fake proc tree)."""
+"""Preflight checks over plain facts."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from gpusnap.daemon.api.errors import FailedPreconditionError, ResourceExhaustedError
 from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.preflight import gpu as pf
-from tests.fakes.cuda import FakeProc
 
 GIB = 1 << 30
 U0 = "GPU-00000000-1111-2222-3333-444444444444"
@@ -209,27 +206,3 @@ def test_check_restore() -> None:
                 required_free_bytes={U0: 20 * GIB},
             )
         )
-
-
-# ---------------------------------------------------------------------------------------------- fact readers
-
-
-def test_fact_readers(tmp_path: Path) -> None:
-    proc = FakeProc(tmp_path / "proc")
-    proc.add(
-        10, fds=["/dev/nvidia0", "pipe:[77]"], maps=["/dev/gdrdrv", "/dev/shm/x (deleted)"], env={"A": "1", "B": "x=y"}
-    )
-    paths = pf.open_paths(10, proc.root)
-    assert "/dev/nvidia0" in paths and "pipe:[77]" in paths and "/dev/gdrdrv" in paths and "/dev/shm/x" in paths
-    assert pf.read_environ(10, proc.root) == {"A": "1", "B": "x=y"}
-    assert pf.pid_alive(10, proc.root) and not pf.pid_alive(11, proc.root)
-    assert pf.open_paths(11, proc.root) == []
-    assert not pf.mps_pipe_dir_exists(10, {}, proc.root)
-    (proc.root / "10" / "root" / "tmp" / "nvidia-mps").mkdir(parents=True)
-    (proc.root / "10" / "root" / "tmp" / "nvidia-mps" / "control").write_text("")
-    assert pf.mps_pipe_dir_exists(10, {}, proc.root)
-    assert not pf.mps_daemon_running(proc.root)
-    proc.add(12, comm="nvidia-cuda-mps")
-    assert pf.mps_daemon_running(proc.root)
-    proc.add(13, state="Z")
-    assert not pf.pid_alive(13, proc.root)
