@@ -350,29 +350,8 @@ class PhaseRunner:
             self.record.save()  # durable before anything with side effects
             result = body(self)
             self.close_phase()
-        except GpusnapError as exc:
-            self._fail_open_phase(exc)
-            failures = self.rollback()
-            if failures:
-                exc.message += "; rollback also failed: " + "; ".join(failures)
-            self.record.finish(error=exc)
-            return
-        except OSError as exc:  # the host said no: name the resource, not a bug
-            self._fail_open_phase(exc)
-            failures = self.rollback()
-            err = os_error(exc, self.record.phase)
-            if failures:
-                err.message += "; rollback also failed: " + "; ".join(failures)
-            self.record.finish(error=err)
-            return
-        except Exception as exc:  # a bug: report it as INTERNAL, never leave the operation hanging
-            self.log.exception("operation.crashed")
-            self._fail_open_phase(exc)
-            failures = self.rollback()
-            err = InternalError(f"internal error in {self.record.phase or 'operation'}: {type(exc).__name__}: {exc}")
-            if failures:
-                err.message += "; rollback also failed: " + "; ".join(failures)
-            self.record.finish(error=err)
+        except Exception as exc:
+            self._fail(exc)
             return
         self.record.finish(result=result)
         self.log.info(
@@ -380,6 +359,28 @@ class PhaseRunner:
             total_s=round(sum(p.duration_seconds for p in self.record.phases), 4),
             phases={p.phase: round(p.duration_seconds, 4) for p in self.record.phases},
         )
+
+    def _fail(self, exc: Exception) -> None:
+        """The one failure path: the open phase reported failed, the undo steps run, and the operation
+        finishes with ``exc`` as a domain error (:func:`as_error`), naming any undo step that failed too."""
+        if not isinstance(exc, GpusnapError | OSError):  # a bug: its traceback goes to the log
+            self.log.exception("operation.crashed")
+        err = as_error(exc, self.record.phase)
+        self._fail_open_phase(exc)
+        failures = self.rollback()
+        if failures:
+            err.message += "; rollback also failed: " + "; ".join(failures)
+        self.record.finish(error=err)
+
+
+def as_error(exc: Exception, phase: str) -> GpusnapError:
+    """``exc`` as the domain error an operation fails with: a ``GpusnapError`` as it is, an ``OSError`` as the
+    host's refusal (:func:`os_error`), anything else as a bug (``INTERNAL``, naming the phase)."""
+    if isinstance(exc, GpusnapError):
+        return exc
+    if isinstance(exc, OSError):  # the host said no: name the resource, not a bug
+        return os_error(exc, phase)
+    return InternalError(f"internal error in {phase or 'operation'}: {type(exc).__name__}: {exc}")
 
 
 def os_error(exc: OSError, phase: str) -> GpusnapError:

@@ -33,13 +33,9 @@ from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import capture as capture_checks
 from gpusnap.daemon.preflight import gpu as gpu_preflight
 from gpusnap.daemon.store.checksum import image_files
-from gpusnap.daemon.store.store import IN_PLACE
+from gpusnap.daemon.store.manifest import TCP_LABEL
+from gpusnap.daemon.store.store import DEV_SHM, IN_PLACE
 from gpusnap.daemon.weights import capture as weights
-
-DEV_SHM_DIR = "dev-shm"
-"""Images subdirectory holding the tree's /dev/shm files; each restore gets a private copy."""
-TCP_LABEL = "gpusnap.dev/tcp"
-"""Label recording the checkpoint's TCP mode; restore uses the same mode."""
 
 
 def host_facts(deps: Deps) -> HostFacts:
@@ -114,7 +110,7 @@ def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_
             shm_files = devshm.files(frozen)
             if shm_files:
                 with run.phase("dev-shm") as progress:  # CRIU keeps only names and sizes of these
-                    progress.bytes = devshm.save(shm_files, staging.images / DEV_SHM_DIR)
+                    progress.bytes = devshm.save(shm_files, staging.images / DEV_SHM)
                 remaps.extend(devshm.link_remaps(shm_files))
             with run.phase("checksum") as progress:
                 files = image_files(staging.images)

@@ -38,10 +38,11 @@ from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.operations import failpoints, file_copies, provenance, workers
 from gpusnap.daemon.operations.base import PhaseRunner
-from gpusnap.daemon.operations.checkpoint import DEV_SHM_DIR, TCP_LABEL
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import restore as restore_preflight
 from gpusnap.daemon.remote import evict
+from gpusnap.daemon.store.manifest import TCP_LABEL
+from gpusnap.daemon.store.store import restore_log_name
 from gpusnap.daemon.weights import prefill as weights_prefill
 
 
@@ -82,7 +83,7 @@ def prepare(
         refetch = evict.plan(deps.store, deps.remote, snapshot)
         if refetch is None:
             deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
-        restore_preflight.check_files(snapshot, opts, deps.store.images_dir(snapshot.id) / DEV_SHM_DIR)
+        restore_preflight.check_files(snapshot, opts, deps.store.shm_dir(snapshot.id))
         gpu_map = restore_preflight.resolve_gpu_map(deps.gpu, snapshot, opts) if resolve_gpus else None
     if refetch is not None:  # evicted from the disk tier: back from the remote store first
         with run.phase("fetch-buffers") as progress:
@@ -201,7 +202,7 @@ def restore_cpu(
     )
     with run.phase("restore") as progress:
         workers.before_restore(snapshot)
-        shm_dir = deps.store.images_dir(snapshot.id) / DEV_SHM_DIR
+        shm_dir = deps.store.shm_dir(snapshot.id)
         private_shm = shm_dir.is_dir() and not opts.host_pid_namespace
 
         restored: list[int] = []
@@ -237,11 +238,11 @@ def restore_cpu(
                 raise
 
         remaps = _put_back_link_remaps(run, shm_dir) if shm_dir.is_dir() and not private_shm else []
-        scratch = deps.store.staging_dir / f"restore-{run.record.id}{run.phase_suffix.replace('#', '-')}"
+        scratch = deps.store.restore_scratch(_label(run))
         tree = deps.criu.restore(
             images_dir=deps.store.images_dir(snapshot.id),
             work_dir=deps.store.images_dir(snapshot.id).parent,
-            log_name=f"restore-{run.record.id}{run.phase_suffix.replace('#', '-')}.log",
+            log_name=restore_log_name(_label(run)),
             new_pidns=not opts.host_pid_namespace,
             tcp=_tcp_mode_of(snapshot),
             timeout_s=timeout,
@@ -257,7 +258,7 @@ def restore_cpu(
             leave_stopped=leave_stopped,
             file_copies=file_copies.request(
                 snapshot,
-                run.record.id + run.phase_suffix.replace("#", "-"),
+                _label(run),
                 lambda: deps.store.take_in_place(snapshot.id),
             ),
         )
@@ -301,7 +302,7 @@ def check_restored_count(run: PhaseRunner, snapshot: Snapshot, side: CpuSide) ->
         raise FailedPreconditionError(
             f"restore of {snapshot.id} brought back {len(side.restored)} of {expected} processes"
             f"{'' if proc.alive(side.root) else ' and its root is gone'}; "
-            f"see restore-{run.record.id}{run.phase_suffix.replace('#', '-')}.log in the snapshot directory",
+            f"see {restore_log_name(_label(run))} in the snapshot directory",
             reason="RESTORE_INCOMPLETE",
         )
 
@@ -363,6 +364,11 @@ def _note_tree(run: PhaseRunner, **facts: object) -> None:
     """Journal what recovery needs of the tree being restored (durable before returning)."""
     run.record.facts.setdefault("tree", {}).update(facts)
     run.record.save()
+
+
+def _label(run: PhaseRunner) -> str:
+    """This restore's label: its operation id, with ``-<i>`` for copy ``i`` of a fan-out."""
+    return run.record.id + run.phase_suffix.replace("#", "-")
 
 
 def _tcp_mode_of(snapshot: Snapshot) -> TcpMode:

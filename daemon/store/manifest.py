@@ -75,6 +75,8 @@ from gpusnap.daemon.store.checksum import DIGEST_ALGORITHM
 MANIFEST_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
+TCP_LABEL = "gpusnap.dev/tcp"
+"""Label recording the checkpoint's TCP mode when it is not the default; restore uses the same."""
 
 
 def to_json(snapshot: Snapshot) -> dict[str, Any]:

@@ -56,6 +56,15 @@ PROVENANCE = "provenance.json"
 IN_PLACE = "in-place"
 """In a snapshot's directory: a restore (or the source, left running at the dump) continues the files the tree
 writes at its own position; every later restore writes copies of them (``operations.file_copies``)."""
+DEV_SHM = "dev-shm"
+"""In a snapshot's images: the tree's /dev/shm files (CRIU keeps only their names and sizes); each restore into
+fresh namespaces gets a private copy."""
+
+
+def restore_log_name(label: str) -> str:
+    """CRIU's log of restore ``label`` (the operation id, ``-<i>`` for copy ``i`` of a fan-out), in the snapshot's
+    directory."""
+    return f"restore-{label}.log"
 
 
 def _last_write(path: Path) -> float:
@@ -375,6 +384,14 @@ class SnapshotStore:
     def images_dir(self, snapshot_id: str) -> Path:
         """The images directory of a published snapshot."""
         return self.snapshots_dir / snapshot_id / IMAGES
+
+    def shm_dir(self, snapshot_id: str) -> Path:
+        """A published snapshot's saved /dev/shm files (:data:`DEV_SHM`; absent when the tree held none)."""
+        return self.images_dir(snapshot_id) / DEV_SHM
+
+    def restore_scratch(self, label: str) -> Path:
+        """Root's scratch directory of restore ``label`` (as :func:`restore_log_name`), under the staging area."""
+        return self.staging_dir / f"restore-{label}"
 
     def used_bytes(self, owner_uid: int | None = None) -> int:
         """Bytes used by published snapshots and the buffer store (each blob once); of ``owner_uid``'s
