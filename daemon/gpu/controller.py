@@ -20,8 +20,7 @@ Rules this module enforces:
 * Errors are re-raised with what the rollback did appended to the message and ``metadata`` (``rollback``,
   ``stranded_pids``), and, when the target vanished during the call, a "target died" note (FC-13).
 
-Timings: each group method returns a :class:`StepTiming` (seconds, per PID) and appends it to
-:attr:`GpuTreeController.history`; callers turn them into ``PhaseTiming`` entries.
+Timings: each group method returns a :class:`StepTiming` (seconds, per PID).
 
 A controller is meant for one operation at a time; it is not thread-safe.
 """
@@ -84,8 +83,7 @@ class StepTiming:
     """How long one group step took.
 
     Attributes:
-        step: ``"find"``, ``"lock"``, ``"checkpoint"``, ``"verify_dump"``, ``"restore"``, ``"unlock"``,
-            ``"verify"``, ``"rollback"`` or ``"release"``.
+        step: ``"lock"``, ``"checkpoint"``, ``"verify_dump"``, ``"restore"``, ``"unlock"`` or ``"verify"``.
         seconds: wall-clock duration of the whole step, in seconds.
         per_pid: seconds spent in the driver call(s) for each PID.
     """
@@ -192,8 +190,6 @@ class GpuTreeController:
         self.transfer_timeout_s = transfer_timeout_s if transfer_timeout_s is not None else call_timeout_s
         self.proc_root = proc_root
         self._clock = clock
-        #: Every :class:`StepTiming` returned so far, in order.
-        self.history: list[StepTiming] = []
         #: Compensating actions run by abandoned (late) calls, e.g. ``"late lock(12) succeeded: unlocked"``.
         self.late_actions: list[str] = []
         self._late_lock = threading.Lock()
@@ -216,19 +212,15 @@ class GpuTreeController:
                 another PID namespace.
             DeadlineExceededError: the driver did not answer (the driver is wedged; nothing was changed).
         """
-        start = self._clock()
         found: list[int] = []
         rejected: dict[int, str] = {}
-        per: dict[int, float] = {}
         for pid in _unique(pids):
-            t0 = self._clock()
             try:
                 self._call("cuCheckpointProcessGetRestoreThreadId", pid, self.api.get_restore_thread_id, pid)
             except CudaError as exc:
                 rejected[pid] = exc.result_name
             else:
                 found.append(pid)
-            per[pid] = self._clock() - t0
         if nvml_pids is not None:
             bad = [pid for pid in rejected if pid in set(nvml_pids)]
             if bad:
@@ -240,7 +232,6 @@ class GpuTreeController:
                     reason="GPU_PROCESS_NOT_CHECKPOINTABLE",
                     metadata={"pids": ",".join(map(str, bad))},
                 )
-        self._record(StepTiming("find", self._clock() - start, per))
         return found
 
     # ------------------------------------------------------------------------------------------ capture
@@ -288,7 +279,7 @@ class GpuTreeController:
                 )
             per[pid] = self._clock() - t0
             locked.append(pid)
-        return self._record(StepTiming("lock", self._clock() - start, per))
+        return StepTiming("lock", self._clock() - start, per)
 
     def checkpoint_all(self, pids: Sequence[int], *, timeout_s: float | None = None) -> StepTiming:
         """Checkpoint every (LOCKED) PID, in order; on any failure bring them all back to RUNNING.
@@ -325,7 +316,7 @@ class GpuTreeController:
                 rollback = self.rollback_to_running(order)
                 _reraise(self._fail(err, f"checkpoint failed at pid {pid}", pid, rollback), exc)
             per[pid] = self._clock() - t0
-        return self._record(StepTiming("checkpoint", self._clock() - start, per))
+        return StepTiming("checkpoint", self._clock() - start, per)
 
     def assert_no_device_files(self, pid: int, proc_root: Path | None = None) -> None:
         """Refuse to dump a process that still holds ``/dev/nvidia*`` fds or mappings (FC-16).
@@ -371,7 +362,7 @@ class GpuTreeController:
         Raises:
             FailedPreconditionError: a CUDA PID is not CHECKPOINTED (``CUDA_NOT_CHECKPOINTED``) or a PID holds
                 device files (``GPU_DEVICE_FILES_OPEN``). Nothing is rolled back here: call
-                :meth:`rollback_to_running` (``checkpoint_tree`` does).
+                :meth:`rollback_to_running` (a checkpoint's ``gpu-rollback`` undo does).
             CudaError / DeadlineExceededError: reading a state failed.
         """
         start = self._clock()
@@ -389,42 +380,7 @@ class GpuTreeController:
                 )
         for pid in _unique([*cuda_pids, *tree_pids]):
             self.assert_no_device_files(pid)
-        return self._record(StepTiming("verify_dump", self._clock() - start, per))
-
-    def checkpoint_tree(
-        self,
-        cuda_pids: Sequence[int],
-        *,
-        lock_timeout_ms: int,
-        checkpoint_timeout_s: float | None = None,
-        tree_pids: Iterable[int] = (),
-    ) -> list[StepTiming]:
-        """lock_all → checkpoint_all → assert_ready_for_dump; any failure leaves every PID RUNNING.
-
-        Args:
-            cuda_pids: from :meth:`find_cuda_pids`.
-            lock_timeout_ms: per-PID driver lock timeout in milliseconds.
-            checkpoint_timeout_s: per-PID checkpoint deadline in seconds; default ``transfer_timeout_s``.
-            tree_pids: all PIDs CRIU will dump (device-file check).
-
-        Returns:
-            ``[lock, checkpoint, verify_dump]`` timings.
-
-        Raises:
-            As :meth:`lock_all`, :meth:`checkpoint_all`, :meth:`assert_ready_for_dump` (the last one rolled back
-            here, its message extended with the rollback summary).
-        """
-        steps = [
-            self.lock_all(cuda_pids, lock_timeout_ms),
-            self.checkpoint_all(cuda_pids, timeout_s=checkpoint_timeout_s),
-        ]
-        try:
-            steps.append(self.assert_ready_for_dump(cuda_pids, tree_pids))
-        except Exception as exc:
-            err = self._as_error(exc, "dump check", None)
-            rollback = self.rollback_to_running(cuda_pids)
-            _reraise(self._fail(err, "the tree is not ready for the CRIU dump", None, rollback), exc)
-        return steps
+        return StepTiming("verify_dump", self._clock() - start, per)
 
     # ------------------------------------------------------------------------------------------ back to RUNNING
 
@@ -467,7 +423,6 @@ class GpuTreeController:
                     "wait and run the rollback again, or kill the worker"
                 )
         result.seconds = self._clock() - start
-        self._record(StepTiming("rollback", result.seconds, {}))
         return result
 
     # ------------------------------------------------------------------------------------------ restore
@@ -523,7 +478,7 @@ class GpuTreeController:
                 )
                 _reraise(annotated, exc)
             per[pid] = self._clock() - t0
-        return self._record(StepTiming("restore", self._clock() - start, per))
+        return StepTiming("restore", self._clock() - start, per)
 
     def unlock_all(self, pids: Sequence[int]) -> StepTiming:
         """Unlock every PID (LOCKED → RUNNING), continuing past failures so nothing else stays LOCKED.
@@ -565,7 +520,7 @@ class GpuTreeController:
                 stranded_pids=",".join(s.split()[0] for s in stranded),
             )
             _reraise(annotated, first_exc)
-        return self._record(StepTiming("unlock", self._clock() - start, per))
+        return StepTiming("unlock", self._clock() - start, per)
 
     def verify_running(self, pids: Sequence[int]) -> StepTiming:
         """After restore: every PID exists and reads RUNNING (FC-18: CRIU's exit status is not enough).
@@ -614,33 +569,7 @@ class GpuTreeController:
                     "not_running": ",".join(w.split()[0] for w in wrong),
                 },
             )
-        return self._record(StepTiming("verify", self._clock() - start, per))
-
-    def restore_tree(
-        self,
-        cuda_pids: Sequence[int],
-        gpu_pairs: Sequence[tuple[str, str]] = (),
-        *,
-        restore_timeout_s: float | None = None,
-    ) -> list[StepTiming]:
-        """After CRIU restore: restore_all → unlock_all → verify_running.
-
-        Args:
-            cuda_pids: the CUDA PIDs of the restored tree.
-            gpu_pairs: see :meth:`restore_all`.
-            restore_timeout_s: per-PID restore deadline in seconds.
-
-        Returns:
-            ``[restore, unlock, verify]`` timings.
-
-        Raises:
-            As the three steps; on any error call :meth:`release_gpus_for_kill`, kill the tree, keep the image.
-        """
-        return [
-            self.restore_all(cuda_pids, gpu_pairs, timeout_s=restore_timeout_s),
-            self.unlock_all(cuda_pids),
-            self.verify_running(cuda_pids),
-        ]
+        return StepTiming("verify", self._clock() - start, per)
 
     # ------------------------------------------------------------------------------------------ kill path
 
@@ -684,7 +613,6 @@ class GpuTreeController:
                 result.problems.append(f"pid {pid}: {_FAILED_REMEDY}")
             result.states[pid] = state
         result.seconds = self._clock() - start
-        self._record(StepTiming("release", result.seconds, {}))
         return result
 
     # ------------------------------------------------------------------------------------------ internals
@@ -705,10 +633,6 @@ class GpuTreeController:
             what=f"{name}(pid={pid})",
             on_late_result=on_late,
         )
-
-    def _record(self, timing: StepTiming) -> StepTiming:
-        self.history.append(timing)
-        return timing
 
     @staticmethod
     def _as_error(exc: BaseException, call: str, pid: int | None) -> GpusnapError:
@@ -786,7 +710,6 @@ class GpuTreeController:
         elif state == ProcessState.FAILED:
             result.problems.append(f"pid {failed_pid}: {_FAILED_REMEDY}")
         result.seconds = self._clock() - start
-        self._record(StepTiming("rollback", result.seconds, {}))
         return result
 
     def _death_note(self, pid: int | None) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -42,6 +42,25 @@ def states(api: FakeCudaApi, pids: list[int] = PIDS) -> list[ProcessState]:
     return [api.state(p) for p in pids]
 
 
+def capture(
+    ctl: GpuTreeController, pids: list[int], lock_timeout_ms: int, tree_pids: Sequence[int] = ()
+) -> list[StepTiming]:
+    """A checkpoint's GPU phases as ``operations.checkpoint`` runs them: lock → checkpoint → the dump check, and,
+    when the dump check fails, its ``gpu-rollback`` undo (``rollback_to_running``, raising what it could not do)."""
+    steps = [ctl.lock_all(pids, lock_timeout_ms), ctl.checkpoint_all(pids)]
+    try:
+        steps.append(ctl.assert_ready_for_dump(pids, tree_pids))
+    except BaseException:
+        ctl.rollback_to_running(pids).raise_for_problems()
+        raise
+    return steps
+
+
+def bring_up(ctl: GpuTreeController, pids: list[int], gpu_pairs: Sequence[tuple[str, str]] = ()) -> list[StepTiming]:
+    """A restore's GPU phases after CRIU, as ``operations.restore.bring_up`` runs them: restore → unlock → verify."""
+    return [ctl.restore_all(pids, gpu_pairs), ctl.unlock_all(pids), ctl.verify_running(pids)]
+
+
 def test_fake_satisfies_protocol(api: FakeCudaApi) -> None:
     assert isinstance(api, CudaCheckpointApi)
 
@@ -76,7 +95,7 @@ def test_fake_rejects_illegal_transitions(api: FakeCudaApi) -> None:
 
 def test_happy_path_capture_resume_restore(api: FakeCudaApi, proc: FakeProc) -> None:
     ctl = make(api, proc)
-    steps = ctl.checkpoint_tree(PIDS, lock_timeout_ms=5000, tree_pids=[104])
+    steps = capture(ctl, PIDS, 5000, tree_pids=[104])
     assert [s.step for s in steps] == ["lock", "checkpoint", "verify_dump"]
     assert all(isinstance(s, StepTiming) and s.seconds >= 0 for s in steps)
     assert set(steps[0].per_pid) == set(PIDS)
@@ -100,9 +119,9 @@ def test_happy_path_capture_resume_restore(api: FakeCudaApi, proc: FakeProc) -> 
     assert states(api) == [R, R, R]
 
     # restore path (as after a CRIU restore): restore(pairs) -> unlock -> verify (FC-09 order)
-    ctl.checkpoint_tree(PIDS, lock_timeout_ms=5000)
+    capture(ctl, PIDS, 5000)
     api.calls.clear()
-    steps = ctl.restore_tree(PIDS)
+    steps = bring_up(ctl, PIDS)
     assert [s.step for s in steps] == ["restore", "unlock", "verify"]
     assert api.sequence() == [
         ("restore", 101), ("restore", 102), ("restore", 103),
@@ -110,13 +129,12 @@ def test_happy_path_capture_resume_restore(api: FakeCudaApi, proc: FakeProc) -> 
         ("get_state", 101), ("get_state", 102), ("get_state", 103),
     ]  # fmt: skip
     assert states(api) == [R, R, R]
-    assert [s.step for s in ctl.history][:3] == ["lock", "checkpoint", "verify_dump"]
 
 
 def test_restore_passes_gpu_pairs_and_remaps(proc: FakeProc) -> None:
     api = FakeCudaApi({101: C}, gpus={101: [GPU_A]})
     ctl = make(api, proc)
-    ctl.restore_tree([101], [(GPU_A, GPU_B)])
+    bring_up(ctl, [101], [(GPU_A, GPU_B)])
     assert api.calls[0] == api.calls[0].__class__("restore", 101, (((GPU_A, GPU_B),),))
     assert api.gpus_of[101] == [GPU_B]
     assert api.sequence() == [("restore", 101), ("unlock", 101), ("get_state", 101)]
@@ -224,7 +242,7 @@ def test_checkpoint_failure_on_second_restores_first_unlocks_rest(api: FakeCudaA
     api.fail("checkpoint", 102, result=CudaResult.CUDA_ERROR_OUT_OF_MEMORY)
     ctl = make(api, proc)
     with pytest.raises(CudaError) as e:
-        ctl.checkpoint_tree(PIDS, lock_timeout_ms=1000)
+        capture(ctl, PIDS, 1000)
     assert api.sequence() == [
         ("lock", 101), ("lock", 102), ("lock", 103),
         ("checkpoint", 101), ("checkpoint", 102),
@@ -241,7 +259,7 @@ def test_hung_checkpoint_deadline_fc03(api: FakeCudaApi, proc: FakeProc) -> None
     ctl = GpuTreeController(api, call_timeout_s=1.0, transfer_timeout_s=0.3, proc_root=proc.root)
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceededError) as e:
-        ctl.checkpoint_tree(PIDS, lock_timeout_ms=1000)
+        capture(ctl, PIDS, 1000)
     assert time.monotonic() - t0 < 5
     msg = e.value.message
     assert "cuCheckpointProcessCheckpoint(pid=102) did not return within 0.3 s" in msg
@@ -254,11 +272,10 @@ def test_device_files_after_checkpoint_abort_and_resume_fc16(api: FakeCudaApi, p
     proc.add(102, fds=["/dev/null", "/dev/nvidia0", "/dev/nvidiactl"])
     ctl = make(api, proc)
     with pytest.raises(FailedPreconditionError) as e:
-        ctl.checkpoint_tree(PIDS, lock_timeout_ms=1000)
+        capture(ctl, PIDS, 1000)
     assert e.value.reason == "GPU_DEVICE_FILES_OPEN"
     assert "process 102" in e.value.message and "/dev/nvidia0" in e.value.message
-    assert "all 3 process(es) RUNNING" in e.value.message
-    assert states(api) == [R, R, R]
+    assert states(api) == [R, R, R], "the gpu-rollback undo brought every process back"
 
 
 def test_assert_no_device_files(proc: FakeProc, api: FakeCudaApi) -> None:
@@ -293,7 +310,7 @@ def test_restore_silently_leaves_checkpointed_fc18(proc: FakeProc) -> None:
     api.noop("restore", 102)  # the call "succeeds" but nothing happens
     ctl = make(api, proc)
     with pytest.raises(CudaError) as e:
-        ctl.restore_tree([101, 102])
+        bring_up(ctl, [101, 102])
     assert api.sequence() == [("restore", 101), ("restore", 102), ("unlock", 101), ("unlock", 102), ("get_state", 102)]
     assert e.value.result_name == "CUDA_ERROR_ILLEGAL_STATE"
     assert "102 (CHECKPOINTED)" in e.value.message and e.value.metadata["stranded_pids"] == "102"
