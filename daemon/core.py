@@ -138,11 +138,12 @@ class Daemon:
                 (),
                 lambda run: (
                     remote_ops.run_pull(run, self.deps, snapshot.id, caller),
-                    run_restore(run, self.deps, here, caller),
+                    run_restore(run, self.deps, here),
                 )[1],
                 opts.replicas,
             )
         callers.check_may_restore(snapshot, caller, lambda: self.deps.store.not_found(opts.snapshot))
+        opts = dataclasses.replace(opts, snapshot=snapshot.id)  # validated: the operation checks it no more
         record = OperationRecord(
             OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
         )
@@ -151,7 +152,7 @@ class Daemon:
         if standby is not None:  # restored ahead: activate it instead (gpusnap.daemon.operations.standby)
             return self._start_activation(record, standby, opts, caller, release)
         return self._start_held(
-            record, (), lambda run: run_restore(run, self.deps, opts, caller), release, weight=opts.replicas
+            record, (), lambda run: run_restore(run, self.deps, opts), release, weight=opts.replicas
         )
 
     def _start_held(
@@ -205,7 +206,7 @@ class Daemon:
         )
         here = dataclasses.replace(opts, snapshot=snapshot.id)
         release = self.ladder.reserve_standby(snapshot, opts.count) if self.ladder is not None else _nothing
-        return self._start_held(record, (), lambda run: run_standby(run, self.deps, here, caller), release)
+        return self._start_held(record, (), lambda run: run_standby(run, self.deps, here), release)
 
     def activate(
         self, standby_id: str, opts: RestoreOptions, caller: Caller, gpu: str = "", request_id: str = ""
@@ -259,7 +260,7 @@ class Daemon:
         """Run the activation of the claimed ``standby``; a refused start gives the standby back."""
         try:
             return self._start_held(
-                record, standby.pids, lambda run: run_activate(run, self.deps, standby, opts, caller), release
+                record, standby.pids, lambda run: run_activate(run, self.deps, standby, opts), release
             )
         except BaseException:
             registry(self.deps).unclaim(standby.id)

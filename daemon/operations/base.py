@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import enum
 import errno
 import os
 import threading
@@ -30,6 +31,36 @@ from gpusnap.daemon.api.types import PhaseTiming, RestoreResult, Snapshot
 from gpusnap.daemon.operations import failpoints
 from gpusnap.daemon.park.standbys import Standby
 from gpusnap.daemon.store.journal import Journal
+
+
+class Phase(enum.StrEnum):
+    """Every phase an operation runs, by the name its events, journal entry, timings and failpoints carry (a
+    fan-out copy's get ``#<i>`` appended: ``restore#0``). The module docstring of each operation gives its order."""
+
+    PREFLIGHT = "preflight"
+    WAIT_READY = "wait-ready"
+    WARM_UP = "warm-up"
+    QUIESCE = "quiesce"
+    OFFLOAD = "offload"
+    GPU_LOCK = "gpu-lock"
+    GPU_CHECKPOINT = "gpu-checkpoint"
+    DUMP = "dump"
+    DEV_SHM = "dev-shm"
+    CHECKSUM = "checksum"
+    PUBLISH = "publish"
+    FINISH = "finish"
+    GPU_RESUME = "gpu-resume"
+    FETCH_BUFFERS = "fetch-buffers"
+    VERIFY = "verify"
+    RESTORE = "restore"
+    WAKE = "wake"
+    GPU_RESTORE = "gpu-restore"
+    GPU_UNLOCK = "gpu-unlock"
+    VALIDATE = "validate"
+    RELOAD_BUFFERS = "reload-buffers"
+    RESUME_WORKER = "resume-worker"
+    UPLOAD = "upload"
+    DOWNLOAD = "download"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +228,26 @@ class Slot(Protocol):
     def release(self) -> None: ...
 
 
+@dataclasses.dataclass(eq=False)
+class Undo:
+    """One undo step of an operation (:meth:`PhaseRunner.on_failure`): ``action`` undoes a piece of its work if
+    the operation fails. The code that makes that work permanent (or undoes it itself) holds the step and drops
+    it; no step is named across modules."""
+
+    name: str
+    action: Callable[[], None]
+    _runner: PhaseRunner
+
+    def drop(self) -> None:
+        """The work is permanent, or undone already: the step no longer runs on failure."""
+        self._runner._forget(self)
+
+    def run_now(self) -> None:
+        """The work is done with: undo it now, success or not, and drop the step."""
+        self.drop()
+        self.action()
+
+
 class PhaseRunner:
     """Runs an operation's phases, times them and keeps the undo stack.
 
@@ -210,7 +261,7 @@ class PhaseRunner:
         self.record = record
         self._slots = slots
         self.log = structlog.get_logger("gpusnap.operation").bind(operation_id=record.id, kind=record.kind.value)
-        self._undo: list[tuple[str, Callable[[], None]]] = []
+        self._undo: list[Undo] = []
         self._open: tuple[str, float, PhaseProgress] | None = None
         self.phase_suffix = ""
         """Appended to every phase name (``restore#2``: fan-out copy 2); see :meth:`for_copy`."""
@@ -225,14 +276,14 @@ class PhaseRunner:
             self.phase_suffix = ""
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[PhaseProgress]:
-        """Run the block as phase ``name``; set ``progress.bytes`` to report bytes moved.
+    def phase(self, phase: Phase) -> Iterator[PhaseProgress]:
+        """Run the block as ``phase``; set ``progress.bytes`` to report bytes moved.
 
         Before the block runs, the operation's journal names the phase (``Journal.write_phase``), and a requested
         cancellation ends the operation (``CancelledError``, then rollback).
         """
         self.check_cancelled()
-        name += self.phase_suffix
+        name = phase.value + self.phase_suffix
         self.record.phase = name
         self.record.save_phase()
         failpoints.hit(self.record.kind.value, name)
@@ -251,15 +302,15 @@ class PhaseRunner:
         self.record.emit(EventType.PHASE_FINISHED, phase=name, duration_seconds=elapsed, bytes=progress.bytes)
         self.log.info("phase.finished", phase=name, duration_s=round(elapsed, 4), bytes=progress.bytes)
 
-    def open_phase(self, name: str) -> PhaseProgress:
-        """Start phase ``name`` without a block (closing any phase opened this way before).
+    def open_phase(self, phase: Phase) -> PhaseProgress:
+        """Start ``phase`` without a block (closing any phase opened this way before).
 
         For phases whose end is signalled by a callback, such as CRIU's ``post-dump`` notification.
         A phase left open when the operation fails is reported as failed.
         """
         self.close_phase()
         self.check_cancelled()
-        name += self.phase_suffix
+        name = phase.value + self.phase_suffix
         self.record.phase = name
         self.record.save_phase()
         failpoints.hit(self.record.kind.value, name)
@@ -310,19 +361,22 @@ class PhaseRunner:
         finally:
             self._slots.acquire()
 
-    def on_failure(self, name: str, undo: Callable[[], None]) -> None:
-        """Register ``undo`` to run (in reverse order of registration) if the operation fails."""
-        self._undo.append((name, undo))
+    def on_failure(self, name: str, action: Callable[[], None]) -> Undo:
+        """Register ``action`` to run (in reverse order of registration) if the operation fails; returns the step,
+        which whoever makes the work permanent drops (:meth:`Undo.drop`). ``name`` names it in ``ROLLBACK`` events."""
+        undo = Undo(name, action, self)
+        self._undo.append(undo)
+        return undo
 
-    def drop_undo(self, name: str) -> None:
-        """Forget the undo step ``name`` (its work has been made permanent or undone already)."""
-        self._undo = [(n, u) for n, u in self._undo if n != name]
+    def _forget(self, undo: Undo) -> None:
+        self._undo = [u for u in self._undo if u is not undo]
 
     def rollback(self) -> list[str]:
         """Run the undo steps in reverse; returns messages of undo steps that failed."""
         failures = []
         while self._undo:
-            name, undo = self._undo.pop()
+            step = self._undo.pop()
+            name, undo = step.name, step.action
             start = time.monotonic()
             try:
                 undo()

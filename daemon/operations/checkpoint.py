@@ -25,16 +25,26 @@ import dataclasses
 from datetime import UTC, datetime
 
 from gpusnap.daemon.access import callers, file_rights
-from gpusnap.daemon.api.types import CheckpointOptions, HostFacts, ProcessImage, Snapshot, TcpMode
+from gpusnap.daemon.api.types import (
+    CheckpointOptions,
+    HostFacts,
+    ProcessFacts,
+    ProcessImage,
+    Snapshot,
+    TcpMode,
+    Terminal,
+)
 from gpusnap.daemon.drivers import devshm, host, proc
+from gpusnap.daemon.gpu.controller import GpuTreeController
+from gpusnap.daemon.gpu.support import GpuTree
 from gpusnap.daemon.operations import workers
-from gpusnap.daemon.operations.base import PhaseRunner
+from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import capture as capture_checks
 from gpusnap.daemon.preflight import gpu as gpu_preflight
 from gpusnap.daemon.store.checksum import image_files
 from gpusnap.daemon.store.manifest import TCP_LABEL
-from gpusnap.daemon.store.store import DEV_SHM, IN_PLACE
+from gpusnap.daemon.store.store import DEV_SHM, IN_PLACE, StagingDir
 from gpusnap.daemon.weights import capture as weights
 
 
@@ -58,119 +68,190 @@ def host_facts(deps: Deps) -> HostFacts:
 def run_checkpoint(run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_uid: int) -> Snapshot | None:
     """The body of a checkpoint operation (see the module docstring); ``None`` for a dry run, which ends
     after its preflight."""
-    timeout = opts.timeout_s or deps.config.checkpoint_timeout
-    with run.phase("preflight"):
-        facts = proc.facts(opts.pid)
-        agent_quiesces = opts.control_dir == "" and deps.agents.find(facts.tree_pids) is not None
-        capture_checks.check_tree(opts, facts, defer_tcp=agent_quiesces)
-        facts_host = host_facts(deps)
-        ns_pid = proc.namespace_pid(opts.pid)
-        enter_ns_of = opts.pid if ns_pid != opts.pid else 0
-        gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))
-        if gpu_tree:
-            gpu_preflight.check_tree(deps.gpu, gpu_tree, facts.tree_pids, deps.agents.capture_env(facts.tree_pids))
-    if opts.dry_run:
-        return None
+    return Checkpoint(run, deps, opts, owner_uid).run_all()
 
-    run.record.note(
-        tree_pids=list(facts.tree_pids),
-        starts=[proc.start_time(p) for p in facts.tree_pids],
-        leave_running=opts.leave_running,
-    )
-    run.on_failure("resume-source", lambda: _resume_source(list(facts.tree_pids)))
-    capture = workers.prepare_capture(run, deps, opts, facts.tree_pids, owner_uid)
-    worker = capture.worker
-    if agent_quiesces:
-        capture_checks.check_tcp(opts, facts.tree_pids, after_quiesce=True)
-    if worker and gpu_tree:
-        gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))  # the quiesced worker released memory
-    ctl = None
-    if gpu_tree:
-        ctl = deps.gpu.controller(gpu_tree.gpu_bytes)
-        lock_timeout_s = opts.gpu_lock_timeout_s or deps.config.gpu_lock_timeout
-        run.record.note(cuda_pids=list(gpu_tree.cuda_pids))
-        with run.phase("gpu-lock"):
-            ctl.lock_all(gpu_tree.cuda_pids, int(lock_timeout_s * 1000))
-        run.on_failure("gpu-rollback", lambda: ctl.rollback_to_running(gpu_tree.cuda_pids).raise_for_problems())
-        with run.phase("gpu-checkpoint") as progress:
-            ctl.checkpoint_all(gpu_tree.cuda_pids)
-            ctl.assert_ready_for_dump(gpu_tree.cuda_pids, facts.tree_pids)
-            progress.bytes = gpu_tree.gpu_bytes
-    with deps.store.stage(opts.name, owner_uid) as staging:
-        published: list[Snapshot] = []
-        remaps: list[devshm.LinkRemap] = []  # CRIU's, kept on the host after a dump that kills: the copy has them
-        run.record.note(staging=staging.snapshot_id)
 
-        def publish(image_bytes: dict[int, int]) -> None:  # CRIU's post-dump: images complete, tree still frozen
-            run.close_phase()
-            frozen = proc.tree_pids_or_empty(opts.pid) or list(facts.tree_pids)  # the tree as CRIU froze it
-            if owner_uid != 0:  # a set-user-ID program exec'd since preflight: refused, CRIU resumes the tree
-                callers.check_plain_rights(frozen, owner_uid)
-            held, creds = file_rights.record(frozen)
-            shm_files = devshm.files(frozen)
-            if shm_files:
-                with run.phase("dev-shm") as progress:  # CRIU keeps only names and sizes of these
-                    progress.bytes = devshm.save(shm_files, staging.images / DEV_SHM)
-                remaps.extend(devshm.link_remaps(shm_files))
-            with run.phase("checksum") as progress:
-                files = image_files(staging.images)
-                progress.bytes = sum(f.size_bytes for f in files)
-                buffers = weights.commit(capture.parts, lambda staged: run.record.note(staged=staged))
-            if opts.leave_running:  # the source keeps its files: no restore continues them in place
-                (staging.path / IN_PLACE).touch(mode=0o600)
-            with run.phase("publish"):
-                snapshot = Snapshot(
-                    id=staging.snapshot_id,
-                    name=opts.name,
-                    created=datetime.now(UTC),
-                    labels=_labels(opts),
-                    source=dataclasses.replace(facts, tree_pids=tuple(frozen)),  # the tree as CRIU froze it
-                    host=facts_host,
-                    files=files,
-                    phases=tuple(run.record.phases),
-                    owner_uid=owner_uid,
-                    gpu_processes=gpu_tree.processes if gpu_tree else (),
-                    process_images=tuple(ProcessImage(pid, n) for pid, n in sorted(image_bytes.items())),
-                    worker=worker,
-                    agents=capture.agents,
-                    buffers=buffers,
-                    held_files=held,
-                    owner_creds=creds,
-                    terminals=terminals,
-                )
-                deps.store.publish(staging, snapshot)
-            published.append(snapshot)
-            run.record.note(snapshot_id=snapshot.id)
-            run.on_failure("unpublish", lambda: _unpublish(deps, snapshot.id))
-            run.open_phase("finish")
+@dataclasses.dataclass
+class Source:
+    """What the ``preflight`` found: the tree, this host, the namespace CRIU enters (0: none), the tree's CUDA
+    side (``None``: CPU only) and whether an agent quiesces the worker (the TCP check then waits for it)."""
 
-        run.open_phase("dump")
-        terminals = capture_checks.outside_terminals(facts.tree_pids)  # a shell's job: CRIU dumps them external
-        nested_kill = bool(enter_ns_of) and not opts.leave_running
-        deps.criu.dump(
-            leave_stopped=nested_kill,
-            pid=ns_pid,
-            images_dir=staging.images,
-            work_dir=staging.path,
-            leave_running=opts.leave_running,
-            tcp=opts.tcp,
-            freeze_timeout_s=deps.config.freeze_timeout,
-            timeout_s=timeout,
-            enter_ns_of=enter_ns_of,
-            on_post_dump=publish,
+    facts: ProcessFacts
+    host: HostFacts
+    ns_pid: int
+    enter_ns_of: int
+    gpu: GpuTree | None
+    agent_quiesces: bool
+
+
+class Checkpoint:
+    """The phases of one checkpoint of ``opts.pid`` (module docstring), in order: :meth:`run_all`."""
+
+    def __init__(self, run: PhaseRunner, deps: Deps, opts: CheckpointOptions, owner_uid: int):
+        self.run = run
+        self.deps = deps
+        self.opts = opts
+        self.owner_uid = owner_uid
+        self.timeout = opts.timeout_s or deps.config.checkpoint_timeout
+
+    def run_all(self) -> Snapshot | None:
+        """preflight → [the workers brought to a capturable state] → [the GPUs checkpointed] → dump and publish →
+        finish (the GPUs and workers of a source left running resumed)."""
+        run, opts = self.run, self.opts
+        source = self.preflight()
+        if opts.dry_run:
+            return None
+        pids = source.facts.tree_pids
+        run.record.note(
+            tree_pids=list(pids), starts=[proc.start_time(p) for p in pids], leave_running=opts.leave_running
         )
-        devshm.remove_link_remaps(remaps)
-        if nested_kill:  # the tree as it is now: children forked after preflight were dumped too
-            proc.kill_tree(sorted(set(facts.tree_pids) | set(proc.tree_pids_or_empty(opts.pid))))
+        run.on_failure("resume-source", lambda: _resume_source(list(pids)))
+        capture = workers.prepare_capture(run, self.deps, opts, pids, self.owner_uid)
+        if source.agent_quiesces:
+            capture_checks.check_tcp(opts, pids, after_quiesce=True)
+        if capture.worker and source.gpu:
+            source.gpu = self.deps.gpu.find_tree(list(pids))  # the quiesced worker released memory
+        gpus = self.checkpoint_gpus(source)
+        snapshot, unpublish = self.dump(source, capture)
+        if gpus is not None and opts.leave_running:
+            with run.phase(Phase.GPU_RESUME):
+                gpus[0].rollback_to_running(gpus[1]).raise_for_problems()
+        if gpus is not None:
+            gpus[2].drop()
+        if capture.resume is not None:
+            capture.resume.drop()
+        workers.finish_capture(self.deps, opts, capture, self.owner_uid)
+        unpublish.drop()
+        return snapshot
+
+    def preflight(self) -> Source:
+        """``preflight``: the tree's capture checks, this host's facts and the GPU preflight of its CUDA side."""
+        deps, opts = self.deps, self.opts
+        with self.run.phase(Phase.PREFLIGHT):
+            facts = proc.facts(opts.pid)
+            agent_quiesces = opts.control_dir == "" and deps.agents.find(facts.tree_pids) is not None
+            capture_checks.check_tree(opts, facts, defer_tcp=agent_quiesces)
+            facts_host = host_facts(deps)
+            ns_pid = proc.namespace_pid(opts.pid)
+            enter_ns_of = opts.pid if ns_pid != opts.pid else 0
+            gpu_tree = deps.gpu.find_tree(list(facts.tree_pids))
+            if gpu_tree:
+                gpu_preflight.check_tree(deps.gpu, gpu_tree, facts.tree_pids, deps.agents.capture_env(facts.tree_pids))
+        return Source(facts, facts_host, ns_pid, enter_ns_of, gpu_tree, agent_quiesces)
+
+    def checkpoint_gpus(self, source: Source) -> tuple[GpuTreeController, tuple[int, ...], Undo] | None:
+        """``gpu-lock`` → ``gpu-checkpoint`` of the tree's CUDA processes, with the ``gpu-rollback`` undo step
+        that brings them back to RUNNING; returns the controller, the CUDA PIDs and that step (``None``: no GPU)."""
+        run, tree = self.run, source.gpu
+        if not tree:
+            return None
+        ctl = self.deps.gpu.controller(tree.gpu_bytes)
+        lock_timeout_s = self.opts.gpu_lock_timeout_s or self.deps.config.gpu_lock_timeout
+        run.record.note(cuda_pids=list(tree.cuda_pids))
+        with run.phase(Phase.GPU_LOCK):
+            ctl.lock_all(tree.cuda_pids, int(lock_timeout_s * 1000))
+        undo = run.on_failure("gpu-rollback", lambda: ctl.rollback_to_running(tree.cuda_pids).raise_for_problems())
+        with run.phase(Phase.GPU_CHECKPOINT) as progress:
+            ctl.checkpoint_all(tree.cuda_pids)
+            ctl.assert_ready_for_dump(tree.cuda_pids, source.facts.tree_pids)
+            progress.bytes = tree.gpu_bytes
+        return ctl, tree.cuda_pids, undo
+
+    def dump(self, source: Source, capture: workers.Capture) -> tuple[Snapshot, Undo]:
+        """``dump`` (CRIU, with :class:`_Publisher` at its ``post-dump``) → ``finish``; returns the snapshot and
+        its ``unpublish`` undo step."""
+        run, opts, deps = self.run, self.opts, self.deps
+        with deps.store.stage(opts.name, self.owner_uid) as staging:
+            run.record.note(staging=staging.snapshot_id)
+            run.open_phase(Phase.DUMP)
+            terminals = capture_checks.outside_terminals(source.facts.tree_pids)  # a shell's job: dumped external
+            publish = _Publisher(self, source, capture, staging, terminals)
+            nested_kill = bool(source.enter_ns_of) and not opts.leave_running
+            deps.criu.dump(
+                leave_stopped=nested_kill,
+                pid=source.ns_pid,
+                images_dir=staging.images,
+                work_dir=staging.path,
+                leave_running=opts.leave_running,
+                tcp=opts.tcp,
+                freeze_timeout_s=deps.config.freeze_timeout,
+                timeout_s=self.timeout,
+                enter_ns_of=source.enter_ns_of,
+                on_post_dump=publish,
+            )
+            devshm.remove_link_remaps(publish.remaps)
+            if nested_kill:  # the tree as it is now: children forked after preflight were dumped too
+                proc.kill_tree(sorted(set(source.facts.tree_pids) | set(proc.tree_pids_or_empty(opts.pid))))
+            run.close_phase()
+        assert publish.published is not None
+        return publish.published
+
+
+class _Publisher:
+    """CRIU's ``post-dump`` notification (images complete, the tree still frozen): ``dev-shm`` → ``checksum``
+    → ``publish``, then ``finish`` opened."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        source: Source,
+        capture: workers.Capture,
+        staging: StagingDir,
+        terminals: tuple[Terminal, ...],
+    ):
+        self.checkpoint = checkpoint
+        self.source = source
+        self.capture = capture
+        self.staging = staging
+        self.terminals = terminals
+        self.remaps: list[devshm.LinkRemap] = []
+        """CRIU's, kept on the host after a dump that kills: the copy has them."""
+        self.published: tuple[Snapshot, Undo] | None = None
+
+    def __call__(self, image_bytes: dict[int, int]) -> None:
+        run, opts, owner_uid = self.checkpoint.run, self.checkpoint.opts, self.checkpoint.owner_uid
+        staging = self.staging
         run.close_phase()
-    if ctl and gpu_tree and opts.leave_running:
-        with run.phase("gpu-resume"):
-            ctl.rollback_to_running(gpu_tree.cuda_pids).raise_for_problems()
-    run.drop_undo("gpu-rollback")
-    run.drop_undo("resume-worker")
-    workers.finish_capture(deps, opts, capture, owner_uid)
-    run.drop_undo("unpublish")
-    return published[0]
+        frozen = proc.tree_pids_or_empty(opts.pid) or list(self.source.facts.tree_pids)  # as CRIU froze it
+        if owner_uid != 0:  # a set-user-ID program exec'd since preflight: refused, CRIU resumes the tree
+            callers.check_plain_rights(frozen, owner_uid)
+        held, creds = file_rights.record(frozen)
+        shm_files = devshm.files(frozen)
+        if shm_files:
+            with run.phase(Phase.DEV_SHM) as progress:  # CRIU keeps only names and sizes of these
+                progress.bytes = devshm.save(shm_files, staging.images / DEV_SHM)
+            self.remaps.extend(devshm.link_remaps(shm_files))
+        with run.phase(Phase.CHECKSUM) as progress:
+            files = image_files(staging.images)
+            progress.bytes = sum(f.size_bytes for f in files)
+            buffers = weights.commit(self.capture.parts, lambda staged: run.record.note(staged=staged))
+        if opts.leave_running:  # the source keeps its files: no restore continues them in place
+            (staging.path / IN_PLACE).touch(mode=0o600)
+        with run.phase(Phase.PUBLISH):
+            snapshot = Snapshot(
+                id=staging.snapshot_id,
+                name=opts.name,
+                created=datetime.now(UTC),
+                labels=_labels(opts),
+                source=dataclasses.replace(self.source.facts, tree_pids=tuple(frozen)),  # the tree as CRIU froze it
+                host=self.source.host,
+                files=files,
+                phases=tuple(run.record.phases),
+                owner_uid=owner_uid,
+                gpu_processes=self.source.gpu.processes if self.source.gpu else (),
+                process_images=tuple(ProcessImage(pid, n) for pid, n in sorted(image_bytes.items())),
+                worker=self.capture.worker,
+                agents=self.capture.agents,
+                buffers=buffers,
+                held_files=held,
+                owner_creds=creds,
+                terminals=self.terminals,
+            )
+            self.checkpoint.deps.store.publish(staging, snapshot)
+        run.record.note(snapshot_id=snapshot.id)
+        deps = self.checkpoint.deps
+        self.published = (snapshot, run.on_failure("unpublish", lambda: _unpublish(deps, snapshot.id)))
+        run.open_phase(Phase.FINISH)
 
 
 def _unpublish(deps: Deps, snapshot_id: str) -> None:

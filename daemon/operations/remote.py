@@ -23,7 +23,7 @@ from gpusnap.daemon.access import callers
 from gpusnap.daemon.api.errors import FailedPreconditionError, ResourceExhaustedError
 from gpusnap.daemon.api.types import Caller, TransferResult
 from gpusnap.daemon.operations import provenance
-from gpusnap.daemon.operations.base import PhaseRunner
+from gpusnap.daemon.operations.base import Phase, PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.remote.layout import RemoteManifest
@@ -64,7 +64,7 @@ def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
     remote = require_remote(deps)
     store = deps.store
     with contextlib.ExitStack() as stack:
-        with run.phase("preflight"):
+        with run.phase(Phase.PREFLIGHT):
             snap = store.get(ref, caller.uid)
             callers.check_may_restore(snap, caller, lambda: store.not_found(ref))
             uid = snap.buffer_uid
@@ -79,7 +79,7 @@ def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
                 store.buffers.check_present(snap.id, uid, snap.buffers)
             prov = provenance.of_snapshot(deps, snap)
         if refetch is not None:  # a blob it shares with a snapshot evicted to the remote: back first
-            with run.phase("fetch-buffers") as p:
+            with run.phase(Phase.FETCH_BUFFERS) as p:
                 p.bytes = evict.fetch(store, remote, refetch, p.every_percent()).transferred_bytes
             store.buffers.check_present(snap.id, uid, snap.buffers)
         images = store.images_dir(snap.id)
@@ -88,12 +88,12 @@ def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
         items += [
             Item(f"buffer {b.name}", store.buffers.path(uid, d), b.size_bytes, is_buffer=True) for d, b in blobs.items()
         ]
-        with run.phase("upload") as p:
+        with run.phase(Phase.UPLOAD) as p:
             chunk_lists, tally = push_chunks(remote.objects, remote.limits, items, digests, p.every_percent())
             p.bytes = tally.transferred_bytes
     n = len(snap.files)
     doc = RemoteManifest(snap, prov, tuple(chunk_lists[:n]), dict(zip(blobs, chunk_lists[n:], strict=True)))
-    with run.phase("publish"):
+    with run.phase(Phase.PUBLISH):
         if not remote.publish(doc):
             run.log.info("push.already_published", snapshot_id=snap.id)
         evict.write_record(store.snapshots_dir / snap.id, str(remote), doc.buffer_chunks)
@@ -107,7 +107,7 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
     remote = require_remote(deps)
     store = deps.store
     with contextlib.ExitStack() as stack:
-        with run.phase("preflight"):
+        with run.phase(Phase.PREFLIGHT):
             doc = remote.find(ref, caller.uid)
             snap = doc.snapshot
             run.record.target_snapshot = snap.id
@@ -129,10 +129,10 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
             chunk_lists += [doc.buffer_chunks[d] for d in blobs]
             _check_room(store.pulls_dir, sum(f.size_bytes for f in snap.files), "snapshot store", "--store")
             _check_room(store.buffers.root, sum(b.size_bytes for b in blobs.values()), "buffer store", "--buffer-dir")
-        with run.phase("download") as p:
+        with run.phase(Phase.DOWNLOAD) as p:
             tally = pull_chunks(remote.objects, remote.limits, items, chunk_lists, p.every_percent())
             p.bytes = tally.transferred_bytes
-        with run.phase("publish"):
+        with run.phase(Phase.PUBLISH):
             digests = [b.sha256 for b in snap.buffers]
             store.buffers.pin(uid, digests)
             try:

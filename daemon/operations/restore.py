@@ -26,18 +26,15 @@ import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from gpusnap.daemon.access import callers, file_rights
-from gpusnap.daemon.api.errors import (
-    FailedPreconditionError,
-    NotFoundError,
-)
-from gpusnap.daemon.api.types import Caller, FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
+from gpusnap.daemon.access import file_rights
+from gpusnap.daemon.api.errors import FailedPreconditionError, NotFoundError
+from gpusnap.daemon.api.types import FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import criu_userpaths, devshm, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.operations import failpoints, file_copies, provenance, workers
-from gpusnap.daemon.operations.base import PhaseRunner
+from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import restore as restore_preflight
 from gpusnap.daemon.remote import evict
@@ -45,126 +42,20 @@ from gpusnap.daemon.store.manifest import TCP_LABEL
 from gpusnap.daemon.store.store import restore_log_name
 from gpusnap.daemon.weights import prefill as weights_prefill
 
+REPLICA_INDEX = "{i}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """What :func:`prepare` checked: the snapshot, its buffer digests (pinned for the operation, with an
-    ``unpin-buffers`` undo), where its GPUs go (``None``: no GPU state, or not resolved), and whether its
-    buffers came back from the remote store."""
+    """What :meth:`Restore.prepare` checked: the snapshot, its buffer digests (pinned for the operation, their
+    ``unpin-buffers`` undo step in ``unpin``), where its GPUs go (``None``: no GPU state, or not resolved), and
+    whether its buffers came back from the remote store."""
 
     snapshot: Snapshot
     digests: tuple[str, ...]
     gpu_map: dict[str, str] | None
     refetched: bool
-
-
-def prepare(
-    run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Caller, *, resolve_gpus: bool = True
-) -> Prepared:
-    """``preflight`` (and ``fetch-buffers`` when the disk tier evicted some): everything a restore or a
-    standby checks before CRIU runs (module docstring). ``resolve_gpus``: map the snapshot's GPUs and run
-    the GPU preflight now (a standby does that at activation).
-
-    Raises:
-        As the module docstring's preflight: NotFoundError, PermissionDeniedError, InvalidArgumentError,
-        FailedPreconditionError, DataLossError, ResourceExhaustedError.
-    """
-    with run.phase("preflight"):
-        snapshot = deps.store.get(opts.snapshot, caller.uid)
-        run.record.target_snapshot = snapshot.id
-        callers.check_may_restore(snapshot, caller, lambda: deps.store.not_found(opts.snapshot))
-        restore_preflight.check_host_compatible(snapshot)
-        provenance.check_pulled(deps, snapshot.id)
-        restore_preflight.check_request(snapshot, opts)
-        digests = tuple(b.sha256 for b in snapshot.buffers)
-        if digests:  # kept from garbage collection until the worker has read them
-            deps.store.buffers.pin(snapshot.buffer_uid, digests)
-            run.on_failure("unpin-buffers", lambda: deps.store.buffers.unpin(snapshot.buffer_uid, digests))
-        refetch = evict.plan(deps.store, deps.remote, snapshot)
-        if refetch is None:
-            deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
-        restore_preflight.check_files(snapshot, opts, deps.store.shm_dir(snapshot.id))
-        gpu_map = restore_preflight.resolve_gpu_map(deps.gpu, snapshot, opts) if resolve_gpus else None
-    if refetch is not None:  # evicted from the disk tier: back from the remote store first
-        with run.phase("fetch-buffers") as progress:
-            assert deps.remote is not None
-            progress.bytes = evict.fetch(deps.store, deps.remote, refetch, progress.every_percent()).transferred_bytes
-        deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
-    return Prepared(snapshot, digests, gpu_map, refetch is not None)
-
-
-def release(deps: Deps, run: PhaseRunner, prepared: Prepared) -> None:
-    """The end of a successful operation that :func:`prepare` began: unpin its buffers, and let the tiers
-    spill what a fetch brought back."""
-    if prepared.digests:
-        run.drop_undo("unpin-buffers")
-        deps.store.buffers.unpin(prepared.snapshot.buffer_uid, prepared.digests)
-    if prepared.refetched:
-        deps.store.buffers.schedule_budgets()
-
-
-def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, caller: Caller) -> RestoreResult:
-    """The body of a restore operation (see the module docstring)."""
-    timeout = opts.timeout_s or deps.config.restore_timeout
-    prepared = prepare(run, deps, opts, caller)
-    snapshot, gpu_map = prepared.snapshot, prepared.gpu_map
-    with run.phase("verify") as progress:
-        deps.store.verify(snapshot)
-        progress.bytes = snapshot.size_bytes
-        buffers_checked = None
-        if snapshot.buffers and opts.verify_buffers:  # digested while CRIU and CUDA restore run
-            buffers_checked = deps.store.buffers.start_verify(snapshot.buffer_uid, snapshot.buffers)
-        elif snapshot.buffers:  # read ahead into the page cache while CRIU restores (a verify reads them anyway)
-            deps.store.buffers.prefetch(snapshot.buffer_uid, snapshot.buffers)
-
-    def buffers_verified() -> None:
-        if buffers_checked is not None:
-            deps.store.raise_damaged(snapshot, buffers_checked.result())
-
-    if opts.replicas == 1:
-        result = _restore_copy(run, deps, snapshot, opts, gpu_map, buffers_verified, timeout)
-    else:  # fan-out: the copies one after the other, each with its own phases (restore#0, …) and context
-        copies = []
-        for index in range(opts.replicas):
-            copy_opts = replica_options(opts, index)
-            with run.for_copy(f"#{index}"):
-                copy_map = gpu_map if index == 0 else restore_preflight.resolve_gpu_map(deps.gpu, snapshot, copy_opts)
-                copies.append(_restore_copy(run, deps, snapshot, copy_opts, copy_map, buffers_verified, timeout))
-        result = dataclasses.replace(copies[0], replicas=tuple(copies))
-    release(deps, run, prepared)
-    return result
-
-
-REPLICA_INDEX = "{i}"
-
-
-def replica_options(opts: RestoreOptions, index: int) -> RestoreOptions:
-    """Copy ``index``'s options: its own network namespace, ``{i}`` in env and values replaced by ``index``."""
-
-    def fill(values: Mapping[str, str]) -> dict[str, str]:
-        return {k: v.replace(REPLICA_INDEX, str(index)) for k, v in values.items()}
-
-    return dataclasses.replace(opts, env=fill(opts.env), values=fill(opts.values), private_network=True, replicas=1)
-
-
-def _restore_copy(
-    run: PhaseRunner,
-    deps: Deps,
-    snapshot: Snapshot,
-    opts: RestoreOptions,
-    gpu_map: dict[str, str] | None,
-    buffers_verified: Callable[[], None],
-    timeout: float,
-) -> RestoreResult:
-    """Restore one copy of a checked snapshot: CRIU, GPU, validation, worker resume (module docstring)."""
-    earlier = run.record.facts.pop("tree", None)
-    if earlier is not None:  # a fan-out's earlier copy: recovery must find every copy's tree
-        run.record.facts.setdefault("earlier_trees", []).append(earlier)
-    prefill = weights_prefill.start(deps.prefill, deps.store.buffers, snapshot, gpu_map)  # while CRIU runs
-    if prefill is not None:
-        run.on_failure("release-prefill", prefill.close)
-    side = restore_cpu(run, deps, snapshot, opts, timeout)
-    return bring_up(run, deps, snapshot, opts, side, gpu_map, buffers_verified, prefill)
+    unpin: Undo | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,114 +70,330 @@ class CpuSide:
     cuda_pids: tuple[int, ...]
     file_copies: tuple[FileCopy, ...] = ()
     """Files the tree continues writing in copies of its own (``operations.file_copies``)."""
+    kill: Undo | None = None
+    """The ``kill-restored`` undo step (a standby, once registered, drops it: its drop kills the tree)."""
 
 
-def restore_cpu(
-    run: PhaseRunner,
-    deps: Deps,
-    snapshot: Snapshot,
-    opts: RestoreOptions,
-    timeout: float,
-    *,
-    leave_stopped: bool = False,
-) -> CpuSide:
-    """The ``restore`` phase: CRIU brings the tree back (its CUDA processes CHECKPOINTED: no GPU memory),
-    journaled for recovery, with a ``kill-restored`` undo registered. ``leave_stopped``: every task is left
-    stopped (a standby).
+def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions) -> RestoreResult:
+    """The body of a restore operation (see the module docstring); ``opts`` as ``Daemon.restore`` validated
+    them: ``opts.snapshot`` the id of a snapshot the caller may restore, the replica count within bounds."""
+    return Restore(run, deps, opts).run_all()
 
-    Raises:
-        FailedPreconditionError: CRIU restored too little (``RESTORE_INCOMPLETE``); as ``CriuDriver.restore``.
-    """
-    run.record.note(
-        snapshot_id=snapshot.id, env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values)
-    )
-    with run.phase("restore") as progress:
-        workers.before_restore(snapshot)
-        shm_dir = deps.store.shm_dir(snapshot.id)
-        private_shm = shm_dir.is_dir() and not opts.host_pid_namespace
 
-        restored: list[int] = []
+class Restore:
+    """The phases of a restore of ``opts.snapshot`` (module docstring), for one operation: ``run_all`` runs them
+    in order; a standby and an activation (``operations.standby``) run some of them."""
 
-        def before_criu(helper: int, init: int) -> None:  # journaled before CRIU restores anything
+    def __init__(self, run: PhaseRunner, deps: Deps, opts: RestoreOptions):
+        self.run = run
+        self.deps = deps
+        self.opts = opts
+        self.timeout = opts.timeout_s or deps.config.restore_timeout
+        self._prefill: tuple[weights_prefill.Prefill, Undo] | None = None
+
+    def run_all(self) -> RestoreResult:
+        """prepare → verify → each copy (CRIU, GPU, validation, the workers) → release."""
+        prepared = self.prepare()
+        snapshot = prepared.snapshot
+        buffers_verified = self.verify(snapshot)
+        if self.opts.replicas == 1:
+            result = self.copy(snapshot, self.opts, prepared.gpu_map, buffers_verified)
+        else:  # fan-out: the copies one after the other, each with its own phases (restore#0, …) and context
+            copies = []
+            for index in range(self.opts.replicas):
+                copy_opts = replica_options(self.opts, index)
+                with self.run.for_copy(f"#{index}"):
+                    copy_map = (
+                        prepared.gpu_map
+                        if index == 0
+                        else restore_preflight.resolve_gpu_map(self.deps.gpu, snapshot, copy_opts)
+                    )
+                    copies.append(self.copy(snapshot, copy_opts, copy_map, buffers_verified))
+            result = dataclasses.replace(copies[0], replicas=tuple(copies))
+        self.release(prepared)
+        return result
+
+    def prepare(self, *, resolve_gpus: bool = True) -> Prepared:
+        """``preflight`` (and ``fetch-buffers`` when the disk tier evicted some): everything a restore or a
+        standby checks before CRIU runs (module docstring; ``gpusnap.daemon.preflight.restore``).
+        ``resolve_gpus``: map the snapshot's GPUs and run the GPU preflight now (a standby does that at
+        activation).
+
+        Raises:
+            As the module docstring's preflight: NotFoundError, InvalidArgumentError, FailedPreconditionError,
+            PermissionDeniedError (the owner's files), DataLossError, ResourceExhaustedError.
+        """
+        run, deps, opts = self.run, self.deps, self.opts
+        with run.phase(Phase.PREFLIGHT):
+            snapshot = deps.store.get(opts.snapshot)
+            run.record.target_snapshot = snapshot.id
+            restore_preflight.check_host_compatible(snapshot)
+            provenance.check_pulled(deps, snapshot.id)
+            restore_preflight.check_request(snapshot, opts)
+            digests = tuple(b.sha256 for b in snapshot.buffers)
+            unpin = None
+            if digests:  # kept from garbage collection until the worker has read them
+                deps.store.buffers.pin(snapshot.buffer_uid, digests)
+                unpin = run.on_failure("unpin-buffers", lambda: deps.store.buffers.unpin(snapshot.buffer_uid, digests))
+            refetch = evict.plan(deps.store, deps.remote, snapshot)
+            if refetch is None:
+                deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
+            restore_preflight.check_files(snapshot, opts, deps.store.shm_dir(snapshot.id))
+            gpu_map = restore_preflight.resolve_gpu_map(deps.gpu, snapshot, opts) if resolve_gpus else None
+        if refetch is not None:  # evicted from the disk tier: back from the remote store first
+            with run.phase(Phase.FETCH_BUFFERS) as progress:
+                assert deps.remote is not None
+                fetched = evict.fetch(deps.store, deps.remote, refetch, progress.every_percent())
+                progress.bytes = fetched.transferred_bytes
+            deps.store.buffers.check_present(snapshot.id, snapshot.buffer_uid, snapshot.buffers)
+        return Prepared(snapshot, digests, gpu_map, refetch is not None, unpin)
+
+    def release(self, prepared: Prepared) -> None:
+        """The end of a successful operation that :meth:`prepare` began: unpin its buffers, and let the tiers
+        spill what a fetch brought back."""
+        if prepared.unpin is not None:
+            prepared.unpin.run_now()
+        if prepared.refetched:
+            self.deps.store.buffers.schedule_budgets()
+
+    def verify(self, snapshot: Snapshot) -> Callable[[], None]:
+        """``verify``: the image digests; the buffers digested (``verify_buffers``) or read ahead meanwhile.
+        Returns what raises for damaged buffers once their digests are in (a no-op without ``verify_buffers``)."""
+        store = self.deps.store
+        with self.run.phase(Phase.VERIFY) as progress:
+            store.verify(snapshot)
+            progress.bytes = snapshot.size_bytes
+            buffers_checked = None
+            if snapshot.buffers and self.opts.verify_buffers:  # digested while CRIU and CUDA restore run
+                buffers_checked = store.buffers.start_verify(snapshot.buffer_uid, snapshot.buffers)
+            elif snapshot.buffers:  # read ahead into the page cache while CRIU restores (a verify reads them anyway)
+                store.buffers.prefetch(snapshot.buffer_uid, snapshot.buffers)
+
+        def buffers_verified() -> None:
+            if buffers_checked is not None:
+                store.raise_damaged(snapshot, buffers_checked.result())
+
+        return buffers_verified
+
+    def copy(
+        self,
+        snapshot: Snapshot,
+        opts: RestoreOptions,
+        gpu_map: dict[str, str] | None,
+        buffers_verified: Callable[[], None],
+    ) -> RestoreResult:
+        """Restore one copy of a checked snapshot: CRIU, GPU, validation, worker resume (module docstring)."""
+        earlier = self.run.record.facts.pop("tree", None)
+        if earlier is not None:  # a fan-out's earlier copy: recovery must find every copy's tree
+            self.run.record.facts.setdefault("earlier_trees", []).append(earlier)
+        self.start_prefill(snapshot, gpu_map)  # while CRIU runs
+        side = self.restore_cpu(snapshot, opts)
+        return self.bring_up(snapshot, opts, side, gpu_map, buffers_verified)
+
+    def start_prefill(self, snapshot: Snapshot, gpu_map: dict[str, str] | None) -> None:
+        """Start filling the worker's arenas in gpusnapd's CUDA context (``gpu_prefill``), if it applies;
+        :meth:`bring_up` hands them over. Its ``release-prefill`` undo step closes it on a failure, or once the
+        workers have what they need."""
+        prefill = weights_prefill.start(self.deps.prefill, self.deps.store.buffers, snapshot, gpu_map)
+        self._prefill = None if prefill is None else (prefill, self.run.on_failure("release-prefill", prefill.close))
+
+    def restore_cpu(self, snapshot: Snapshot, opts: RestoreOptions, *, leave_stopped: bool = False) -> CpuSide:
+        """The ``restore`` phase: CRIU brings the tree back (its CUDA processes CHECKPOINTED: no GPU memory),
+        journaled for recovery, with a ``kill-restored`` undo step. ``leave_stopped``: every task is left
+        stopped (a standby).
+
+        Raises:
+            FailedPreconditionError: CRIU restored too little (``RESTORE_INCOMPLETE``); as ``CriuDriver.restore``.
+        """
+        run = self.run
+        run.record.note(
+            snapshot_id=snapshot.id, env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values)
+        )
+        with run.phase(Phase.RESTORE) as progress:
+            workers.before_restore(snapshot)
+            hooks = _CriuHooks(run, snapshot, self.deps.store.restore_scratch(_label(run)))
+            tree = self._criu_restore(snapshot, opts, hooks, leave_stopped)
+            progress.bytes = snapshot.size_bytes
+            # Without a namespace init, ns_pid is the host PID; register before anything else can fail.
+            kill = run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, tree.ns_pid))
+            init_start = proc.start_time(tree.init_pid or tree.ns_pid)
+            root = _host_root_pid(tree.init_pid, tree.ns_pid)
             _note_tree(
                 run,
-                helper_pid=helper,
-                helper_start=proc.start_time(helper),
-                init_pid=init,
-                init_start=proc.start_time(init) if init else 0.0,
-                expect_pids=[] if init else list(snapshot.source.tree_pids),  # same PIDs in gpusnapd's namespace
+                init_pid=tree.init_pid,
+                ns_pid=tree.ns_pid,
+                init_start=init_start,
+                root=root,
+                root_start=proc.start_time(root),
             )
-            failpoints.hit(run.record.kind.value, "criu-started" + run.phase_suffix)
+        cuda_pids = _restored_cuda_pids(run, snapshot, root)
+        return CpuSide(tree.init_pid, tree.ns_pid, root, tuple(hooks.restored), cuda_pids, tree.file_copies, kill=kill)
 
-        def before_resume(t: RestoredTree) -> None:  # CRIU's pre-resume: every task restored, none running
-            # The root is still CRIU's child here, not yet the namespace init's: look under the init.
-            found = (
-                [p for p in proc.tree_pids(t.init_pid) if proc.namespace_pid(p) == t.ns_pid]
-                if t.init_pid
-                else [t.ns_pid]
-            )
-            try:
-                failpoints.hit(run.record.kind.value, "pre-resume" + run.phase_suffix)
-                if not found:
-                    raise FailedPreconditionError(
-                        f"CRIU's restored PID {t.ns_pid} is not in its namespace", reason="RESTORE_INCOMPLETE"
-                    )
-                restored.extend(proc.tree_pids(found[0]))  # what CRIU restored, before any task can fork or exit
-                file_rights.check_restored(snapshot, found[0], str(scratch / criu_userpaths.GHOSTS))
-            except BaseException:
-                _kill_tree(t.init_pid, found[0] if found else t.ns_pid)
-                raise
-
+    def _criu_restore(
+        self, snapshot: Snapshot, opts: RestoreOptions, hooks: _CriuHooks, leave_stopped: bool
+    ) -> RestoredTree:
+        """CRIU's restore of ``snapshot`` into fresh namespaces (or the host's), its ``/dev/shm`` files back
+        (private, or the host's with the dump's link remaps put back for CRIU and removed after)."""
+        run, store = self.run, self.deps.store
+        shm_dir = store.shm_dir(snapshot.id)
+        private_shm = shm_dir.is_dir() and not opts.host_pid_namespace
         remaps = _put_back_link_remaps(run, shm_dir) if shm_dir.is_dir() and not private_shm else []
-        scratch = deps.store.restore_scratch(_label(run))
-        tree = deps.criu.restore(
-            images_dir=deps.store.images_dir(snapshot.id),
-            work_dir=deps.store.images_dir(snapshot.id).parent,
+        tree = self.deps.criu.restore(
+            images_dir=store.images_dir(snapshot.id),
+            work_dir=store.images_dir(snapshot.id).parent,
             log_name=restore_log_name(_label(run)),
             new_pidns=not opts.host_pid_namespace,
             tcp=_tcp_mode_of(snapshot),
-            timeout_s=timeout,
+            timeout_s=self.timeout,
             new_netns=opts.private_network,
             shm_dir=shm_dir if private_shm else None,
-            before_resume=before_resume,
+            before_resume=hooks.before_resume,
             private_log=snapshot.owner_uid != 0,
-            before_criu=before_criu,
+            before_criu=hooks.before_criu,
             terminals=_terminal_stand_in(snapshot, opts),
             title=(f"snapshot={snapshot.id}", f"name={snapshot.name or '-'}", f"operation={run.record.id}"),
             owner=file_rights.owner_creds(snapshot) if snapshot.owner_uid != 0 else None,
-            scratch_dir=scratch,
+            scratch_dir=hooks.scratch,
             leave_stopped=leave_stopped,
-            file_copies=file_copies.request(
-                snapshot,
-                _label(run),
-                lambda: deps.store.take_in_place(snapshot.id),
-            ),
+            file_copies=file_copies.request(snapshot, _label(run), lambda: store.take_in_place(snapshot.id)),
         )
         devshm.remove_link_remaps(remaps)  # opened by CRIU: the restored tree holds the file, not the name
-        progress.bytes = snapshot.size_bytes
-        # Without a namespace init, ns_pid is the host PID; register before anything else can fail.
-        run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, tree.ns_pid))
-        init_start = proc.start_time(tree.init_pid or tree.ns_pid)
-        root = _host_root_pid(tree.init_pid, tree.ns_pid)
-        _note_tree(
-            run,
-            init_pid=tree.init_pid,
-            ns_pid=tree.ns_pid,
-            init_start=init_start,
-            root=root,
-            root_start=proc.start_time(root),
-        )
-    cuda_pids: list[int] = []
-    if snapshot.gpu_processes:
-        host_pid_of = {proc.namespace_pid(p): p for p in proc.tree_pids(root)}
-        cuda_pids = [host_pid_of[g.pid] for g in snapshot.gpu_processes if g.pid in host_pid_of]
-        if len(cuda_pids) != len(snapshot.gpu_processes):
-            raise FailedPreconditionError(
-                f"restore of {snapshot.id} lacks CUDA processes {[g.pid for g in snapshot.gpu_processes]}",
-                reason="RESTORE_INCOMPLETE",
+        return tree
+
+    def bring_up(
+        self,
+        snapshot: Snapshot,
+        opts: RestoreOptions,
+        side: CpuSide,
+        gpu_map: dict[str, str] | None,
+        buffers_verified: Callable[[], None],
+        *,
+        counted: bool = False,
+    ) -> RestoreResult:
+        """After CRIU: ``gpu-restore`` onto ``gpu_map`` → ``gpu-unlock`` → ``validate`` → the worker's
+        ``reload-buffers`` and ``resume-worker`` (with the arenas :meth:`start_prefill` filled). Registers
+        ``release-gpus`` (before the kill) for a failure. ``counted``: the restored processes were counted
+        already (a standby, when it was made): ``validate`` then checks that the root is alive."""
+        ctl = self._gpu_restore(snapshot, side, gpu_map)
+        with self.run.phase(Phase.VALIDATE):
+            if ctl is not None:
+                ctl.verify_running(side.cuda_pids)
+            if not counted:
+                check_restored_count(self.run, snapshot, side)
+            elif not proc.alive(side.root):
+                raise FailedPreconditionError(
+                    f"the standby of {snapshot.id} lost its root process (PID {side.root}); restore the snapshot again",
+                    reason="RESTORE_INCOMPLETE",
+                )
+            pids = proc.tree_pids(side.root)
+        _note_tree(self.run, validated=True, pids=pids)
+        prefill, self._prefill = self._prefill, None
+        try:
+            workers.resume_restored(
+                self.run, self.deps, snapshot, opts, pids, buffers_verified, prefill[0] if prefill else None
             )
-        _note_tree(run, cuda_pids=cuda_pids)
-    return CpuSide(tree.init_pid, tree.ns_pid, root, tuple(restored), tuple(cuda_pids), tree.file_copies)
+        finally:
+            if prefill is not None:  # handed over, or read back instead: gpusnapd's arenas go either way
+                prefill[1].run_now()
+        return RestoreResult(
+            pid=side.root,
+            pids=tuple(pids),
+            snapshot_id=snapshot.id,
+            namespace_pid=side.ns_pid,
+            file_copies=side.file_copies,
+        )
+
+    def _gpu_restore(
+        self, snapshot: Snapshot, side: CpuSide, gpu_map: dict[str, str] | None
+    ) -> GpuTreeController | None:
+        """``gpu-restore`` → ``gpu-unlock`` of the tree's CUDA processes onto ``gpu_map``, with the
+        ``release-gpus`` undo step; ``None`` when there is nothing to restore on a GPU."""
+        cuda_pids = list(side.cuda_pids)
+        if gpu_map is None or not cuda_pids:
+            return None
+        ctl = self.deps.gpu.controller(sum(g.gpu_memory_bytes for g in snapshot.gpu_processes))
+        lock_ms = int(self.deps.config.gpu_lock_timeout * 1000)
+        release = ctl.release_gpus_for_kill
+        self.run.on_failure("release-gpus", lambda: release(cuda_pids, lock_timeout_ms=lock_ms).raise_for_problems())
+        with self.run.phase(Phase.GPU_RESTORE) as progress:
+            for g, pid in zip(snapshot.gpu_processes, cuda_pids, strict=True):
+                ctl.restore_all(
+                    [pid], gpumap.gpu_pairs_for_restore(gpumap.pairs_for_process(gpu_map, g.visible_gpu_uuids))
+                )
+            progress.bytes = sum(g.gpu_memory_bytes for g in snapshot.gpu_processes)
+        with self.run.phase(Phase.GPU_UNLOCK):
+            ctl.unlock_all(cuda_pids)
+        return ctl
+
+
+def replica_options(opts: RestoreOptions, index: int) -> RestoreOptions:
+    """Copy ``index``'s options: its own network namespace, ``{i}`` in env and values replaced by ``index``."""
+
+    def fill(values: Mapping[str, str]) -> dict[str, str]:
+        return {k: v.replace(REPLICA_INDEX, str(index)) for k, v in values.items()}
+
+    return dataclasses.replace(opts, env=fill(opts.env), values=fill(opts.values), private_network=True, replicas=1)
+
+
+class _CriuHooks:
+    """What a restore does at CRIU's notifications: journal the helper and namespace init before CRIU restores
+    anything, and at ``pre-resume`` (every task restored, none running) count the restored processes and check
+    the owner's file rights on them (``access.file_rights.check_restored``), killing the tree on a refusal."""
+
+    def __init__(self, run: PhaseRunner, snapshot: Snapshot, scratch: Path):
+        self.run = run
+        self.snapshot = snapshot
+        self.scratch = scratch
+        """Root's scratch directory of this restore (CRIU's ghost files of a non-root snapshot among them)."""
+        self.restored: list[int] = []
+        """What CRIU restored, counted before any task could fork or exit."""
+
+    def before_criu(self, helper: int, init: int) -> None:  # journaled before CRIU restores anything
+        _note_tree(
+            self.run,
+            helper_pid=helper,
+            helper_start=proc.start_time(helper),
+            init_pid=init,
+            init_start=proc.start_time(init) if init else 0.0,
+            expect_pids=[] if init else list(self.snapshot.source.tree_pids),  # same PIDs in gpusnapd's namespace
+        )
+        failpoints.hit(self.run.record.kind.value, "criu-started" + self.run.phase_suffix)
+
+    def before_resume(self, t: RestoredTree) -> None:  # CRIU's pre-resume: every task restored, none running
+        # The root is still CRIU's child here, not yet the namespace init's: look under the init.
+        found = (
+            [p for p in proc.tree_pids(t.init_pid) if proc.namespace_pid(p) == t.ns_pid] if t.init_pid else [t.ns_pid]
+        )
+        try:
+            failpoints.hit(self.run.record.kind.value, "pre-resume" + self.run.phase_suffix)
+            if not found:
+                raise FailedPreconditionError(
+                    f"CRIU's restored PID {t.ns_pid} is not in its namespace", reason="RESTORE_INCOMPLETE"
+                )
+            self.restored.extend(proc.tree_pids(found[0]))
+            file_rights.check_restored(self.snapshot, found[0], str(self.scratch / criu_userpaths.GHOSTS))
+        except BaseException:
+            _kill_tree(t.init_pid, found[0] if found else t.ns_pid)
+            raise
+
+
+def _restored_cuda_pids(run: PhaseRunner, snapshot: Snapshot, root: int) -> tuple[int, ...]:
+    """The host PIDs of the snapshot's CUDA processes in the tree restored under ``root``, journaled.
+
+    Raises:
+        FailedPreconditionError: one is missing (``RESTORE_INCOMPLETE``).
+    """
+    if not snapshot.gpu_processes:
+        return ()
+    host_pid_of = {proc.namespace_pid(p): p for p in proc.tree_pids(root)}
+    cuda_pids = [host_pid_of[g.pid] for g in snapshot.gpu_processes if g.pid in host_pid_of]
+    if len(cuda_pids) != len(snapshot.gpu_processes):
+        raise FailedPreconditionError(
+            f"restore of {snapshot.id} lacks CUDA processes {[g.pid for g in snapshot.gpu_processes]}",
+            reason="RESTORE_INCOMPLETE",
+        )
+    _note_tree(run, cuda_pids=cuda_pids)
+    return tuple(cuda_pids)
 
 
 def check_restored_count(run: PhaseRunner, snapshot: Snapshot, side: CpuSide) -> None:
@@ -305,59 +412,6 @@ def check_restored_count(run: PhaseRunner, snapshot: Snapshot, side: CpuSide) ->
             f"see {restore_log_name(_label(run))} in the snapshot directory",
             reason="RESTORE_INCOMPLETE",
         )
-
-
-def bring_up(
-    run: PhaseRunner,
-    deps: Deps,
-    snapshot: Snapshot,
-    opts: RestoreOptions,
-    side: CpuSide,
-    gpu_map: dict[str, str] | None,
-    buffers_verified: Callable[[], None],
-    prefill: weights_prefill.Prefill | None,
-    *,
-    counted: bool = False,
-) -> RestoreResult:
-    """After CRIU: ``gpu-restore`` onto ``gpu_map`` → ``gpu-unlock`` → ``validate`` → the worker's
-    ``reload-buffers`` and ``resume-worker``. Registers ``release-gpus`` (before the kill) for a failure.
-    ``counted``: the restored processes were counted already (a standby, when it was made): ``validate``
-    then checks that the root is alive."""
-    ctl: GpuTreeController | None = None
-    cuda_pids = list(side.cuda_pids)
-    if gpu_map is not None and cuda_pids:
-        ctl = deps.gpu.controller(sum(g.gpu_memory_bytes for g in snapshot.gpu_processes))
-        lock_ms = int(deps.config.gpu_lock_timeout * 1000)
-        release = ctl.release_gpus_for_kill
-        run.on_failure("release-gpus", lambda: release(cuda_pids, lock_timeout_ms=lock_ms).raise_for_problems())
-        with run.phase("gpu-restore") as progress:
-            for g, pid in zip(snapshot.gpu_processes, cuda_pids, strict=True):
-                ctl.restore_all(
-                    [pid], gpumap.gpu_pairs_for_restore(gpumap.pairs_for_process(gpu_map, g.visible_gpu_uuids))
-                )
-            progress.bytes = sum(g.gpu_memory_bytes for g in snapshot.gpu_processes)
-        with run.phase("gpu-unlock"):
-            ctl.unlock_all(cuda_pids)
-    with run.phase("validate"):
-        if ctl is not None:
-            ctl.verify_running(cuda_pids)
-        if not counted:
-            check_restored_count(run, snapshot, side)
-        elif not proc.alive(side.root):
-            raise FailedPreconditionError(
-                f"the standby of {snapshot.id} lost its root process (PID {side.root}); restore the snapshot again",
-                reason="RESTORE_INCOMPLETE",
-            )
-        pids = proc.tree_pids(side.root)
-    _note_tree(run, validated=True, pids=pids)
-    workers.resume_restored(run, deps, snapshot, opts, pids, buffers_verified, prefill)
-    return RestoreResult(
-        pid=side.root,
-        pids=tuple(pids),
-        snapshot_id=snapshot.id,
-        namespace_pid=side.ns_pid,
-        file_copies=side.file_copies,
-    )
 
 
 def _note_tree(run: PhaseRunner, **facts: object) -> None:

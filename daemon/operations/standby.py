@@ -31,17 +31,15 @@ import signal
 import time
 from collections.abc import Callable
 
-from gpusnap.daemon.access import callers
-from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError, InvalidArgumentError
-from gpusnap.daemon.api.types import Caller, RestoreOptions, RestoreResult, Snapshot
+from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError
+from gpusnap.daemon.api.types import RestoreOptions, RestoreResult, Snapshot
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.drivers.cuda import ProcessState
 from gpusnap.daemon.operations import restore
-from gpusnap.daemon.operations.base import PhaseRunner
+from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.park.standbys import Standby, StandbyRegistry, kill, new_standby_id, now
 from gpusnap.daemon.preflight import restore as restore_preflight
-from gpusnap.daemon.weights import prefill as weights_prefill
 
 STOP_WAIT_S = 5.0
 """How long a standby's validation waits for its tasks to show as stopped after CRIU's restore."""
@@ -68,34 +66,36 @@ def registry(deps: Deps) -> StandbyRegistry:
     return deps.standbys
 
 
-def run_standby(run: PhaseRunner, deps: Deps, opts: StandbyOptions, caller: Caller) -> tuple[Standby, ...]:
-    """The body of a standby operation (module docstring); returns the standbys made."""
+def run_standby(run: PhaseRunner, deps: Deps, opts: StandbyOptions) -> tuple[Standby, ...]:
+    """The body of a standby operation (module docstring); returns the standbys made. ``opts`` as
+    ``Daemon.standby`` validated them: ``opts.snapshot`` the id of a snapshot the caller may restore."""
     standbys = registry(deps)
     private = opts.private_network or opts.count > 1
     ropts = RestoreOptions(
         snapshot=opts.snapshot, timeout_s=opts.timeout_s, private_network=private, replicas=opts.count
     )
-    prepared = restore.prepare(run, deps, ropts, caller, resolve_gpus=False)
+    plan = restore.Restore(run, deps, ropts)
+    prepared = plan.prepare(resolve_gpus=False)
     snapshot = prepared.snapshot
     if snapshot.gpu_processes:  # its activation needs the driver: refuse now rather than then
         deps.gpu.require(f"a standby of snapshot {snapshot.id} (it holds GPU state)")
-    with run.phase("verify") as progress:
+    with run.phase(Phase.VERIFY) as progress:
         deps.store.verify(snapshot)
         progress.bytes = snapshot.size_bytes
     made: list[Standby] = []
     one = dataclasses.replace(ropts, replicas=1)
     for index in range(opts.count):
         with run.for_copy(f"#{index}" if opts.count > 1 else ""):
-            sb = _stand_by(run, deps, snapshot, one, prepared.digests)
+            sb, kill = _stand_by(plan, snapshot, one, prepared.digests)
         standbys.add(sb)
         made.append(sb)
         run.on_failure(f"drop-standby-{sb.id}", _dropper(deps, sb.id))
-        run.drop_undo("kill-restored")  # (the drop kills it)
+        kill.drop()  # (the drop kills it)
         run.record.facts.pop("tree", None)  # registered: recovery leaves it to the registry
         run.record.save()
     if deps.prefill is not None:  # the fill's blobs, registered ahead of the activation
         deps.prefill.after_publish(snapshot)
-    restore.release(deps, run, prepared)
+    plan.release(prepared)
     return tuple(made)
 
 
@@ -107,12 +107,14 @@ def _dropper(deps: Deps, standby_id: str) -> Callable[[], None]:
 
 
 def _stand_by(
-    run: PhaseRunner, deps: Deps, snapshot: Snapshot, opts: RestoreOptions, digests: tuple[str, ...]
-) -> Standby:
-    """One copy: CRIU restore, stopped, validated; its buffers pinned for as long as it stands by."""
-    timeout = opts.timeout_s or deps.config.restore_timeout
-    side = restore.restore_cpu(run, deps, snapshot, opts, timeout, leave_stopped=True)
-    with run.phase("validate"):
+    plan: restore.Restore, snapshot: Snapshot, opts: RestoreOptions, digests: tuple[str, ...]
+) -> tuple[Standby, Undo]:
+    """One copy: CRIU restore, stopped, validated; its buffers pinned for as long as it stands by. Returns
+    it with the undo step that kills its tree, until the registry holds it."""
+    run, deps = plan.run, plan.deps
+    side = plan.restore_cpu(snapshot, opts, leave_stopped=True)
+    assert side.kill is not None
+    with run.phase(Phase.VALIDATE):
         restore.check_restored_count(run, snapshot, side)
         pids = proc.tree_pids(side.root)
         deadline = time.monotonic() + STOP_WAIT_S
@@ -136,7 +138,7 @@ def _stand_by(
         rss = proc.rss_bytes(pids)
     if digests:  # the standby's own pins, until it is dropped or activated
         deps.store.buffers.pin(snapshot.buffer_uid, digests)
-    return Standby(
+    standby = Standby(
         id=new_standby_id(),
         snapshot_id=snapshot.id,
         owner_uid=snapshot.owner_uid,
@@ -154,6 +156,7 @@ def _stand_by(
         digests=digests,
         buffer_uid=snapshot.buffer_uid,
     )
+    return standby, side.kill
 
 
 def drop(deps: Deps, standby_id: str) -> Standby | None:
@@ -207,10 +210,11 @@ def _unpin(deps: Deps, sb: Standby) -> None:
         deps.store.buffers.unpin(sb.buffer_uid, sb.digests)
 
 
-def run_activate(run: PhaseRunner, deps: Deps, sb: Standby, opts: RestoreOptions, caller: Caller) -> RestoreResult:
-    """The body of an activation of the claimed standby ``sb`` (module docstring)."""
+def run_activate(run: PhaseRunner, deps: Deps, sb: Standby, opts: RestoreOptions) -> RestoreResult:
+    """The body of an activation of the claimed standby ``sb`` (module docstring); ``opts`` as ``Daemon.activate``
+    validated them (``opts.snapshot``: the standby's snapshot, which the caller may restore)."""
     standbys = registry(deps)
-    with run.phase("preflight"):
+    with run.phase(Phase.PREFLIGHT):
         run.record.note(
             standby=sb.id,
             snapshot_id=sb.snapshot_id,
@@ -227,23 +231,17 @@ def run_activate(run: PhaseRunner, deps: Deps, sb: Standby, opts: RestoreOptions
             "cuda_pids": list(sb.cuda_pids),
         }
         run.record.save()  # recovery now owns the tree: it kills it, or adopts it once validated
-        run.on_failure("forget-standby", lambda: _forget(standbys, sb))  # (claimed: shown until it is up)
+        forget = run.on_failure("forget-standby", lambda: _forget(standbys, sb))  # (claimed: shown until it is up)
         run.on_failure("kill-restored", lambda: kill(sb))
-        run.on_failure("unpin-buffers", lambda: _unpin(deps, sb))
+        unpin = run.on_failure("unpin-buffers", lambda: _unpin(deps, sb))
         snapshot = deps.store.get(sb.snapshot_id)
         run.record.target_snapshot = snapshot.id
-        callers.check_may_restore(snapshot, caller, lambda: deps.store.not_found(sb.snapshot_id))
         if not sb.tree_alive():
             raise FailedPreconditionError(
                 f"standby {sb.id} of {snapshot.id} lost its processes; restore the snapshot instead",
                 reason="STANDBY_LOST",
             )
-        if (opts.env or opts.unset_env or opts.values) and snapshot.worker is None:
-            raise InvalidArgumentError(
-                f"snapshot {snapshot.id} has no worker agent or control directory to hand a restore context to; "
-                "drop --env/--unset-env/--set",
-                reason="CONTEXT_UNEXPECTED",
-            )
+        restore_preflight.check_context(snapshot, opts)
         gpu_map = restore_preflight.resolve_gpu_map(deps.gpu, snapshot, opts)
     checked = (
         deps.store.buffers.start_verify(snapshot.buffer_uid, snapshot.buffers)
@@ -255,19 +253,16 @@ def run_activate(run: PhaseRunner, deps: Deps, sb: Standby, opts: RestoreOptions
         if checked is not None:
             deps.store.raise_damaged(snapshot, checked.result())
 
-    prefill = weights_prefill.start(deps.prefill, deps.store.buffers, snapshot, gpu_map)  # while the GPU restores
-    if prefill is not None:
-        run.on_failure("release-prefill", prefill.close)
-    with run.phase("wake"):
+    plan = restore.Restore(run, deps, opts)
+    plan.start_prefill(snapshot, gpu_map)  # while the GPU restores
+    with run.phase(Phase.WAKE):
         for pid in proc.tree_pids(sb.root):
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 continue
     side = restore.CpuSide(sb.init_pid, sb.ns_pid, sb.root, sb.restored, sb.cuda_pids)
-    result = restore.bring_up(run, deps, snapshot, opts, side, gpu_map, buffers_verified, prefill, counted=True)
-    run.drop_undo("unpin-buffers")
-    _unpin(deps, sb)
-    run.drop_undo("forget-standby")
-    standbys.remove(sb.id)
+    result = plan.bring_up(snapshot, opts, side, gpu_map, buffers_verified, counted=True)
+    unpin.run_now()
+    forget.run_now()
     return result

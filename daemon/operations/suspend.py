@@ -16,7 +16,7 @@ from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.drivers.cuda import ProcessState
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.gpu.support import GpuTree
-from gpusnap.daemon.operations.base import PhaseRunner
+from gpusnap.daemon.operations.base import Phase, PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import gpu as gpu_preflight
 
@@ -28,7 +28,7 @@ def run_suspend(run: PhaseRunner, deps: Deps, pid: int, lock_timeout_s: float | 
         FailedPreconditionError: no GPU support, no CUDA process in the tree (reason ``NO_CUDA_PROCESS``),
             or a capture precondition.
     """
-    with run.phase("preflight"):
+    with run.phase(Phase.PREFLIGHT):
         deps.gpu.require("suspend")
         tree_pids = proc.tree_pids(pid)
         tree = deps.gpu.find_tree(tree_pids)
@@ -41,10 +41,10 @@ def run_suspend(run: PhaseRunner, deps: Deps, pid: int, lock_timeout_s: float | 
         gpu_preflight.check_tree(deps.gpu, tree, tree_pids, deps.agents.capture_env(tree_pids))
     ctl = deps.gpu.controller(tree.gpu_bytes)
     timeout_ms = int((lock_timeout_s or deps.config.gpu_lock_timeout) * 1000)
-    with run.phase("gpu-lock"):
+    with run.phase(Phase.GPU_LOCK):
         ctl.lock_all(tree.cuda_pids, timeout_ms)
     run.on_failure("gpu-rollback", lambda: ctl.rollback_to_running(tree.cuda_pids).raise_for_problems())
-    with run.phase("gpu-checkpoint") as progress:
+    with run.phase(Phase.GPU_CHECKPOINT) as progress:
         ctl.checkpoint_all(tree.cuda_pids)
         progress.bytes = tree.gpu_bytes
     deps.gpu.suspended[pid] = tree
@@ -58,7 +58,7 @@ def run_resume(run: PhaseRunner, deps: Deps, pid: int, requested_map: Mapping[st
         FailedPreconditionError: no GPU support, or no suspended CUDA process in the tree (reason ``NOT_SUSPENDED``).
         InvalidArgumentError, ResourceExhaustedError: the GPU map (see :func:`gpumap.resolve_gpu_map`).
     """
-    with run.phase("preflight"):
+    with run.phase(Phase.PREFLIGHT):
         cuda, _ = deps.gpu.require("resume")
         tree_pids = proc.tree_pids(pid)
         known_root = next((p for p in tree_pids if p in deps.gpu.suspended), None)
@@ -81,15 +81,15 @@ def run_resume(run: PhaseRunner, deps: Deps, pid: int, requested_map: Mapping[st
         tree = known or GpuTree(cuda_pids=tuple(suspended), processes=())
         gpu_map, _ = gpumap.resolve_for_processes(requested_map, tree.processes, deps.gpu.gpus())
     ctl = deps.gpu.controller(tree.gpu_bytes)
-    with run.phase("gpu-restore") as progress:
+    with run.phase(Phase.GPU_RESTORE) as progress:
         visible_of = {g.pid: g.visible_gpu_uuids for g in tree.processes}
         for p in suspended:
             pairs = gpumap.pairs_for_process(gpu_map, visible_of.get(p, ()))
             ctl.restore_all([p], gpumap.gpu_pairs_for_restore(pairs))
         progress.bytes = tree.gpu_bytes
-    with run.phase("gpu-unlock"):
+    with run.phase(Phase.GPU_UNLOCK):
         ctl.unlock_all(suspended + locked)
-    with run.phase("validate"):
+    with run.phase(Phase.VALIDATE):
         ctl.verify_running(suspended + locked)
     if known_root is not None:
         deps.gpu.suspended.pop(known_root, None)

@@ -26,7 +26,7 @@ from pathlib import Path
 from gpusnap.daemon.api.errors import DeadlineExceededError, FailedPreconditionError
 from gpusnap.daemon.api.types import CheckpointOptions, RestoreOptions, Snapshot, WorkerInfo
 from gpusnap.daemon.drivers import proc
-from gpusnap.daemon.operations.base import PhaseRunner
+from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.buffers import HeldFiles, StagedBuffers
 from gpusnap.daemon.weights import capture as weights
@@ -74,6 +74,9 @@ class Capture:
     worker: WorkerInfo | None = None
     agents: tuple[WorkerInfo, ...] = ()
     parts: list[AgentCapture] = dataclasses.field(default_factory=list)
+    resume: Undo | None = None
+    """The ``resume-worker`` undo step that makes the workers serve again if the capture fails; the checkpoint
+    drops it once the snapshot is taken."""
 
     def close(self) -> bool:
         """Release the staged buffers; returns whether there were any."""
@@ -129,7 +132,7 @@ def prepare_capture(
     if opts.control_dir:
         cdir = controldir.check_dir(opts.control_dir, owner_uid)
         run.record.note(control_dir=str(cdir))
-        with run.phase("wait-ready"):
+        with run.phase(Phase.WAIT_READY):
             controldir.clear(cdir, owner_uid, controldir.RESTORE_COMPLETE, controldir.SNAPSHOT_COMPLETE)
             with run.waiting():
                 try:
@@ -141,8 +144,10 @@ def prepare_capture(
                 except DeadlineExceededError:
                     run.check_cancelled()  # cancelled, rather than not ready
                     raise
-        run.on_failure("resume-worker", lambda: controldir.signal_file(cdir, owner_uid, controldir.RESTORE_COMPLETE))
-        return Capture(WorkerInfo(control_dir=str(cdir)))
+        resume = run.on_failure(
+            "resume-worker", lambda: controldir.signal_file(cdir, owner_uid, controldir.RESTORE_COMPLETE)
+        )
+        return Capture(WorkerInfo(control_dir=str(cdir)), resume=resume)
     sessions = deps.agents.find_all(tree_pids)
     if not sessions:
         return Capture()
@@ -159,17 +164,17 @@ def prepare_capture(
     _check_agents(fronts, capture.parts)
     for part in capture.parts:
         AgentRegistry.unwake(part.info.wake_dir, part.info.instance_id, part.info.uid)
-    with run.phase("warm-up"), run.waiting():
+    with run.phase(Phase.WARM_UP), run.waiting():
         for part in fronts:
             part.canary = part.client.warm_up(cfg.warmup_timeout)
-    run.on_failure("resume-worker", lambda: _undo(deps, capture, tree_pids))
+    capture.resume = run.on_failure("resume-worker", lambda: _undo(deps, capture, tree_pids))
     run.record.note(agents=[dataclasses.asdict(p.info) for p in capture.parts])  # recovery resumes them
-    with run.phase("quiesce"), run.waiting():
+    with run.phase(Phase.QUIESCE), run.waiting():
         for part in fronts:  # the front ends stop work first: then nothing runs in the other processes
             _quiesce(part, opts.offload, cfg.quiesce_timeout)
         in_parallel([lambda p=p: _quiesce(p, opts.offload, cfg.quiesce_timeout) for p in others])  # type: ignore[misc]
     if any(p.announced for p in capture.parts):
-        with run.phase("offload") as progress:
+        with run.phase(Phase.OFFLOAD) as progress:
             progress.bytes = weights.offload(
                 capture.parts,
                 deps.store.buffers,
@@ -269,28 +274,12 @@ def resume_restored(
     """Wake the restored workers, hand them their buffers (once ``buffers_verified()`` returns; it raises for
     damaged ones), give them the restore context and check the front ends' canaries; returns the first's
     tokens. ``prefill``: arenas gpusnapd filled meanwhile (``gpusnap.daemon.weights.prefill``), handed over
-    instead of read back where they are ready; released here either way."""
-    try:
-        return _resume_restored(run, deps, snapshot, opts, pids, buffers_verified, prefill)
-    finally:
-        if prefill is not None:
-            prefill.close()
-
-
-def _resume_restored(
-    run: PhaseRunner,
-    deps: Deps,
-    snapshot: Snapshot,
-    opts: RestoreOptions,
-    pids: Collection[int],
-    buffers_verified: Callable[[], None],
-    prefill: Prefill | None,
-) -> str:
+    instead of read back where they are ready (the caller releases it after)."""
     worker = snapshot.worker
     if worker is None:
         return ""
     if worker.control_dir:
-        with run.phase("resume-worker"):
+        with run.phase(Phase.RESUME_WORKER):
             cdir = Path(worker.control_dir)
             if opts.env or opts.unset_env:
                 controldir.write_context(cdir, snapshot.owner_uid, opts.env, opts.unset_env)
@@ -304,7 +293,7 @@ def _resume_restored(
         clients[w.instance_id] = AgentClient(deps.agents.wait_for(pids, w.instance_id, deps.config.resume_timeout))
 
     if snapshot.buffers:
-        with run.phase("reload-buffers") as progress:
+        with run.phase(Phase.RELOAD_BUFFERS) as progress:
             with run.waiting():
                 in_parallel([lambda w=w: connect(w) for w in workers])  # type: ignore[misc]
             buffers_verified()  # before the filled memory or the blobs reach the workers
@@ -319,7 +308,7 @@ def _resume_restored(
             deps.config.resume_timeout, restored=True, env=opts.env, unset_env=opts.unset_env, values=opts.values
         )
 
-    with run.phase("resume-worker"), run.waiting():
+    with run.phase(Phase.RESUME_WORKER), run.waiting():
         in_parallel([lambda w=w: resume(w) for w in workers if not w.is_front])  # type: ignore[misc]
         for w in workers:
             if w.is_front:

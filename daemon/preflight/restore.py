@@ -1,11 +1,13 @@
 """A restore's preflight: the request against the snapshot and this host, before anything is restored.
 
-What it checks (``operations.restore.prepare`` runs them in this order, with the caller's right to the
-snapshot, ``access.callers.check_may_restore``, before them and the compatibility gate of a pulled snapshot,
-``operations.provenance.check_pulled``, between the first two): the CPU architecture; the request's options
-(``--private-net`` with ``--host-pidns``, ``--replicas``, a restore context for a snapshot that has nobody to
-hand it to, the ports the tree listened on); the files a non-root snapshot reopens by path, against its
-owner's rights (``access.file_rights``); and where its GPUs go, with the GPU preflight (``preflight.gpu``).
+Each check runs once per restore. ``Daemon.restore`` (and ``standby``, ``activate``) checks the request as it
+arrives: the caller's right to the snapshot (``access.callers.check_may_restore``) and the replica count
+(:func:`check_replicas`). The operation's ``preflight`` (``operations.restore.Restore.prepare``) then checks, in
+this order: the CPU architecture; the compatibility gate of a pulled snapshot
+(``operations.provenance.check_pulled``); the request's options (``--private-net`` with ``--host-pidns``, a
+restore context for a snapshot that has nobody to hand it to, the ports the tree listened on); the files a
+non-root snapshot reopens by path, against its owner's rights (``access.file_rights``); and where its GPUs go,
+with the GPU preflight (``preflight.gpu``).
 """
 
 from __future__ import annotations
@@ -61,13 +63,28 @@ def check_replicas(opts: RestoreOptions) -> None:
         )
 
 
+def check_context(snapshot: Snapshot, opts: RestoreOptions) -> None:
+    """A restore context (``--env``, ``--unset-env``, ``--set``) needs a worker to hand it to.
+
+    Raises:
+        InvalidArgumentError: reason ``CONTEXT_UNEXPECTED``.
+    """
+    if (opts.env or opts.unset_env or opts.values) and snapshot.worker is None:
+        raise InvalidArgumentError(
+            f"snapshot {snapshot.id} has no worker agent or control directory to hand a restore context to; "
+            "drop --env/--unset-env/--set",
+            reason="CONTEXT_UNEXPECTED",
+        )
+
+
 def check_request(snapshot: Snapshot, opts: RestoreOptions) -> None:
-    """The request's options fit together and fit the snapshot, and the ports its tree listened on are free
-    where it will listen again (the host's network).
+    """The request's options fit together and fit the snapshot (its replica count was checked when it was
+    made: :func:`check_replicas`), and the ports its tree listened on are free where it will listen again (the
+    host's network).
 
     Raises:
         InvalidArgumentError: ``--private-net`` with ``--host-pidns`` (``INVALID_ARGUMENT``), as
-            :func:`check_replicas`, a restore context for a snapshot without a worker (``CONTEXT_UNEXPECTED``).
+            :func:`check_context`.
         FailedPreconditionError: a port is taken (``ADDRESS_IN_USE``).
     """
     if opts.private_network and opts.host_pid_namespace:
@@ -75,13 +92,7 @@ def check_request(snapshot: Snapshot, opts: RestoreOptions) -> None:
             "--private-net needs the fresh namespaces of a default restore; drop --host-pidns",
             reason="INVALID_ARGUMENT",
         )
-    check_replicas(opts)
-    if (opts.env or opts.unset_env or opts.values) and snapshot.worker is None:
-        raise InvalidArgumentError(
-            f"snapshot {snapshot.id} has no worker agent or control directory to hand a restore context to; "
-            "drop --env/--unset-env/--set",
-            reason="CONTEXT_UNEXPECTED",
-        )
+    check_context(snapshot, opts)
     if not opts.private_network and opts.replicas == 1:
         busy = proc.ports_in_use(list(snapshot.source.listening))
         if busy:

@@ -22,7 +22,6 @@ import pytest
 
 from gpusnap.adapters.contract import capture_settings
 from gpusnap.daemon.api.types import (
-    ROOT_CALLER,
     CheckpointOptions,
     RestoreOptions,
     Snapshot,
@@ -194,7 +193,7 @@ class GpuNode:
 
     def restore(self, snapshot: str, **opts: Any) -> OperationRecord:
         options = RestoreOptions(snapshot=snapshot, **opts)
-        record = self.run(OperationKind.RESTORE, lambda run: run_restore(run, self.deps, options, ROOT_CALLER))
+        record = self.run(OperationKind.RESTORE, lambda run: run_restore(run, self.deps, options))
         if record.result is not None:
             self.workloads.adopt(record.result.pid)
         return record

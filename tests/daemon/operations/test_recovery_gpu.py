@@ -12,7 +12,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from gpusnap.daemon.api.types import ROOT_CALLER, CheckpointOptions, RestoreOptions
+from gpusnap.daemon.api.types import CheckpointOptions, RestoreOptions
 from gpusnap.daemon.drivers.cuda import ProcessState
 from gpusnap.daemon.operations import failpoints, recovery
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState, PhaseRunner
@@ -74,7 +74,7 @@ def test_restore_crash_after_gpu_phases(node: GpuNode, monkeypatch: pytest.Monke
     snap = node.checkpoint_ok(tree.root)
     _crash_at(monkeypatch, "restore", phase)
     opts = RestoreOptions(snapshot=snap.id)
-    journal = _crashed(node, OperationKind.RESTORE, lambda run: run_restore(run, node.deps, opts, ROOT_CALLER))
+    journal = _crashed(node, OperationKind.RESTORE, lambda run: run_restore(run, node.deps, opts))
     restored = node.criu.restored[-1]
     assert psutil.pid_exists(restored.init_pid)
     monkeypatch.undo()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.api.types import ROOT_CALLER, RestoreOptions, RestoreResult, Snapshot
+from gpusnap.daemon.api.types import RestoreOptions, RestoreResult, Snapshot
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.drivers.cuda import CudaResult, ProcessState
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord
@@ -37,9 +37,7 @@ def checkpointed(node: GpuNode, tree: Tree) -> Snapshot:
 
 
 def stand_by(node: GpuNode, deps: Deps, snap: Snapshot, count: int = 1) -> list[Standby]:
-    record = node.run(
-        OperationKind.STANDBY, lambda run: run_standby(run, deps, StandbyOptions(snap.id, count=count), ROOT_CALLER)
-    )
+    record = node.run(OperationKind.STANDBY, lambda run: run_standby(run, deps, StandbyOptions(snap.id, count=count)))
     assert record.error is None, record.error
     for sb in record.result:
         node.workloads.adopt(sb.root)
@@ -51,7 +49,7 @@ def activate(node: GpuNode, deps: Deps, sb: Standby, **opts: object) -> Operatio
     claimed = deps.standbys.claim(sb.id)
     assert claimed is not None
     options = RestoreOptions(snapshot=sb.snapshot_id, **opts)  # type: ignore[arg-type]
-    return node.run(OperationKind.ACTIVATE, lambda run: run_activate(run, deps, claimed, options, ROOT_CALLER))
+    return node.run(OperationKind.ACTIVATE, lambda run: run_activate(run, deps, claimed, options))
 
 
 def test_standby_holds_no_gpu_and_activation_brings_the_tree_back_on_the_chosen_gpu(node: GpuNode, deps: Deps) -> None:
