@@ -19,7 +19,6 @@ from gpusnap.daemon.api.errors import (
     NotFoundError,
 )
 from gpusnap.daemon.api.types import (
-    ROOT_CALLER,
     Caller,
     CheckpointOptions,
     GpuPrefill,
@@ -81,9 +80,6 @@ class Daemon:
         self.deps = deps
         self.registry = registry
         self.ladder = ladder
-        if ladder is not None:  # the ladder's own moves go through the same calls as a caller's
-            ladder.make_standby = lambda snapshot_id: self.standby(StandbyOptions(snapshot_id), ROOT_CALLER)
-            ladder.drop_standby = lambda standby_id: drop(self.deps, standby_id)
 
     def checkpoint(self, opts: CheckpointOptions, caller: Caller, request_id: str = "") -> OperationRecord:
         """Validate and start a checkpoint (or, for a ``request_id`` the caller used before, return that

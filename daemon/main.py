@@ -14,7 +14,8 @@ import structlog
 from gpusnap.daemon import __version__, logsetup
 from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.config import DaemonConfig
-from gpusnap.daemon.server import build_daemon
+from gpusnap.daemon.operations.failpoints import Failpoints
+from gpusnap.daemon.server import Overrides, build_daemon
 
 EXIT_CONFIG = 2
 EXIT_PRECONDITION = 3
@@ -55,13 +56,16 @@ IN_USE_REASONS = frozenset({"STORE_LOCKED", "SOCKET_IN_USE"})
 @click.option("--log-format", type=click.Choice(["auto", "json", "console"]))
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.version_option(__version__, prog_name="gpusnapd")
-def main(config_file: Path | None, **flags: object) -> None:
+@click.pass_context
+def main(ctx: click.Context, /, config_file: Path | None, **flags: object) -> None:
     """Run the gpusnap daemon in the foreground until SIGTERM or SIGINT.
 
     Settings come from, in rising order of precedence: defaults, the TOML file (keys of
     gpusnap.daemon.config.DaemonConfig, optionally under [gpusnapd]), GPUSNAP_<KEY> environment
     variables, and these flags.
     """
+    # A launcher's Overrides (main(obj=...): tests/daemon/prefill_daemon.py), else the faults GPUSNAP_FAILPOINT names.
+    overrides = ctx.obj if isinstance(ctx.obj, Overrides) else Overrides(failpoints=Failpoints.from_env())
     try:
         config = DaemonConfig.load(config_file, overrides=flags)
         config.validate()
@@ -71,7 +75,7 @@ def main(config_file: Path | None, **flags: object) -> None:
     logsetup.configure(config.log_format, config.log_level)
     log = structlog.get_logger("gpusnapd")
     try:
-        running = build_daemon(config)
+        running = build_daemon(config, overrides)
     except GpusnapError as err:
         log.error("daemon.start_failed", reason=err.reason, error=str(err))
         click.echo(f"gpusnapd: {err}", err=True)

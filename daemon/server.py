@@ -24,7 +24,7 @@ from gpusnap.daemon._proto import (
 )
 from gpusnap.daemon.access import rundirs
 from gpusnap.daemon.api.errors import FailedPreconditionError
-from gpusnap.daemon.api.types import Snapshot
+from gpusnap.daemon.api.types import ROOT_CALLER, Snapshot
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import host
@@ -34,7 +34,10 @@ from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations import standby as standby_ops
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState
 from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.operations.failpoints import NONE as NO_FAULTS
+from gpusnap.daemon.operations.failpoints import Failpoints
 from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.operations.standby import StandbyOptions
 from gpusnap.daemon.park.ladder import Ladder
 from gpusnap.daemon.park.policy import FILE as POLICIES
 from gpusnap.daemon.park.policy import Policies
@@ -99,8 +102,24 @@ class Running:
             self.server.run(self.health.set(name, status))
 
 
-def build_daemon(config: DaemonConfig) -> Running:
-    """Check CRIU, open the store, start the gRPC server and the socket proxy.
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+    """What ``build_daemon`` takes as given instead of building or reading it itself: faults to inject, and fakes
+    for what cannot run on the machine at hand (tests; ``main`` passes the failpoints of its environment)."""
+
+    failpoints: Failpoints = NO_FAULTS
+    """Faults at phase boundaries (``operations.failpoints``: ``GPUSNAP_FAILPOINT``)."""
+    fill_driver: Any = None
+    """The CUDA driver the device fill (``gpu_prefill``) calls: ``cuda.bindings.driver`` when ``None``, or a fake
+    with its calls (tests/fakes/cuda_vmm.py, as tests/daemon/prefill_daemon.py runs gpusnapd)."""
+    prefill_require_gpu_use: bool = True
+    """Fill an arena only on a GPU its process used at capture (``weights.prefill.plan``); tests whose CPU
+    workers' snapshots record no GPU use turn it off."""
+
+
+def build_daemon(config: DaemonConfig, overrides: Overrides = Overrides()) -> Running:  # noqa: B008 (frozen)
+    """Check CRIU, open the store, start the gRPC server and the socket proxy; every collaborator is built here
+    and handed to the next by its constructor.
 
     Raises:
         FailedPreconditionError: CRIU missing or older than 4.1, store locked by another daemon.
@@ -111,19 +130,25 @@ def build_daemon(config: DaemonConfig) -> Running:
     criu = CriuDriver(config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs")
     criu_version = criu.require_supported()
     criu.keep_spare_helper()
+    remote = _remote(config)
+    prefill = PrefillSupport.probe(
+        config.gpu_prefill, overrides.fill_driver, require_gpu_use=overrides.prefill_require_gpu_use
+    )
     store = SnapshotStore(
         config.store,
         Path(config.buffer_dir) if config.buffer_dir else None,
         config.ram_tier_bytes,
         config.disk_tier_bytes,
         config.pull_grace,
+        # the disk tier may drop what is safely in the remote store
+        evictor=(lambda s: RemoteEvictor(s, remote)) if remote is not None else None,
+        # blobs the store removes are unregistered (their pages unpinned)
+        after_collect=prefill.filler.drop_unlinked if prefill.filler is not None else None,
     )
     journal = Journal(config.store / JOURNAL)
     store.open(hold_buffers=lambda: recovery.held_buffers(journal))  # read once the store is locked
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
-    prefill = PrefillSupport.probe(config.gpu_prefill)
-    if prefill.filler is not None:  # blobs the store removes are unregistered (their pages unpinned)
-        store.buffers.after_collect = prefill.filler.drop_unlinked
+    if prefill.filler is not None:
         prefill.warm(store.buffers, store.list)  # contexts and registrations, in the background
     for sock_dir in {config.socket.parent, config.agent_socket.parent}:
         sock_dir.mkdir(parents=True, exist_ok=True)
@@ -132,9 +157,7 @@ def build_daemon(config: DaemonConfig) -> Running:
     agents.start()
     # The agents' default GPUSNAP_WAKE_DIR, like /tmp.
     rundirs.make_own_dir(wake_dir(config), 0o1777)
-    remote = _remote(config)
-    if remote is not None:  # the disk tier may drop what is safely in the remote store
-        store.buffers.evictor = RemoteEvictor(store, remote)
+    if remote is not None:
         store.buffers.schedule_budgets()
     standbys = StandbyRegistry(config.store / STANDBYS)
     deps = Deps(
@@ -162,7 +185,15 @@ def build_daemon(config: DaemonConfig) -> Running:
         )
     policies = Policies(config.store / POLICIES, config.park())
     policies.load()
-    ladder = Ladder(store, standbys, policies, config.store, remote is not None)
+    ladder = Ladder(  # its own moves go through the same calls as a caller's (on the daemon built below)
+        store,
+        standbys,
+        policies,
+        config.store,
+        remote is not None,
+        make_standby=lambda snapshot_id: daemon.standby(StandbyOptions(snapshot_id), ROOT_CALLER),
+        drop_standby=lambda standby_id: standby_ops.drop(deps, standby_id),
+    )
     observe = functools.partial(_after_operation, prefill if prefill.filler is not None else None, ladder, metrics)
     journal.open()
     registry = OperationRegistry(
@@ -171,6 +202,7 @@ def build_daemon(config: DaemonConfig) -> Running:
         max_running=config.max_running_operations,
         journal=journal,
         on_finished=observe,
+        failpoints=overrides.failpoints,
     )
     recovery.recover(deps, journal, registry)  # before anyone can reach the trees it touches
     standby_ops.adopt(deps)  # after recovery: a standby an activation had claimed is recovery's

@@ -28,7 +28,8 @@ from gpusnap.daemon.api.types import EventType as EventType
 from gpusnap.daemon.api.types import OperationKind as OperationKind
 from gpusnap.daemon.api.types import OperationState as OperationState
 from gpusnap.daemon.api.types import PhaseTiming, RestoreResult, Snapshot
-from gpusnap.daemon.operations import failpoints
+from gpusnap.daemon.operations.failpoints import NONE as NO_FAULTS
+from gpusnap.daemon.operations.failpoints import Failpoints
 from gpusnap.daemon.park.standbys import Standby
 from gpusnap.daemon.store.journal import Journal
 
@@ -255,11 +256,14 @@ class PhaseRunner:
         record: the operation's record; phases and events are written to it.
         slots: the daemon's work slots; the operation holds one from start to end except inside
             :meth:`waiting` (none: no bound).
+        failpoints: faults to meet at phase boundaries (tests; none by default).
     """
 
-    def __init__(self, record: OperationRecord, slots: Slot | None = None):
+    def __init__(self, record: OperationRecord, slots: Slot | None = None, failpoints: Failpoints = NO_FAULTS):
         self.record = record
         self._slots = slots
+        self.failpoints = failpoints
+        """The faults injected at this operation's phase boundaries (``operations.failpoints``)."""
         self.log = structlog.get_logger("gpusnap.operation").bind(operation_id=record.id, kind=record.kind.value)
         self._undo: list[Undo] = []
         self._open: tuple[str, float, PhaseProgress] | None = None
@@ -286,7 +290,7 @@ class PhaseRunner:
         name = phase.value + self.phase_suffix
         self.record.phase = name
         self.record.save_phase()
-        failpoints.hit(self.record.kind.value, name)
+        self.failpoints.hit(self.record.kind.value, name)
         self.record.emit(EventType.PHASE_STARTED, phase=name)
         progress = PhaseProgress(self.record, name)
         start = time.monotonic()
@@ -313,7 +317,7 @@ class PhaseRunner:
         name = phase.value + self.phase_suffix
         self.record.phase = name
         self.record.save_phase()
-        failpoints.hit(self.record.kind.value, name)
+        self.failpoints.hit(self.record.kind.value, name)
         self.record.emit(EventType.PHASE_STARTED, phase=name)
         progress = PhaseProgress(self.record, name)
         self._open = (name, time.monotonic(), progress)

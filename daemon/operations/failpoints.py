@@ -1,8 +1,9 @@
 """Failpoints: faults injected at phase boundaries, for the fault matrix (tests/daemon/test_fault_matrix.py).
 
-``GPUSNAP_FAILPOINT=<kind>:<phase>:<fault>`` in gpusnapd's environment (which only root sets) makes every
-operation of ``kind`` (``checkpoint``, ``restore``, …) meet ``fault`` at the start of phase ``phase``, after its
-journal entry names that phase:
+``GPUSNAP_FAILPOINT=<kind>:<phase>:<fault>`` in gpusnapd's environment (which only root sets; ``main`` reads it
+into :meth:`Failpoints.from_env` and hands it to ``build_daemon``) makes every operation of ``kind``
+(``checkpoint``, ``restore``, …) meet ``fault`` at the start of phase ``phase``, after its journal entry names
+that phase:
 
 - ``kill``: gpusnapd SIGKILLs itself (a daemon crash at that boundary);
 - ``enospc``: the phase fails with ``OSError(ENOSPC)`` (the disk filled up at that boundary).
@@ -15,20 +16,35 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from collections.abc import Mapping
 
 ENV = "GPUSNAP_FAILPOINT"
-_SPEC = tuple(os.environ.get(ENV, "").split(":"))
 
 
-def hit(kind: str, phase: str) -> None:
-    """Apply the configured fault if it is set for ``kind`` at the start of ``phase``.
+class Failpoints:
+    """The faults one daemon injects (``spec``: ``<kind>:<phase>:<fault>``, or ``""``: none)."""
 
-    Raises:
-        OSError: ``ENOSPC``, for the ``enospc`` fault.
-    """
-    if len(_SPEC) != 3 or _SPEC[0] != kind or _SPEC[1] != phase:
-        return
-    if _SPEC[2] == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if _SPEC[2] == "enospc":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"failpoint {kind}:{phase}")
+    def __init__(self, spec: str = ""):
+        self.spec = tuple(spec.split(":"))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Failpoints:
+        """The faults ``GPUSNAP_FAILPOINT`` names (none when it is unset)."""
+        return cls(environ.get(ENV, ""))
+
+    def hit(self, kind: str, phase: str) -> None:
+        """Apply the configured fault if it is set for ``kind`` at the start of ``phase``.
+
+        Raises:
+            OSError: ``ENOSPC``, for the ``enospc`` fault.
+        """
+        if len(self.spec) != 3 or self.spec[0] != kind or self.spec[1] != phase:
+            return
+        if self.spec[2] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.spec[2] == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"failpoint {kind}:{phase}")
+
+
+NONE = Failpoints()
+"""No fault anywhere (what an operation meets unless its daemon was given failpoints)."""

@@ -20,6 +20,8 @@ import structlog
 from gpusnap.daemon.api import validate
 from gpusnap.daemon.api.errors import AbortedError, NotFoundError, ResourceExhaustedError
 from gpusnap.daemon.operations.base import EventType, OperationRecord, PhaseRunner, os_error
+from gpusnap.daemon.operations.failpoints import NONE as NO_FAULTS
+from gpusnap.daemon.operations.failpoints import Failpoints
 from gpusnap.daemon.store.journal import Journal, kept
 
 JOURNAL_TRIM_EVERY = 64
@@ -73,6 +75,7 @@ class OperationRegistry:
         max_running: running operations in all, waiting ones included.
         journal: where operations are journaled (none: not at all).
         on_finished: called with each record once it has finished (metrics); its exceptions are logged.
+        failpoints: faults its operations meet at phase boundaries (``operations.failpoints``; tests).
     """
 
     def __init__(
@@ -82,8 +85,10 @@ class OperationRegistry:
         max_running: int = 256,
         journal: Journal | None = None,
         on_finished: Callable[[OperationRecord], None] | None = None,
+        failpoints: Failpoints = NO_FAULTS,
     ):
         self.journal = journal
+        self.failpoints = failpoints
         self._on_finished = on_finished
         self.slots = WorkSlots(max_workers)
         self._weights: dict[str, int] = {}
@@ -173,7 +178,7 @@ class OperationRegistry:
     def _run(self, record: OperationRecord, pids: list[int], body: Callable[[PhaseRunner], object]) -> None:
         def run() -> None:
             try:
-                PhaseRunner(record, self.slots.of(record.owner_uid)).run(body)
+                PhaseRunner(record, self.slots.of(record.owner_uid), self.failpoints).run(body)
                 if self._on_finished is not None:
                     try:
                         self._on_finished(record)

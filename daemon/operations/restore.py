@@ -33,7 +33,7 @@ from gpusnap.daemon.drivers import criu_userpaths, devshm, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.gpu.controller import GpuTreeController
-from gpusnap.daemon.operations import failpoints, file_copies, provenance, workers
+from gpusnap.daemon.operations import file_copies, provenance, workers
 from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import restore as restore_preflight
@@ -357,7 +357,7 @@ class _CriuHooks:
             init_start=proc.start_time(init) if init else 0.0,
             expect_pids=[] if init else list(self.snapshot.source.tree_pids),  # same PIDs in gpusnapd's namespace
         )
-        failpoints.hit(self.run.record.kind.value, "criu-started" + self.run.phase_suffix)
+        self.run.failpoints.hit(self.run.record.kind.value, "criu-started" + self.run.phase_suffix)
 
     def before_resume(self, t: RestoredTree) -> None:  # CRIU's pre-resume: every task restored, none running
         # The root is still CRIU's child here, not yet the namespace init's: look under the init.
@@ -365,7 +365,7 @@ class _CriuHooks:
             [p for p in proc.tree_pids(t.init_pid) if proc.namespace_pid(p) == t.ns_pid] if t.init_pid else [t.ns_pid]
         )
         try:
-            failpoints.hit(self.run.record.kind.value, "pre-resume" + self.run.phase_suffix)
+            self.run.failpoints.hit(self.run.record.kind.value, "pre-resume" + self.run.phase_suffix)
             if not found:
                 raise FailedPreconditionError(
                     f"CRIU's restored PID {t.ns_pid} is not in its namespace", reason="RESTORE_INCOMPLETE"

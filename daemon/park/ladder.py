@@ -140,10 +140,21 @@ class Ladder:
         policies: the node's park policies and ``[park]`` settings.
         state_dir: where the tracked trees are kept (``park-active.json``).
         remote: whether a remote store is configured (a blob missing locally is then on the remote rung).
+        make_standby: starts a standby operation of one copy of a snapshot, as root (``Daemon.standby``); the
+            ladder makes none without it.
+        drop_standby: drops a standby by id (``operations.standby.drop``); the ladder drops none without it.
     """
 
     def __init__(
-        self, store: SnapshotStore, standbys: StandbyRegistry, policies: Policies, state_dir: Path, remote: bool
+        self,
+        store: SnapshotStore,
+        standbys: StandbyRegistry,
+        policies: Policies,
+        state_dir: Path,
+        remote: bool,
+        *,
+        make_standby: Callable[[str], OperationRecord] | None = None,
+        drop_standby: Callable[[str], object] | None = None,
     ):
         self.store = store
         self.standbys = standbys
@@ -152,10 +163,10 @@ class Ladder:
         self.remote = remote
         self.events: collections.deque[Event] = collections.deque(maxlen=KEEP_EVENTS)
         self.moves: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.make_standby: Callable[[str], OperationRecord] | None = None
-        """Starts a standby operation of one copy of a snapshot, as root (set by the daemon)."""
-        self.drop_standby: Callable[[str], object] | None = None
-        """Drops a standby by id (set by the daemon)."""
+        self.make_standby = make_standby
+        """Starts a standby operation of one copy of a snapshot, as root (``Daemon.standby``)."""
+        self.drop_standby = drop_standby
+        """Drops a standby by id (``operations.standby.drop``)."""
         self._active_path = state_dir / ACTIVE_FILE
         self._lock = threading.RLock()
         self._tracked: dict[int, Tracked] = {}

@@ -158,7 +158,16 @@ class HeldFiles:
 class BufferStore:
     """Content-addressed buffer files under ``root`` (see the module docstring)."""
 
-    def __init__(self, root: Path, disk: Path | None = None, ram_budget_bytes: int = 0, disk_budget_bytes: int = 0):
+    def __init__(
+        self,
+        root: Path,
+        disk: Path | None = None,
+        ram_budget_bytes: int = 0,
+        disk_budget_bytes: int = 0,
+        *,
+        evictor: Callable[[str, int], bool] | None = None,
+        after_collect: Callable[[], None] | None = None,
+    ):
         self.root = root
         self.tiers = (
             [Tier("ram", root, ram_budget_bytes), Tier("disk", disk, disk_budget_bytes)]
@@ -176,14 +185,14 @@ class BufferStore:
         self._pins: dict[str, int] = {}
         self._lock_fd: int | None = None
         self._budget_pass: Future[int] | None = None
-        self.evictor: Callable[[str, int], bool] | None = None
+        self.evictor = evictor
         """Says whether blob ``<uid>/<digest>`` of ``size`` bytes is safely in the remote store, so the
         slowest tier may drop it (``gpusnap.daemon.remote.evict``); None: no remote, nothing leaves."""
         self._held: tuple[set[Path], set[str]] = (set(), set())
         self.rank: Callable[[str], int] | None = None
         """A blob's rank for eviction (``<uid>/<digest>`` → the highest park priority of the snapshots using
         it): lower ranks leave a tier first, least recently used first within a rank. None: LRU only."""
-        self.after_collect: Callable[[], None] | None = None
+        self.after_collect = after_collect
         """Called after a garbage collection removed blobs or a budget pass moved them out of a tier (gpusnapd's
         prefill then unregisters their unlinked files, whose pages a kept registration would pin)."""
 

@@ -105,6 +105,9 @@ class SnapshotStore:
             the disk tier ``root/buffers``.
         ram_tier_bytes, disk_tier_bytes: budgets of the buffer tiers (0: none; ``store.tiers``).
         pull_grace_s: an unfinished pull untouched this long is removed (:meth:`expire_pulls`).
+        evictor: builds, for this store, ``BufferStore.evictor`` (whether a blob is safely in the remote store:
+            ``remote.evict.RemoteEvictor``); None: no remote, nothing leaves the slowest tier.
+        after_collect: ``BufferStore.after_collect`` (gpusnapd's prefill unregisters the files blobs left).
     """
 
     def __init__(
@@ -114,12 +117,22 @@ class SnapshotStore:
         ram_tier_bytes: int = 0,
         disk_tier_bytes: int = 0,
         pull_grace_s: float = 86400.0,
+        *,
+        evictor: Callable[[SnapshotStore], Callable[[str, int], bool]] | None = None,
+        after_collect: Callable[[], None] | None = None,
     ):
         self.root = root
         self.pull_grace_s = pull_grace_s
         self._pulls: set[str] = set()
         """Ids being pulled now (:meth:`pulling`)."""
-        self.buffers = BufferStore(buffer_dir or root / "buffers", root / "buffers", ram_tier_bytes, disk_tier_bytes)
+        self.buffers = BufferStore(
+            buffer_dir or root / "buffers",
+            root / "buffers",
+            ram_tier_bytes,
+            disk_tier_bytes,
+            evictor=evictor(self) if evictor is not None else None,
+            after_collect=after_collect,
+        )
         self.snapshots_dir = root / "snapshots"
         self.staging_dir = root / "staging"
         self.pulls_dir = root / "pulls"

@@ -74,11 +74,6 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
-DEFAULT_DRIVER: Any = None
-"""The driver a :class:`DeviceFiller` built without one uses; ``None``: ``cuda.bindings.driver``. (A test seam:
-tests/daemon/prefill_daemon.py runs gpusnapd over the fake of tests/fakes/cuda_vmm.py.)"""
-
-
 class PrefillError(RuntimeError):
     """A fill could not be done; the message names the cause (a driver call and its ``CUresult``, or a
     precondition such as free device memory). Everything the fill created was given back."""
@@ -159,10 +154,13 @@ class DeviceFiller:
             (tests/fakes/cuda_vmm.py).
         keep_budget_bytes: bytes of blob that registrations made ahead may bring the kept registrations to
             (default: :data:`KEEP_SHARE` of the host's physical memory).
+        window_bytes: see :data:`WINDOW_BYTES` (tests make it small).
     """
 
-    def __init__(self, driver: Any = None, keep_budget_bytes: int | None = None):
-        self._drv = driver if driver is not None else DEFAULT_DRIVER
+    def __init__(self, driver: Any = None, keep_budget_bytes: int | None = None, window_bytes: int = WINDOW_BYTES):
+        self._drv = driver
+        self.window_bytes = window_bytes
+        """Bytes of a blob outside the RAM tier registered at a time (:data:`WINDOW_BYTES`)."""
         self.keep_budget_bytes = (
             keep_budget_bytes
             if keep_budget_bytes is not None
@@ -383,7 +381,7 @@ class DeviceFiller:
             bounds = [sum(chunks[:i]) for i in range(len(chunks) + 1)]
             n = 0
             for s in sources:
-                windows = [(0, s.nbytes)] if s.keep else _windows(s.nbytes)
+                windows = [(0, s.nbytes)] if s.keep else _windows(s.nbytes, self.window_bytes)
                 for start_at, nbytes in windows:
                     if s.keep:
                         reg = self._registration(s, ordinal)
@@ -541,13 +539,13 @@ class DeviceFiller:
             self._registered.clear()
 
 
-def _windows(nbytes: int) -> list[tuple[int, int]]:
-    """``(offset, bytes)`` windows of a blob of ``nbytes``, ``WINDOW_BYTES`` each but the last."""
-    return [(w, min(WINDOW_BYTES, nbytes - w)) for w in range(0, nbytes, WINDOW_BYTES)]
+def _windows(nbytes: int, window_bytes: int = WINDOW_BYTES) -> list[tuple[int, int]]:
+    """``(offset, bytes)`` windows of a blob of ``nbytes``, ``window_bytes`` each but the last."""
+    return [(w, min(window_bytes, nbytes - w)) for w in range(0, nbytes, window_bytes)]
 
 
-def _pieces(offset: int, nbytes: int, bounds: Sequence[int]) -> list[tuple[int, int]]:
-    """``(arena offset, bytes)`` pieces of the span, at most ``PIECE_BYTES`` each, none across a chunk
+def _pieces(offset: int, nbytes: int, bounds: Sequence[int], piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
+    """``(arena offset, bytes)`` pieces of the span, at most ``piece_bytes`` each, none across a chunk
     boundary (``bounds``: chunk start offsets, then the arena's size)."""
     out = []
     pos, end = offset, offset + nbytes
@@ -555,7 +553,7 @@ def _pieces(offset: int, nbytes: int, bounds: Sequence[int]) -> list[tuple[int, 
     while pos < end:
         while bounds[i + 1] <= pos:
             i += 1
-        stop = min(end, bounds[i + 1], pos + PIECE_BYTES)
+        stop = min(end, bounds[i + 1], pos + piece_bytes)
         out.append((pos, stop - pos))
         pos = stop
     return out

@@ -65,12 +65,6 @@ log = structlog.get_logger(__name__)
 
 MAX_CHUNKS = wire.MAX_FDS
 """Chunks one arena may claim (one descriptor each, in one frame; 1 GiB chunks: 200 GiB)."""
-REQUIRE_GPU_USE = True
-"""Fill an arena only on a GPU its worker's process held memory on at capture (``Snapshot.gpu_processes``,
-from NVML), mapped as the restore maps it. A test seam: tests/daemon/prefill_daemon.py clears it, as its
-CPU workers' snapshots record no GPU use."""
-
-
 CLOSE_WAIT_S = 60.0
 """How long a restore's end waits for its fill thread to see the cancel (each copy checks it) before
 leaving it, logged, rather than hanging the restore on a driver call that never returns."""
@@ -84,12 +78,21 @@ class PrefillSupport:
         filler: the driver layer, ``None`` when off or the probe failed.
         gpus: GPU UUID → ``""`` (usable) or why not, from :meth:`DeviceFiller.probe`.
         reason: why prefill is off (empty when on).
+        require_gpu_use: fill an arena only on a GPU its worker's process held memory on at capture (:func:`plan`);
+            ``False`` only for tests whose CPU workers' snapshots record no GPU use (tests/daemon/prefill_daemon.py).
     """
 
     def __init__(
-        self, mode: str, filler: DeviceFiller | None = None, gpus: Mapping[str, str] | None = None, reason: str = ""
+        self,
+        mode: str,
+        filler: DeviceFiller | None = None,
+        gpus: Mapping[str, str] | None = None,
+        reason: str = "",
+        *,
+        require_gpu_use: bool = True,
     ):
         self.mode = mode
+        self.require_gpu_use = require_gpu_use
         self.filler = filler
         self.gpus = dict(gpus or {})
         self.reason = reason if filler is None else ""
@@ -103,23 +106,24 @@ class PrefillSupport:
         self._stop = threading.Event()
 
     @classmethod
-    def probe(cls, mode: str, driver: Any = None) -> PrefillSupport:
-        """Probe the driver when ``mode`` is ``auto`` (cuda.bindings importable, ``cuInit``, VMM and POSIX
-        descriptor handles per GPU); never raises: a failed probe leaves prefill off with its reason."""
+    def probe(cls, mode: str, driver: Any = None, *, require_gpu_use: bool = True) -> PrefillSupport:
+        """Probe the driver (``driver``: ``cuda.bindings.driver`` when ``None``, or a fake with its calls) when
+        ``mode`` is ``auto`` (cuda.bindings importable, ``cuInit``, VMM and POSIX descriptor handles per GPU);
+        never raises: a failed probe leaves prefill off with its reason."""
         if mode != "auto":
-            return cls(mode, reason="off (gpu_prefill = off)")
+            return cls(mode, reason="off (gpu_prefill = off)", require_gpu_use=require_gpu_use)
         filler = DeviceFiller(driver)
         try:
             gpus = filler.probe()
         except Exception as exc:  # noqa: BLE001 (never fails the daemon's start: prefill stays off)
             log.warning("gpu.prefill_unavailable", reason=str(exc))
-            return cls(mode, reason=f"probe failed: {exc}")
+            return cls(mode, reason=f"probe failed: {exc}", require_gpu_use=require_gpu_use)
         if not any(v == "" for v in gpus.values()):
             why = "; ".join(f"{u}: {v}" for u, v in gpus.items()) or "no GPU"
             log.warning("gpu.prefill_unavailable", reason=why)
-            return cls(mode, reason=f"no GPU supports it ({why})")
+            return cls(mode, reason=f"no GPU supports it ({why})", require_gpu_use=require_gpu_use)
         log.info("gpu.prefill", gpus={u: v or "ok" for u, v in gpus.items()})
-        return cls(mode, filler, gpus)
+        return cls(mode, filler, gpus, require_gpu_use=require_gpu_use)
 
     @property
     def enabled(self) -> bool:
@@ -218,7 +222,7 @@ class PrefillSupport:
         assert store is not None and filler is not None
         found: dict[Path, tuple[int, str]] = {}
         for snapshot in snapshots:
-            for p in plan(snapshot, None)[0]:
+            for p in plan(snapshot, None, require_gpu_use=self.require_gpu_use)[0]:
                 if self.gpus.get(p.target, "a GPU gpusnapd does not see"):
                     continue
                 for r in p.refs:
@@ -289,11 +293,13 @@ def check_layout(layout: ArenaLayout, refs: Sequence[BufferRef]) -> str:
     return ""
 
 
-def plan(snapshot: Snapshot, gpu_map: Mapping[str, str] | None) -> tuple[list[Planned], dict[str, list[str]]]:
+def plan(
+    snapshot: Snapshot, gpu_map: Mapping[str, str] | None, *, require_gpu_use: bool = True
+) -> tuple[list[Planned], dict[str, list[str]]]:
     """The arenas of ``snapshot`` to fill, and per agent (instance id) why its other buffers are not.
 
     An arena's GPU is the worker's word: it is filled only where the worker's process held device memory at
-    capture (:data:`REQUIRE_GPU_USE`), on the GPU ``gpu_map`` sends that one to, so a worker cannot have
+    capture (unless ``require_gpu_use`` is off: tests only), on the GPU ``gpu_map`` sends that one to, so a worker cannot have
     gpusnapd allocate on a GPU outside its tree's (another tenant's)."""
     plans: list[Planned] = []
     skipped: dict[str, list[str]] = {}
@@ -322,7 +328,7 @@ def plan(snapshot: Snapshot, gpu_map: Mapping[str, str] | None) -> tuple[list[Pl
             except GpusnapError:
                 why = why or f"GPU {layout.gpu_uuid!r}"
                 source = ""
-            if not why and REQUIRE_GPU_USE and source not in used.get(worker.pid, ()):
+            if not why and require_gpu_use and source not in used.get(worker.pid, ()):
                 why = f"GPU {layout.gpu_uuid}, " + (
                     "a GPU its process did not use at capture"
                     if snapshot.gpu_processes
@@ -479,7 +485,7 @@ def start(
     without GPU state: the GPUs they were on); ``None`` when prefill is off or the snapshot has no buffers."""
     if support is None or not support.enabled or not snapshot.buffers:
         return None
-    plans, skipped = plan(snapshot, gpu_map)
+    plans, skipped = plan(snapshot, gpu_map, require_gpu_use=support.require_gpu_use)
     return Prefill(support, store, snapshot.buffer_uid, plans, skipped).start()
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for tests.fakes
 
 from gpusnap.daemon.main import main  # noqa: E402
-from gpusnap.daemon.weights import devicefill, prefill  # noqa: E402
+from gpusnap.daemon.operations.failpoints import Failpoints  # noqa: E402
+from gpusnap.daemon.server import Overrides  # noqa: E402
 from tests.fakes.cuda_vmm import CUresult, FakeVmmDriver  # noqa: E402
 
 driver = FakeVmmDriver(capacity=int(os.environ.get("GPUSNAP_TEST_PREFILL_CAPACITY", 1 << 30)))
@@ -24,8 +25,11 @@ fault = os.environ.get("GPUSNAP_TEST_PREFILL_FAIL", "")
 if fault:
     call, _, nth = fault.partition(":")
     driver.fail(call, on_call=int(nth or 1), result=CUresult.CUDA_ERROR_INVALID_VALUE)
-devicefill.DEFAULT_DRIVER = driver
-prefill.REQUIRE_GPU_USE = False  # the CPU workers' snapshots record no GPU use (no NVML process)
+overrides = Overrides(
+    failpoints=Failpoints.from_env(),
+    fill_driver=driver,
+    prefill_require_gpu_use=False,  # the CPU workers' snapshots record no GPU use (no NVML process)
+)
 
 if __name__ == "__main__":
-    main()
+    main(obj=overrides)

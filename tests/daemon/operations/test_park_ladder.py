@@ -15,6 +15,7 @@ from gpusnap.daemon.api.errors import ResourceExhaustedError
 from gpusnap.daemon.api.types import ROOT_CALLER, RestoreOptions, Snapshot
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.operations import standby as standby_ops
 from gpusnap.daemon.operations.base import OperationRecord
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.operations.standby import StandbyOptions
@@ -64,7 +65,15 @@ def _park(node: GpuNode, tmp_path: Path, config: ParkConfig) -> Park:
     standbys = StandbyRegistry(tmp_path / "store" / "standbys.json")
     deps = dataclasses.replace(node.deps, standbys=standbys)
     policies = Policies(tmp_path / "store" / "policies.json", config)
-    ladder = Ladder(node.store, standbys, policies, tmp_path / "store", remote=False)
+    ladder = Ladder(  # wired as build_daemon wires it
+        node.store,
+        standbys,
+        policies,
+        tmp_path / "store",
+        remote=False,
+        make_standby=lambda snapshot_id: daemon.standby(StandbyOptions(snapshot_id), ROOT_CALLER),
+        drop_standby=lambda standby_id: standby_ops.drop(deps, standby_id),
+    )
     registry = OperationRegistry(on_finished=ladder.after_operation)
     daemon = Daemon(deps, registry, ladder)
     ladder.load()

@@ -14,9 +14,10 @@ import pytest
 
 from gpusnap.daemon.api.types import CheckpointOptions, RestoreOptions
 from gpusnap.daemon.drivers.cuda import ProcessState
-from gpusnap.daemon.operations import failpoints, recovery
+from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState, PhaseRunner
 from gpusnap.daemon.operations.checkpoint import run_checkpoint
+from gpusnap.daemon.operations.failpoints import Failpoints
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.operations.restore import run_restore
 from gpusnap.daemon.store.journal import Journal
@@ -28,36 +29,42 @@ class Crash(BaseException):
     """gpusnapd dying at a phase boundary: nothing after it runs, rollback included."""
 
 
-def _crash_at(monkeypatch: pytest.MonkeyPatch, kind: str, phase: str) -> None:
-    def hit(k: str, p: str) -> None:
-        if (k, p) == (kind, phase):
+class CrashAt(Failpoints):
+    """A daemon that dies at the start of ``phase`` of operations of ``kind``."""
+
+    def __init__(self, kind: str, phase: str):
+        super().__init__()
+        self.at = (kind, phase)
+
+    def hit(self, kind: str, phase: str) -> None:
+        if (kind, phase) == self.at:
             raise Crash(phase)
 
-    monkeypatch.setattr(failpoints, "hit", hit)
 
-
-def _crashed(node: GpuNode, kind: OperationKind, body: object, **kw: object) -> Journal:
+def _crashed(node: GpuNode, kind: OperationKind, phase: str, body: object, **kw: object) -> Journal:
     journal = Journal(node.tmp / "journal")
     journal.open()
     record = OperationRecord(kind, journal=journal, **kw)  # type: ignore[arg-type]
     with pytest.raises(Crash):
-        PhaseRunner(record).run(body)  # type: ignore[arg-type]
+        PhaseRunner(record, failpoints=CrashAt(kind.value, phase)).run(body)  # type: ignore[arg-type]
     assert not record.done
     return journal
 
 
 @pytest.mark.parametrize("phase", ["gpu-checkpoint", "dump", "checksum"])
-def test_capture_crash_after_gpu_phases(node: GpuNode, monkeypatch: pytest.MonkeyPatch, phase: str) -> None:
+def test_capture_crash_after_gpu_phases(node: GpuNode, phase: str) -> None:
     """After gpu-lock (LOCKED), after gpu-checkpoint (CHECKPOINTED), and with the tree frozen by CRIU."""
     tree = node.start(cuda=("root", "child"), env=NCCL_ENV)
-    _crash_at(monkeypatch, "checkpoint", phase)
     opts = CheckpointOptions(pid=tree.root)
     journal = _crashed(
-        node, OperationKind.CHECKPOINT, lambda run: run_checkpoint(run, node.deps, opts, 0), target_pid=tree.root
+        node,
+        OperationKind.CHECKPOINT,
+        phase,
+        lambda run: run_checkpoint(run, node.deps, opts, 0),
+        target_pid=tree.root,
     )
     locked = {node.cuda.get_state(p) for p in (tree.root, tree.child)}
     assert locked & {ProcessState.LOCKED, ProcessState.CHECKPOINTED}, "the crash left GPU state to recover"
-    monkeypatch.undo()
     [record] = recovery.recover(node.deps, journal, OperationRegistry(journal=journal))
     assert record.state is OperationState.FAILED and record.error is not None
     assert record.error.reason == "DAEMON_RESTARTED" and "keeps running" in record.error.message
@@ -68,16 +75,14 @@ def test_capture_crash_after_gpu_phases(node: GpuNode, monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize("phase", ["gpu-unlock", "validate"])
-def test_restore_crash_after_gpu_phases(node: GpuNode, monkeypatch: pytest.MonkeyPatch, phase: str) -> None:
+def test_restore_crash_after_gpu_phases(node: GpuNode, phase: str) -> None:
     """A restored tree that had not passed validate: GPUs released (cuda-checkpoint#53), then killed."""
     tree = node.start(cuda=("root",), child=False)
     snap = node.checkpoint_ok(tree.root)
-    _crash_at(monkeypatch, "restore", phase)
     opts = RestoreOptions(snapshot=snap.id)
-    journal = _crashed(node, OperationKind.RESTORE, lambda run: run_restore(run, node.deps, opts))
+    journal = _crashed(node, OperationKind.RESTORE, phase, lambda run: run_restore(run, node.deps, opts))
     restored = node.criu.restored[-1]
     assert psutil.pid_exists(restored.init_pid)
-    monkeypatch.undo()
     [record] = recovery.recover(node.deps, journal, OperationRegistry(journal=journal))
     assert record.state is OperationState.FAILED and record.error is not None
     assert "was killed" in record.error.message and record.facts["recovery"] == "killed"

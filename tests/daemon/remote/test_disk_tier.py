@@ -27,9 +27,10 @@ BLOB = 20 * MIB  # two chunks: 16 MiB and 4 MiB
 
 @pytest.fixture
 def store(tmp_path: Path, remote: RemoteStore) -> Iterator[SnapshotStore]:
-    s = SnapshotStore(tmp_path / "store", disk_tier_bytes=BLOB + BLOB // 2)  # room for one blob
+    s = SnapshotStore(  # room for one blob; wired as build_daemon wires it
+        tmp_path / "store", disk_tier_bytes=BLOB + BLOB // 2, evictor=lambda store: evict.RemoteEvictor(store, remote)
+    )
     s.open()
-    s.buffers.evictor = evict.RemoteEvictor(s, remote)
     yield s
     s.close()
 

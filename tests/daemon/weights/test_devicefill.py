@@ -90,11 +90,10 @@ def test_filled_memory_reaches_another_process_through_exported_descriptors(tmp_
     filled.release()  # idempotent
 
 
-def test_pieces_never_cross_a_chunk_and_stay_small(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devicefill, "PIECE_BYTES", 3 * G)
+def test_pieces_never_cross_a_chunk_and_stay_small() -> None:
     bounds = [0, 4 * G, 8 * G]
-    assert devicefill._pieces(G, 6 * G, bounds) == [(G, 3 * G), (4 * G, 3 * G)]
-    assert devicefill._pieces(3 * G, 2 * G, bounds) == [(3 * G, G), (4 * G, G)]
+    assert devicefill._pieces(G, 6 * G, bounds, 3 * G) == [(G, 3 * G), (4 * G, 3 * G)]
+    assert devicefill._pieces(3 * G, 2 * G, bounds, 3 * G) == [(3 * G, G), (4 * G, G)]
 
 
 @pytest.mark.parametrize(
@@ -210,11 +209,12 @@ def test_a_blob_the_ram_budget_moves_to_disk_is_unregistered(tmp_path: Path) -> 
     """The RAM tier's budget moves least recently used blobs to the disk tier (unlinking them in RAM); a kept
     registration would keep the moved blob's tmpfs pages allocated and pinned, past the budget, until some
     later fill or garbage collection noticed. The store tells the filler after a budget pass too."""
-    store = BufferStore(tmp_path / "ram", disk=tmp_path / "disk", ram_budget_bytes=G)
-    store.open()
     drv = FakeVmmDriver(granularity=G)
     filler = DeviceFiller(drv)
-    store.after_collect = filler.drop_unlinked  # as gpusnapd wires it (daemon/server.py)
+    store = BufferStore(  # wired as build_daemon wires it
+        tmp_path / "ram", disk=tmp_path / "disk", ram_budget_bytes=G, after_collect=filler.drop_unlinked
+    )
+    store.open()
     data = os.urandom(2 * G)
     digest = hashlib.sha256(data).hexdigest()
     path = store.tiers[0].blobs / "0" / digest
@@ -266,16 +266,13 @@ def test_a_registration_the_driver_cannot_drop_now_is_kept_for_later_and_nothing
     _clean(drv)
 
 
-def test_a_blob_outside_the_ram_tier_is_pinned_a_window_at_a_time(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_blob_outside_the_ram_tier_is_pinned_a_window_at_a_time(tmp_path: Path) -> None:
     """Registering pins every page of the range. A disk-tier blob was registered whole for the whole fill:
     a user's snapshot with buffers larger than the node's free memory had root's daemon lock that much page
     cache at once (the reload streams it through the page cache instead). It is registered, copied and
     unregistered ``WINDOW_BYTES`` at a time; a RAM-tier blob (already resident in tmpfs) stays whole and kept."""
-    monkeypatch.setattr(devicefill, "WINDOW_BYTES", 2 * G)
     drv = FakeVmmDriver(granularity=G)
-    filler = DeviceFiller(drv)
+    filler = DeviceFiller(drv, window_bytes=2 * G)
     fd, data = _blob(tmp_path, "a", 5 * G + 100)
     filled = filler.fill(UUID, [3 * G, 3 * G], [Source(fd, len(data), 0)])
     os.close(fd)
