@@ -546,7 +546,7 @@ class Daemon:
     def node_info(self, caller: Caller) -> NodeInfo:
         """The node's facts; the store's use (bytes, snapshots, blobs per tier) is the caller's own, or
         everyone's for root."""
-        callers.require_identified_to_read_node(caller)
+        callers.require_identified(caller, "read the node's facts", "a listed client certificate")
         uid = callers.visible_uid(caller)
         snapshots = self.deps.store.list(owner_uid=uid)
         standbys = self.deps.standbys.list(uid) if self.deps.standbys is not None else []

@@ -26,30 +26,19 @@ def visible_uid(caller: Caller) -> int | None:
     return None if caller.is_root else caller.uid
 
 
-def require_identified(caller: Caller) -> None:
-    """Refuse changes from anonymous callers (TCP without a client certificate).
+def require_identified(
+    caller: Caller, doing: str = "change anything", certificate: str = "a client certificate"
+) -> None:
+    """Refuse anonymous callers (TCP without a verified client certificate) what only identified ones may do
+    (``doing``: changes; the node's facts too, with ``certificate`` "a listed client certificate").
 
     Raises:
         PermissionDeniedError: reason ``ANONYMOUS``.
     """
     if caller.anonymous:
         raise PermissionDeniedError(
-            "callers without a verified client certificate may not change anything; configure tls_client_ca "
-            "and connect with a client certificate, or use the Unix socket",
-            reason="ANONYMOUS",
-        )
-
-
-def require_identified_to_read_node(caller: Caller) -> None:
-    """Refuse the node's facts to anonymous callers (TCP without a verified client certificate).
-
-    Raises:
-        PermissionDeniedError: reason ``ANONYMOUS``.
-    """
-    if caller.anonymous:
-        raise PermissionDeniedError(
-            "callers without a verified client certificate may not read the node's facts; configure "
-            "tls_client_ca and connect with a listed client certificate, or use the Unix socket",
+            f"callers without a verified client certificate may not {doing}; configure tls_client_ca "
+            f"and connect with {certificate}, or use the Unix socket",
             reason="ANONYMOUS",
         )
 
