@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-vllm bench-gpu-buffers bench-gpu-fill bench-restore-candidates bench-gpu-arena bench-overhead bench-thp bench-remote bench-fanout perf-chart clean help
+.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-vllm bench-gpu-buffers bench-gpu-fill bench-restore-candidates bench-gpu-arena bench-overhead bench-thp bench-remote bench-fanout bench-baseline bench-offload bench-gpu-offload perf-chart clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -87,6 +87,17 @@ bench-overhead: venv criu ## gpusnap's own overhead vs plain CRIU on small CPU t
 
 bench-thp: venv criu ## issue 12: MADV_HUGEPAGE on large anonymous memory vs CRIU restore time, CPU [RUNS=3] -> bench/results/*.json
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) bench/thp_bench.py --runs $(or $(RUNS),3) $(BENCH_ARGS)
+
+# A baseline gpusnap package for the A/B benchmarks: REV's daemon/ and adapters/ (git archive) in build/baseline.
+bench-baseline: ## export REV's gpusnap package (default main) into build/baseline/gpusnap, for BASELINE=build/baseline
+	rm -rf build/baseline && mkdir -p build/baseline/gpusnap
+	git archive $(or $(REV),main) daemon adapters | tar -x -C build/baseline/gpusnap
+
+bench-offload: venv criu ## issue 19 item 8: checkpoint offload into sealed memfds vs BASELINE=DIR (default build/baseline), CPU worker [MIB=2048 ROUNDS=5] -> bench/results/*.json
+	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) bench/offload_bench.py --baseline $(or $(BASELINE),build/baseline) --mib $(or $(MIB),2048) --rounds $(or $(ROUNDS),5) $(BENCH_ARGS)
+
+bench-gpu-offload: $(PKG_LINKS) ## the same on a GPU worker (256 MiB tensors) [MIB=16384 ROUNDS=3] -> bench/results/*.json
+	$(GPU_ENV) $(PYTHON) bench/offload_bench.py --device cuda --baseline $(or $(BASELINE),build/baseline) --mib $(or $(MIB),16384) --rounds $(or $(ROUNDS),3) $(BENCH_ARGS)
 
 bench-fanout: venv criu ## fan-out restore on CPU: --replicas 1,4,8 vs as many single restores -> bench/results/*.json
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) bench/fanout_bench.py $(BENCH_ARGS)

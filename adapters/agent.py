@@ -8,7 +8,7 @@ Start it once the engine is built::
 
 The agent dials gpusnapd's agent socket (``GPUSNAP_AGENT_SOCKET``, default ``/run/gpusnap/agent.sock``)
 from a background thread and keeps retrying while the daemon is away. After answering ``Quiesce`` (with
-buffers, the last ``Offload``) it closes the connection, so the captured image holds no socket to the daemon, and waits for its wake file
+buffers, ``Free``) it closes the connection, so the captured image holds no socket to the daemon, and waits for its wake file
 (``<wake dir>/<instance id>``); the daemon creates it once the worker may run on (in a restored copy, or
 in the source after a failed capture). Then it reconnects and waits for ``Resume``. Buffers the adapter
 names (:meth:`EngineAdapter.buffers`) leave memory between quiesce and resume: see
@@ -79,6 +79,8 @@ class WorkerAgent:
         self._buffers: dict[str, buffers.Buffer] = {}
         self._out: set[str] = set()
         """Names of the buffers written out and freed, until reloaded."""
+        self._written: set[str] = set()
+        """Names of the buffers written out and still in memory, until freed (``Free``) or resumed."""
         self._arenas: list[vmm.Arena] = []
         """The arenas the buffers lie in, as announced at quiesce (MapArenas names them by 1-based index)."""
 
@@ -160,7 +162,9 @@ class WorkerAgent:
                 elif kind == "map_arenas":
                     result.details.update(self._map_arenas(msg.map_arenas, fds))
                 elif kind == "offload":
-                    result.details.update(self._offload(list(msg.offload.names), fds, last=msg.offload.last))
+                    result.details.update(self._offload(list(msg.offload.names), fds))
+                elif kind == "free":
+                    result.details.update(self._free(list(msg.free.names), last=msg.free.last))
                 elif kind == "reload":
                     result.details.update(self._reload(list(msg.reload.names), fds))
                 elif kind == "resume":
@@ -175,7 +179,7 @@ class WorkerAgent:
                     os.close(fd)
             result.duration_seconds = time.monotonic() - start
             wire.send(sock, agent_pb2.AgentMessage(result=result))
-            if result.ok and ((kind == "quiesce" and not result.buffers) or (kind == "offload" and msg.offload.last)):
+            if result.ok and ((kind == "quiesce" and not result.buffers) or (kind == "free" and msg.free.last)):
                 return  # close the channel before the dump
 
     def _quiesce(self, offload: bool) -> list[agent_pb2.BufferInfo]:
@@ -183,6 +187,7 @@ class WorkerAgent:
             self._call(self.adapter.quiesce())
             named = self.adapter.buffers() if offload else {}
             self._buffers = {b.name: b for b in buffers.collect(named)} if named else {}
+            self._written.clear()
         except Exception:
             self._call(self.adapter.resume(None))  # a failed quiesce leaves the worker serving
             raise
@@ -260,17 +265,28 @@ class WorkerAgent:
         if unknown:
             raise ValueError(f"unknown buffers {unknown[:3]}")
 
-    def _offload(self, names: list[str], fds: list[int], *, last: bool) -> dict[str, str]:
+    def _offload(self, names: list[str], fds: list[int]) -> dict[str, str]:
+        """Write the named buffers into the daemon's sealed memfds; they stay in memory until ``Free``."""
         self._check(names, fds)
         out = [n for n in names if n in self._out]
         if out:
             raise ValueError(f"buffers {out[:3]} are out already")
+        timings = buffers.write([self._buffers[n] for n in names], fds)
+        self._written.update(names)
+        return {k: f"{v:.3f}" for k, v in timings.items()}
+
+    def _free(self, names: list[str], *, last: bool) -> dict[str, str]:
+        """Free the named buffers, which ``Offload`` wrote and the daemon has copied into its store."""
+        unwritten = [n for n in names if n not in self._written]
+        if unwritten:
+            raise ValueError(f"buffers {unwritten[:3]} were not written out")
         picked = [self._buffers[n] for n in names]
-        timings = buffers.write(picked, fds)
+        start = time.monotonic()
         try:
-            buffers.free(picked)  # only once every buffer of the batch is written
+            buffers.free(picked)
         finally:  # what was freed is out, even if freeing one of them failed
             self._out.update(b.name for b in picked if b.out)
+            self._written.difference_update(self._out)
         if last:
             buffers.release_host_cache(
                 {b.storage.device for b in self._buffers.values() if b.storage.device.type == "cuda"}
@@ -281,7 +297,7 @@ class WorkerAgent:
                 len(self._out),
                 sum(self._buffers[n].nbytes for n in self._out),
             )
-        return {k: f"{v:.3f}" for k, v in timings.items()}
+        return {"free_s": f"{time.monotonic() - start:.3f}"}
 
     def _reload(self, names: list[str], fds: list[int]) -> dict[str, str]:
         """Read back the named buffers that are out (a rollback may name some that never left)."""
@@ -301,6 +317,7 @@ class WorkerAgent:
             )
             context.apply_env()
         self._call(self.adapter.resume(context))
+        self._written.clear()
         if self._buffers:  # the reload's pinned slots, off the path to the first token
             threading.Thread(target=buffers.release_host_cache, name="gpusnap-release", daemon=True).start()
         self.quiesced = False

@@ -16,7 +16,8 @@ from google.protobuf.message import Message
 M = TypeVar("M", bound=Message)
 
 MAX_FRAME = 16 << 20
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: Offload writes into sealed memfds and keeps the buffers; Free releases them (agent.proto)."""
 MAX_FDS = 200
 """Descriptors per frame (the kernel's SCM_MAX_FD is 253)."""
 

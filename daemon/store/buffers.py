@@ -11,17 +11,16 @@ mode 0700)::
     pulling/<id>/<digest>   being downloaded by a pull of snapshot <id>; kept across restarts (a retried
                             pull resumes), moved into sha256/ when the pull publishes
 
-A capture stages one file per buffer and hands the worker a read-write descriptor to each (see
-``agent.proto``). The daemon then digests the files itself, never trusting the worker, and commits them:
+A capture stages one file per buffer; the worker writes each buffer into a sealed memfd that gpusnapd
+copies into that file (``gpusnap.daemon.store.sealed``, ``agent.proto``), so the worker never holds a
+descriptor of the store's files. The daemon then digests the files itself and commits them:
 a digest already present is kept and the new copy dropped, so identical weights are stored once, however
 many snapshots use them. Blobs no snapshot references are removed by :meth:`BufferStore.collect_garbage`;
 digests of operations still in flight are pinned against that.
 
-Why per uid: the worker could keep a duplicate of its read-write descriptor and change a blob after it
-was digested. Blobs are therefore shared only between snapshots of workers of the same user, whom such a
-change can only harm themselves; restores check blob sizes, and re-digest blobs only on request
-(``--verify-buffers``), which keeps gigabytes of hashing off the restore path. Such a descriptor could
-also grow a blob after its capture: nothing bounds that yet (known gap).
+Blobs are shared only between snapshots of workers of the same user: one user's capture never decides
+what another user's restore reads. Restores check blob sizes, and re-digest blobs only on request
+(``--verify-buffers``), which keeps gigabytes of hashing off the restore path.
 """
 
 from __future__ import annotations
@@ -33,18 +32,21 @@ import secrets
 import shutil
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import structlog
 
 from gpusnap.daemon.api.errors import DataLossError, FailedPreconditionError, ResourceExhaustedError
 from gpusnap.daemon.api.types import BufferRef
-from gpusnap.daemon.store import checksum
+from gpusnap.daemon.store import checksum, sealed
 from gpusnap.daemon.store.durable import fsync_dir
 from gpusnap.daemon.store.tiers import Tier, eviction_order, mark_used, move
 
 log = structlog.get_logger(__name__)
+
+COPY_CHUNK_BYTES = 64 << 20
+"""Bytes of a worker's memfd copied into gpusnapd's file per job on the store's pool."""
 
 
 def _move_to(dst: Tier, key: str, path: Path, _size: int) -> bool:
@@ -52,10 +54,12 @@ def _move_to(dst: Tier, key: str, path: Path, _size: int) -> bool:
 
 
 class StagedBuffers:
-    """Files a worker writes its buffers into, in one capture; owns their descriptors until :meth:`close`.
+    """Files a worker's buffers are staged in, in one capture; owns their descriptors until :meth:`close`.
 
-    The descriptors stay open after :meth:`commit`, so a capture that fails later can still hand the
-    worker its buffers back (:meth:`read_fds`).
+    The worker never gets a descriptor of these files: it writes each buffer into a sealed memfd of the
+    announced size (:meth:`memfds`, ``gpusnap.daemon.store.sealed``), which :meth:`copy_in` copies into its
+    file on the store's pool. The descriptors stay open after :meth:`commit`, so a capture that fails later
+    can still hand the worker its buffers back (:meth:`read_fds`).
     """
 
     def __init__(self, store: BufferStore, uid: int, names: Sequence[str], sizes: Sequence[int], tier: Tier):
@@ -66,6 +70,12 @@ class StagedBuffers:
         self.tier = tier
         self.paths = [tier.incoming / f"{secrets.token_hex(8)}" for _ in self.names]
         self.fds: list[int] = []
+        """gpusnapd's own read-write descriptors of the staged files."""
+        self._memfds: dict[int, int] = {}
+        """Buffer index -> the sealed memfd the worker writes it into, until its copy is done."""
+        self._copies: list[Future[None]] = []
+        self._copying: set[int] = set()
+        self._lock = threading.Lock()
         self._digests: Future[list[str]] | None = None
         self.refs: list[BufferRef] = []
         try:
@@ -79,18 +89,68 @@ class StagedBuffers:
     def total_bytes(self) -> int:
         return sum(self.sizes)
 
-    def start_digests(self) -> None:
-        """Check sizes and start digesting the written files on the store's pool (see :meth:`commit`).
+    def memfds(self, indices: Iterable[int]) -> list[int]:
+        """The sealed memfds the worker writes buffers ``indices`` into (made on first use; this object keeps
+        them, :meth:`copy_in` copies and closes them).
 
         Raises:
-            DataLossError: a file's size differs from what the worker announced (``BUFFER_SIZE``).
+            OSError: out of descriptors.
         """
-        for name, fd, size in zip(self.names, self.fds, self.sizes, strict=True):
-            actual = os.fstat(fd).st_size
-            if actual != size:
-                raise DataLossError(
-                    f"the worker wrote {actual} bytes for buffer {name!r}, announced {size}", reason="BUFFER_SIZE"
-                )
+        out = []
+        for i in indices:
+            if i not in self._memfds:
+                self._memfds[i] = sealed.create(self.sizes[i], f"gpusnap-buffer-{i}")
+            out.append(self._memfds[i])
+        return out
+
+    def copy_in(self, indices: Iterable[int]) -> None:
+        """Start copying the memfds of buffers ``indices`` (written by the worker) into their staged files,
+        ``COPY_CHUNK_BYTES`` at a time on the store's pool; each memfd is closed once its copy is done.
+        :meth:`wait_copies` waits for them."""
+        for i in indices:
+            if i not in self._memfds or i in self._copying:
+                continue
+            self._copying.add(i)
+            chunks = [
+                (off, min(COPY_CHUNK_BYTES, self.sizes[i] - off)) for off in range(0, self.sizes[i], COPY_CHUNK_BYTES)
+            ]
+            left = [len(chunks)]
+
+            def done(_: Future[None], i: int = i, left: list[int] = left) -> None:
+                with self._lock:
+                    left[0] -= 1
+                    fd = self._memfds.pop(i, None) if left[0] == 0 else None
+                if fd is not None:
+                    os.close(fd)
+
+            for off, length in chunks:
+                future = self.store.pool.submit(self._copy_chunk, i, off, length)
+                self._copies.append(future)
+                future.add_done_callback(done)
+
+    def _copy_chunk(self, i: int, offset: int, length: int) -> None:
+        dst = os.open(self.paths[i], os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            sealed.copy_chunk(self._memfds[i], dst, offset, length)
+        finally:
+            os.close(dst)
+
+    def wait_copies(self) -> None:
+        """Wait for every copy :meth:`copy_in` started; copy the memfds not handed to it yet first (the
+        buffers are then in gpusnapd's files alone).
+
+        Raises:
+            OSError: a copy failed (``ENOSPC``: the store's file system is full).
+        """
+        self.copy_in(list(self._memfds))
+        copies, self._copies = self._copies, []
+        for future in copies:
+            future.result()
+
+    def start_digests(self) -> None:
+        """Wait for the copies (:meth:`wait_copies`) and start digesting the staged files on the store's pool
+        (see :meth:`commit`)."""
+        self.wait_copies()
         self._digests = self.store.jobs.submit(checksum.file_digests, self.paths, self.store.pool)
 
     def digests(self) -> list[str]:
@@ -120,8 +180,15 @@ class StagedBuffers:
         return [os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC) for fd in self.fds]
 
     def close(self) -> None:
-        """Close the descriptors, remove what was not committed, and unpin the committed digests."""
-        for fd in self.fds:
+        """Stop the copies, close the descriptors, remove what was not committed, and unpin the committed
+        digests."""
+        copies, self._copies = self._copies, []
+        for future in copies:
+            future.cancel()
+        wait(copies)  # a running copy still uses its memfd and file
+        with self._lock:
+            memfds, self._memfds = self._memfds, {}
+        for fd in [*memfds.values(), *self.fds]:
             os.close(fd)
         self.fds = []
         for path in self.paths:

@@ -42,11 +42,12 @@ def offload(
     parts: Sequence[AgentWeights], store: BufferStore, timeout_s: float, progress: Progress, journal: Journal
 ) -> int:
     """The ``offload`` phase: stage every announced buffer, journal the staged files, then have every worker
-    write its buffers out and free them, in parallel (one progress event per process); returns the bytes.
+    write its buffers out and free them once gpusnapd has copied them, in parallel (one progress event per
+    process); returns the bytes.
 
     Raises:
         FailedPreconditionError, ResourceExhaustedError: see :func:`exchange.stage`.
-        FailedPreconditionError, DeadlineExceededError, DataLossError: see :func:`exchange.offload`.
+        FailedPreconditionError, DeadlineExceededError, OSError: see :func:`exchange.offload`.
     """
     moving = [p for p in parts if p.announced]
     for part in moving:

@@ -1,8 +1,10 @@
 """The daemon's half of the named-buffer exchange with a worker agent (``agent.proto``: Offload, Reload).
 
-Capture: after Quiesce, :func:`stage` creates one buffer-store file per buffer the worker announced and
-:func:`offload` hands the worker read-write descriptors in batches, then starts digesting the files while
-the GPU checkpoint and the CRIU dump run. Restore and rollback: :func:`reload` hands read-only descriptors
+Capture: after Quiesce, :func:`stage` creates one buffer-store file per buffer the worker announced, and
+:func:`offload` hands the worker, in batches, a sealed memfd per buffer to write it into (never a descriptor
+of the store's files: ``gpusnap.daemon.store.sealed``), copies each batch into the store while the worker
+writes the next, has the worker free its buffers once all are copied, then starts digesting the files
+while the GPU checkpoint and the CRIU dump run. Restore and rollback: :func:`reload` hands read-only descriptors
 back before Resume. Every frame that carries descriptors (these and the prefill's ``MapArenas``) is cut by
 :func:`fd_batches`.
 """
@@ -10,6 +12,7 @@ back before Resume. Every frame that carries descriptors (these and the prefill'
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
@@ -51,6 +54,11 @@ def fd_batches(items: Sequence[T], fds_of: Callable[[T], int] = lambda _: 1) -> 
     return [b for b in out if b]
 
 
+BATCH_BYTES = 256 << 20
+"""An Offload batch holds buffers up to this many bytes, or up to 1/``BATCHES`` of the total if that is more
+(a buffer larger than that alone): gpusnapd copies a batch into the store while the worker writes the next,
+so only the last batch's copy adds to the phase."""
+BATCHES = 8
 SLOWEST_STORE_BYTES_PER_S = 100 << 20
 """A batch's time bound grows by its bytes at this rate (a slow disk), on top of the fixed timeout."""
 MAX_BUFFERS = 16384
@@ -94,29 +102,44 @@ def batch_timeout(timeout_s: float, nbytes: int) -> float:
     return timeout_s + nbytes / SLOWEST_STORE_BYTES_PER_S
 
 
-def offload(agent: AgentClient, staged: StagedBuffers, timeout_s: float) -> float:
-    """Have the worker write its buffers into ``staged`` and free them, in batches; digests start at once.
+def offload_batches(sizes: Sequence[int]) -> list[list[int]]:
+    """Indices of ``sizes`` in order, grouped into Offload batches: at most ``wire.MAX_FDS`` each, and at most
+    ``max(BATCH_BYTES, total / BATCHES)`` bytes unless a single buffer is larger."""
+    cap = max(BATCH_BYTES, sum(sizes) // BATCHES)
+    out: list[list[int]] = []
+    for group in fd_batches(range(len(sizes))):
+        out.append([])
+        nbytes = 0
+        for i in group:
+            if out[-1] and nbytes + sizes[i] > cap:
+                out.append([])
+                nbytes = 0
+            out[-1].append(i)
+            nbytes += sizes[i]
+    return out
 
-    A failure part-way leaves some buffers out of the worker: the capture's rollback reads them back from
+
+def offload(agent: AgentClient, staged: StagedBuffers, timeout_s: float) -> float:
+    """Have the worker write its buffers into sealed memfds, in batches, copy each batch into ``staged`` while
+    the worker writes the next, then have the worker free them all; digests start at once.
+
+    The worker frees nothing before every copy is done, so its buffers are always either in its memory or
+    in gpusnapd's files (a daemon crash in between leaves them in the worker). A failure part-way leaves
+    some buffers out of the worker only if it is in ``Free``: the capture's rollback reads them back from
     ``staged`` (the agent skips those it still holds).
 
     Raises:
         FailedPreconditionError, DeadlineExceededError: see :meth:`AgentSession.call`.
-        DataLossError: the worker wrote a different size than it announced (``BUFFER_SIZE``).
+        OSError: a copy into the store failed (``ENOSPC``).
 
     Returns:
         Seconds the worker spent (its own measure, summed over batches).
     """
-    batches = fd_batches(range(len(staged.names)))
     spent = 0.0
-    for i, batch in enumerate(batches):
+    for batch in offload_batches(staged.sizes):
         nbytes = sum(staged.sizes[j] for j in batch)
-        done = agent.offload(
-            [staged.names[j] for j in batch],
-            [staged.fds[j] for j in batch],
-            i == len(batches) - 1,
-            batch_timeout(timeout_s, nbytes),
-        )
+        done = agent.offload([staged.names[j] for j in batch], staged.memfds(batch), batch_timeout(timeout_s, nbytes))
+        staged.copy_in(batch)
         spent += done.seconds
         log.info(
             "buffers.written",
@@ -126,6 +149,12 @@ def offload(agent: AgentClient, staged: StagedBuffers, timeout_s: float) -> floa
             bytes=nbytes,
             **dict(done.details),
         )
+    start = time.monotonic()
+    staged.wait_copies()
+    copied = time.monotonic()
+    done = agent.free(staged.names, last=True, timeout_s=timeout_s)
+    spent += done.seconds
+    log.info("buffers.freed", pid=agent.info.pid, copy_wait_s=round(copied - start, 3), worker_s=round(done.seconds, 3))
     staged.start_digests()
     return spent
 

@@ -400,7 +400,7 @@ class AgentRegistry:
 
     def _hello(self, conn: socket.socket, pid: int, uid: int, msg: agent_pb2.AgentMessage, start: float) -> None:
         if msg.WhichOneof("message") != "hello" or msg.hello.protocol_version != wire.PROTOCOL_VERSION:
-            self._refused(uid, pid, "not a protocol-1 hello")
+            self._refused(uid, pid, f"not a protocol-{wire.PROTOCOL_VERSION} hello")
             conn.close()
             return
         h = msg.hello

@@ -71,10 +71,16 @@ class AgentClient:
         self.released_bytes = _count(done.details.get("released_bytes", ""))
         return [Announced(b.name, b.size_bytes, b.arena, b.arena_offset) for b in done.buffers]
 
-    def offload(self, names: Sequence[str], fds: Sequence[int], last: bool, timeout_s: float) -> Moved:
-        """Have the worker write the named buffers to ``fds`` and free them (``last``: the channel closes)."""
-        msg = agent_pb2.DaemonMessage(offload=agent_pb2.Offload(names=list(names), last=last))
+    def offload(self, names: Sequence[str], fds: Sequence[int], timeout_s: float) -> Moved:
+        """Have the worker write the named buffers to ``fds`` (sealed memfds), keeping them in memory."""
+        msg = agent_pb2.DaemonMessage(offload=agent_pb2.Offload(names=list(names)))
         done = self.session.call(msg, timeout_s, "write its buffers out", fds=fds)
+        return Moved(done.duration_seconds, dict(done.details))
+
+    def free(self, names: Sequence[str], last: bool, timeout_s: float) -> Moved:
+        """Have the worker free the named buffers, written by :meth:`offload` (``last``: the channel closes)."""
+        msg = agent_pb2.DaemonMessage(free=agent_pb2.Free(names=list(names), last=last))
+        done = self.session.call(msg, timeout_s, "free its buffers")
         return Moved(done.duration_seconds, dict(done.details))
 
     def reload(self, names: Sequence[str], fds: Sequence[int], timeout_s: float) -> Moved:

@@ -1,8 +1,10 @@
 """A PyTorch worker on CPU whose weights are named buffers: they leave the process image at capture.
 
-    python torch_cpu_worker.py WORKDIR [--mib N] [--seed S] [--stable-fake [--chunk-mib M] [--fake-fail CALL]]
+    python torch_cpu_worker.py WORKDIR [--mib N] [--parts P] [--seed S] [--stable-fake [--chunk-mib M] [--fake-fail CALL]]
 
-Its "model" is a random matrix of N MiB (float32, from seed S) plus a tied view of its first rows. Each
+Its "model" is a random matrix of N MiB (float32, from seed S) plus a tied view of its first rows; with
+``--parts P`` the N MiB are P matrices (``w``, ``w.1`` … ``w.<P-1>``; the later ones count in
+``weights_sum``), as a model's many tensors are. Each
 generation step multiplies a state vector by the weights and takes the argmax, so the tokens can only be
 reproduced from the same weights. WORKDIR/go-N makes it generate 8 tokens and write WORKDIR/tokens-N
 (JSON: {"tokens": [...], "weights_sum": float}, plus "ptr", the weights' address, with ``--stable-fake``).
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("workdir")
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", type=int, default=1)
     ap.add_argument("--stable-fake", action="store_true")
     ap.add_argument("--chunk-mib", type=int, default=0, help="arena chunk size (--stable-fake)")
     ap.add_argument("--fake-fail", default="", help="CALL: the fake driver's first CALL fails (--stable-fake)")
@@ -51,8 +54,9 @@ def main() -> None:
     wd = args.workdir
     gen = torch.Generator().manual_seed(args.seed)
     cols = 1024
-    rows = args.mib * (1 << 20) // (4 * cols)
+    rows = args.mib * (1 << 20) // (4 * cols * args.parts)
     weights = {"w": torch.randn(rows, cols, generator=gen)}
+    weights.update({f"w.{i}": torch.randn(rows, cols, generator=gen) for i in range(1, args.parts)})
     weights["w.head"] = weights["w"][:cols]  # tied: shares the storage, offloaded once
     lock = threading.Lock()
 
@@ -119,7 +123,7 @@ def main() -> None:
         if os.path.exists(os.path.join(wd, f"go-{n}")):
             with lock:
                 tokens = generate([3, 1, 4, 1, 5], 8)
-                total = float(weights["w"].double().sum())
+                total = float(sum(t.double().sum() for n, t in weights.items() if n != "w.head"))
             with open(os.path.join(wd, f"tokens-{n}.tmp"), "w") as fh:
                 ptr = {"ptr": weights["w"].data_ptr()} if args.stable_fake else {}
                 json.dump({"tokens": tokens, "weights_sum": total, **ptr}, fh)

@@ -19,11 +19,15 @@ Named buffers (weights) kept out of the image: when Quiesce.offload is set, Quie
 buffers the worker can move (CommandResult.buffers); without it the agent announces none, so a daemon
 that predates buffers never sees the connection stay open. The daemon then sends Offload commands, each
 with one file descriptor per named buffer attached to its frame (SCM_RIGHTS, in the order of
-Offload.names, at most 200 per frame); the worker writes each buffer to its descriptor from offset 0
-and frees the memory. The Offload with last = true ends the exchange: the worker closes the connection
-after answering it successfully. Before Resume, the daemon sends Reload commands the same way
-(read-only descriptors); the worker allocates the buffers again and reads them back, skipping any it
-still holds. A Resume while a buffer is still out fails.
+Offload.names, at most 200 per frame): a memfd of exactly the buffer's size, sealed against growing and
+shrinking (F_SEAL_GROW, F_SEAL_SHRINK, F_SEAL_SEAL), so no write through it can take more than the
+announced bytes. The worker writes each buffer to its descriptor from offset 0 and keeps the buffer in
+memory; the daemon copies the memfds into its buffer store, which the worker never gets a writable
+descriptor of. Then one Free names every buffer written: the worker frees their memory, and closes the
+connection after answering it successfully (Free.last). Before Resume, the daemon sends Reload commands
+the same way (read-only descriptors); the worker allocates the buffers again and reads them back,
+skipping any it still holds. A Resume while a buffer is still out fails. (Protocol 1 had the worker free
+each buffer as soon as it wrote it, into a read-write descriptor of the store's own file.)
 
 Device memory filled by the daemon (gpusnapd --gpu-prefill): Quiesce's result also describes the
 worker's address-stable arenas (CommandResult.arenas, gpusnap.adapters.vmm) and where each buffer lies
@@ -81,7 +85,7 @@ class AgentHello(_message.Message):
     WAKE_DIR_FIELD_NUMBER: _builtins.int
     INFO_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
-    """1"""
+    """2 (the daemon refuses any other)"""
     engine: _builtins.str
     """"vllm", "trtllm", "sglang", "torch", …"""
     instance_id: _builtins.str
@@ -436,7 +440,29 @@ Global___Health: _TypeAlias = Health  # noqa: Y015
 
 @_typing.final
 class Offload(_message.Message):
-    """Write the named buffers to the attached descriptors (read-write, one per name) and free them."""
+    """Write the named buffers to the attached descriptors (sealed memfds, one per name); keep them in memory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        names: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["names", b"names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Offload: _TypeAlias = Offload  # noqa: Y015
+
+@_typing.final
+class Free(_message.Message):
+    """Free the named buffers (all written by Offload, and copied by the daemon into its buffer store)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -458,7 +484,7 @@ class Offload(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___Offload: _TypeAlias = Offload  # noqa: Y015
+Global___Free: _TypeAlias = Free  # noqa: Y015
 
 @_typing.final
 class Reload(_message.Message):
@@ -542,6 +568,7 @@ class DaemonMessage(_message.Message):
     OFFLOAD_FIELD_NUMBER: _builtins.int
     RELOAD_FIELD_NUMBER: _builtins.int
     MAP_ARENAS_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
     command_id: _builtins.int
     @_builtins.property
     def warm_up(self) -> Global___WarmUp: ...
@@ -557,6 +584,8 @@ class DaemonMessage(_message.Message):
     def reload(self) -> Global___Reload: ...
     @_builtins.property
     def map_arenas(self) -> Global___MapArenas: ...
+    @_builtins.property
+    def free(self) -> Global___Free: ...
     def __init__(
         self,
         *,
@@ -568,12 +597,13 @@ class DaemonMessage(_message.Message):
         offload: Global___Offload | None = ...,
         reload: Global___Reload | None = ...,
         map_arenas: Global___MapArenas | None = ...,
+        free: Global___Free | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "health", b"health", "map_arenas", b"map_arenas", "offload", b"offload", "quiesce", b"quiesce", "reload", b"reload", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "free", b"free", "health", b"health", "map_arenas", b"map_arenas", "offload", b"offload", "quiesce", b"quiesce", "reload", b"reload", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "command_id", b"command_id", "health", b"health", "map_arenas", b"map_arenas", "offload", b"offload", "quiesce", b"quiesce", "reload", b"reload", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "command_id", b"command_id", "free", b"free", "health", b"health", "map_arenas", b"map_arenas", "offload", b"offload", "quiesce", b"quiesce", "reload", b"reload", "resume", b"resume", "warm_up", b"warm_up"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["warm_up", "quiesce", "resume", "health", "offload", "reload", "map_arenas"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["warm_up", "quiesce", "resume", "health", "offload", "reload", "map_arenas", "free"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 

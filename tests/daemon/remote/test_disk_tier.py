@@ -37,7 +37,7 @@ def store(tmp_path: Path, remote: RemoteStore) -> Iterator[SnapshotStore]:
 
 def _with_blob(store: SnapshotStore, fill: int) -> Snapshot:
     staged = store.buffers.stage(0, ["w"], [BLOB])
-    os.pwrite(staged.fds[0], bytes([fill]) * (BLOB - 1) + b"\x00", 0)
+    os.pwrite(staged.memfds([0])[0], bytes([fill]) * (BLOB - 1) + b"\x00", 0)
     refs = staged.commit()
     try:
         with store.stage() as staging:

@@ -22,7 +22,7 @@ def _store(tmp_path: Path) -> BufferStore:
 
 def _write(store: BufferStore, uid: int, contents: dict[str, bytes]):  # type: ignore[no-untyped-def]
     staged = store.stage(uid, list(contents), [len(c) for c in contents.values()])
-    for fd, data in zip(staged.fds, contents.values(), strict=True):
+    for fd, data in zip(staged.memfds(range(len(contents))), contents.values(), strict=True):  # the worker's
         os.pwrite(fd, data, 0)
     staged.start_digests()
     return staged
@@ -66,13 +66,37 @@ def test_garbage_collection_spares_referenced_and_pinned_blobs(tmp_path: Path) -
     assert store.used_bytes() == 100
 
 
+def test_a_worker_cannot_grow_its_buffers_past_the_announced_size(tmp_path: Path) -> None:
+    """Issue 19, item 8: the worker kept its read-write descriptor of the store's own staged file and grew
+    the blob past every budget, during or after its capture. It now writes into a sealed memfd: a descriptor
+    it keeps (or reopens through /proc) cannot grow, shrink or reseal it, and never reaches the blob."""
+    store = _store(tmp_path)
+    staged = store.stage(1000, ["w"], [100])
+    (memfd,) = staged.memfds([0])
+    kept = os.dup(memfd)  # what a hostile worker keeps
+    reopened = os.open(f"/proc/self/fd/{memfd}", os.O_RDWR)
+    try:
+        os.pwrite(kept, b"short", 0)
+        for fd in (kept, reopened):
+            with pytest.raises(PermissionError):
+                os.pwrite(fd, b"x" * 4096, 100)
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 1 << 30)
+            with pytest.raises(PermissionError):
+                os.posix_fallocate(fd, 0, 1 << 30)
+        (ref,) = staged.commit()
+        blob = store.path(1000, ref.sha256)
+        assert blob.read_bytes() == b"short" + bytes(95), "the blob holds what was written, at the announced size"
+        os.pwrite(kept, b"later", 0)  # after the capture: only the worker's own memory changes
+        assert blob.read_bytes()[:5] == b"short" and store.used_bytes() == 100
+    finally:
+        os.close(kept)
+        os.close(reopened)
+        staged.close()
+
+
 def test_a_wrong_size_or_missing_blob_is_refused(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    staged = store.stage(0, ["w"], [100])
-    os.pwrite(staged.fds[0], b"short", 0)
-    with pytest.raises(DataLossError, match="wrote 5 bytes for buffer 'w', announced 100"):
-        staged.start_digests()
-    staged.close()
     ok = _write(store, 0, {"w": b"w" * 10})
     ref = ok.commit()[0]
     ok.close()
@@ -145,7 +169,7 @@ def test_prefetch_reads_disk_tier_blobs_into_the_page_cache(tmp_path: Path) -> N
     store.open()
     data = os.urandom(1 << 20)
     staged = store.stage(1000, ["w"], [len(data)])
-    os.pwrite(staged.fds[0], data, 0)
+    os.pwrite(staged.memfds([0])[0], data, 0)
     staged.start_digests()
     (ref,) = staged.commit()
     staged.close()

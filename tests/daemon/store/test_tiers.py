@@ -23,7 +23,7 @@ def _store(tmp: Path, ram: int, disk: int = 0) -> BufferStore:
 
 def _capture(s: BufferStore, fill: int, size: int = 4 * MIB) -> str:
     staged = s.stage(0, ["w"], [size])
-    os.pwrite(staged.fds[0], bytes([fill]) * size, 0)
+    os.pwrite(staged.memfds([0])[0], bytes([fill]) * size, 0)
     (ref,) = staged.commit()
     staged.close()
     s.settle()  # the budget pass that close queued has run
