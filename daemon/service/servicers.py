@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import grpc
@@ -50,6 +50,29 @@ def _rpc(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def common_names(subject: bytes) -> int:
+    """How many common names (``CN`` attributes) an X.509 subject holds, given as gRPC's ``x509_subject``
+    property writes it (RFC 2253: attributes joined by ``,`` and, within a multi-valued RDN, ``+``; those
+    characters inside a value are escaped with ``\\``)."""
+    count, attribute, escaped = 0, "", False
+    for ch in subject.decode(errors="replace") + ",":
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch in ",+":
+            count += attribute.split("=", 1)[0].strip().upper() in ("CN", "COMMONNAME", "2.5.4.3")
+            attribute = ""
+            continue
+        attribute += ch
+    return count
+
+
+def _values(found: bytes | Iterable[bytes] | None) -> list[bytes]:
+    """An auth-context property's values (gRPC gives an iterable of bytes; its type stubs say bytes)."""
+    return [found] if isinstance(found, bytes) else list(found or [])
+
+
 class _Base:
     def __init__(self, daemon: Daemon, proxy: PeerCredProxy):
         self.daemon = daemon
@@ -60,14 +83,12 @@ class _Base:
         if peer.startswith(("ipv4:", "ipv6:")):
             # TCP listener: a client certificate verified against tls_client_ca (mutual TLS) gets the uid its
             # common name is mapped to in tls_client_identities, and nothing without a mapping; TLS without
-            # a client certificate only encrypts. Unmapped callers are anonymous.
-            found: bytes | list[bytes] = context.auth_context().get("x509_common_name") or []
-            names = [found] if isinstance(found, bytes) else list(found)
-            uid = (
-                self.daemon.deps.config.client_identities().get(names[0].decode(errors="replace"))
-                if len(names) == 1
-                else None
-            )
+            # a client certificate only encrypts. Unmapped callers are anonymous, and so is a certificate
+            # whose subject holds more than one common name (gRPC's x509_common_name is only the first).
+            auth = context.auth_context()
+            names, subjects = _values(auth.get("x509_common_name")), _values(auth.get("x509_subject"))
+            one = len(names) == 1 and len(subjects) == 1 and common_names(subjects[0]) == 1
+            uid = self.daemon.deps.config.client_identities().get(names[0].decode(errors="replace")) if one else None
             if uid is None:
                 return ANONYMOUS_CALLER
             return ROOT_CALLER if uid == 0 else Caller(pid=0, uid=uid, gid=uid)

@@ -37,14 +37,19 @@ def _pki(d: Path) -> None:
         "-out",
         str(d / "ca.pem"),
     )
-    for name, cn in (("server", "localhost"), ("client", "orchestrator"), ("stranger", "stranger")):
+    for name, subject in (
+        ("server", "/CN=localhost"),
+        ("client", "/CN=orchestrator"),
+        ("stranger", "/CN=stranger"),
+        ("two-names", "/CN=orchestrator/CN=stranger"),  # gRPC's x509_common_name: the first only
+    ):
         _openssl(
             "req",
             "-newkey",
             "rsa:2048",
             "-nodes",
             "-subj",
-            f"/CN={cn}",
+            subject,
             "-keyout",
             str(d / f"{name}.key"),
             "-out",
@@ -106,6 +111,15 @@ def test_mutual_tls_listener(tmp_path: Path) -> None:
                 client.checkpoint(sleeper.pid)
             assert err.value.reason == "ANONYMOUS"
             assert client.list_snapshots() == []
+        # Issue 19: a certificate with two common names acted as its first (the one-name check never saw
+        # the second); which one names the client is ambiguous, so it gets no rights.
+        two = grpc.ssl_channel_credentials(
+            ca, (tmp_path / "two-names.key").read_bytes(), (tmp_path / "two-names.pem").read_bytes()
+        )
+        with DaemonClient(f"localhost:{port}", credentials=two) as client:
+            with pytest.raises(PermissionDeniedError) as err:
+                client.node_info()
+            assert err.value.reason == "ANONYMOUS"
         no_cert = grpc.ssl_channel_credentials(ca)  # refused by the TLS handshake: a client CA is set
         with DaemonClient(f"localhost:{port}", credentials=no_cert) as client, pytest.raises(UnavailableError):
             client.node_info()
