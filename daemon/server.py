@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from pathlib import Path
@@ -119,21 +120,32 @@ class Overrides:
 
 def build_daemon(config: DaemonConfig, overrides: Overrides = Overrides()) -> Running:  # noqa: B008 (frozen)
     """Check CRIU, open the store, start the gRPC server and the socket proxy; every collaborator is built here
-    and handed to the next by its constructor.
+    and handed to the next by its constructor. A start refused part-way releases what it had taken (the agent
+    socket it bound, the wake directory it made, the store's lock).
 
     Raises:
         FailedPreconditionError: CRIU missing or older than 4.1, store locked by another daemon.
         InvalidArgumentError: inconsistent configuration.
     """
+    with contextlib.ExitStack() as undo:
+        running = _build(config, overrides, undo)
+        undo.pop_all()
+        return running
+
+
+def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStack) -> Running:
+    """:func:`build_daemon`'s work; each thing acquired registers its release on ``undo``."""
     config.validate()
     host.raise_open_file_limit()
     criu = CriuDriver(config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs")
     criu_version = criu.require_supported()
     criu.keep_spare_helper()
+    undo.callback(criu.close)
     remote = _remote(config)
     prefill = PrefillSupport.probe(
         config.gpu_prefill, overrides.fill_driver, require_gpu_use=overrides.prefill_require_gpu_use
     )
+    undo.callback(prefill.close)
     store = SnapshotStore(
         config.store,
         Path(config.buffer_dir) if config.buffer_dir else None,
@@ -147,6 +159,7 @@ def build_daemon(config: DaemonConfig, overrides: Overrides = Overrides()) -> Ru
     )
     journal = Journal(config.store / JOURNAL)
     store.open(hold_buffers=lambda: recovery.held_buffers(journal))  # read once the store is locked
+    undo.callback(store.close)
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
     if prefill.filler is not None:
         prefill.warm(store.buffers, store.list)  # contexts and registrations, in the background
@@ -155,8 +168,10 @@ def build_daemon(config: DaemonConfig, overrides: Overrides = Overrides()) -> Ru
         rundirs.check_socket_dir(sock_dir)
     agents = AgentRegistry(config.agent_socket)
     agents.start()
+    undo.callback(agents.stop)
     # The agents' default GPUSNAP_WAKE_DIR, like /tmp.
     rundirs.make_own_dir(wake_dir(config), 0o1777)
+    undo.callback(rundirs.remove_if_empty, wake_dir(config))
     if remote is not None:
         store.buffers.schedule_budgets()
     standbys = StandbyRegistry(config.store / STANDBYS)
@@ -204,6 +219,7 @@ def build_daemon(config: DaemonConfig, overrides: Overrides = Overrides()) -> Ru
         on_finished=observe,
         failpoints=overrides.failpoints,
     )
+    undo.callback(registry.shutdown, wait=True)
     recovery.recover(deps, journal, registry)  # before anyone can reach the trees it touches
     standby_ops.adopt(deps)  # after recovery: a standby an activation had claimed is recovery's
     daemon = Daemon(deps, registry, ladder)
@@ -251,16 +267,15 @@ def build_daemon(config: DaemonConfig, overrides: Overrides = Overrides()) -> Ru
 
     server.run(setup())
     server.start()
+    undo.callback(server.stop, 0)
     proxy.start()
+    undo.callback(proxy.stop)
     metrics_at = None
     if metrics is not None:
         try:
             metrics_host, metrics_port = metrics.serve(config.metrics_listen)
             metrics_at = f"{metrics_host}:{metrics_port}"
         except OSError as exc:
-            server.stop(0)
-            proxy.stop()
-            _release(daemon)
             raise FailedPreconditionError(
                 f"cannot serve metrics on {config.metrics_listen} ({exc.strerror or exc}); pick a free address "
                 "with --metrics-listen / metrics_listen",

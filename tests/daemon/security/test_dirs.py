@@ -167,6 +167,32 @@ def test_a_second_daemon_neither_takes_over_nor_deletes_the_agent_socket(tmp_pat
         stop_daemon(first)
 
 
+def test_a_refused_start_leaves_no_agent_socket_behind(tmp_path: Path) -> None:
+    """Issue 19 item 7: a daemon refused after it had bound its agent socket (here: its API socket is
+    another daemon's) exited leaving ``agent.sock`` (and the wake directory) behind."""
+    first = start_daemon(tmp_path / "first")
+    try:
+        assert first.alive(), first.log.read_text()
+        agent_dir = Path(tempfile.mkdtemp(prefix="gpusnap-agent-"))
+        second = start_daemon(
+            tmp_path / "second",
+            socket_dir=first.socket.parent,
+            extra_env={"GPUSNAP_AGENT_SOCKET": str(agent_dir / "agent.sock")},
+        )
+        try:
+            assert second.proc.wait(timeout=60) == 4, second.log.read_text()
+        finally:
+            if second.alive():  # (not stop_daemon: its socket directory is the first daemon's)
+                second.proc.kill()
+                second.proc.wait()
+        assert "SOCKET_IN_USE" in second.log.read_text()
+        assert os.listdir(agent_dir) == [], "neither agent.sock nor wake is left"
+        first.client().node_info()  # the first daemon serves on
+        os.rmdir(agent_dir)
+    finally:
+        stop_daemon(first)
+
+
 def test_two_daemons_with_api_sockets_in_one_directory_each_answer_their_own(tmp_path: Path) -> None:
     """Issue 19 item 5: the private gRPC socket was always ``<dir>/.gpusnapd-private/grpc.sock``, so a second
     daemon unlinked the first's and bound its own: calls to the first reached the second, which refused
