@@ -13,6 +13,7 @@ supported", checkpoint-restore/criu#2718, fixed in 4.2), and inference workers a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -474,8 +475,8 @@ class CriuDriver:
                 if remaining <= 0:
                     self._kill(proc, events)
                     raise DeadlineExceededError(
-                        f"CRIU {action} did not finish within {timeout_s:g} s and was killed; "
-                        f"see {log_path}; raise the operation timeout if the tree is large",
+                        f"CRIU {action} did not finish within {timeout_s:g} s and was killed "
+                        f"({self._keep_log(log_path)}); raise the operation timeout if the tree is large",
                         reason="CRIU_TIMEOUT",
                     )
                 if not sel.select(timeout=min(remaining, 1.0)):
@@ -538,7 +539,7 @@ class CriuDriver:
             if on_notify and on_notify.error:
                 raise on_notify.error
             lines = log_lines(log_path)
-            log_path = self._keep_log(log_path)
+            kept = self._keep_log(log_path)
             died = int(result.get("errno") or 0) in CRIU_GONE_ERRNOS
             headline = result["error"]
             if lines and any(b in headline for b in BENIGN_LOG_LINES):  # CRIU's first error, not its cause
@@ -546,7 +547,7 @@ class CriuDriver:
             hint = failure_hint(action, int(result.get("errno") or 0), lines)
             if hint:
                 headline = f"{headline} ({hint})"
-            details = f"{_joined(lines, LOG_EXCERPT_CHARS)} (full log: {log_path})"
+            details = f"{_joined(lines, LOG_EXCERPT_CHARS)} ({kept})"
             if private_log:
                 headline = hint or "see the log"
                 details = f"(the log, {log_path.name}, is kept for root)"
@@ -558,19 +559,32 @@ class CriuDriver:
             )
         return events
 
-    def _keep_log(self, log_path: Path) -> Path:
-        """Copy a failed request's log where it survives its staging directory; returns where it is."""
-        if self.failed_logs_dir is None or not log_path.exists():
-            return log_path
+    def _keep_log(self, log_path: Path) -> str:
+        """Keep a failed request's log where it survives its work directory (a staging directory goes with
+        the failure): a hard link in ``failed_logs_dir``, which needs no room on a full disk, or a copy
+        where that is another file system. Returns how a message names it: ``full log: PATH``, or why there
+        is none to name."""
+        if not log_path.exists():
+            return "CRIU wrote no log"
+        if self.failed_logs_dir is None:
+            return f"full log: {log_path}"
+        kept = self.failed_logs_dir / f"{log_path.parent.name}-{log_path.name}"
         try:
             self.failed_logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            kept = self.failed_logs_dir / f"{log_path.parent.name}-{log_path.name}"
-            shutil.copyfile(log_path, kept)
+            kept.unlink(missing_ok=True)
+            try:
+                os.link(log_path, kept)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                shutil.copyfile(log_path, kept)
             for old in sorted(self.failed_logs_dir.iterdir(), key=lambda p: p.stat().st_mtime)[:-KEPT_LOGS]:
                 old.unlink(missing_ok=True)
-            return kept
-        except OSError:
-            return log_path
+            return f"full log: {kept}"
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                kept.unlink(missing_ok=True)  # a partial copy names nothing useful
+            return f"CRIU's full log could not be kept: {exc.strerror or exc}"
 
     @staticmethod
     def _kill(proc: subprocess.Popen[bytes], events: list[dict[str, Any]]) -> None:

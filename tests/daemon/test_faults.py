@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import psutil
@@ -130,6 +131,29 @@ def test_failed_dump_keeps_its_log(daemon: DaemonProc, workloads: Workloads) -> 
     assert res.returncode == 5
     kept = res.stderr.rsplit("full log: ", 1)[-1].rstrip(")\n")
     assert "/logs/" in kept and os.path.exists(kept), res.stderr
+
+
+def test_a_dump_that_fills_the_disk_names_a_log_that_exists(tmp_path: Path, workloads: Workloads) -> None:
+    """Issue 19 item 7: on a full disk the failed dump's log could not be copied out of its staging
+    directory, and the error named the staging copy, which went with the staging directory. The store is a
+    24 MiB tmpfs here, and the workload holds 64 MiB."""
+    store = tmp_path / "store"
+    store.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(store)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    d = start_daemon(tmp_path)
+    try:
+        assert d.alive(), d.log.read_text()
+        w = workloads.start("--mem-mb", "64", "--random", "--no-child", "--no-listener")
+        res = d.cli("dump", str(w.pid))
+        assert res.returncode != 0 and "full log: " in res.stderr, res.stderr
+        kept = res.stderr.rsplit("full log: ", 1)[-1].split(")")[0]
+        assert "/logs/" in kept and os.path.exists(kept), res.stderr
+        assert "Error" in Path(kept).read_text(errors="replace"), "the log holds CRIU's account of the failure"
+        assert psutil.Process(w.pid).status() != psutil.STATUS_STOPPED, "the source runs on"
+    finally:
+        stop_daemon(d)
+        subprocess.run(["umount", "-l", str(store)])
 
 
 def test_wait_and_watch_end_for_an_operation_finished_before_a_restart(tmp_path: Path, workloads: Workloads) -> None:
