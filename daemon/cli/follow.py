@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,7 @@ def start_held(fn: Callable[[], OperationHandle]) -> tuple[OperationHandle, Held
 def follow(client: DaemonClient, op_id: str, show_progress: bool, held: HeldInterrupt | None = None) -> Operation:
     """Follow the operation to its end (live phases when ``show_progress``); its error is raised if it failed,
     and Ctrl-C cancels it (:func:`cancel_and_wait`)."""
+    from gpusnap.daemon.api.errors import ResourceExhaustedError
     from gpusnap.daemon.api.types import EventType
     from gpusnap.daemon.client import raise_if_failed
 
@@ -112,14 +114,42 @@ def follow(client: DaemonClient, op_id: str, show_progress: bool, held: HeldInte
             held.release()
             if held.pending:
                 raise KeyboardInterrupt
-        with phase_display(show_progress) as show:
-            for event in client.watch(op_id):
-                show(event)
-                if event.type is EventType.OPERATION_FINISHED and event.operation is not None:
-                    return raise_if_failed(event.operation)
-        return client.wait(op_id)
+        try:
+            with phase_display(show_progress) as show:
+                for event in client.watch(op_id):
+                    show(event)
+                    if event.type is EventType.OPERATION_FINISHED and event.operation is not None:
+                        return raise_if_failed(event.operation)
+            return client.wait(op_id)
+        except ResourceExhaustedError as exc:
+            if exc.reason not in STREAM_REFUSALS:
+                raise
+            # The operation runs whether or not it is followed: its outcome is what the command reports.
+            click.echo(f"gpusnap: cannot follow {op_id} live ({exc.message}); checking on it instead", err=True)
+            return poll(client, op_id)
     except KeyboardInterrupt:
         return cancel_and_wait(client, op_id)
+
+
+STREAM_REFUSALS = ("TOO_MANY_STREAMS", "TOO_MANY_CALLS")
+"""Reasons gpusnapd refuses a caller's Watch or Wait for (its own limits), not the operation."""
+POLL_S = (0.2, 2.0)
+"""First and longest pause between two GetOperation calls of :func:`poll`."""
+
+
+def poll(client: DaemonClient, op_id: str) -> Operation:
+    """Ask for the operation until it has ended (pauses growing from ``POLL_S[0]`` to ``POLL_S[1]`` s); its
+    error is raised if it failed. For when the daemon refuses to stream its events to this caller."""
+    from gpusnap.daemon.api.types import OperationState
+    from gpusnap.daemon.client import raise_if_failed
+
+    pause = POLL_S[0]
+    while True:
+        op = client.get_operation(op_id)
+        if op.state is not OperationState.RUNNING:
+            return raise_if_failed(op)
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_S[1])
 
 
 def cancel_and_wait(client: DaemonClient, op_id: str) -> Operation:

@@ -176,3 +176,26 @@ def test_a_connection_that_never_reads_does_not_stall_the_api(
     finally:
         attacker.kill()
         attacker.wait()
+
+
+def test_a_command_whose_event_stream_is_refused_reports_the_operation_it_ran(
+    tmp_path: Path, workloads: Workloads
+) -> None:
+    """Issue 19 item 7: when gpusnapd refused the CLI's Watch and Wait (the caller's streams used up), the CLI
+    exited 9 (RESOURCE_EXHAUSTED) although the checkpoint it had started ran and succeeded. It now asks for
+    the operation until it ends and reports that. (max_streams_per_caller 0: every stream is refused.)"""
+    d = start_daemon(tmp_path, extra_env={"GPUSNAP_MAX_STREAMS_PER_CALLER": "0"})
+    try:
+        assert d.alive(), d.log.read_text()
+        w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
+        res = d.cli("-o", "json", "dump", str(w.pid), "--name", "polled", timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["name"] == "polled"
+        assert "cannot follow" in res.stderr and "TOO_MANY_STREAMS" not in res.stdout
+        never_ready = tmp_path / "control"  # the operation fails: its worker never says it is ready
+        never_ready.mkdir()
+        w = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
+        res = d.cli("dump", str(w.pid), "--control-dir", str(never_ready), "--timeout", "1", timeout=60)
+        assert res.returncode == 8 and "cannot follow" in res.stderr, res.stderr  # its own DEADLINE_EXCEEDED
+    finally:
+        stop_daemon(d)
