@@ -49,7 +49,7 @@ from gpusnap.daemon.remote.evict import RemoteEvictor
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.remote.transfer import TransferLimits
 from gpusnap.daemon.service import reflection
-from gpusnap.daemon.service.aio import AioServer, AsyncServicer, OperationStreams
+from gpusnap.daemon.service.aio import AioServer, AsyncServicer, OperationStreams, streams_per_connection
 from gpusnap.daemon.service.limits import CallerLimits
 from gpusnap.daemon.service.peercred import PeerCredProxy
 from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, ParkServicer, SnapshotServicer
@@ -240,7 +240,6 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     if private.exists() or private.is_symlink():
         private.unlink()
 
-    server = AioServer(threads=RPC_THREADS)
     limits = CallerLimits(
         calls=config.max_calls_per_caller,
         queued=MAX_QUEUED_PER_CALLER,
@@ -248,6 +247,7 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
         unsent_per_connection=UNSENT_PER_CONNECTION,
         unsent_per_caller=UNSENT_PER_CALLER,
     )
+    server = AioServer(threads=RPC_THREADS, max_streams=streams_per_connection(limits))
     ops = OperationServicer(daemon, proxy)
     health_servicer = health.aio.HealthServicer()
 

@@ -40,9 +40,6 @@ from gpusnap.daemon.service.servicers import OperationServicer, _Base
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
-MAX_STREAMS_PER_CONNECTION = 100
-"""HTTP/2 concurrent streams per connection (``grpc.max_concurrent_streams``); more are refused."""
-
 
 class _PeerGone(logging.Filter):
     """Drop grpc core's traceback for a response that could not be sent because the client went away
@@ -55,20 +52,32 @@ class _PeerGone(logging.Filter):
 logging.getLogger("grpc._cython.cygrpc").addFilter(_PeerGone())
 
 
+def streams_per_connection(limits: CallerLimits) -> int:
+    """HTTP/2 streams one connection may hold open: what one caller may have in flight over all its
+    connections (unary calls running and waiting, and streams). A cap of 100 made more than 100 concurrent
+    calls on one connection fail UNAVAILABLE (1-4 % of a 200-call burst, up to 10 % on fresh connections,
+    where the client sends before it has the server's SETTINGS), well inside the caller's limits."""
+    return limits.calls + limits.queued + limits.streams
+
+
 class AioServer:
     """A ``grpc.aio`` server on its own event-loop thread, with a thread pool for synchronous handlers.
 
     Args:
         threads: the pool's size (shared by every caller's unary calls).
+        max_streams: HTTP/2 concurrent streams per connection (``grpc.max_concurrent_streams``); more are
+            refused (``REFUSED_STREAM``: the client sees UNAVAILABLE). It bounds streams whose request never
+            arrives, which no caller limit sees; it should be at least what one caller may have in flight,
+            so that a caller's own limits answer first (:func:`streams_per_connection`).
         options: gRPC channel arguments for the server.
     """
 
-    def __init__(self, threads: int, options: tuple[tuple[str, Any], ...] = ()):
+    def __init__(self, threads: int, max_streams: int, options: tuple[tuple[str, Any], ...] = ()):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="gpusnap-grpc", daemon=True)
         self._thread.start()
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpusnap-rpc")
-        all_options = (("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION), *options)
+        all_options = (("grpc.max_concurrent_streams", max_streams), *options)
 
         async def make() -> grpc.aio.Server:
             return grpc.aio.server(migration_thread_pool=self.executor, options=all_options)
