@@ -10,10 +10,13 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
+import structlog
+
 from gpusnap.daemon.access import callers
 from gpusnap.daemon.api import paging, validate
 from gpusnap.daemon.api.errors import (
     AbortedError,
+    DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -44,6 +47,8 @@ from gpusnap.daemon.park.standbys import Standby
 from gpusnap.daemon.preflight.restore import check_replicas
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.store.tiers import TierUsage
+
+log = structlog.get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,14 +333,26 @@ class Daemon:
         return paging.paginate(found, snapshot_key, size, page_token)
 
     def delete_remote_snapshot(self, ref: str, caller: Caller) -> str:
-        """Delete a snapshot's remote manifest, then collect unreferenced chunks past the grace period."""
+        """Delete a snapshot's remote manifest, then collect unreferenced chunks past the grace period. A
+        manifest that cannot be read (``REMOTE_MANIFEST_CORRUPT``, whose message advises this delete) is
+        removed by id, by root or by the owner its index entry names (``RemoteStore.delete_unusable``)."""
         callers.require_identified(caller)
         remote = remote_ops.require_remote(self.deps)
         with _nothing_to_delete():
-            snapshot = remote.find(ref, caller.uid).snapshot
+            try:
+                snapshot = remote.find(ref, caller.uid).snapshot
+            except DataLossError as err:
+                if err.reason != "REMOTE_MANIFEST_CORRUPT" or "snapshot" not in err.metadata:
+                    raise
+                snapshot_id = err.metadata["snapshot"]
+                remote.delete_unusable(snapshot_id, caller.uid)
+                return snapshot_id
             callers.check_may_restore(snapshot, caller, lambda: remote.not_found(ref))
         remote.delete(snapshot)
-        remote.collect_garbage(self.deps.config.remote_gc_grace)
+        try:
+            remote.collect_garbage(self.deps.config.remote_gc_grace)
+        except DataLossError as err:  # another unusable manifest stops the collection, not this delete
+            log.warning("remote.collection_stopped", error=err.message)
         return snapshot.id
 
     def suspend(

@@ -51,8 +51,10 @@ class RemoteStore:
             raise self.not_found(snapshot_id) from None
         if len(data) > layout.MAX_MANIFEST_BYTES:
             raise DataLossError(
-                f"remote manifest of {snapshot_id} is larger than {layout.MAX_MANIFEST_BYTES} bytes",
+                f"remote manifest of {snapshot_id} is larger than {layout.MAX_MANIFEST_BYTES} bytes; delete it "
+                f"with `gpusnap rm --remote {snapshot_id}` and push again",
                 reason="REMOTE_MANIFEST_CORRUPT",
+                metadata={"snapshot": snapshot_id},
             )
         return layout.parse(data, snapshot_id)
 
@@ -98,6 +100,24 @@ class RemoteStore:
             raise self.not_found(snapshot.id)
         self.index.remove(snapshot)
         self.objects.delete(layout.manifest_key(snapshot.id))
+
+    def delete_unusable(self, snapshot_id: str, caller_uid: int) -> None:
+        """Remove the manifest of ``snapshot_id`` that cannot be read (:meth:`manifest` raised
+        ``REMOTE_MANIFEST_CORRUPT``), with its index entries. Its owner is not in it to check: root may, and
+        so may the user its index entry is filed under.
+
+        Raises:
+            NotFoundError: no such manifest, or none the caller's (``SNAPSHOT_NOT_FOUND``).
+        """
+        entries = [
+            e for e in self.index.entries(None if caller_uid == 0 else caller_uid) if e.snapshot_id == snapshot_id
+        ]
+        if (caller_uid != 0 and not entries) or not self.published(snapshot_id):
+            raise self.not_found(snapshot_id)
+        for entry in entries:
+            self.objects.delete(entry.key)
+        self.objects.delete(layout.manifest_key(snapshot_id))
+        log.info("remote.unusable_deleted", snapshot=snapshot_id, by=caller_uid)
 
     def collect_garbage(self, grace_s: float) -> tuple[int, int]:
         """Delete chunks that no manifest references and that are older than ``grace_s`` seconds;

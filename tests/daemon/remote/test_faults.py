@@ -155,6 +155,13 @@ def test_unsafe_remote_manifests_are_refused(fleet: Fleet, workloads: Workloads)
     res = b.cli("pull", snap["id"])
     assert res.returncode == 4 and "unsafe file path" in res.stderr, res.stderr
     assert not (b.store.parent / "etc").exists()
+    # Issue 19 item 7: the error's advice could not be followed (rm --remote read the same manifest and
+    # failed the same way); it now removes the unusable manifest and its index entry.
+    advice = f"gpusnap rm --remote {snap['id']}"
+    assert advice in res.stderr, res.stderr
+    res = b.cli(*advice.split()[1:])
+    assert res.returncode == 0, res.stderr
+    assert cli_json(b, "ls", "--remote") == [] and not fleet.keys("manifests/") and not fleet.keys("index/")
 
 
 def test_remote_rm_collects_only_unreferenced_chunks_past_the_grace_period(fleet: Fleet, workloads: Workloads) -> None:
