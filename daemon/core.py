@@ -291,30 +291,42 @@ class Daemon:
             )
         return standby_id
 
-    def push(self, ref: str, caller: Caller) -> OperationRecord:
-        """Validate and start pushing a local snapshot to the remote store.
+    def push(self, ref: str, caller: Caller, request_id: str = "") -> OperationRecord:
+        """Validate and start pushing a local snapshot to the remote store (a known ``request_id``: the
+        earlier operation).
 
         Raises:
             FailedPreconditionError (no remote), InvalidArgumentError, NotFoundError, PermissionDeniedError.
         """
         callers.require_identified(caller)
+        earlier = self._earlier(caller, OperationKind.PUSH, request_id)
+        if earlier is not None:
+            return earlier
         remote_ops.require_remote(self.deps)
         snapshot = self.snapshot(ref, caller)
-        record = OperationRecord(OperationKind.PUSH, target_snapshot=snapshot.id, owner_uid=caller.uid)
+        record = OperationRecord(
+            OperationKind.PUSH, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
+        )
         return self.registry.start(record, (), lambda run: remote_ops.run_push(run, self.deps, snapshot.id, caller))
 
-    def pull(self, ref: str, caller: Caller) -> OperationRecord:
-        """Validate and start pulling a snapshot of the remote store into the local one.
+    def pull(self, ref: str, caller: Caller, request_id: str = "") -> OperationRecord:
+        """Validate and start pulling a snapshot of the remote store into the local one (a known
+        ``request_id``: the earlier operation).
 
         Raises:
             FailedPreconditionError (no remote), InvalidArgumentError, NotFoundError, PermissionDeniedError,
             UnavailableError (remote unreachable).
         """
         callers.require_identified(caller)
+        earlier = self._earlier(caller, OperationKind.PULL, request_id)
+        if earlier is not None:
+            return earlier
         remote = remote_ops.require_remote(self.deps)
         doc = remote.find(ref, caller.uid)
         callers.check_may_restore(doc.snapshot, caller, lambda: remote.not_found(ref))
-        record = OperationRecord(OperationKind.PULL, target_snapshot=doc.snapshot.id, owner_uid=caller.uid)
+        record = OperationRecord(
+            OperationKind.PULL, target_snapshot=doc.snapshot.id, owner_uid=caller.uid, request_id=request_id
+        )
         return self.registry.start(record, (), lambda run: remote_ops.run_pull(run, self.deps, doc.snapshot.id, caller))
 
     def remote_snapshots(

@@ -1071,15 +1071,20 @@ class PushRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SNAPSHOT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.str
+    """local id or name"""
+    request_id: _builtins.str
+    """idempotency key, as CheckpointRequest.request_id"""
     def __init__(
         self,
         *,
         snapshot: _builtins.str = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1110,15 +1115,20 @@ class PullRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SNAPSHOT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.str
+    """remote id or name"""
+    request_id: _builtins.str
+    """idempotency key, as CheckpointRequest.request_id"""
     def __init__(
         self,
         *,
         snapshot: _builtins.str = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -303,13 +303,17 @@ class DaemonClient:
         )
         return self._start(self._ops.Resume, req)
 
-    def push(self, snapshot: str) -> OperationHandle:
-        """Start pushing a local snapshot (id or name) to the daemon's remote store."""
-        return self._handle(self._call(self._ops.Push, operations_pb2.PushRequest(snapshot=snapshot)).operation)
+    def push(self, snapshot: str, *, request_id: str = "") -> OperationHandle:
+        """Start pushing a local snapshot (id or name) to the daemon's remote store (a ``request_id`` used
+        before: that operation)."""
+        req = operations_pb2.PushRequest(snapshot=snapshot, request_id=request_id or str(uuid.uuid4()))
+        return self._start(self._ops.Push, req)
 
-    def pull(self, snapshot: str) -> OperationHandle:
-        """Start pulling a snapshot (id or name) of the daemon's remote store into its local store."""
-        return self._handle(self._call(self._ops.Pull, operations_pb2.PullRequest(snapshot=snapshot)).operation)
+    def pull(self, snapshot: str, *, request_id: str = "") -> OperationHandle:
+        """Start pulling a snapshot (id or name) of the daemon's remote store into its local store (a
+        ``request_id`` used before: that operation)."""
+        req = operations_pb2.PullRequest(snapshot=snapshot, request_id=request_id or str(uuid.uuid4()))
+        return self._start(self._ops.Pull, req)
 
     def cancel(self, op_id: str) -> Operation:
         """Ask the operation to stop and roll back; returns it as it is now."""

@@ -131,12 +131,12 @@ class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
 
     @_rpc
     def Push(self, request: operations_pb2.PushRequest, context: grpc.ServicerContext) -> operations_pb2.PushResponse:
-        record = self.daemon.push(request.snapshot, self.caller(context))
+        record = self.daemon.push(request.snapshot, self.caller(context), request.request_id)
         return operations_pb2.PushResponse(operation=convert.operation(record))
 
     @_rpc
     def Pull(self, request: operations_pb2.PullRequest, context: grpc.ServicerContext) -> operations_pb2.PullResponse:
-        record = self.daemon.pull(request.snapshot, self.caller(context))
+        record = self.daemon.pull(request.snapshot, self.caller(context), request.request_id)
         return operations_pb2.PullResponse(operation=convert.operation(record))
 
     @_rpc

@@ -3,6 +3,7 @@ tree, node B pulls and restores it, and the tree carries on with its memory inta
 
 from __future__ import annotations
 
+from gpusnap.daemon.client.values import OperationKind
 from tests.conftest import Workloads, phase_seconds, wait_for
 from tests.daemon.remote.fleet import Fleet, cli_json
 from tests.daemon.test_json_schema import check
@@ -27,6 +28,14 @@ def test_a_pushes_b_pulls_and_restores(fleet: Fleet, workloads: Workloads) -> No
 
     again = cli_json(a, "push", dumped["id"])
     assert again["transferred_bytes"] == 0 and again["skipped_bytes"] == dumped["size_bytes"]
+    # Issue 19 item 7: push and pull took no request_id; a retry with one now gets the same operation.
+    with a.client() as client:
+        first = client.push("tree", request_id="key-1")
+        assert client.push("tree", request_id="key-1").id == first.id
+        first.wait()
+        other = client.pull("tree", request_id="key-1")  # a key is per kind of operation
+        assert other.id != first.id and other.operation.kind is OperationKind.PULL
+        other.wait()
 
     assert cli_json(b, "ls") == []
     remote = cli_json(b, "ls", "--remote", "--label", "app=fleet")
@@ -39,6 +48,10 @@ def test_a_pushes_b_pulls_and_restores(fleet: Fleet, workloads: Workloads) -> No
     assert list(phase_seconds(pulled)) == ["preflight", "download", "publish"]
     assert [s["id"] for s in cli_json(b, "ls")] == [dumped["id"]]
     assert cli_json(b, "pull", "tree")["transferred_bytes"] == 0, "pulled already: nothing moves"
+    with b.client() as client:
+        first = client.pull("tree", request_id="key-2")
+        assert client.pull("tree", request_id="key-2").id == first.id
+        first.wait()
 
     restored = cli_json(b, "restore", "tree")
     workloads.adopt(restored["pid"])
