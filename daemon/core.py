@@ -71,6 +71,9 @@ class NodeInfo:
     standbys: int = 0
     standby_host_memory_bytes: int = 0
     """Resident memory of those standbys (the caller's; root: all), bytes."""
+    unfinished_pulls: int = 0
+    unfinished_pull_bytes: int = 0
+    """Pulls whose work the store still holds, and its bytes (root only: a pull's work is not filed by owner)."""
 
 
 class Daemon:
@@ -579,6 +582,7 @@ class Daemon:
         uid = callers.visible_uid(caller)
         snapshots = self.deps.store.list(owner_uid=uid)
         standbys = self.deps.standbys.list(uid) if self.deps.standbys is not None else []
+        pulls, pull_bytes = self.deps.store.unfinished_pulls() if uid is None else (0, 0)
         return NodeInfo(
             host=host_facts(self.deps),
             store_path=str(self.deps.store.root),
@@ -593,6 +597,8 @@ class Daemon:
             tiers=self._tiers(uid),
             standbys=len(standbys),
             standby_host_memory_bytes=sum(s.host_memory_bytes for s in standbys),
+            unfinished_pulls=pulls,
+            unfinished_pull_bytes=pull_bytes,
         )
 
     def _tiers(self, uid: int | None) -> tuple[TierUsage, ...]:

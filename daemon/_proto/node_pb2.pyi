@@ -51,6 +51,8 @@ class NodeInfo(_message.Message):
     GPU_PREFILL_FIELD_NUMBER: _builtins.int
     STANDBYS_FIELD_NUMBER: _builtins.int
     STANDBY_HOST_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    UNFINISHED_PULLS_FIELD_NUMBER: _builtins.int
+    UNFINISHED_PULL_BYTES_FIELD_NUMBER: _builtins.int
     store_path: _builtins.str
     store_used_bytes: _builtins.int
     snapshot_count: _builtins.int
@@ -65,6 +67,10 @@ class NodeInfo(_message.Message):
     """standbys (restored ahead; ParkService.ListStandbys)"""
     standby_host_memory_bytes: _builtins.int
     """their resident memory"""
+    unfinished_pulls: _builtins.int
+    """pulls whose work is still in the store (root only): a retry resumes them"""
+    unfinished_pull_bytes: _builtins.int
+    """what they hold; removed after pull_grace without a write"""
     @_builtins.property
     def host(self) -> _types_pb2.HostFacts: ...
     @_builtins.property
@@ -93,10 +99,12 @@ class NodeInfo(_message.Message):
         gpu_prefill: Global___GpuPrefill | None = ...,
         standbys: _builtins.int = ...,
         standby_host_memory_bytes: _builtins.int = ...,
+        unfinished_pulls: _builtins.int = ...,
+        unfinished_pull_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpu_prefill", b"gpu_prefill", "host", b"host"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["criu_path", b"criu_path", "cuda_checkpoint_supported", b"cuda_checkpoint_supported", "cuda_unavailable_reason", b"cuda_unavailable_reason", "gpu_prefill", b"gpu_prefill", "gpus", b"gpus", "host", b"host", "remote", b"remote", "snapshot_count", b"snapshot_count", "standby_host_memory_bytes", b"standby_host_memory_bytes", "standbys", b"standbys", "store_path", b"store_path", "store_used_bytes", b"store_used_bytes", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["criu_path", b"criu_path", "cuda_checkpoint_supported", b"cuda_checkpoint_supported", "cuda_unavailable_reason", b"cuda_unavailable_reason", "gpu_prefill", b"gpu_prefill", "gpus", b"gpus", "host", b"host", "remote", b"remote", "snapshot_count", b"snapshot_count", "standby_host_memory_bytes", b"standby_host_memory_bytes", "standbys", b"standbys", "store_path", b"store_path", "store_used_bytes", b"store_used_bytes", "tiers", b"tiers", "unfinished_pull_bytes", b"unfinished_pull_bytes", "unfinished_pulls", b"unfinished_pulls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -93,6 +93,8 @@ class StoreReport:
     store_used_bytes: int = _f(COUNT)
     remote: str | None = _f({})
     tiers: tuple[StoreTier, ...] = _f({})
+    unfinished_pulls: int = _f(COUNT)
+    unfinished_pull_bytes: int = _f(COUNT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,6 +82,8 @@ def store(obj: Ctx) -> None:
                 store_used_bytes=info.store_used_bytes,
                 remote=info.remote,
                 tiers=info.tiers,
+                unfinished_pulls=info.unfinished_pulls,
+                unfinished_pull_bytes=info.unfinished_pull_bytes,
             )
         )
         return
@@ -89,6 +91,13 @@ def store(obj: Ctx) -> None:
     add_row(summary, "store", info.store_path)
     add_row(summary, "", f"{count(info.snapshot_count, 'snapshot')}, {human_size(info.store_used_bytes)}")
     add_row(summary, "remote", info.remote or "-")
+    if info.unfinished_pulls:
+        add_row(
+            summary,
+            "pulling",
+            f"{count(info.unfinished_pulls, 'unfinished pull')}, {human_size(info.unfinished_pull_bytes)} "
+            "(pull again to resume)",
+        )
     print_table(summary)
     roomy = wide()  # narrower, the paths get a table of their own: a folded path beside the sizes is unreadable
     table = new_table("TIER", *(("PATH",) if roomy else ()), "USED", "BUDGET", "FREE", "BLOBS")

@@ -303,6 +303,9 @@ class NodeInfo:
     standbys: int
     """Standbys (the caller's; root: all)."""
     standby_host_memory_bytes: int
+    unfinished_pulls: int
+    """Pulls whose work the store still holds (root only); a retry resumes them."""
+    unfinished_pull_bytes: int
 
 
 class Rung(enum.Enum):

@@ -9,15 +9,19 @@ that the next push reuses and garbage collection removes after its grace period.
 Pull phases: ``preflight`` (manifest read and checked, caller allowed, compatibility gate, room) →
 ``download`` (into ``<store>/pulls/<id>`` and the buffer store's ``pulling/<id>``, every chunk checked
 against its digest; chunks an interrupted pull already wrote are kept after the same check, unless it
-lay untouched for ``pull_grace``: ``SnapshotStore.expire_pulls``) →
+lay untouched for ``pull_grace``: ``SnapshotStore.expire_pulls``; a download that ran out of room removes
+what it wrote, which ``gpusnap store`` shows root meanwhile as unfinished pulls) →
 ``publish`` (buffers adopted into the buffer store, then one rename into ``snapshots/``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 from gpusnap.daemon.access import callers
 from gpusnap.daemon.api.errors import FailedPreconditionError, ResourceExhaustedError
@@ -129,10 +133,10 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
             chunk_lists += [doc.buffer_chunks[d] for d in blobs]
             _check_room(store.pulls_dir, sum(f.size_bytes for f in snap.files), "snapshot store", "--store")
             _check_room(store.buffers.root, sum(b.size_bytes for b in blobs.values()), "buffer store", "--buffer-dir")
-        with run.phase(Phase.DOWNLOAD) as p:
+        with run.phase(Phase.DOWNLOAD) as p, _room_given_back(work, blob_work):
             tally = pull_chunks(remote.objects, remote.limits, items, chunk_lists, p.every_percent())
             p.bytes = tally.transferred_bytes
-        with run.phase(Phase.PUBLISH):
+        with run.phase(Phase.PUBLISH), _room_given_back(work, blob_work):
             digests = [b.sha256 for b in snap.buffers]
             store.buffers.pin(uid, digests)
             try:
@@ -146,6 +150,19 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
             if blobs:
                 store.buffers.schedule_budgets()
     return _result(snap.id, remote, tally)
+
+
+@contextlib.contextmanager
+def _room_given_back(*work: Path) -> Iterator[None]:
+    """A pull that runs out of room removes what it wrote (a retry needs that room first; ``expire_pulls``
+    would keep it for ``pull_grace``)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            for path in work:
+                shutil.rmtree(path, ignore_errors=True)
+        raise
 
 
 def _check_room(directory: os.PathLike[str] | str, need: int, what: str, flag: str) -> None:

@@ -117,6 +117,15 @@ class _Run:
                 raise f.exception()  # type: ignore[misc]
 
 
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset``: a file system that fills up part-way returns a short count
+    first (and ``ENOSPC`` for the rest), which a single ``pwrite`` would have left as a hole."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 def _pread(path: Path, offset: int, length: int) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
@@ -220,7 +229,7 @@ def pull_chunks(
                     reason="REMOTE_CHUNK_CORRUPT",
                     metadata={"chunk": want},
                 )
-            os.pwrite(fds[n], data, off)
+            _pwrite_all(fds[n], data, off)
             r.finished(item, length, sent=True)
 
         r.run(job)

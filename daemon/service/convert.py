@@ -319,6 +319,8 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
         remote=n.remote,
         standbys=n.standbys,
         standby_host_memory_bytes=n.standby_host_memory_bytes,
+        unfinished_pulls=n.unfinished_pulls,
+        unfinished_pull_bytes=n.unfinished_pull_bytes,
         tiers=[
             node_pb2.StoreTier(
                 name=t.name,

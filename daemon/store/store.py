@@ -289,6 +289,12 @@ class SnapshotStore:
             log.info("store.pulls_expired", left=removed)
         return removed
 
+    def unfinished_pulls(self) -> tuple[int, int]:
+        """Pulls whose work is in the store (in flight, or left by one that failed), and its bytes."""
+        found = [*self.pulls_dir.iterdir(), *self.buffers.pulling.iterdir()]
+        held = sum(p.stat().st_size for d in found for p in (d.rglob("*") if d.is_dir() else [d]) if p.is_file())
+        return len({d.name.partition(".")[0] for d in found}), held
+
     def provenance(self, snapshot_id: str) -> bytes | None:
         """The provenance record of a pulled snapshot, None for one made here."""
         try:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import pytest
 
 from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.client import OperationHandle
 from gpusnap.daemon.client.values import EventType
-from tests.conftest import DaemonProc, Workloads, wait_for
+from tests.conftest import DaemonProc, Workloads, stop_daemon, wait_for
 from tests.daemon.remote.fleet import Fleet, cli_json
 
 MEM_MB = 160
@@ -53,10 +54,13 @@ def test_daemon_killed_mid_push_and_mid_pull_lists_nothing_and_a_retry_resumes(
     _interrupt_after_progress(b, _start(b, "pull", snap["id"]), lambda: fleet.kill(b))
     b = fleet.node("b")
     assert cli_json(b, "ls") == [], "a half-pulled snapshot is not listed"
+    store = cli_json(b, "store")  # issue 19 item 7: what it holds is shown
+    assert store["unfinished_pulls"] == 1 and store["unfinished_pull_bytes"] > 0, store
     pulled = cli_json(b, "pull", snap["id"])
     assert pulled["skipped_bytes"] > 0, "the retry kept the chunks the first pull had written"
     assert pulled["transferred_bytes"] + pulled["skipped_bytes"] == snap["size_bytes"]
     assert not list((b.store / "pulls").iterdir()), "the pull's work directory went with its publish"
+    assert cli_json(b, "store")["unfinished_pulls"] == 0
 
     c = fleet.node("c", GPUSNAP_PULL_GRACE="0")  # unfinished pulls expire at once
     _interrupt_after_progress(c, _start(c, "pull", snap["id"]), lambda: fleet.kill(c))
@@ -72,6 +76,42 @@ def test_daemon_killed_mid_push_and_mid_pull_lists_nothing_and_a_retry_resumes(
     os.kill(restored["pid"], signal.SIGUSR1)
     wait_for(lambda: (w.workdir / "sha_now").exists(), 20, "memory was not re-hashed")
     assert w.read("sha_now") == w.read("expected_sha")
+
+
+def test_a_pull_that_runs_out_of_room_gives_it_back(fleet: Fleet, workloads: Workloads) -> None:
+    """Issue 19 item 7: a pull that filled the disk mid-download left its partial work for pull_grace (24 h),
+    which `gpusnap store` did not show. Node B's store is a 40 MiB tmpfs; two pulls of 24 MiB snapshots
+    start at once, each fitting the free space alone (files are sparse until written), so at least one runs
+    out of room while it downloads."""
+    a = fleet.node("a")
+    ids = []
+    for _ in range(2):
+        w = workloads.start("--mem-mb", "24", "--random", "--no-listener", "--no-child")
+        ids.append(cli_json(a, "dump", str(w.pid))["id"])
+        cli_json(a, "push", ids[-1])
+    store = fleet.tmp / "b" / "store"
+    store.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(store)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    b = None
+    try:
+        b = fleet.node("b")
+        with b.client() as client:
+            ops = [client.pull(i) for i in ids]
+            for op in ops:
+                try:
+                    op.wait()
+                except GpusnapError:
+                    pass
+            failed = [client.get_operation(op.id) for op in ops]
+        full = [op for op in failed if op.error is not None and op.error.reason == "STORE_FULL"]
+        assert any(op.phase == "download" for op in full), [(op.phase, op.error) for op in failed]
+        assert not list((store / "pulls").iterdir()) and not list((store / "buffers" / "pulling").iterdir())
+        assert cli_json(b, "store")["unfinished_pulls"] == 0
+    finally:
+        if b is not None:  # before its store goes
+            stop_daemon(b)
+        subprocess.run(["umount", "-l", str(store)])
 
 
 def test_gateway_stopped_mid_transfer_is_a_clear_error_and_nothing_is_lost(fleet: Fleet, workloads: Workloads) -> None:
