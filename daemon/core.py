@@ -33,6 +33,7 @@ from gpusnap.daemon.api.types import (
 )
 from gpusnap.daemon.drivers import restored
 from gpusnap.daemon.drivers.nvml import GpuDevice
+from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.operations import remote as remote_ops
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, PhaseRunner
 from gpusnap.daemon.operations.checkpoint import host_facts, run_checkpoint
@@ -122,6 +123,7 @@ class Daemon:
         earlier = self._earlier(caller, OperationKind.RESTORE, request_id)
         if earlier is not None:
             return earlier
+        gpumap.check_form(opts.gpu_map)
         check_replicas(opts)
         validate.restore_context(opts.env, opts.unset_env, opts.values)
         try:
@@ -228,6 +230,7 @@ class Daemon:
         if earlier is not None:
             return earlier
         validate.standby_id(standby_id)
+        gpumap.check_form({gpu: gpu} if gpu else opts.gpu_map)  # (both: refused below, GPU_MAP_UNEXPECTED)
         validate.restore_context(opts.env, opts.unset_env, opts.values)
         standbys = registry(self.deps)
         found = standbys.get(standby_id) or standbys.gone(standby_id)
@@ -396,6 +399,7 @@ class Daemon:
         earlier = self._earlier(caller, OperationKind.RESUME, request_id)
         if earlier is not None:
             return earlier
+        gpumap.check_form(gpu_map)
         return self._start_on_tree(
             OperationKind.RESUME, pid, caller, lambda run: run_resume(run, self.deps, pid, gpu_map), request_id
         )

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from gpusnap.daemon.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from gpusnap.daemon.api.types import GpuProcess
+from gpusnap.daemon.api.validate import shown
 from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid
 from gpusnap.daemon.drivers.nvml import GpuDevice
 
@@ -25,6 +26,36 @@ _GIB = float(1 << 30)
 
 def _gib(n: int) -> str:
     return f"{n / _GIB:.1f} GiB"
+
+
+MAX_GPU_MAP = 64
+"""Entries a GPU map may have (a node has far fewer GPUs)."""
+
+
+def check_form(requested: Mapping[str, str]) -> None:
+    """Refuse a GPU map that is malformed whatever GPUs this node has, before any operation starts: more
+    than ``MAX_GPU_MAP`` entries, or a key or value that is neither an index (at most 3 digits) nor a GPU
+    UUID. (Whether the GPUs exist here is checked later, against NVML: :func:`resolve_gpu_map`.)
+
+    Raises:
+        InvalidArgumentError: ``INVALID_GPU_MAP`` (too many entries, an empty or overlong one), or
+            ``INVALID_GPU_UUID`` (naming the entry).
+    """
+    if len(requested) > MAX_GPU_MAP:
+        raise InvalidArgumentError(
+            f"a GPU map of {len(requested)} entries (at most {MAX_GPU_MAP}); give one OLD=NEW per GPU of the snapshot",
+            reason="INVALID_GPU_MAP",
+        )
+    for ref in (*requested.keys(), *requested.values()):
+        text = ref.strip()
+        if text.isdigit() and len(text) <= 3:
+            continue
+        if not text or len(text) > 64:
+            raise InvalidArgumentError(
+                f"GPU map entry {shown(ref)} is neither a GPU index nor a GPU UUID (GPU-xxxxxxxx-…, `nvidia-smi -L`)",
+                reason="INVALID_GPU_MAP",
+            )
+        normalize_gpu_uuid(text)
 
 
 def _gpu_ref(gpus: Sequence[GpuDevice], text: str, *, role: str) -> GpuDevice | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.api.errors import DataLossError, InvalidArgumentError, NotFoundError
+from gpusnap.daemon.api.errors import DataLossError, GpusnapError, InvalidArgumentError, NotFoundError
 from tests.conftest import DaemonProc, Workloads
 
 
@@ -185,6 +185,25 @@ def test_a_bad_restore_context_is_refused_before_anything_is_restored(daemon: Da
     assert res.returncode == 2 and _error(res)["reason"] == "INVALID_RESTORE_CONTEXT", res.stderr
     ops = json.loads(daemon.cli("-o", "json", "ops", check=True).stdout)
     assert not [o for o in ops if o["kind"] == "restore"], "no restore started"
+
+
+def test_a_malformed_gpu_map_is_refused_on_a_node_without_gpus(daemon: DaemonProc, workloads: Workloads) -> None:
+    """Issue 19 item 7: on a node without GPUs (this one) a GPU map was checked only against NVML inside
+    the operation, so junk started an operation (journaled) before it failed, and a GPU node refused it at
+    once. Its form is now checked before anything starts, on every node."""
+    _snapshot(daemon, workloads, "cpu")
+    junk = [{"junk": "x"}, {"0": "GPU-zz"}, {"1" * 5000: "0"}, {str(i): "0" for i in range(65)}]
+    for gpu_map in junk:
+        with pytest.raises(InvalidArgumentError) as e:
+            daemon.client().restore("cpu", gpu_map=gpu_map)
+        assert e.value.reason in ("INVALID_GPU_MAP", "INVALID_GPU_UUID") and len(str(e.value)) < 400, str(e.value)
+        with pytest.raises(InvalidArgumentError):
+            daemon.client().resume(os.getpid(), gpu_map=gpu_map)
+    ops = json.loads(daemon.cli("-o", "json", "ops", check=True).stdout)
+    assert not [o for o in ops if o["kind"] in ("restore", "resume")], "no operation started"
+    with pytest.raises(GpusnapError) as e:  # well formed: the snapshot is then what says no
+        daemon.client().restore("cpu", gpu_map={"0": "GPU-5d0f3b7c-1a2b-3c4d-5e6f-0123456789ab"}).wait()
+    assert e.value.reason == "GPU_MAP_UNEXPECTED"
 
 
 def test_unreachable_daemon_exit_code(tmp_path: Path) -> None:
