@@ -41,7 +41,8 @@ T = TypeVar("T")
 
 DEFAULT_SOCKET = "/run/gpusnap/agent.sock"
 DEFAULT_WAKE_DIR = "/run/gpusnap/wake"
-"""gpusnapd creates it (mode 1777); a worker's own wake directory must belong to the worker's user."""
+"""gpusnapd creates it (mode 0755: it writes the wake files, the agents only look for theirs); a worker's own
+wake directory must belong to the worker's user."""
 RECONNECT_S = 0.5
 WAKE_POLL_S = 0.02
 

@@ -169,8 +169,8 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     agents = AgentRegistry(config.agent_socket)
     agents.start()
     undo.callback(agents.stop)
-    # The agents' default GPUSNAP_WAKE_DIR, like /tmp.
-    rundirs.make_own_dir(wake_dir(config), 0o1777)
+    # The agents' default GPUSNAP_WAKE_DIR: they only read it, gpusnapd writes their wake files.
+    rundirs.make_own_dir(wake_dir(config), 0o755, shared=True, narrowed_from=0o1777)
     undo.callback(rundirs.remove_if_empty, wake_dir(config))
     if remote is not None:
         store.buffers.schedule_budgets()
@@ -301,7 +301,8 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
 
 
 def wake_dir(config: DaemonConfig) -> Path:
-    """The agents' default GPUSNAP_WAKE_DIR: ``wake`` beside the agent socket (mode 1777, like /tmp)."""
+    """The agents' default GPUSNAP_WAKE_DIR: ``wake`` beside the agent socket (mode 0755; only gpusnapd writes
+    there)."""
     return config.agent_socket.parent / "wake"
 
 

@@ -6,9 +6,11 @@ the daemon would ``chmod 1777``). The rules:
 
 - a socket's directory, and each directory above it, is owned by root or the daemon's user and is not
   writable by group or others, except a sticky directory (``/tmp``) above one that is the daemon's;
-- the daemon creates its private directory (0700) and the wake directory (1777, the agents' default,
-  like ``/tmp``) and sets their mode only when it made them itself; found ones must already be the
-  daemon's real directories with that mode, or the daemon refuses to start and says what to remove.
+- the daemon creates its private directory (0700) and the wake directory (0755: the agents' default,
+  where only the daemon writes, their wake files; world-writable, it would let any user fill the tmpfs
+  of ``/run`` that the whole system keeps its runtime state on) and sets their mode only when it made
+  them itself; found ones must already be the daemon's real directories with that mode (a wake directory
+  of an earlier gpusnapd's, 1777, is narrowed), or the daemon refuses to start and says what to remove.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ def check_socket_dir(directory: Path) -> None:
             )
 
 
-def make_own_dir(path: Path, mode: int) -> None:
+def make_own_dir(path: Path, mode: int, *, shared: bool = False, narrowed_from: int | None = None) -> None:
     """Create ``path`` with ``mode`` (set past the umask), or accept the daemon's own from an earlier run.
 
     A found path must be a real directory (no symlink) of root or the daemon's user with exactly ``mode``:
-    the daemon never changes the mode of something it did not create.
+    the daemon never changes the mode of something it did not create, except to narrow an earlier
+    gpusnapd's ``narrowed_from`` to ``mode`` (its parent, a socket directory, is one only root writes).
+    ``shared``: agents of every user may name it as their wake directory (:func:`safefs.trust_shared_dir`).
 
     Raises:
         FailedPreconditionError: reason ``UNSAFE_RUNTIME_DIR``.
@@ -65,6 +69,15 @@ def make_own_dir(path: Path, mode: int) -> None:
         os.mkdir(path, 0o700)
     except FileExistsError:
         st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and _trusted_owner(st.st_uid) and stat.S_IMODE(st.st_mode) == narrowed_from:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                found = os.fstat(fd)
+                if (found.st_dev, found.st_ino) == (st.st_dev, st.st_ino):
+                    os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+            st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or not _trusted_owner(st.st_uid) or stat.S_IMODE(st.st_mode) != mode:
             raise FailedPreconditionError(
                 f"{path} exists but is not a directory of root with mode {mode:o}, as gpusnapd makes it (someone "
@@ -73,7 +86,7 @@ def make_own_dir(path: Path, mode: int) -> None:
             ) from None
     else:
         os.chmod(path, mode)  # ours: made just now, not a path another user planted
-    if mode & stat.S_ISVTX:
+    if shared:
         safefs.trust_shared_dir(path)
 
 

@@ -16,11 +16,11 @@ from gpusnap.daemon.access.nofollow import searchable_by, walk
 from gpusnap.daemon.api.errors import InvalidArgumentError, PermissionDeniedError
 
 _shared_dirs: set[tuple[int, int]] = set()
-"""(st_dev, st_ino) of sticky directories the daemon made itself (its wake directory), usable by all."""
+"""(st_dev, st_ino) of directories the daemon made itself for every user (its wake directory)."""
 
 
 def trust_shared_dir(path: str | Path) -> None:
-    """Let :func:`open_dir` with ``shared_ok`` accept ``path``, a sticky directory the daemon created."""
+    """Let :func:`open_dir` with ``shared_ok`` accept ``path``, a directory the daemon created for all."""
     st = os.lstat(path)
     _shared_dirs.add((st.st_dev, st.st_ino))
 
@@ -29,7 +29,7 @@ def trust_shared_dir(path: str | Path) -> None:
 def open_dir(path: str | Path, owner_uid: int, *, shared_ok: bool = False) -> Iterator[int]:
     """An fd of directory ``path`` owned by ``owner_uid``, reached without following any symlink; closed on exit.
 
-    ``shared_ok`` also accepts a sticky directory the daemon made for everyone (:func:`trust_shared_dir`).
+    ``shared_ok`` also accepts a directory the daemon made for everyone (:func:`trust_shared_dir`).
 
     The walk (done as root) stops, as the owner's own would, at a directory ``owner_uid`` may not search,
     so no answer tells a caller whether anything exists below a directory it cannot search.

@@ -147,6 +147,32 @@ def test_daemon_never_adopts_or_chmods_a_planted_runtime_directory(tmp_path: Pat
     assert stat.S_IMODE(target.stat().st_mode) == 0o755, "the link's target kept its mode"
 
 
+def test_the_wake_directory_is_not_world_writable(tmp_path: Path, hostile: tuple[User, User]) -> None:
+    """Issue 19 item 7: the agents' wake directory beside the agent socket was 1777, and by default it is
+    /run/gpusnap/wake, on the tmpfs of /run: any user could fill the tmpfs the system keeps its runtime
+    state on. It is 0755 now (only gpusnapd writes there: the wake files); an earlier gpusnapd's 1777
+    one is narrowed, not refused."""
+    user, _ = hostile
+    d = start_daemon(tmp_path / "d")
+    try:
+        assert d.alive(), d.log.read_text()
+        wake = d.agent_socket.parent / "wake"
+        assert stat.S_IMODE(wake.stat().st_mode) == 0o755 and wake.stat().st_uid == 0
+        res = subprocess.run([*user.argv(), "touch", str(wake / "filler")], capture_output=True, text=True)
+        assert res.returncode != 0 and not (wake / "filler").exists(), "a user cannot write there"
+    finally:
+        stop_daemon(d)
+    earlier = _sock_dir()
+    (earlier / "wake").mkdir()
+    os.chmod(earlier / "wake", 0o1777)  # as an earlier gpusnapd made it
+    d = start_daemon(tmp_path / "e", socket_dir=earlier)
+    try:
+        assert d.alive(), d.log.read_text()
+        assert stat.S_IMODE((earlier / "wake").stat().st_mode) == 0o755
+    finally:
+        stop_daemon(d)
+
+
 def test_a_second_daemon_neither_takes_over_nor_deletes_the_agent_socket(tmp_path: Path) -> None:
     first = start_daemon(tmp_path / "first")
     try:
