@@ -370,8 +370,15 @@ class _CriuHooks:
                 raise FailedPreconditionError(
                     f"CRIU's restored PID {t.ns_pid} is not in its namespace", reason="RESTORE_INCOMPLETE"
                 )
-            self.restored.extend(proc.tree_pids(found[0]))
-            file_rights.check_restored(self.snapshot, found[0], str(self.scratch / criu_userpaths.GHOSTS))
+            try:
+                self.restored.extend(proc.tree_pids(found[0]))
+                file_rights.check_restored(self.snapshot, found[0], str(self.scratch / criu_userpaths.GHOSTS))
+            except NotFoundError as exc:  # not a PID the caller gave: a restored task killed before it ran
+                raise FailedPreconditionError(
+                    f"a process of the restored tree (root PID {found[0]}) ended before the tree ran, killed from "
+                    "outside; the tree was stopped: restore again",
+                    reason="RESTORE_INCOMPLETE",
+                ) from exc
         except BaseException:
             _kill_tree(t.init_pid, found[0] if found else t.ns_pid)
             raise

@@ -9,8 +9,8 @@ generation step multiplies a state vector by the weights and takes the argmax, s
 reproduced from the same weights. WORKDIR/go-N makes it generate 8 tokens and write WORKDIR/tokens-N
 (JSON: {"tokens": [...], "weights_sum": float}, plus "ptr", the weights' address, with ``--stable-fake``).
 WORKDIR/events logs the adapter calls. WORKDIR/fault, while it exists, holds ``PHASE:hang:SECONDS`` or
-``PHASE:die`` (PHASE: quiesce, offload, reload or resume): the worker then sleeps that long, or exits with
-status 3, when that phase starts (tests/adapters/test_agent_faults.py). ``--stable-fake``: ``TorchAdapter(stable_addresses=True)`` over the fake VMM driver
+``PHASE:die`` (PHASE: warm_up, quiesce, offload, reload or resume): the worker then sleeps that long, or exits
+with status 3, when that phase starts (tests/adapters/test_agent_faults.py). ``--stable-fake``: ``TorchAdapter(stable_addresses=True)`` over the fake VMM driver
 (tests/fakes/cuda_vmm.py), whose arenas are host mappings, so the weights live in an arena that is
 released (left reserved, ``PROT_NONE``) at capture and re-mapped at the same address after a restore.
 """
@@ -88,6 +88,7 @@ def main() -> None:
             return out
 
     def warm_up() -> list[int]:
+        fault("warm_up")
         log("warm_up")
         return generate([1, 5, 6, 7], 2)
 

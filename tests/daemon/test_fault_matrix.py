@@ -12,7 +12,8 @@ recovers from its journal. Every cell asserts the same three things:
 plus: the operation is known after the restart (from the journal) and a retry of its idempotency key gets
 the same operation. GPU phases (gpu-lock … gpu-unlock) are covered with the fake CUDA driver in
 tests/daemon/operations/test_recovery_gpu.py; agent hang and death in each worker phase (quiesce, offload,
-reload, resume) in tests/adapters/test_agent_faults.py, and a daemon killed after offload in
+reload, resume, and every other capture and restore phase through the ``hold`` failpoint) in
+tests/adapters/test_agent_faults.py, and a daemon killed after offload in
 tests/adapters/test_buffers_cpu.py. Set-up is shared where honest: restore cells
 restore copies (hard links) of one snapshot made once per module.
 """
