@@ -181,6 +181,7 @@ def prepare_capture(
                 cfg.quiesce_timeout,
                 progress,
                 journal=lambda staged: run.record.note(staged=staged),  # recovery hands them back (module docstring)
+                before_free=lambda: run.failpoints.hit(run.record.kind.value, "offload-free"),
             )
     infos = [p.worker_info() for p in fronts + others]
     capture.worker, capture.agents = infos[0], tuple(infos[1:])

@@ -39,7 +39,12 @@ class AgentWeights:
 
 
 def offload(
-    parts: Sequence[AgentWeights], store: BufferStore, timeout_s: float, progress: Progress, journal: Journal
+    parts: Sequence[AgentWeights],
+    store: BufferStore,
+    timeout_s: float,
+    progress: Progress,
+    journal: Journal,
+    before_free: Callable[[], None] = lambda: None,
 ) -> int:
     """The ``offload`` phase: stage every announced buffer, journal the staged files, then have every worker
     write its buffers out and free them once gpusnapd has copied them, in parallel (one progress event per
@@ -53,14 +58,14 @@ def offload(
     for part in moving:
         part.staged = exchange.stage(part.client, store, part.announced)
     journal(staged_facts(moving))
-    in_parallel([lambda p=p: _offload(p, timeout_s, progress) for p in moving])  # type: ignore[misc]
+    in_parallel([lambda p=p: _offload(p, timeout_s, progress, before_free) for p in moving])  # type: ignore[misc]
     return sum(p.staged.total_bytes for p in moving if p.staged)
 
 
-def _offload(part: AgentWeights, timeout_s: float, progress: Progress) -> None:
+def _offload(part: AgentWeights, timeout_s: float, progress: Progress, before_free: Callable[[], None]) -> None:
     assert part.staged is not None
     start = time.monotonic()
-    exchange.offload(part.client, part.staged, timeout_s)
+    exchange.offload(part.client, part.staged, timeout_s, before_free)
     exchange.report(progress, part.info.label, part.staged.total_bytes, time.monotonic() - start, "written out")
 
 

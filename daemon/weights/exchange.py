@@ -119,14 +119,17 @@ def offload_batches(sizes: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def offload(agent: AgentClient, staged: StagedBuffers, timeout_s: float) -> float:
+def offload(
+    agent: AgentClient, staged: StagedBuffers, timeout_s: float, before_free: Callable[[], None] = lambda: None
+) -> float:
     """Have the worker write its buffers into sealed memfds, in batches, copy each batch into ``staged`` while
     the worker writes the next, then have the worker free them all; digests start at once.
 
     The worker frees nothing before every copy is done, so its buffers are always either in its memory or
     in gpusnapd's files (a daemon crash in between leaves them in the worker). A failure part-way leaves
     some buffers out of the worker only if it is in ``Free``: the capture's rollback reads them back from
-    ``staged`` (the agent skips those it still holds).
+    ``staged`` (the agent skips those it still holds). ``before_free`` runs once every copy is done (the
+    fault matrix's ``offload-free`` point).
 
     Raises:
         FailedPreconditionError, DeadlineExceededError: see :meth:`AgentSession.call`.
@@ -152,6 +155,7 @@ def offload(agent: AgentClient, staged: StagedBuffers, timeout_s: float) -> floa
     start = time.monotonic()
     staged.wait_copies()
     copied = time.monotonic()
+    before_free()
     done = agent.free(staged.names, last=True, timeout_s=timeout_s)
     spent += done.seconds
     log.info("buffers.freed", pid=agent.info.pid, copy_wait_s=round(copied - start, 3), worker_s=round(done.seconds, 3))

@@ -206,10 +206,11 @@ def test_address_stable_weights_survive_criu_at_the_same_address(daemon: DaemonP
         kill_tree(w.proc.pid, restored_pid)
 
 
-@pytest.mark.parametrize("phase", ["dump", "publish", "finish"])
+@pytest.mark.parametrize("phase", ["offload-free", "dump", "publish", "finish"])
 def test_daemon_killed_after_offload_gives_the_worker_its_weights_back(tmp_path: Path, phase: str) -> None:
-    """gpusnapd is SIGKILLed once the worker's weights left it: staged files (at `dump`), committed blobs of
-    an unpublished snapshot (at `publish`), a published snapshot (at `finish`). The restarted daemon's
+    """gpusnapd is SIGKILLed once the worker's weights were copied out: before the worker freed them (inside
+    `offload`, at `offload-free`: they are still in the worker, and staged), staged files (at `dump`),
+    committed blobs of an unpublished snapshot (at `publish`), a published snapshot (at `finish`). The restarted daemon's
     recovery hands the worker its weights back and resumes it; it serves the same tokens."""
     mib = 64
     d = start_daemon(tmp_path / "d", extra_env={"GPUSNAP_FAILPOINT": f"checkpoint:{phase}:kill"})
