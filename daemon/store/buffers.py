@@ -103,10 +103,11 @@ class StagedBuffers:
             out.append(self._memfds[i])
         return out
 
-    def copy_in(self, indices: Iterable[int]) -> None:
+    def copy_in(self, indices: Iterable[int]) -> list[Future[None]]:
         """Start copying the memfds of buffers ``indices`` (written by the worker) into their staged files,
         ``COPY_CHUNK_BYTES`` at a time on the store's pool; each memfd is closed once its copy is done.
-        :meth:`wait_copies` waits for them."""
+        Returns the copies started (:meth:`wait_copies` waits for all of them)."""
+        started: list[Future[None]] = []
         for i in indices:
             if i not in self._memfds or i in self._copying:
                 continue
@@ -126,7 +127,9 @@ class StagedBuffers:
             for off, length in chunks:
                 future = self.store.pool.submit(self._copy_chunk, i, off, length)
                 self._copies.append(future)
+                started.append(future)
                 future.add_done_callback(done)
+        return started
 
     def _copy_chunk(self, i: int, offset: int, length: int) -> None:
         dst = os.open(self.paths[i], os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)

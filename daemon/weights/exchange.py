@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Protocol, TypeVar
 
 import structlog
@@ -59,6 +60,9 @@ BATCH_BYTES = 256 << 20
 (a buffer larger than that alone): gpusnapd copies a batch into the store while the worker writes the next,
 so only the last batch's copy adds to the phase."""
 BATCHES = 8
+AHEAD = 1
+"""Batches whose copy may still run while the worker writes the next: what the memfds hold at once stays
+within ``AHEAD + 1`` batches (host memory, and descriptors)."""
 SLOWEST_STORE_BYTES_PER_S = 100 << 20
 """A batch's time bound grows by its bytes at this rate (a slow disk), on top of the fixed timeout."""
 MAX_BUFFERS = 16384
@@ -139,10 +143,14 @@ def offload(
         Seconds the worker spent (its own measure, summed over batches).
     """
     spent = 0.0
+    copying: list[list[Future[None]]] = []
     for batch in offload_batches(staged.sizes):
+        if len(copying) > AHEAD:
+            for future in copying.pop(0):
+                future.result()
         nbytes = sum(staged.sizes[j] for j in batch)
         done = agent.offload([staged.names[j] for j in batch], staged.memfds(batch), batch_timeout(timeout_s, nbytes))
-        staged.copy_in(batch)
+        copying.append(staged.copy_in(batch))
         spent += done.seconds
         log.info(
             "buffers.written",
