@@ -29,12 +29,11 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gpusnap.daemon.api.errors import FailedPreconditionError, GpusnapError
 from gpusnap.daemon.api.types import RestoreOptions, RestoreResult, Snapshot
 from gpusnap.daemon.drivers import proc
-from gpusnap.daemon.drivers.cuda import ProcessState
 from gpusnap.daemon.operations import restore
 from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
@@ -126,15 +125,13 @@ def _stand_by(
                 "should have left them stopped",
                 reason="STANDBY_NOT_STOPPED",
             )
-        if side.cuda_pids and deps.gpu.cuda is not None:
-            states = {p: deps.gpu.cuda.get_state(p) for p in side.cuda_pids}
-            wrong = {p: s.name for p, s in states.items() if s is not ProcessState.CHECKPOINTED}
-            if wrong:
-                raise FailedPreconditionError(
-                    f"the standby of {snapshot.id} has CUDA processes that are not CHECKPOINTED: {wrong}; they "
-                    "would hold GPU memory",
-                    reason="CUDA_NOT_CHECKPOINTED",
-                )
+        holding = gpu_memory_held(deps, side.cuda_pids)
+        if holding:
+            raise FailedPreconditionError(
+                f"the standby of {snapshot.id} has CUDA processes that hold GPU memory ({holding} bytes by PID): "
+                "they were not restored CHECKPOINTED",
+                reason="CUDA_NOT_CHECKPOINTED",
+            )
         rss = proc.rss_bytes(pids)
     if digests:  # the standby's own pins, until it is dropped or activated
         deps.store.buffers.pin(snapshot.buffer_uid, digests)
@@ -172,6 +169,18 @@ def drop(deps: Deps, standby_id: str) -> Standby | None:
     return sb
 
 
+def gpu_memory_held(deps: Deps, pids: Sequence[int]) -> dict[int, int]:
+    """GPU memory that NVML sees ``pids`` hold (PID → bytes); empty for CHECKPOINTED processes, which hold none.
+
+    NVML, not the CUDA checkpoint API: ``cuCheckpointProcessGetState`` waits for its target process, which cannot
+    answer while it is stopped (on an H200 a standby's validate waited on it until the test gave up)."""
+    nvml = deps.gpu.nvml
+    if not pids or nvml is None or not nvml.available():
+        return {}
+    usage = nvml.processes_by_pid()
+    return {p: sum(b for _, b in usage[p]) for p in pids if p in usage}
+
+
 def adopt(deps: Deps) -> None:
     """At gpusnapd's start (after recovery): keep the registry's standbys whose snapshot is still here, whose
     tasks are all still stopped and whose CUDA processes are all CHECKPOINTED; pin their buffers again and
@@ -184,13 +193,11 @@ def adopt(deps: Deps) -> None:
             return f"its snapshot {sb.snapshot_id} is gone"
         if not all(proc.stopped(p) for p in proc.tree_pids_or_empty(sb.root)):
             return "its tasks are no longer all stopped"
-        cuda = deps.gpu.cuda
-        if sb.cuda_pids and cuda is not None:
-            try:
-                if any(cuda.get_state(p) is not ProcessState.CHECKPOINTED for p in sb.cuda_pids):
-                    return "a CUDA process of it is not CHECKPOINTED"
-            except GpusnapError as exc:
-                return f"its CUDA state is unreadable ({exc})"
+        try:
+            if gpu_memory_held(deps, sb.cuda_pids):
+                return "a CUDA process of it holds GPU memory"
+        except GpusnapError as exc:
+            return f"its GPU use is unreadable ({exc})"
         return ""
 
     adopted, _ = registry(deps).adopt(still_standing)
