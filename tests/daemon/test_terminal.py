@@ -74,8 +74,8 @@ def _inits(snapshot_id: str) -> list[psutil.Process]:
 @starts("gpusnapd")  # `make run`, typed into a terminal
 def test_the_readme_quick_start_as_typed_in_two_terminals(checkout: Path) -> None:
     """`make run` in one terminal, the example in another, each line as typed; then Ctrl-C stops gpusnapd."""
-    [[run], example] = quick_start()
-    assert run.split("#")[0].strip() == "make run"
+    [[run, test], example] = quick_start()
+    assert run.split("#")[0].strip() == "make run" and test.split("#")[0].strip() == "make test"
     Path("/tmp/w.log").unlink(missing_ok=True)
     env = {k: v for k, v in _cli_env().items() if k != "GPUSNAP_SOCKET"}
     server, sh = Shell(checkout, env), Shell(checkout, env)
