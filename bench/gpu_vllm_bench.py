@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 from bench import results_file  # noqa: E402
 from bench.gpu_bench import wait_registered_ahead  # noqa: E402
 from gpusnap.daemon.api.types import OperationState  # noqa: E402
+from gpusnap.daemon.client.values import Operation  # noqa: E402
 from tests.adapters.vllm_model import make_tiny_llama  # noqa: E402
 from tests.adapters.vllm_server import install_gpusnap, request  # noqa: E402
 from tests.conftest import DaemonProc, kill_tree, phase_seconds, start_daemon, stop_daemon  # noqa: E402
@@ -83,17 +84,23 @@ def restore_to_first_token(daemon: DaemonProc, snapshot: str, port: int) -> dict
     t0 = time.time()
     done = client.wait(client.restore(snapshot).id, timeout_s=1800)
     restored_at = time.time()
-    if done.state is not OperationState.SUCCEEDED or done.restore is None:
-        raise SystemExit(f"restore of {snapshot} failed: {done}")
-    first = request(port, PROMPT, 1)
-    answer = request(port, PROMPT, 16)["token_ids"]
+    pid, first_token_s, answer = served(done, f"restore of {snapshot}", port, t0)
     return {
-        "pid": done.restore.pid,
+        "pid": pid,
         "restore_call_s": restored_at - t0,
-        "restore_to_first_token_s": float(first["t_done"]) - t0,
+        "restore_to_first_token_s": first_token_s,
         "phases": {p.phase: round(p.duration_seconds, 4) for p in done.phases},
         "answer": answer,
     }
+
+
+def served(done: Operation, what: str, port: int, t0: float) -> tuple[int, float, list[int]]:
+    """The restored server of ``done`` (a restore or activation, succeeded, else the bench stops): its root
+    PID, seconds from ``t0`` to its first token, then its 16 greedy tokens for the prompt."""
+    if done.state is not OperationState.SUCCEEDED or done.restore is None:
+        raise SystemExit(f"{what} failed: {done}")
+    first = request(port, PROMPT, 1)
+    return done.restore.pid, float(first["t_done"]) - t0, list(request(port, PROMPT, 16)["token_ids"])
 
 
 def host_memory(root: int) -> list[dict[str, Any]]:
@@ -136,18 +143,15 @@ def standby_then_activate(daemon: DaemonProc, snapshot: str, port: int) -> dict[
     node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
     t0 = time.time()
     done = client.wait(client.activate(sb.id).id, timeout_s=1800)
-    if done.state is not OperationState.SUCCEEDED or done.restore is None:
-        raise SystemExit(f"activation of {sb.id} failed: {done}")
-    first = request(port, PROMPT, 1)
-    answer = request(port, PROMPT, 16)["token_ids"]
+    pid, first_token_s, answer = served(done, f"activation of {sb.id}", port, t0)
     return {
-        "pid": done.restore.pid,
+        "pid": pid,
         "standby_s": standby_s,
         "standby_phases": {p.phase: round(p.duration_seconds, 4) for p in made.phases},
         "standby_host_memory_bytes": sb.host_memory_bytes,
         "gpu_free_bytes_while_standing_by": [int(g["memory_free_bytes"]) for g in node["gpus"]],
         "blobs_registered": registered,
-        "activation_to_first_token_s": float(first["t_done"]) - t0,
+        "activation_to_first_token_s": first_token_s,
         "activate_phases": {p.phase: round(p.duration_seconds, 4) for p in done.phases},
         "answer": answer,
     }
