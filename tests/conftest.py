@@ -22,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpusnap.daemon.client import DaemonClient
+from tests.shortdirs import remove_all, short_dir
 from tests.starts import refused, started_by, starts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,9 +101,7 @@ def start_daemon(
     ``bin_dir``: run the ``gpusnapd`` and ``gpusnap`` scripts installed there (with ``base_env`` instead
     of this interpreter's environment) rather than this checkout's modules.
     """
-    sock_dir = socket_dir or Path(tempfile.mkdtemp(prefix="gpusnap-sock-"))
-    if socket_dir is None:
-        os.chmod(sock_dir, 0o755)
+    sock_dir = socket_dir or short_dir("gpusnap-sock-")
     socket_path = sock_dir / socket_name
     store = tmp / "store"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -315,6 +314,29 @@ def hostile() -> Iterator[tuple[Any, Any]]:
 
     with hostile_users() as users:
         yield users
+
+
+# The whole suite writes about 20 GiB under the temp dir over a run (CRIU images, buffer stores, a vLLM venv's
+# server images), and its largest test about 4 GiB at once; pyproject.toml has pytest delete a passed test's
+# tmp_path. A disk with less free than this fails every later test with ENOSPC and Ceph's monitor refuses to
+# start: say so once, before anything starts.
+MIN_FREE_GIB = 10
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    tmp = tempfile.gettempdir()
+    free = shutil.disk_usage(tmp).free / (1 << 30)
+    if free < MIN_FREE_GIB and not session.config.option.collectonly:
+        pytest.exit(
+            f"only {free:.1f} GiB free under {tmp}; the tests need about {MIN_FREE_GIB} GiB there (CRIU images, "
+            f"buffer stores). Free space, e.g. `rm -rf {tmp}/pytest-of-$(id -un)` (earlier runs' kept "
+            "directories), or point TMPDIR at a larger disk",
+            returncode=3,
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    remove_all()
 
 
 # `make test-fast` runs `-m "not slow"`: a test is slow when it starts gpusnapd, CRIU, an engine or worker, a

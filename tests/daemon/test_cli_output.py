@@ -9,11 +9,11 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from gpusnap.daemon.cli.output import moved
 from tests.conftest import DaemonProc, Workloads, _cli_env, _healthy, criu_prefix, wait_for
+from tests.shortdirs import short_dir
 from tests.starts import starts
 
 LONG_NAME = "a-rather-long-snapshot-name-for-a-warmed-up-inference-worker-01"
@@ -104,8 +104,7 @@ def _gpusnapd(tmp: Path, *flags: str) -> subprocess.Popen[bytes]:
 def test_agent_socket_follows_socket_and_the_flag(tmp_path: Path) -> None:
     default_agent = Path("/run/gpusnap/agent.sock")
     existed = default_agent.exists()
-    run_dir = Path(tempfile.mkdtemp(prefix="gpusnap-run-"))
-    os.chmod(run_dir, 0o755)
+    run_dir = short_dir("gpusnap-run-")
     socket = run_dir / "api.sock"
     proc = _gpusnapd(tmp_path, "--socket", str(socket))
     try:
@@ -119,8 +118,7 @@ def test_agent_socket_follows_socket_and_the_flag(tmp_path: Path) -> None:
         assert proc.wait(timeout=30) == 0
     assert not (run_dir / "agent.sock").exists() and not (run_dir / "wake").exists(), "nothing left behind"
 
-    agent_dir = Path(tempfile.mkdtemp(prefix="gpusnap-agent-"))
-    os.chmod(agent_dir, 0o755)
+    agent_dir = short_dir("gpusnap-agent-")
     proc = _gpusnapd(tmp_path, "--socket", str(socket), "--agent-socket", str(agent_dir / "a.sock"))
     try:
         wait_for(lambda: (socket.exists() and _healthy(socket)) or proc.poll() is not None, 60, "did not start")

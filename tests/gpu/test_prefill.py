@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import pytest
 
 from tests.conftest import kill_tree, start_daemon, stop_daemon, wait_for
 from tests.gpu.test_gpu import GIB
+from tests.shortdirs import short_dir
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ WORKER = Path(__file__).resolve().parent / "torch_worker.py"
 
 
 def test_prefilled_arena_and_its_graph_survive_dump_and_restore(tmp_path: Path) -> None:
-    buffers = Path(tempfile.mkdtemp(prefix="gpusnap-prefill-", dir="/dev/shm"))  # a RAM tier, as in production
+    buffers = short_dir("gpusnap-prefill-", 0o700, "/dev/shm")  # a RAM tier, as in production
     d = start_daemon(tmp_path / "d", extra_env={"GPUSNAP_GPU_PREFILL": "auto", "GPUSNAP_BUFFER_DIR": str(buffers)})
     wd = tmp_path / "w"
     wd.mkdir()

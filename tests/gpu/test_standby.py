@@ -7,7 +7,6 @@ tests/daemon/test_standby_cli.py and tests/adapters/test_prefill_cpu.py."""
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,13 @@ import pytest
 from gpusnap.daemon.drivers import proc as procs
 from tests.conftest import kill_tree, start_daemon, stop_daemon, wait_for
 from tests.gpu.test_gpu_engine import request, start_llm
+from tests.shortdirs import short_dir
 
 pytestmark = pytest.mark.gpu
 
 
 def test_standby_holds_no_gpu_memory_and_activates_to_the_same_tokens(tmp_path: Path) -> None:
-    buffers = Path(tempfile.mkdtemp(prefix="gpusnap-standby-", dir="/dev/shm"))  # a RAM tier
+    buffers = short_dir("gpusnap-standby-", 0o700, "/dev/shm")  # a RAM tier
     d = start_daemon(tmp_path / "d", extra_env={"GPUSNAP_GPU_PREFILL": "auto", "GPUSNAP_BUFFER_DIR": str(buffers)})
     wd = tmp_path / "llm"
     worker = start_llm(d, wd, "1b", "--graphs")

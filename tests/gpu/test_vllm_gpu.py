@@ -24,7 +24,6 @@ import json
 import os
 import resource
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ import pytest
 from tests.adapters.vllm_model import make_tiny_llama
 from tests.adapters.vllm_server import VllmServer, engine_env, install_gpusnap, pythonpath
 from tests.conftest import DaemonProc, kill_tree, phase_seconds, start_daemon, stop_daemon
+from tests.shortdirs import short_dir
 
 ENGINE_SITE = Path(os.environ.get("GPUSNAP_ENGINE_SITE", "/tmp/engine-site"))
 
@@ -104,7 +104,7 @@ def inspect(daemon: DaemonProc, name: str) -> dict[str, Any]:
 
 
 def test_stock_vllm_serve_with_cuda_graphs(tmp_path: Path) -> None:
-    buffers = Path(tempfile.mkdtemp(prefix="gpusnap-vllm-", dir="/dev/shm"))  # a RAM tier, as in production
+    buffers = short_dir("gpusnap-vllm-", 0o700, "/dev/shm")  # a RAM tier, as in production
     daemon = start_daemon(tmp_path / "d", extra_env={"GPUSNAP_GPU_PREFILL": "auto", "GPUSNAP_BUFFER_DIR": str(buffers)})
     target = install_gpusnap(sys.executable, tmp_path / "install")
     model = make_tiny_llama(tmp_path / "m", **MODEL)

@@ -18,6 +18,7 @@ from gpusnap.daemon.access import safefs
 from gpusnap.daemon.api.errors import InvalidArgumentError, PermissionDeniedError
 from gpusnap.daemon.workers import controldir
 from tests.conftest import start_daemon, stop_daemon
+from tests.shortdirs import short_dir
 from tests.users import User
 
 
@@ -103,9 +104,7 @@ def test_only_the_callers_own_directory_is_accepted(tmp_path: Path, hostile: tup
 
 
 def _sock_dir(mode: int = 0o755) -> Path:
-    d = Path(tempfile.mkdtemp(prefix="gpusnap-sock-"))
-    os.chmod(d, mode)
-    return d
+    return short_dir("gpusnap-sock-", mode)
 
 
 def _refused(tmp_path: Path, socket_dir: Path, reason: str) -> str:
@@ -199,7 +198,7 @@ def test_a_refused_start_leaves_no_agent_socket_behind(tmp_path: Path) -> None:
     first = start_daemon(tmp_path / "first")
     try:
         assert first.alive(), first.log.read_text()
-        agent_dir = Path(tempfile.mkdtemp(prefix="gpusnap-agent-"))
+        agent_dir = short_dir("gpusnap-agent-")
         second = start_daemon(
             tmp_path / "second",
             socket_dir=first.socket.parent,

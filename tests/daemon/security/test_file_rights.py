@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -24,6 +23,7 @@ from gpusnap.daemon.api.errors import PermissionDeniedError
 from gpusnap.daemon.api.types import Creds, HostFacts, ProcessFacts, Snapshot
 from tests.conftest import WORKLOADS, DaemonProc, Workloads, kill_tree, start_daemon, stop_daemon, wait_for
 from tests.reown import reown
+from tests.shortdirs import short_dir
 from tests.users import User
 
 SECRET = b"TOPSECRET-root-only\n"
@@ -50,8 +50,7 @@ def _as(user: User, *cmd: str) -> None:
 @pytest.fixture
 def reowned(tmp_path: Path, hostile: tuple[User, User], workloads: Workloads) -> Iterator[Setup]:
     a, _ = hostile
-    base = Path(tempfile.mkdtemp(prefix="gpusnap-rights-"))
-    os.chmod(base, 0o755)
+    base = short_dir("gpusnap-rights-")
     home = base / "home"
     (home / "d").mkdir(parents=True)
     (home / "d" / "x").write_bytes(HARMLESS)
@@ -158,8 +157,7 @@ def test_what_a_restored_tree_holds_is_checked_as_its_owner(tmp_path: Path, host
     """Step 3 (CRIU's post-restore) on a real tree: a process of A that holds root's secret (opened before
     it dropped to A, as CRIU would open a swapped path) is refused; one that holds A's own file passes."""
     a, _ = hostile
-    base = Path(tempfile.mkdtemp(prefix="gpusnap-rights-"))
-    os.chmod(base, 0o755)
+    base = short_dir("gpusnap-rights-")
     secret, own = base / "secret", base / "own"
     secret.write_bytes(SECRET)
     os.chmod(secret, 0o600)

@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import pytest
 
 from tests.conftest import DaemonProc, Workloads, _cli_env, start_daemon, stop_daemon, wait_for
 from tests.reown import SYSTEM_PYTHON, dumped_by_root, reown
+from tests.shortdirs import short_dir
 from tests.users import User
 
 HERE = Path(__file__).parent
@@ -54,8 +54,7 @@ def _as(user: User, *cmd: str) -> None:
 def reowned(tmp_path_factory: pytest.TempPathFactory, hostile: tuple[User, User]) -> Iterator[Setup]:
     a, _ = hostile
     tmp = tmp_path_factory.mktemp("sockets")
-    base = Path(tempfile.mkdtemp(prefix="gpusnap-socks-"))
-    os.chmod(base, 0o755)
+    base = short_dir("gpusnap-socks-")
     home = base / "home"
     (home / "s").mkdir(parents=True)
     snapshot = dumped_by_root(tmp, "sock", home / "ready", "unix_listener.py", str(home / "s" / "api.sock"), str(home))
@@ -250,8 +249,7 @@ def test_ghosts_are_never_created_in_a_directory_the_user_swapped_in(
     symlink to root's directory, CRIU created ``x.cr.N.ghost`` and the directory ``sub`` (the user's,
     chowned) there as root. Now nothing is created there and the restored tree reads its own data."""
     a, _ = hostile
-    base = Path(tempfile.mkdtemp(prefix="gpusnap-ghosts-"))
-    os.chmod(base, 0o755)
+    base = short_dir("gpusnap-ghosts-")
     top = base / "g"
     (top / "d").mkdir(parents=True)
     try:
