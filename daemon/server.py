@@ -30,6 +30,7 @@ from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import host
 from gpusnap.daemon.drivers.criu import CriuDriver
+from gpusnap.daemon.executor import Executor
 from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations import standby as standby_ops
@@ -39,7 +40,7 @@ from gpusnap.daemon.operations.failpoints import NONE as NO_FAULTS
 from gpusnap.daemon.operations.failpoints import Failpoints
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.operations.standby import StandbyOptions
-from gpusnap.daemon.park.ladder import Ladder
+from gpusnap.daemon.park.ladder import Ladder, blob_rank
 from gpusnap.daemon.park.policy import FILE as POLICIES
 from gpusnap.daemon.park.policy import Policies
 from gpusnap.daemon.park.standbys import FILE as STANDBYS
@@ -67,14 +68,12 @@ SERVICE_NAMES = (
     park_pb2.DESCRIPTOR.services_by_name["ParkService"].full_name,
 )
 
-RPC_THREADS = 32
-"""Threads for unary calls, shared by all callers (each holds at most ``max_calls_per_caller``)."""
 MAX_QUEUED_PER_CALLER = 256
+"""Unary calls of one caller that may wait for a turn; more fail with RESOURCE_EXHAUSTED."""
 UNSENT_PER_CONNECTION = 8 << 20
 """Bytes of answers one connection may hold unread before its next call waits (a list page is <= 2 MiB)."""
 UNSENT_PER_CALLER = 32 << 20
 """Bytes of answers one caller may hold unread over all its connections before its next call waits."""
-"""Unary calls of one caller that may wait for a turn; more fail with RESOURCE_EXHAUSTED."""
 
 
 @dataclasses.dataclass
@@ -86,10 +85,13 @@ class Running:
     daemon: Daemon
     health: health.aio.HealthServicer
     metrics: Any  # gpusnap.daemon.metrics.Metrics, or None when metrics_listen is empty
+    executor: Executor
+    """The daemon's lanes of threads (``gpusnap.daemon.executor``); shut down last."""
 
     def stop(self, grace: float = 5.0) -> None:
         self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server.stop(grace)
+        self.executor.stop_lane("rpc")  # no queued call runs once the server is gone
         self.proxy.stop()
         if self.metrics is not None:
             self.metrics.stop()
@@ -97,6 +99,7 @@ class Running:
         # close: a quiesced worker must still be able to reconnect and be resumed.
         _release(self.daemon)
         rundirs.remove_if_empty(wake_dir(self.daemon.deps.config))
+        self.executor.shutdown()
 
     def set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         for name in ("", *SERVICE_NAMES):
@@ -137,15 +140,22 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     """:func:`build_daemon`'s work; each thing acquired registers its release on ``undo``."""
     config.validate()
     host.raise_open_file_limit()
+    executor = Executor()
+    undo.callback(executor.shutdown)  # last: what runs on it is released before (the undo runs in reverse)
     criu = CriuDriver(config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs")
     criu_version = criu.require_supported()
     criu.keep_spare_helper()
     undo.callback(criu.close)
     remote = _remote(config)
     prefill = PrefillSupport.probe(
-        config.gpu_prefill, overrides.fill_driver, require_gpu_use=overrides.prefill_require_gpu_use
+        config.gpu_prefill,
+        overrides.fill_driver,
+        jobs=executor.prefill,
+        require_gpu_use=overrides.prefill_require_gpu_use,
     )
     undo.callback(prefill.close)
+    policies = Policies(config.store / POLICIES, config.park())
+    policies.load()
     store = SnapshotStore(
         config.store,
         Path(config.buffer_dir) if config.buffer_dir else None,
@@ -156,6 +166,9 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
         evictor=(lambda s: RemoteEvictor(s, remote)) if remote is not None else None,
         # blobs the store removes are unregistered (their pages unpinned)
         after_collect=prefill.filler.drop_unlinked if prefill.filler is not None else None,
+        # lower park priorities leave a tier first
+        rank=lambda s: functools.partial(blob_rank, policies, s),
+        executor=executor,
     )
     journal = Journal(config.store / JOURNAL)
     store.open(hold_buffers=lambda: recovery.held_buffers(journal))  # read once the store is locked
@@ -198,8 +211,6 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
             nvidia_driver_version=driver,
             cuda_driver_version=cuda,
         )
-    policies = Policies(config.store / POLICIES, config.park())
-    policies.load()
     ladder = Ladder(  # its own moves go through the same calls as a caller's (on the daemon built below)
         store,
         standbys,
@@ -247,7 +258,7 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
         unsent_per_connection=UNSENT_PER_CONNECTION,
         unsent_per_caller=UNSENT_PER_CALLER,
     )
-    server = AioServer(threads=RPC_THREADS, max_streams=streams_per_connection(limits))
+    server = AioServer(executor.rpc, max_streams=streams_per_connection(limits))
     ops = OperationServicer(daemon, proxy)
     health_servicer = health.aio.HealthServicer()
 
@@ -283,7 +294,9 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
                 metadata={"listen": config.metrics_listen},
             ) from exc
     ladder.start()
-    running = Running(server=server, proxy=proxy, daemon=daemon, health=health_servicer, metrics=metrics)
+    running = Running(
+        server=server, proxy=proxy, daemon=daemon, health=health_servicer, metrics=metrics, executor=executor
+    )
     running.set_health(health_pb2.HealthCheckResponse.SERVING)
     log.info(
         "daemon.started",

@@ -76,13 +76,16 @@ def reown(snapshot_dir: Path, user: User) -> None:
     with open(files, "wb") as fh:
         pycriu.images.dump(img, fh)
     from gpusnap.daemon.store.checksum import image_files
+    from tests.lanes import LANES
 
     manifest = snapshot_dir / "manifest.json"
     doc = json.loads(manifest.read_text())
     doc["owner_uid"] = user.uid
     doc["source"]["uid"], doc["source"]["gid"] = user.uid, user.gid
     doc["owner_creds"] = {"uid": user.uid, "gid": user.gid, "groups": groups}
-    doc["files"] = [{"path": f.path, "size_bytes": f.size_bytes, "sha256": f.sha256} for f in image_files(images)]
+    doc["files"] = [
+        {"path": f.path, "size_bytes": f.size_bytes, "sha256": f.sha256} for f in image_files(images, LANES.digest)
+    ]
     manifest.write_text(json.dumps(doc, indent=2, sort_keys=True))
 
 

@@ -42,7 +42,6 @@ from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import capture as capture_checks
 from gpusnap.daemon.preflight import gpu as gpu_preflight
-from gpusnap.daemon.store.checksum import image_files
 from gpusnap.daemon.store.manifest import TCP_LABEL
 from gpusnap.daemon.store.store import DEV_SHM, IN_PLACE, StagingDir
 from gpusnap.daemon.weights import capture as weights
@@ -222,7 +221,7 @@ class _Publisher:
                 progress.bytes = devshm.save(shm_files, staging.images / DEV_SHM)
             self.remaps.extend(devshm.link_remaps(shm_files))
         with run.phase(Phase.CHECKSUM) as progress:
-            files = image_files(staging.images)
+            files = self.checkpoint.deps.store.describe_images(staging.images)
             progress.bytes = sum(f.size_bytes for f in files)
             buffers = weights.commit(self.capture.parts, lambda staged: run.record.note(staged=staged))
         if opts.leave_running:  # the source keeps its files: no restore continues them in place

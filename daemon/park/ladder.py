@@ -131,6 +131,18 @@ def gpu_need(snapshot: Snapshot) -> int:
     return sum(g.gpu_memory_bytes for g in snapshot.gpu_processes) + snapshot.buffer_bytes
 
 
+def blob_rank(policies: Policies, store: SnapshotStore, key: str) -> int:
+    """``BufferStore.rank``: the highest park priority (``policies``) of ``store``'s snapshots using blob
+    ``<uid>/<digest>`` (0 when none uses it); ``build_daemon`` hands it to the store at construction."""
+    uid, _, digest = key.partition("/")
+    ranks = [
+        policies.effective(s).priority or 0
+        for s in store.list()
+        if str(s.buffer_uid) == uid and any(b.sha256 == digest for b in s.buffers)
+    ]
+    return max(ranks, default=0)
+
+
 class Ladder:
     """The node's park ladder (module docstring). Thread-safe.
 
@@ -195,7 +207,6 @@ class Ladder:
             self._tracked = {t.root: t for t in found if abs(proc.start_time(t.root) - t.root_start) < 0.01}
             self._save_tracked()
             self._last = {w.snapshot.id: w.rung for w in self._workloads()}
-        self.store.buffers.rank = self.blob_rank
 
     def start(self) -> None:
         """Run :meth:`tick` every ``interval_s`` (and when :meth:`poke` asks) on a thread of its own."""
@@ -509,16 +520,6 @@ class Ladder:
                 self.moves[names] += 1
                 log.info("park.move", snapshot=event.snapshot_id, src=names[0], dst=names[1], reason=reason)
             return new
-
-    def blob_rank(self, key: str) -> int:
-        """``BufferStore.rank``: the highest priority of the snapshots using blob ``<uid>/<digest>``."""
-        uid, _, digest = key.partition("/")
-        ranks = [
-            self.policies.effective(s).priority or 0
-            for s in self.store.list()
-            if str(s.buffer_uid) == uid and any(b.sha256 == digest for b in s.buffers)
-        ]
-        return max(ranks, default=0)
 
     def usage(self) -> dict[str, Any]:
         """What a metrics scrape reads: workloads per rung, standbys and their memory, moves so far."""

@@ -63,8 +63,12 @@ def streams_per_connection(limits: CallerLimits) -> int:
 class AioServer:
     """A ``grpc.aio`` server on its own event-loop thread, with a thread pool for synchronous handlers.
 
+    The loop's thread is this server's own (a dedicated thread: the loop runs for the server's life and
+    :meth:`stop` joins it); the pool is gpusnapd's ``rpc`` lane (``gpusnap.daemon.executor``), whose owner
+    stops it after :meth:`stop`.
+
     Args:
-        threads: the pool's size (shared by every caller's unary calls).
+        executor: the pool for synchronous handlers, shared by every caller's unary calls.
         max_streams: HTTP/2 concurrent streams per connection (``grpc.max_concurrent_streams``); more are
             refused (``REFUSED_STREAM``: the client sees UNAVAILABLE). It bounds streams whose request never
             arrives, which no caller limit sees; it should be at least what one caller may have in flight,
@@ -72,11 +76,11 @@ class AioServer:
         options: gRPC channel arguments for the server.
     """
 
-    def __init__(self, threads: int, max_streams: int, options: tuple[tuple[str, Any], ...] = ()):
+    def __init__(self, executor: ThreadPoolExecutor, max_streams: int, options: tuple[tuple[str, Any], ...] = ()):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="gpusnap-grpc", daemon=True)
         self._thread.start()
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpusnap-rpc")
+        self.executor = executor
         all_options = (("grpc.max_concurrent_streams", max_streams), *options)
 
         async def make() -> grpc.aio.Server:
@@ -92,13 +96,12 @@ class AioServer:
         self.run(self.server.start())
 
     def stop(self, grace: float) -> None:
-        """Stop the server (in-flight calls get ``grace`` seconds), then the loop and the pool."""
+        """Stop the server (in-flight calls get ``grace`` seconds), then the loop (the pool is its owner's)."""
         try:
             self.run(self.server.stop(grace), timeout_s=grace + 10)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-            self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 class _Aborted(grpc.RpcError):

@@ -32,13 +32,14 @@ import secrets
 import shutil
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from pathlib import Path
 
 import structlog
 
 from gpusnap.daemon.api.errors import DataLossError, FailedPreconditionError, ResourceExhaustedError
 from gpusnap.daemon.api.types import BufferRef
+from gpusnap.daemon.executor import Executor
 from gpusnap.daemon.store import checksum, sealed
 from gpusnap.daemon.store.durable import fsync_dir
 from gpusnap.daemon.store.tiers import Tier, eviction_order, mark_used, move
@@ -226,7 +227,20 @@ class HeldFiles:
 
 
 class BufferStore:
-    """Content-addressed buffer files under ``root`` (see the module docstring)."""
+    """Content-addressed buffer files under ``root`` (see the module docstring).
+
+    Args:
+        root, disk: the fastest tier's directory and, when another, the disk tier's (``store.tiers``).
+        ram_budget_bytes, disk_budget_bytes: the tiers' budgets in bytes (0: none).
+        evictor: says whether blob ``<uid>/<digest>`` of ``size`` bytes is safely in the remote store, so the
+            slowest tier may drop it (``gpusnap.daemon.remote.evict``); None: no remote, nothing leaves.
+        after_collect: called after a garbage collection removed blobs or a budget pass moved them out of a
+            tier (gpusnapd's prefill then unregisters their unlinked files, whose pages a registration pins).
+        rank: a blob's rank for eviction (``<uid>/<digest>`` → the highest park priority of the snapshots
+            using it): lower ranks leave a tier first, least recently used first within a rank. None: LRU only.
+        executor: gpusnapd's executor: copies and chunk digests run on its ``buffer_io`` lane, the jobs that
+            wait for them (digest jobs, read-aheads, verifies, budget passes) on its ``buffer_jobs`` lane.
+    """
 
     def __init__(
         self,
@@ -237,6 +251,8 @@ class BufferStore:
         *,
         evictor: Callable[[str, int], bool] | None = None,
         after_collect: Callable[[], None] | None = None,
+        rank: Callable[[str], int] | None = None,
+        executor: Executor,
     ):
         self.root = root
         self.tiers = (
@@ -248,23 +264,17 @@ class BufferStore:
         self.blobs = root / "sha256"
         self.incoming = root / "incoming"
         self.pulling = root / "pulling"
-        self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="gpusnap-digest")
-        """Hashes chunks; ``jobs`` waits for them (never the other way round, so neither can starve)."""
-        self.jobs = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpusnap-buffers")
+        self.pool = executor.buffer_io
+        """Copies and hashes chunks; ``jobs`` waits for them (never the other way round, so neither can starve)."""
+        self.jobs = executor.buffer_jobs
         self._lock = threading.Lock()
         self._pins: dict[str, int] = {}
         self._lock_fd: int | None = None
         self._budget_pass: Future[int] | None = None
         self.evictor = evictor
-        """Says whether blob ``<uid>/<digest>`` of ``size`` bytes is safely in the remote store, so the
-        slowest tier may drop it (``gpusnap.daemon.remote.evict``); None: no remote, nothing leaves."""
         self._held: tuple[set[Path], set[str]] = (set(), set())
-        self.rank: Callable[[str], int] | None = None
-        """A blob's rank for eviction (``<uid>/<digest>`` → the highest park priority of the snapshots using
-        it): lower ranks leave a tier first, least recently used first within a rank. None: LRU only."""
+        self.rank = rank
         self.after_collect = after_collect
-        """Called after a garbage collection removed blobs or a budget pass moved them out of a tier (gpusnapd's
-        prefill then unregisters their unlinked files, whose pages a kept registration would pin)."""
 
     def release_held(self) -> None:
         """Remove the staged files :meth:`open` kept and unpin the blobs it pinned (recovery is done with them)."""

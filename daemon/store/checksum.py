@@ -10,12 +10,11 @@ machine's aggregate hashing speed. Manifests name the scheme (``DIGEST_ALGORITHM
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import mmap
 import os
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from pathlib import Path
 
 from gpusnap.daemon.api.types import ImageFile
@@ -23,10 +22,6 @@ from gpusnap.daemon.api.types import ImageFile
 CHUNK_BYTES = 16 << 20
 DIGEST_ALGORITHM = "sha256-list-16MiB"
 """sha256(b"16777216:" + sha256(chunk_0) + sha256(chunk_1) + …); an empty file hashes no chunk."""
-
-
-def _workers() -> int:
-    return max(2, os.cpu_count() or 2)
 
 
 def _hash_chunk(path: Path, offset: int) -> bytes:
@@ -48,39 +43,38 @@ def chunk_count(size: int) -> int:
     return -(-size // CHUNK_BYTES)
 
 
-@functools.cache
-def shared_pool() -> ThreadPoolExecutor:
-    """This process's chunk-hashing pool, one thread per core, started on first use and kept: a pool per
-    call started its threads inside every verify and every dump (``make bench-overhead``). Never wait on
-    it from one of its own tasks."""
-    return ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="gpusnap-digest")
-
-
-def file_digests(paths: Sequence[Path], pool: ThreadPoolExecutor | None = None) -> list[str]:
+def file_digests(paths: Sequence[Path], pool: Executor) -> list[str]:
     """The ``DIGEST_ALGORITHM`` digests of ``paths`` (lowercase hex), every chunk of every file in
-    parallel on ``pool`` (default: :func:`shared_pool`)."""
-    pool = pool or shared_pool()
+    parallel on ``pool`` (gpusnapd's: a lane of ``gpusnap.daemon.executor``, kept between calls: a pool per
+    call started its threads inside every verify and every dump, ``make bench-overhead``). Never call it
+    from a task of ``pool`` itself: it waits for ``pool``'s tasks.
+
+    Raises:
+        OSError: a file cannot be read.
+    """
     jobs = [[pool.submit(_hash_chunk, p, off) for off in range(0, p.stat().st_size, CHUNK_BYTES)] for p in paths]
     return [combine([f.result() for f in chunks]) for chunks in jobs]
 
 
-def file_digest(path: Path, pool: ThreadPoolExecutor | None = None) -> str:
+def file_digest(path: Path, pool: Executor) -> str:
     """The ``DIGEST_ALGORITHM`` digest of ``path`` (lowercase hex)."""
     return file_digests([path], pool)[0]
 
 
-def image_files(images_dir: Path) -> tuple[ImageFile, ...]:
-    """Describe every regular file under ``images_dir`` (sorted by path) with size and digest."""
+def image_files(images_dir: Path, pool: Executor) -> tuple[ImageFile, ...]:
+    """Describe every regular file under ``images_dir`` (sorted by path) with size and digest (its chunks
+    hashed on ``pool``: :func:`file_digests`)."""
     paths = sorted(p for p in images_dir.rglob("*") if p.is_file() and not p.is_symlink())
-    digests = file_digests(paths)
+    digests = file_digests(paths, pool)
     return tuple(
         ImageFile(path=str(p.relative_to(images_dir)), size_bytes=p.stat().st_size, sha256=d)
         for p, d in zip(paths, digests, strict=True)
     )
 
 
-def mismatches(images_dir: Path, files: Iterable[ImageFile]) -> list[str]:
-    """Return one line per file that is missing, of the wrong size or with the wrong digest."""
+def mismatches(images_dir: Path, files: Iterable[ImageFile], pool: Executor) -> list[str]:
+    """Return one line per file that is missing, of the wrong size or with the wrong digest (hashed on
+    ``pool``: :func:`file_digests`)."""
     out = []
     sized = []
     for f in files:
@@ -94,6 +88,6 @@ def mismatches(images_dir: Path, files: Iterable[ImageFile]) -> list[str]:
             out.append(f"{f.path}: {size} bytes, expected {f.size_bytes}")
         else:
             sized.append(f)
-    digests = file_digests([images_dir / f.path for f in sized])
+    digests = file_digests([images_dir / f.path for f in sized], pool)
     out.extend(f"{f.path}: checksum mismatch" for f, d in zip(sized, digests, strict=True) if d != f.sha256)
     return out

@@ -5,13 +5,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from pathlib import Path
-
-FSYNC_THREADS = 16
-"""fsyncs in flight at once. The journal commits of concurrent fsyncs are grouped (ext4's jbd2, XFS's
-log), so 40 small CRIU images sync in about 0.03 s together against 0.15–0.23 s one by one (ext4 on a
-virtual disk; ``make bench-overhead``)."""
 
 
 def fsync_dir(path: Path) -> None:
@@ -28,10 +23,11 @@ def fsync_path(path: Path | str, flags: int = os.O_RDONLY) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: Path) -> None:
-    """fsync every regular file and every directory under ``root`` (``root`` included), all at once, so
-    the files' data and their names are durable once it returns: one round of journal commits instead
-    of one per file.
+def fsync_tree(root: Path, pool: Executor) -> None:
+    """fsync every regular file and every directory under ``root`` (``root`` included), all at once on
+    ``pool`` (gpusnapd's ``fsync`` lane, ``gpusnap.daemon.executor.LaneSizes.fsync``), so the files' data and
+    their names are durable once it returns: one round of journal commits instead of one per file. Never
+    call it from a task of ``pool``: it waits for ``pool``'s tasks.
 
     Raises:
         OSError: the first failed fsync (the others still ran).
@@ -40,9 +36,11 @@ def fsync_tree(root: Path) -> None:
     for dirpath, _dirs, names in os.walk(root):
         files.append((dirpath, os.O_RDONLY | os.O_DIRECTORY))
         files.extend((os.path.join(dirpath, n), os.O_RDONLY) for n in names)
-    with ThreadPoolExecutor(max_workers=min(FSYNC_THREADS, len(files)), thread_name_prefix="gpusnap-fsync") as pool:
-        for done in [pool.submit(fsync_path, path, flags) for path, flags in files]:
-            done.result()
+    futures = [pool.submit(fsync_path, path, flags) for path, flags in files]
+    errors = [f.exception() for f in futures]  # waits for all: none is left running past the first failure
+    for error in errors:
+        if error is not None:
+            raise error
 
 
 def write_json(path: Path, doc: object) -> None:

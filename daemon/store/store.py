@@ -43,7 +43,8 @@ from gpusnap.daemon.api.errors import (
     FailedPreconditionError,
     NotFoundError,
 )
-from gpusnap.daemon.api.types import Snapshot
+from gpusnap.daemon.api.types import ImageFile, Snapshot
+from gpusnap.daemon.executor import Executor
 from gpusnap.daemon.store import checksum, manifest
 from gpusnap.daemon.store.buffers import BufferStore
 from gpusnap.daemon.store.durable import fsync_dir, fsync_tree
@@ -108,6 +109,10 @@ class SnapshotStore:
         evictor: builds, for this store, ``BufferStore.evictor`` (whether a blob is safely in the remote store:
             ``remote.evict.RemoteEvictor``); None: no remote, nothing leaves the slowest tier.
         after_collect: ``BufferStore.after_collect`` (gpusnapd's prefill unregisters the files blobs left).
+        rank: builds, for this store, ``BufferStore.rank`` (a blob's rank for eviction: the park ladder's
+            ``park.ladder.blob_rank``); None: least recently used only.
+        executor: gpusnapd's executor (``gpusnap.daemon.executor``): image digests on its ``digest`` lane,
+            fsyncs on its ``fsync`` lane, and the buffer store's lanes.
     """
 
     def __init__(
@@ -120,8 +125,11 @@ class SnapshotStore:
         *,
         evictor: Callable[[SnapshotStore], Callable[[str, int], bool]] | None = None,
         after_collect: Callable[[], None] | None = None,
+        rank: Callable[[SnapshotStore], Callable[[str], int]] | None = None,
+        executor: Executor,
     ):
         self.root = root
+        self.executor = executor
         self.pull_grace_s = pull_grace_s
         self._pulls: set[str] = set()
         """Ids being pulled now (:meth:`pulling`)."""
@@ -132,6 +140,8 @@ class SnapshotStore:
             disk_tier_bytes,
             evictor=evictor(self) if evictor is not None else None,
             after_collect=after_collect,
+            rank=rank(self) if rank is not None else None,
+            executor=executor,
         )
         self.snapshots_dir = root / "snapshots"
         self.staging_dir = root / "staging"
@@ -222,7 +232,7 @@ class SnapshotStore:
         ``snapshot.files`` must already describe ``staging.images`` (see :func:`checksum.image_files`).
         """
         manifest.write(staging.path, snapshot, sync=False)
-        fsync_tree(staging.path)  # the manifest, the images and their directories in one round
+        fsync_tree(staging.path, self.executor.fsync)  # the manifest, the images and their directories in one round
         final = self.snapshots_dir / snapshot.id
         os.rename(staging.path, final)
         fsync_dir(self.snapshots_dir)
@@ -354,7 +364,17 @@ class SnapshotStore:
         Raises:
             DataLossError: reason ``IMAGE_CHECKSUM``, naming the damaged files.
         """
-        self.raise_damaged(snapshot, checksum.mismatches(self.snapshots_dir / snapshot.id / IMAGES, snapshot.files))
+        images = self.snapshots_dir / snapshot.id / IMAGES
+        self.raise_damaged(snapshot, checksum.mismatches(images, snapshot.files, self.executor.digest))
+
+    def describe_images(self, images_dir: Path) -> tuple[ImageFile, ...]:
+        """Every regular file under ``images_dir`` (sorted by path) with its size and digest, hashed on the
+        ``digest`` lane (:func:`checksum.image_files`): what a staged snapshot's ``files`` must be.
+
+        Raises:
+            OSError: a file cannot be read.
+        """
+        return checksum.image_files(images_dir, self.executor.digest)
 
     @staticmethod
     def raise_damaged(snapshot: Snapshot, bad: Sequence[str]) -> None:

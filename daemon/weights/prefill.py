@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -78,6 +78,8 @@ class PrefillSupport:
         filler: the driver layer, ``None`` when off or the probe failed.
         gpus: GPU UUID → ``""`` (usable) or why not, from :meth:`DeviceFiller.probe`.
         reason: why prefill is off (empty when on).
+        jobs: where the registrations ahead run, in the order queued: gpusnapd's ``prefill`` lane (one thread,
+            ``gpusnap.daemon.executor``); its owner shuts it down, :meth:`close` only stops queueing.
         require_gpu_use: fill an arena only on a GPU its worker's process held memory on at capture (:func:`plan`);
             ``False`` only for tests whose CPU workers' snapshots record no GPU use (tests/daemon/prefill_daemon.py).
     """
@@ -89,6 +91,7 @@ class PrefillSupport:
         gpus: Mapping[str, str] | None = None,
         reason: str = "",
         *,
+        jobs: Executor,
         require_gpu_use: bool = True,
     ):
         self.mode = mode
@@ -99,31 +102,32 @@ class PrefillSupport:
         self.contexts = ""
         """gpusnapd's contexts: ``""`` (not asked for), ``creating``, ``ready`` or ``failed (why)``."""
         self._store: BufferStore | None = None
-        self._jobs: ThreadPoolExecutor | None = None
+        self._jobs = jobs
+        self._warm = False
         self._last: Future[None] | None = None
         self._queued = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
     @classmethod
-    def probe(cls, mode: str, driver: Any = None, *, require_gpu_use: bool = True) -> PrefillSupport:
+    def probe(cls, mode: str, driver: Any = None, *, jobs: Executor, require_gpu_use: bool = True) -> PrefillSupport:
         """Probe the driver (``driver``: ``cuda.bindings.driver`` when ``None``, or a fake with its calls) when
         ``mode`` is ``auto`` (cuda.bindings importable, ``cuInit``, VMM and POSIX descriptor handles per GPU);
-        never raises: a failed probe leaves prefill off with its reason."""
+        never raises: a failed probe leaves prefill off with its reason. ``jobs``: see the class."""
         if mode != "auto":
-            return cls(mode, reason="off (gpu_prefill = off)", require_gpu_use=require_gpu_use)
+            return cls(mode, reason="off (gpu_prefill = off)", jobs=jobs, require_gpu_use=require_gpu_use)
         filler = DeviceFiller(driver)
         try:
             gpus = filler.probe()
         except Exception as exc:  # noqa: BLE001 (never fails the daemon's start: prefill stays off)
             log.warning("gpu.prefill_unavailable", reason=str(exc))
-            return cls(mode, reason=f"probe failed: {exc}", require_gpu_use=require_gpu_use)
+            return cls(mode, reason=f"probe failed: {exc}", jobs=jobs, require_gpu_use=require_gpu_use)
         if not any(v == "" for v in gpus.values()):
             why = "; ".join(f"{u}: {v}" for u, v in gpus.items()) or "no GPU"
             log.warning("gpu.prefill_unavailable", reason=why)
-            return cls(mode, reason=f"no GPU supports it ({why})", require_gpu_use=require_gpu_use)
+            return cls(mode, reason=f"no GPU supports it ({why})", jobs=jobs, require_gpu_use=require_gpu_use)
         log.info("gpu.prefill", gpus={u: v or "ok" for u, v in gpus.items()})
-        return cls(mode, filler, gpus, require_gpu_use=require_gpu_use)
+        return cls(mode, filler, gpus, jobs=jobs, require_gpu_use=require_gpu_use)
 
     @property
     def enabled(self) -> bool:
@@ -155,7 +159,7 @@ class PrefillSupport:
         if self.filler is None:
             return
         self._store = store
-        self._jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpusnap-prefill-warm")
+        self._warm = True
         self.contexts = "creating"
         self._submit(self._create_contexts)
         self._submit(lambda: self._register_ahead(snapshots()))
@@ -164,7 +168,7 @@ class PrefillSupport:
         """Queue the registration ahead of ``snapshot``'s RAM-tier arena blobs (a checkpoint just published
         it; a pulled one is registered by its first restore's fill, or at gpusnapd's next start); returns
         at once."""
-        if self.filler is not None and self._jobs is not None:
+        if self.filler is not None and self._warm:
             self._submit(lambda: self._register_ahead([snapshot]))
 
     def settle(self) -> None:
@@ -174,11 +178,9 @@ class PrefillSupport:
             last.result()
 
     def close(self) -> None:
-        """Stop the background work (gpusnapd's stop): what is queued is dropped, a registration in
-        progress finishes."""
+        """Stop the background work (gpusnapd's stop): what is queued is skipped, a registration in
+        progress finishes (the lane itself is its owner's to shut down)."""
         self._stop.set()
-        if self._jobs is not None:
-            self._jobs.shutdown(wait=False, cancel_futures=True)
 
     def _submit(self, job: Callable[[], object]) -> None:
         def run() -> None:
@@ -191,7 +193,6 @@ class PrefillSupport:
                 with self._lock:
                     self._queued -= 1
 
-        assert self._jobs is not None
         with self._lock:
             self._queued += 1
         try:

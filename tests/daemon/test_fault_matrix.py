@@ -37,6 +37,7 @@ from gpusnap.daemon.client.values import Operation, OperationState
 from gpusnap.daemon.store import checksum, manifest
 from tests.adapters.test_agent_roundtrip import Toy
 from tests.conftest import DaemonProc, Workload, Workloads, criu_killed, kill_tree, start_daemon, stop_daemon, wait_for
+from tests.lanes import LANES
 
 CAPTURE = ["preflight", "dump", "checksum", "publish", "finish"]
 RESTORE = ["preflight", "verify", "restore", "criu-started", "pre-resume", "validate"]
@@ -56,7 +57,7 @@ def _nothing_half_written(d: DaemonProc) -> list[str]:
     listed = [s.id for s in d.client().list_snapshots()]
     for snap_id in listed:
         snap = manifest.read(d.store / "snapshots" / snap_id)
-        assert checksum.mismatches(d.store / "snapshots" / snap_id / "images", snap.files) == [], snap_id
+        assert checksum.mismatches(d.store / "snapshots" / snap_id / "images", snap.files, LANES.digest) == [], snap_id
     assert list((d.store / "staging").iterdir()) == [], "staging left behind"
     assert list((d.store / "buffers" / "incoming").iterdir()) == [], "staged buffers left behind"
     return listed

@@ -39,6 +39,7 @@ from gpusnap.daemon.store import SnapshotStore
 from tests.conftest import Workload, Workloads, criu_prefix, wait_for
 from tests.daemon.operations.fakes_cuda import ProcessCuda
 from tests.daemon.operations.fakes_nvml import GIB, FakeGpu, FakeNvml, fake_uuid
+from tests.lanes import LANES
 from tests.starts import starts
 
 MIB = 1 << 20
@@ -278,7 +279,7 @@ def node(tmp_path: Path, workloads: Workloads, criu_version: str, monkeypatch: p
     gpu = GpuSupport(cuda, nvml, "", call_timeout_s=5)  # type: ignore[arg-type]
     prefix = criu_prefix()
     criu = RecordingCriu(str(prefix / "bin" / "criu"), str(prefix / "python"), cuda)
-    store = SnapshotStore(tmp_path / "store")
+    store = SnapshotStore(tmp_path / "store", executor=LANES)
     store.open()
     config = DaemonConfig(
         store=tmp_path / "store",

@@ -20,6 +20,7 @@ from gpusnap.daemon.remote.transfer import Item, push_chunks
 from gpusnap.daemon.store import SnapshotStore
 from tests.daemon.remote.fleet import Fleet
 from tests.daemon.store.test_store import _snapshot
+from tests.lanes import LANES
 
 MIB = 1 << 20
 BLOB = 20 * MIB  # two chunks: 16 MiB and 4 MiB
@@ -28,7 +29,10 @@ BLOB = 20 * MIB  # two chunks: 16 MiB and 4 MiB
 @pytest.fixture
 def store(tmp_path: Path, remote: RemoteStore) -> Iterator[SnapshotStore]:
     s = SnapshotStore(  # room for one blob; wired as build_daemon wires it
-        tmp_path / "store", disk_tier_bytes=BLOB + BLOB // 2, evictor=lambda store: evict.RemoteEvictor(store, remote)
+        tmp_path / "store",
+        disk_tier_bytes=BLOB + BLOB // 2,
+        evictor=lambda store: evict.RemoteEvictor(store, remote),
+        executor=LANES,
     )
     s.open()
     yield s

@@ -12,10 +12,11 @@ import pytest
 from gpusnap.daemon.api.errors import DataLossError, ResourceExhaustedError
 from gpusnap.daemon.store import checksum
 from gpusnap.daemon.store.buffers import BufferStore
+from tests.lanes import LANES
 
 
 def _store(tmp_path: Path) -> BufferStore:
-    store = BufferStore(tmp_path / "buffers")
+    store = BufferStore(tmp_path / "buffers", executor=LANES)
     store.open()
     return store
 
@@ -34,7 +35,7 @@ def test_commit_names_blobs_by_digest_and_stores_identical_content_once(tmp_path
     refs = a.commit()
     assert [r.name for r in refs] == ["w", "b"]
     path = store.path(1000, refs[0].sha256)
-    assert refs[0].sha256 == checksum.file_digest(path) and path.read_bytes() == b"x" * 5000
+    assert refs[0].sha256 == checksum.file_digest(path, LANES.digest) and path.read_bytes() == b"x" * 5000
     assert oct(path.stat().st_mode & 0o777) == "0o400"
     again = _write(store, 1000, {"other-name": b"x" * 5000})
     assert again.commit()[0].sha256 == refs[0].sha256
@@ -165,7 +166,7 @@ def _resident_pages(path: Path) -> int:
 
 def test_prefetch_reads_disk_tier_blobs_into_the_page_cache(tmp_path: Path) -> None:
     """Restores without --verify-buffers read disk-tier blobs ahead while CRIU runs; RAM-tier ones are skipped."""
-    store = BufferStore(tmp_path / "ram", disk=tmp_path / "disk")
+    store = BufferStore(tmp_path / "ram", disk=tmp_path / "disk", executor=LANES)
     store.open()
     data = os.urandom(1 << 20)
     staged = store.stage(1000, ["w"], [len(data)])

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from gpusnap.daemon.store import checksum
+from tests.lanes import LANES
 
 
 def _reference(data: bytes) -> str:
@@ -20,17 +21,17 @@ def test_digest_matches_its_definition(tmp_path: Path) -> None:
         data = os.urandom(n)
         path = tmp_path / f"f{n}"
         path.write_bytes(data)
-        assert checksum.file_digest(path) == _reference(data)
+        assert checksum.file_digest(path, LANES.digest) == _reference(data)
 
 
 def test_digest_sees_one_flipped_byte_in_a_middle_chunk(tmp_path: Path) -> None:
     data = bytearray(os.urandom(checksum.CHUNK_BYTES * 3))
     path = tmp_path / "pages-1.img"
     path.write_bytes(data)
-    files = checksum.image_files(tmp_path)
-    assert checksum.mismatches(tmp_path, files) == []
+    files = checksum.image_files(tmp_path, LANES.digest)
+    assert checksum.mismatches(tmp_path, files, LANES.digest) == []
     data[checksum.CHUNK_BYTES + 777] ^= 1
     path.write_bytes(data)
-    assert checksum.mismatches(tmp_path, files) == ["pages-1.img: checksum mismatch"]
+    assert checksum.mismatches(tmp_path, files, LANES.digest) == ["pages-1.img: checksum mismatch"]
     path.unlink()
-    assert checksum.mismatches(tmp_path, files) == ["pages-1.img: missing"]
+    assert checksum.mismatches(tmp_path, files, LANES.digest) == ["pages-1.img: missing"]

@@ -19,6 +19,7 @@ from gpusnap.daemon.api.errors import (
 )
 from gpusnap.daemon.api.types import ArenaLayout, BufferRef, HostFacts, ProcessFacts, Snapshot, WorkerInfo
 from gpusnap.daemon.store import SnapshotStore, checksum, manifest
+from tests.lanes import LANES
 
 
 def _snapshot(snapshot_id: str, name: str, images: Path) -> Snapshot:
@@ -37,7 +38,7 @@ def _snapshot(snapshot_id: str, name: str, images: Path) -> Snapshot:
             cpu_model="cpu",
             cpu_flags=("sse",),
         ),
-        files=checksum.image_files(images),
+        files=checksum.image_files(images, LANES.digest),
         phases=(),
         owner_uid=0,
     )
@@ -50,7 +51,7 @@ def _publish(store: SnapshotStore, name: str = "", content: bytes = b"pages") ->
 
 
 def test_publish_list_get_delete(tmp_path: Path) -> None:
-    store = SnapshotStore(tmp_path / "s")
+    store = SnapshotStore(tmp_path / "s", executor=LANES)
     store.open()
     snap = _publish(store, "alpha")
     assert [s.id for s in store.list()] == [snap.id]
@@ -64,7 +65,7 @@ def test_publish_list_get_delete(tmp_path: Path) -> None:
 
 
 def test_failed_staging_leaves_nothing(tmp_path: Path) -> None:
-    store = SnapshotStore(tmp_path / "s")
+    store = SnapshotStore(tmp_path / "s", executor=LANES)
     store.open()
     with pytest.raises(RuntimeError):
         with store.stage("beta") as staging:
@@ -75,7 +76,7 @@ def test_failed_staging_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_names_are_reserved_while_staging(tmp_path: Path) -> None:
-    store = SnapshotStore(tmp_path / "s")
+    store = SnapshotStore(tmp_path / "s", executor=LANES)
     store.open()
     with store.stage("gamma"):
         with pytest.raises(AlreadyExistsError):
@@ -86,9 +87,9 @@ def test_names_are_reserved_while_staging(tmp_path: Path) -> None:
 
 
 def test_store_lock_and_leftovers(tmp_path: Path) -> None:
-    store = SnapshotStore(tmp_path / "s")
+    store = SnapshotStore(tmp_path / "s", executor=LANES)
     store.open()
-    other = SnapshotStore(tmp_path / "s")
+    other = SnapshotStore(tmp_path / "s", executor=LANES)
     with pytest.raises(FailedPreconditionError):
         other.open()
     store.close()
@@ -129,7 +130,7 @@ def test_manifest_keeps_arena_layouts_and_reads_older_ones_without(tmp_path: Pat
 
 
 def test_unfinished_pulls_expire_after_their_grace_never_while_in_flight(tmp_path: Path) -> None:
-    store = SnapshotStore(tmp_path / "store", pull_grace_s=3600)
+    store = SnapshotStore(tmp_path / "store", pull_grace_s=3600, executor=LANES)
     store.open()
     old, young, fetch = "snap-" + "a" * 26, "snap-" + "b" * 26, "snap-" + "c" * 26 + ".fetch-0123abcd"
     for d in (store.pulls_dir / old / "images", store.pulls_dir / young / "images", store.buffers.pulling / old):

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpusnap.daemon.api.errors import ResourceExhaustedError
 from gpusnap.daemon.store.buffers import BufferStore
+from tests.lanes import LANES
 
 MIB = 1 << 20
 
 
-def _store(tmp: Path, ram: int, disk: int = 0) -> BufferStore:
-    s = BufferStore(tmp / "ram", tmp / "disk", ram, disk)
+def _store(tmp: Path, ram: int, disk: int = 0, **wiring: Any) -> BufferStore:
+    s = BufferStore(tmp / "ram", tmp / "disk", ram, disk, executor=LANES, **wiring)
     s.open()
     return s
 
@@ -83,11 +85,12 @@ def test_buffers_bigger_than_every_budget_are_refused(tmp_path: Path) -> None:
 def test_the_park_priority_orders_eviction_before_recency(tmp_path: Path) -> None:
     """The park ladder ranks blobs by the priority of the snapshots using them (``BufferStore.rank``): over
     the RAM budget, the lowest priority leaves first, even when it was used last."""
-    s = _store(tmp_path, ram=9 * MIB)
+    ranked: set[str] = set()  # digests of the higher priority
+    s = _store(tmp_path, ram=9 * MIB, rank=lambda key: 10 if key.partition("/")[2] in ranked else 0)
     try:
         high, low = _capture(s, 1), _capture(s, 2)
         os.utime(s.path(0, high), (1, 1))  # least recently used, but of the higher priority
-        s.rank = lambda key: 10 if key.endswith(high) else 0
+        ranked.add(high)
         _capture(s, 3)
         assert _tier_of(s, high) == "ram" and _tier_of(s, low) == "disk"
     finally:
@@ -97,14 +100,15 @@ def test_the_park_priority_orders_eviction_before_recency(tmp_path: Path) -> Non
 def test_the_slowest_tier_never_drops_a_blob_the_remote_lacks(tmp_path: Path) -> None:
     """Over the disk budget a blob leaves only once the remote store holds it (``evictor``): the last copy
     stays, over budget, and the others go."""
-    s = _store(tmp_path, ram=0, disk=5 * MIB)
+    in_remote: set[str] = set()  # digests the remote store holds
+    s = _store(tmp_path, ram=0, disk=5 * MIB, evictor=lambda key, size: key.partition("/")[2] in in_remote)
     s.tiers = s.tiers[1:]  # the disk tier alone
     try:
         only, pushed = _capture(s, 1), _capture(s, 2)
-        s.evictor = lambda key, size: key.endswith(pushed)
+        in_remote.add(pushed)
         assert s.enforce_budgets() == 4 * MIB
         assert s.path(0, only).exists() and not s.path(0, pushed).exists()
-        s.evictor = lambda key, size: False
+        in_remote.clear()
         assert s.enforce_budgets() == 0 and s.path(0, only).exists(), "over budget, but its only copy stays"
     finally:
         s.close()

@@ -19,6 +19,7 @@ from gpusnap.daemon.weights import devicefill
 from gpusnap.daemon.weights.devicefill import DeviceFiller, PrefillError, Source
 from tests.conftest import REPO
 from tests.fakes.cuda_vmm import POSIX_FD_ATTRIBUTE, CUresult, FakeVmmDriver
+from tests.lanes import LANES
 
 G = 64 << 10
 UUID = "GPU-00000000-1111-4222-8333-000000000000"
@@ -212,7 +213,11 @@ def test_a_blob_the_ram_budget_moves_to_disk_is_unregistered(tmp_path: Path) -> 
     drv = FakeVmmDriver(granularity=G)
     filler = DeviceFiller(drv)
     store = BufferStore(  # wired as build_daemon wires it
-        tmp_path / "ram", disk=tmp_path / "disk", ram_budget_bytes=G, after_collect=filler.drop_unlinked
+        tmp_path / "ram",
+        disk=tmp_path / "disk",
+        ram_budget_bytes=G,
+        after_collect=filler.drop_unlinked,
+        executor=LANES,
     )
     store.open()
     data = os.urandom(2 * G)

@@ -31,6 +31,7 @@ from gpusnap.daemon.store.buffers import BufferStore
 from gpusnap.daemon.weights import prefill
 from gpusnap.daemon.weights.devicefill import PrefillError
 from tests.fakes.cuda_vmm import CUresult, FakeVmmDriver
+from tests.lanes import LANES
 
 G = 64 << 10
 GPU0 = "GPU-00000000-1111-4222-8333-000000000000"
@@ -66,14 +67,14 @@ def _snapshot(store: BufferStore, layouts: tuple[ArenaLayout, ...], sizes: list[
 
 @pytest.fixture
 def store(tmp_path: Path) -> BufferStore:
-    s = BufferStore(tmp_path / "buffers")
+    s = BufferStore(tmp_path / "buffers", executor=LANES)
     s.open()
     yield s  # type: ignore[misc]
     s.close()
 
 
 def _support(drv: FakeVmmDriver) -> prefill.PrefillSupport:
-    support = prefill.PrefillSupport.probe("auto", drv)
+    support = prefill.PrefillSupport.probe("auto", drv, jobs=LANES.prefill)
     assert support.enabled, support.reason
     return support
 
@@ -251,17 +252,24 @@ def test_a_gpu_the_probe_refused_is_not_filled(store: BufferStore) -> None:
 
 
 def test_off_and_a_failed_probe_say_why() -> None:
-    assert prefill.PrefillSupport.probe("off").state == "off (gpu_prefill = off)"
+    assert prefill.PrefillSupport.probe("off", jobs=LANES.prefill).state == "off (gpu_prefill = off)"
     drv = FakeVmmDriver(attributes={})
-    state = prefill.PrefillSupport.probe("auto", drv).state
+    state = prefill.PrefillSupport.probe("auto", drv, jobs=LANES.prefill).state
     assert state.startswith("off: no GPU supports it") and "no virtual memory management" in state
+
+
+def _tiered(tmp_path: Path, after_collect: Callable[[], None] | None = None) -> BufferStore:
+    """A buffer store with a RAM tier (blobs whose registrations are kept) over a disk tier."""
+    s = BufferStore(
+        tmp_path / "ram", disk=tmp_path / "disk", ram_budget_bytes=8 * G, after_collect=after_collect, executor=LANES
+    )
+    s.open()
+    return s
 
 
 @pytest.fixture
 def tiered(tmp_path: Path) -> BufferStore:
-    """A buffer store with a RAM tier (blobs whose registrations are kept) over a disk tier."""
-    s = BufferStore(tmp_path / "ram", disk=tmp_path / "disk", ram_budget_bytes=8 * G)
-    s.open()
+    s = _tiered(tmp_path)
     yield s  # type: ignore[misc]
     s.close()
 
@@ -272,8 +280,8 @@ def _blob_fd(store: BufferStore, snap: Snapshot, i: int = 0) -> int:
 
 def test_off_creates_no_context() -> None:
     drv = FakeVmmDriver(granularity=G)
-    support = prefill.PrefillSupport.probe("off", drv)
-    support.warm(BufferStore(Path("/nonexistent")), lambda: [])
+    support = prefill.PrefillSupport.probe("off", drv, jobs=LANES.prefill)
+    support.warm(BufferStore(Path("/nonexistent"), executor=LANES), lambda: [])
     support.after_publish(None)  # type: ignore[arg-type]
     support.settle()
     assert drv.calls == [], "off: gpusnapd makes no driver call at all"
@@ -332,14 +340,14 @@ def test_a_published_snapshot_is_registered_ahead_most_recent_first_within_the_b
 
 
 @pytest.mark.parametrize("how", ["delete", "evict"])
-def test_a_blob_registered_ahead_can_still_be_deleted_or_evicted(tiered: BufferStore, how: str) -> None:
+def test_a_blob_registered_ahead_can_still_be_deleted_or_evicted(tmp_path: Path, how: str) -> None:
     """A registration made ahead pins nothing in the store: the snapshot's deletion (garbage collection)
     or the RAM budget's move to disk goes on, and the store's after_collect unregisters the blob (its tmpfs
     pages are freed) as for a fill's own kept registration."""
-    snap = _snapshot(tiered, (ArenaLayout(GPU0, 4 * G, G, (4 * G,), 1),), [(1, 0, 4 * G)])
     drv = FakeVmmDriver(granularity=G)
     support = _support(drv)
-    tiered.after_collect = support.filler.drop_unlinked  # type: ignore[union-attr]  # as daemon/server.py does
+    tiered = _tiered(tmp_path, after_collect=support.filler.drop_unlinked)  # type: ignore[union-attr]  # as build_daemon
+    snap = _snapshot(tiered, (ArenaLayout(GPU0, 4 * G, G, (4 * G,), 1),), [(1, 0, 4 * G)])
     support.warm(tiered, lambda: [snap])
     support.settle()
     assert support.filler.registered_bytes() == 4 * G  # type: ignore[union-attr]
@@ -354,3 +362,4 @@ def test_a_blob_registered_ahead_can_still_be_deleted_or_evicted(tiered: BufferS
     assert not path.exists()
     assert support.filler.registered_bytes() == 0 and drv.registered == {}  # type: ignore[union-attr]
     support.close()
+    tiered.close()
