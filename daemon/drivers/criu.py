@@ -9,6 +9,11 @@ CRIU >= 4.1 is required: on Linux >= 6.13 older releases stop with "vdso: Unexpe
 bounds" (checkpoint-restore/criu#2532, fixed by PR #2539 in 4.1). On Linux >= 6.16, CRIU >= 4.2 is
 required: 4.1.x cannot dump any inet socket there ("sockets: Can't get 1:16 opt: Operation not
 supported", checkpoint-restore/criu#2718, fixed in 4.2), and inference workers always hold some.
+
+Two kinds of short threads of its own, not lanes of ``gpusnap.daemon.executor``: one starts the next spare
+helper (``Popen`` waits for its ``exec``) and one reaps a helper that has answered; each ends on its own
+within milliseconds and holds nothing a stop must wait for (the driver's :meth:`CriuDriver.close` ends the
+spare helper itself), and a bounded lane would let a helper that never exits hold up the next request's spare.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ they are bounded the same way. :func:`hung_calls` lists the abandoned calls stil
 An abandoned call that returns late may have changed the world after the caller gave up (a lock that finally
 succeeded leaves a process LOCKED). ``on_late_result`` lets the caller register a compensating action that
 runs in the abandoned thread when that happens.
+
+Each call gets a thread of its own, not a lane of ``gpusnap.daemon.executor``: a lane's thread taken by a
+call that never returns would be lost to that lane for good, and enough hung calls would starve it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """OperationRegistry: starts operations, finds them, and keeps one operation per process tree at a time.
 
+Each operation runs on a thread of its own, named after it (``gpusnap-<id>``), not on a lane of
+``gpusnap.daemon.executor``: the registry bounds them (``max_running_operations``), and :meth:`shutdown`
+joins them; an operation waits on every lane, so it must not hold one.
+
 Each operation runs on its own thread. Work is bounded by ``max_workers`` slots: an operation holds one
 while it works and gives it back while it waits on something outside the daemon (a control directory, a
 worker's agent: :meth:`PhaseRunner.waiting`), so waiting operations never keep others from working. A

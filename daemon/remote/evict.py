@@ -19,6 +19,9 @@ checked against its SHA-256 as it arrives (``transfer.pull_chunks``), then adopt
 Deleting the remote snapshot (``gpusnap rm --remote``) while a node relies on it for an evicted blob
 loses that blob once the remote's grace period has passed: the restore then fails ``REMOTE_NOT_FOUND``
 naming the chunk (docs/fleet.md, "Disk tier").
+
+Its reads run on a pool of their own per call (``threads`` workers), for the reason ``remote.transfer``'s
+module docstring gives.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ finished by its retry or by garbage collection, which indexes manifests older th
 have none) and removed before it (a delete interrupted in between leaves an unlisted manifest, still
 found by id); collection also drops entries whose manifest is gone. Every entry read back is checked:
 its key's owner, name and id must match its content.
+
+Its reads run on a pool of their own per call (``threads`` workers), for the reason ``remote.transfer``'s
+module docstring gives.
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ sent again, which is also how an interrupted push resumes). A pull fetches each 
 SHA-256 before writing it; a chunk already present at its place (an interrupted pull) is kept after the
 same check. ``threads`` chunks are in flight at most, each held in memory once: the bound is
 ``threads * CHUNK_BYTES`` bytes (``TransferLimits.from_config``).
+
+Each transfer has a pool of its own (``threads`` workers, as ``remote.index`` and ``remote.evict`` have for
+their heads and gets), not a lane of ``gpusnap.daemon.executor``: ``remote_threads`` and
+``remote_memory_bytes`` bound one push or pull (docs/fleet.md), and one shared lane would bound all of them
+together, a change of what those settings mean.
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""Calls to several agents at once (the processes of one engine answer in parallel)."""
+"""Calls to several agents at once (the processes of one engine answer in parallel).
+
+One thread per call, for the call's length, not a lane of ``gpusnap.daemon.executor``: the ranks of one
+engine may rendezvous inside a call (a quiesce or resume that syncs their communicators), so a call that
+waited for a free thread behind another rank's call could wait forever; the calls' number is bounded by an
+engine's processes.
+"""
 
 from __future__ import annotations
 
