@@ -50,7 +50,10 @@ def test_every_lane_runs_at_most_its_bound_at_once() -> None:
                     running[0] -= 1
 
             futures = [pool.submit(task) for _ in range(bound + 2)]
-            time.sleep(0.2)
+            deadline = time.monotonic() + WAIT_S
+            while peak[0] < bound and time.monotonic() < deadline:  # the bound's threads start
+                time.sleep(0.01)
+            time.sleep(0.1)  # room for a thread over the bound to start, were there one
             assert peak[0] == bound, name
             go.set()
             for f in futures:
