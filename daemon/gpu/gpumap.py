@@ -405,8 +405,3 @@ def gpu_pairs_for_restore(gpu_map: Mapping[str, str]) -> list[tuple[str, str]]:
     if all(old == new for old, new in pairs):
         return []
     return pairs
-
-
-def is_remap(gpu_map: Mapping[str, str]) -> bool:
-    """Whether any checkpointed GPU moves (driver ≥ 580 needed; afterwards confirm via NVML, FC-09)."""
-    return bool(gpu_pairs_for_restore(gpu_map))

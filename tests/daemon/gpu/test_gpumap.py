@@ -6,7 +6,7 @@ import pytest
 
 from gpusnap.daemon.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from gpusnap.daemon.drivers.nvml import GpuDevice
-from gpusnap.daemon.gpu.gpumap import gpu_pairs_for_restore, is_remap, resolve_gpu_map
+from gpusnap.daemon.gpu.gpumap import gpu_pairs_for_restore, resolve_gpu_map
 
 GIB = 1 << 30
 U = [f"GPU-{i:08x}-1111-2222-3333-444444444444" for i in range(6)]
@@ -32,7 +32,7 @@ NODE = [gpu(0), gpu(1), gpu(2), gpu(3, name="NVIDIA L4", free_gib=20)]
 def test_identity_when_originals_present_and_free() -> None:
     m = resolve_gpu_map({}, [U[0], U[1]], NODE, required_free_bytes={U[0]: 40 * GIB, U[1]: 40 * GIB})
     assert m == {U[0]: U[0], U[1]: U[1]}
-    assert gpu_pairs_for_restore(m) == [] and not is_remap(m)
+    assert gpu_pairs_for_restore(m) == []
 
 
 def test_uuid_case_and_prefix_normalised() -> None:
