@@ -21,6 +21,10 @@ lane                  may wait on             runs
 ``prefill``           --                      the prefill's background registrations, in order (one thread)
 ====================  ======================  ===========================================================
 
+The table is also checked where tasks wait: :func:`check_wait` (called by ``checksum.file_digests``,
+``durable.fsync_tree`` and the buffer store's copies) raises at once when a lane's task is about to wait on
+a lane the table does not allow it, so a mistake fails loudly instead of hanging once the lane is full.
+
 Threads that are not lanes, and why, are listed in docs/architecture.md ("Threads").
 """
 
@@ -36,8 +40,9 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-CORES = max(2, os.cpu_count() or 2)
-"""Hashing threads per digest lane: one per core (hashlib releases the GIL), at least two."""
+CORES = max(2, len(os.sched_getaffinity(0)))
+"""Hashing threads per digest lane: one per core gpusnapd may run on (its CPU affinity, which a cpuset
+narrows; hashlib releases the GIL), at least two."""
 
 MAY_WAIT_ON: dict[str, tuple[str, ...]] = {
     "rpc": ("buffer_jobs", "buffer_io", "digest", "fsync", "prefill"),
@@ -75,6 +80,46 @@ class LaneSizes:
             raise ValueError(f"every lane needs at least one thread: {', '.join(small)}")
 
 
+_here = threading.local()
+"""``lane``: the name of the lane whose thread this is (unset on other threads)."""
+
+
+def _enter(name: str) -> None:
+    _here.lane = name
+
+
+class Lane(ThreadPoolExecutor):
+    """One lane: a ``ThreadPoolExecutor`` of ``size`` threads named ``gpusnap-<name>_<n>``, each of which knows
+    its lane (:func:`current_lane`)."""
+
+    def __init__(self, name: str, size: int):
+        prefix = f"gpusnap-{name.replace('_', '-')}"
+        super().__init__(max_workers=size, thread_name_prefix=prefix, initializer=_enter, initargs=(name,))
+        self.name = name
+
+
+def current_lane() -> str | None:
+    """The name of the lane the calling thread belongs to; None on any other thread."""
+    return getattr(_here, "lane", None)
+
+
+def check_wait(pool: object) -> None:
+    """Check that the calling thread may wait on tasks of ``pool`` (:data:`MAY_WAIT_ON`). Pools that are not
+    lanes, and threads that are not a lane's, are not checked.
+
+    Raises:
+        RuntimeError: the calling thread is a task of a lane that may not wait on ``pool``'s lane (its own
+            among them): once that lane is full of such waiters, none would ever run.
+    """
+    here = current_lane()
+    if here is None or not isinstance(pool, Lane) or pool.name in MAY_WAIT_ON[here]:
+        return
+    raise RuntimeError(
+        f"a task of gpusnapd's {here!r} lane is about to wait on its {pool.name!r} lane, which "
+        "gpusnap.daemon.executor.MAY_WAIT_ON does not allow (it could deadlock): run the waiting work elsewhere"
+    )
+
+
 class Executor:
     """The lanes of :data:`MAY_WAIT_ON`, each a ``ThreadPoolExecutor`` of its :class:`LaneSizes` bound whose
     threads are named ``gpusnap-<lane>_<n>`` and start on first use.
@@ -92,10 +137,10 @@ class Executor:
         self.fsync = self._lane("fsync", sizes.fsync)
         self.prefill = self._lane("prefill", sizes.prefill)
 
-    def _lane(self, name: str, size: int) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=size, thread_name_prefix=f"gpusnap-{name.replace('_', '-')}")
+    def _lane(self, name: str, size: int) -> Lane:
+        return Lane(name, size)
 
-    def lanes(self) -> dict[str, ThreadPoolExecutor]:
+    def lanes(self) -> dict[str, Lane]:
         """Lane name (a key of :data:`MAY_WAIT_ON`) → its pool."""
         return {name: getattr(self, name) for name in MAY_WAIT_ON}
 

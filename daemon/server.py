@@ -86,7 +86,8 @@ class Running:
     health: health.aio.HealthServicer
     metrics: Any  # gpusnap.daemon.metrics.Metrics, or None when metrics_listen is empty
     executor: Executor
-    """The daemon's lanes of threads (``gpusnap.daemon.executor``); shut down last."""
+    """The daemon's lanes of threads (``gpusnap.daemon.executor``); shut down once no operation runs, before
+    the agent channel and the store close (a budget pass moving a blob must not outlive the store's lock)."""
 
     def stop(self, grace: float = 5.0) -> None:
         self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -97,9 +98,8 @@ class Running:
             self.metrics.stop()
         # Running operations finish (and roll back if they fail) before the store and the agent channel
         # close: a quiesced worker must still be able to reconnect and be resumed.
-        _release(self.daemon)
+        _release(self.daemon, self.executor)
         rundirs.remove_if_empty(wake_dir(self.daemon.deps.config))
-        self.executor.shutdown()
 
     def set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         for name in ("", *SERVICE_NAMES):
@@ -141,7 +141,7 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     config.validate()
     host.raise_open_file_limit()
     executor = Executor()
-    undo.callback(executor.shutdown)  # last: what runs on it is released before (the undo runs in reverse)
+    undo.callback(executor.shutdown)  # a start that fails before the store opens (idempotent: see below)
     criu = CriuDriver(config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs")
     criu_version = criu.require_supported()
     criu.keep_spare_helper()
@@ -185,6 +185,7 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     # The agents' default GPUSNAP_WAKE_DIR: they only read it, gpusnapd writes their wake files.
     rundirs.make_own_dir(wake_dir(config), 0o755, shared=True, narrowed_from=0o1777)
     undo.callback(rundirs.remove_if_empty, wake_dir(config))
+    undo.callback(executor.shutdown)  # runs before the agents stop and the store closes (the undo runs in reverse)
     if remote is not None:
         store.buffers.schedule_budgets()
     standbys = StandbyRegistry(config.store / STANDBYS)
@@ -329,14 +330,15 @@ def _after_operation(prefill: PrefillSupport | None, ladder: Ladder, metrics: An
         prefill.after_publish(record.result)
 
 
-def _release(daemon: Daemon) -> None:
-    """Release what :func:`build_daemon` acquired before the servers started (agent socket, spare CRIU
-    helper, store lock)."""
+def _release(daemon: Daemon, executor: Executor) -> None:
+    """Release what :func:`build_daemon` acquired before the servers started (the executor's lanes, agent
+    socket, spare CRIU helper, store lock), in that order."""
     if daemon.ladder is not None:  # no standby made or dropped while the rest stops
         daemon.ladder.stop()
     daemon.registry.shutdown(wait=True)
     if daemon.deps.prefill is not None:
         daemon.deps.prefill.close()
+    executor.shutdown()  # a budget pass or read-ahead ends while the store is still locked
     daemon.deps.agents.stop()
     daemon.deps.criu.close()
     daemon.deps.store.close()

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 import structlog
 
 from gpusnap.daemon.api import validate
-from gpusnap.daemon.api.errors import AbortedError, NotFoundError, ResourceExhaustedError
+from gpusnap.daemon.api.errors import AbortedError, NotFoundError, ResourceExhaustedError, UnavailableError
 from gpusnap.daemon.operations.base import EventType, OperationRecord, PhaseRunner, os_error
 from gpusnap.daemon.operations.failpoints import NONE as NO_FAULTS
 from gpusnap.daemon.operations.failpoints import Failpoints
@@ -105,6 +105,8 @@ class OperationRegistry:
         self._by_request: dict[tuple[int, str, str], str] = {}
         """(owner uid, kind, request_id) -> operation id: a key is its caller's, for one kind of operation."""
         self._finished_count = 0
+        self._closing = False
+        """Set by :meth:`shutdown`: no operation starts any more."""
 
     def start(
         self, record: OperationRecord, pids: Iterable[int], body: Callable[[PhaseRunner], object], weight: int = 1
@@ -117,10 +119,17 @@ class OperationRegistry:
             AbortedError: another running operation holds one of ``pids`` (reason ``TREE_BUSY``).
             ResourceExhaustedError: the caller has ``max_per_caller`` operations running, or the daemon
                 ``max_running`` (reason ``TOO_MANY_OPERATIONS``).
+            UnavailableError: gpusnapd is stopping (reason ``DAEMON_UNAVAILABLE``): a call that outlived the
+                server's grace period starts nothing the stop would cut short.
         """
         pids = list(pids)
         record.journal = self.journal
         with self._lock:
+            if self._closing:
+                raise UnavailableError(
+                    "gpusnapd is stopping; retry once it is back (systemctl status gpusnapd)",
+                    reason="DAEMON_UNAVAILABLE",
+                )
             if record.request_id and _key(record) in self._by_request:
                 earlier = self._ops.get(self._by_request[_key(record)])
                 if earlier is not None:  # a retry: the original operation
@@ -244,10 +253,12 @@ class OperationRegistry:
             return sorted(self._ops.values(), key=lambda r: (r.started, r.id))
 
     def shutdown(self, wait: bool = True) -> None:
-        """With ``wait``, let running operations finish (and roll back if they fail)."""
+        """Start no operation any more (:meth:`start` raises ``UnavailableError``); with ``wait``, let the
+        running ones finish (and roll back if they fail)."""
+        with self._lock:
+            self._closing = True
+            threads = list(self._threads.values())
         if wait:
-            with self._lock:
-                threads = list(self._threads.values())
             for thread in threads:
                 thread.join()
 

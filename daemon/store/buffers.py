@@ -39,7 +39,7 @@ import structlog
 
 from gpusnap.daemon.api.errors import DataLossError, FailedPreconditionError, ResourceExhaustedError
 from gpusnap.daemon.api.types import BufferRef
-from gpusnap.daemon.executor import Executor
+from gpusnap.daemon.executor import Executor, check_wait
 from gpusnap.daemon.store import checksum, sealed
 from gpusnap.daemon.store.durable import fsync_dir
 from gpusnap.daemon.store.tiers import Tier, eviction_order, mark_used, move
@@ -189,6 +189,7 @@ class StagedBuffers:
         copies, self._copies = self._copies, []
         for future in copies:
             future.cancel()
+        check_wait(self.store.pool)
         wait(copies)  # a running copy still uses its memfd and file
         with self._lock:
             memfds, self._memfds = self._memfds, {}

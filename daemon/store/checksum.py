@@ -18,6 +18,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from gpusnap.daemon.api.types import ImageFile
+from gpusnap.daemon.executor import check_wait
 
 CHUNK_BYTES = 16 << 20
 DIGEST_ALGORITHM = "sha256-list-16MiB"
@@ -51,7 +52,9 @@ def file_digests(paths: Sequence[Path], pool: Executor) -> list[str]:
 
     Raises:
         OSError: a file cannot be read.
+        RuntimeError: called from a task of a lane that may not wait on ``pool`` (``executor.check_wait``).
     """
+    check_wait(pool)
     jobs = [[pool.submit(_hash_chunk, p, off) for off in range(0, p.stat().st_size, CHUNK_BYTES)] for p in paths]
     return [combine([f.result() for f in chunks]) for chunks in jobs]
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, wait
 from pathlib import Path
+
+from gpusnap.daemon.executor import check_wait
 
 
 def fsync_dir(path: Path) -> None:
@@ -30,15 +33,26 @@ def fsync_tree(root: Path, pool: Executor) -> None:
     call it from a task of ``pool``: it waits for ``pool``'s tasks.
 
     Raises:
-        OSError: the first failed fsync (the others still ran).
+        OSError: the first failed fsync (the others still ran); ``ECANCELED`` when gpusnapd's stop dropped
+            fsyncs still queued.
+        RuntimeError: ``pool`` is shut down (gpusnapd is stopping), or a task of a lane that may not wait on
+            ``pool`` called it (``executor.check_wait``).
     """
+    check_wait(pool)
     files: list[tuple[str, int]] = []
     for dirpath, _dirs, names in os.walk(root):
         files.append((dirpath, os.O_RDONLY | os.O_DIRECTORY))
         files.extend((os.path.join(dirpath, n), os.O_RDONLY) for n in names)
-    futures = [pool.submit(fsync_path, path, flags) for path, flags in files]
-    errors = [f.exception() for f in futures]  # waits for all: none is left running past the first failure
-    for error in errors:
+    futures: list[Future[None]] = []
+    try:
+        for path, flags in files:
+            futures.append(pool.submit(fsync_path, path, flags))
+    finally:
+        wait(futures)  # none is left running once this returns or raises
+    for future in futures:
+        if future.cancelled():
+            raise OSError(errno.ECANCELED, f"fsyncs under {root} were dropped: gpusnapd is stopping")
+        error = future.exception()
         if error is not None:
             raise error
 

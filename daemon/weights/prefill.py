@@ -79,7 +79,8 @@ class PrefillSupport:
         gpus: GPU UUID → ``""`` (usable) or why not, from :meth:`DeviceFiller.probe`.
         reason: why prefill is off (empty when on).
         jobs: where the registrations ahead run, in the order queued: gpusnapd's ``prefill`` lane (one thread,
-            ``gpusnap.daemon.executor``); its owner shuts it down, :meth:`close` only stops queueing.
+            ``gpusnap.daemon.executor``); its owner shuts it down; after :meth:`close` nothing more is queued
+            and what was queued is skipped.
         require_gpu_use: fill an arena only on a GPU its worker's process held memory on at capture (:func:`plan`);
             ``False`` only for tests whose CPU workers' snapshots record no GPU use (tests/daemon/prefill_daemon.py).
     """
@@ -178,8 +179,8 @@ class PrefillSupport:
             last.result()
 
     def close(self) -> None:
-        """Stop the background work (gpusnapd's stop): what is queued is skipped, a registration in
-        progress finishes (the lane itself is its owner's to shut down)."""
+        """Stop the background work (gpusnapd's stop): nothing more is queued, what is queued is skipped, a
+        registration in progress finishes (the lane itself is its owner's to shut down)."""
         self._stop.set()
 
     def _submit(self, job: Callable[[], object]) -> None:
@@ -193,6 +194,8 @@ class PrefillSupport:
                 with self._lock:
                     self._queued -= 1
 
+        if self._stop.is_set():  # closed: nothing more is queued
+            return
         with self._lock:
             self._queued += 1
         try:

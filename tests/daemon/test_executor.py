@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.config import DaemonConfig
-from gpusnap.daemon.executor import MAY_WAIT_ON, Executor, LaneSizes
+from gpusnap.daemon.executor import MAY_WAIT_ON, Executor, LaneSizes, current_lane
 from gpusnap.daemon.server import build_daemon
+from gpusnap.daemon.store import checksum, durable
 from tests.conftest import criu_prefix
 from tests.starts import starts
 
@@ -142,6 +143,36 @@ def test_shutdown_waits_a_bounded_time_for_a_task_that_does_not_end() -> None:
 def test_a_lane_of_no_threads_is_refused() -> None:
     with pytest.raises(ValueError, match="fsync"):
         LaneSizes(fsync=0)
+
+
+def test_a_task_about_to_wait_on_a_lane_it_may_not_fails_at_once_rather_than_hang(tmp_path: Path) -> None:
+    """``check_wait`` enforces MAY_WAIT_ON where tasks wait: a digest task hashing on its own lane, or an
+    fsync task fsyncing a tree on the fsync lane, raises instead of queueing behind itself."""
+    (tmp_path / "f").write_bytes(b"x" * 4096)
+    executor = Executor(LaneSizes(digest=1, fsync=1))
+    try:
+        own = executor.digest.submit(checksum.file_digests, [tmp_path / "f"], executor.digest)
+        with pytest.raises(RuntimeError, match="'digest' lane is about to wait on its 'digest' lane"):
+            own.result(WAIT_S)
+        fsync = executor.fsync.submit(durable.fsync_tree, tmp_path, executor.fsync)
+        with pytest.raises(RuntimeError, match="'fsync' lane is about to wait on its 'fsync' lane"):
+            fsync.result(WAIT_S)
+        allowed = executor.buffer_jobs.submit(checksum.file_digests, [tmp_path / "f"], executor.buffer_io)
+        assert allowed.result(WAIT_S) == checksum.file_digests([tmp_path / "f"], executor.buffer_io)
+        assert executor.rpc.submit(current_lane).result(WAIT_S) == "rpc" and current_lane() is None
+    finally:
+        executor.shutdown()
+
+
+def test_fsync_tree_on_a_shut_down_lane_raises_and_leaves_nothing_running(tmp_path: Path) -> None:
+    for i in range(20):
+        (tmp_path / f"f{i}").write_bytes(b"x")
+    executor = Executor()
+    durable.fsync_tree(tmp_path, executor.fsync)
+    executor.shutdown()
+    with pytest.raises(RuntimeError):
+        durable.fsync_tree(tmp_path, executor.fsync)
+    assert executor.threads() == []
 
 
 @starts("gpusnapd")

@@ -65,7 +65,7 @@ def _park(node: GpuNode, tmp_path: Path, config: ParkConfig) -> Park:
     standbys = StandbyRegistry(tmp_path / "store" / "standbys.json")
     deps = dataclasses.replace(node.deps, standbys=standbys)
     policies = Policies(tmp_path / "store" / "policies.json", config)
-    ladder = Ladder(  # wired as build_daemon wires it
+    ladder = Ladder(  # its calls wired as build_daemon wires them (the store's rank: tests/daemon/park)
         node.store,
         standbys,
         policies,

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from gpusnap.daemon.api.errors import ResourceExhaustedError
+from gpusnap.daemon.api.errors import ResourceExhaustedError, UnavailableError
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, PhaseRunner
 from gpusnap.daemon.operations.registry import OperationRegistry
 
@@ -45,3 +45,15 @@ def test_fan_out_copies_count_against_their_caller() -> None:
     registry.start(OperationRecord(OperationKind.RESTORE, owner_uid=1000), (), lambda _r: None, weight=4)
     release.set()
     registry.shutdown()
+
+
+def test_no_operation_starts_once_the_registry_shuts_down() -> None:
+    """A call that outlived the server's grace period at gpusnapd's stop starts nothing the stop would cut
+    short (its publish's fsyncs would meet a shut-down lane): it is told the daemon is unavailable."""
+    registry = OperationRegistry(max_workers=4)
+    registry.shutdown()
+    ran = threading.Event()
+    with pytest.raises(UnavailableError, match="gpusnapd is stopping") as err:
+        registry.start(OperationRecord(OperationKind.CHECKPOINT, owner_uid=0), (), lambda _r: ran.set())
+    assert err.value.reason == "DAEMON_UNAVAILABLE"
+    assert not ran.wait(0.2) and registry.list() == []
