@@ -279,7 +279,12 @@ def test_trees_that_could_never_be_restored_are_refused(daemon: DaemonProc, tmp_
             stderr=subprocess.DEVNULL,
         )
         procs.append(reader.pid)
-        wait_for(lambda: len(psutil.Process(reader.pid).children()) == 2, 10, "pipeline did not start")
+        # (both children exist before each has exec'd its program: wait for the names, not the count)
+        wait_for(
+            lambda: sorted(c.name() for c in psutil.Process(reader.pid).children()) == ["cat", "sleep"],
+            10,
+            "pipeline did not start",
+        )
         writer = next(c.pid for c in psutil.Process(reader.pid).children() if c.name() == "sleep")
         res = daemon.cli("-o", "json", "dump", str(writer))
         assert res.returncode == 4 and "pipe whose other end" in res.stderr, res.stderr
