@@ -151,7 +151,7 @@ def main() -> int:
     ratio = {k: medians["gpusnap"][k] / medians["baseline"][k] for k in (*PHASES, "total") if medians["baseline"][k]}
     doc = {
         "host": {"device": args.device},
-        "baseline": str(baseline),
+        "baseline": args.baseline,  # as given: no machine path in the results
         "mib": args.mib,
         "parts": args.parts if args.device == "cpu" else max(1, args.mib // 256),
         "rounds": args.rounds,
