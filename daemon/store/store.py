@@ -231,10 +231,17 @@ class SnapshotStore:
 
         ``snapshot.files`` must already describe ``staging.images`` (see :func:`checksum.image_files`).
         """
-        manifest.write(staging.path, snapshot, sync=False)
-        fsync_tree(staging.path, self.executor.fsync)  # the manifest, the images and their directories in one round
-        final = self.snapshots_dir / snapshot.id
-        os.rename(staging.path, final)
+        self._make_durable(staging.path, snapshot)
+        return self._rename_into_place(staging.path, snapshot)
+
+    def _make_durable(self, directory: Path, snapshot: Snapshot) -> None:
+        """Write the manifest into ``directory`` and fsync it, the images and their directories in one round."""
+        manifest.write(directory, snapshot, sync=False)
+        fsync_tree(directory, self.executor.fsync)
+
+    def _rename_into_place(self, directory: Path, snapshot: Snapshot) -> Snapshot:
+        """Rename the durable ``directory`` to ``snapshots/<id>`` (listed from then on) and index it."""
+        os.rename(directory, self.snapshots_dir / snapshot.id)
         fsync_dir(self.snapshots_dir)
         self._index.add(snapshot)
         log.info("store.published", snapshot_id=snapshot.id, name=snapshot.name, bytes=snapshot.size_bytes)
@@ -247,6 +254,9 @@ class SnapshotStore:
             AlreadyExistsError: the id is here already, or its name is taken (``NAME_TAKEN``).
         """
         (directory / PROVENANCE).write_bytes(provenance)
+        # durable before the lock: its fsyncs queue on the shared fsync lane, and the lock holds up every
+        # checkpoint's staging and every name check meanwhile
+        self._make_durable(directory, snapshot)
         with self._lock:
             if (self.snapshots_dir / snapshot.id).exists():
                 raise AlreadyExistsError(
@@ -256,7 +266,7 @@ class SnapshotStore:
                 )
             if snapshot.name:
                 self._check_name_free_locked(snapshot.name, snapshot.owner_uid)
-            return self.publish(StagingDir(snapshot.id, directory), snapshot)
+            return self._rename_into_place(directory, snapshot)
 
     @contextmanager
     def pulling(self, work: str) -> Iterator[None]:
