@@ -224,6 +224,17 @@ class Workloads:
         """Also kill ``pid`` (e.g. a restored tree) at the end."""
         self.extra_pids.append(pid)
 
+    def spawn(
+        self, argv: list[str], cwd: str | Path | None = None, stdout: int = subprocess.DEVNULL
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` in a session of its own (stdin and stderr ``/dev/null``; ``stdout`` a descriptor or
+        ``/dev/null``), killed with its tree at the end (:meth:`adopt`)."""
+        proc = subprocess.Popen(
+            argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        self.adopt(proc.pid)
+        return proc
+
     def cleanup(self) -> None:
         kill_tree(*self.extra_pids, *(w.pid for w in self.started))
         for w in self.started:

@@ -61,16 +61,7 @@ def test_unprivileged_caller_may_only_touch_its_own(open_daemon: DaemonProc, wor
 
 def _as_nobody(workloads: Workloads, *argv: str) -> subprocess.Popen[bytes]:
     """Run ``argv`` as nobody (setpriv execs it in place: the PID is the command's), killed at the end."""
-    p = subprocess.Popen(
-        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv],
-        cwd="/",
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    workloads.adopt(p.pid)
-    return p
+    return workloads.spawn(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv], cwd="/")
 
 
 @pytest.mark.parametrize("mode", [0o4755, 0o2755], ids=["setuid-root", "setgid-root"])

@@ -30,15 +30,7 @@ def _counts_on(path: Path, prefix: bytes, beyond: int) -> None:
 
 def _writer(python: str, log: Path, workloads: Workloads) -> subprocess.Popen[bytes]:
     """workloads/log_writer.py writing ``log`` (in its directory), once it has written a few lines."""
-    writer = subprocess.Popen(
-        [python, str(WORKLOADS / "log_writer.py"), str(log)],
-        cwd=log.parent,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    workloads.adopt(writer.pid)
+    writer = workloads.spawn([python, str(WORKLOADS / "log_writer.py"), str(log)], cwd=log.parent)
     wait_for(lambda: log.exists() and len(_lines(log)) >= 5, 30, "the writer does not write")
     return writer
 

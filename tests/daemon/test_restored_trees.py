@@ -31,14 +31,7 @@ def test_restored_trees_are_listed_and_stopped_cleanly(
 ) -> None:
     wd = tmp_path / "w"
     wd.mkdir()
-    source = subprocess.Popen(
-        [sys.executable, str(WORKLOADS / "on_term.py"), str(wd)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    workloads.adopt(source.pid)
+    source = workloads.spawn([sys.executable, str(WORKLOADS / "on_term.py"), str(wd)])
     wait_for(lambda: (wd / "ready").exists(), 30, "the workload did not start")
     snap = _json(daemon.cli("-o", "json", "dump", str(source.pid), "--name", "stoppable"))["id"]
     single = _json(daemon.cli("-o", "json", "restore", "stoppable"))

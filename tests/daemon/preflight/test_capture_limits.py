@@ -21,15 +21,7 @@ from tests.users import User
 
 def _hold(tmp_path: Path, workloads: Workloads, kind: str, *, prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     ready = tmp_path / f"{kind}.ready"
-    p = subprocess.Popen(
-        [*prefix, sys.executable, str(WORKLOADS / "holds.py"), kind, str(ready)],
-        cwd="/",
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    workloads.adopt(p.pid)
+    p = workloads.spawn([*prefix, sys.executable, str(WORKLOADS / "holds.py"), kind, str(ready)], cwd="/")
     wait_for(lambda: ready.exists() or p.poll() is not None, 30, f"{kind} holder did not start")
     assert p.poll() is None, f"{kind} holder exited {p.returncode}"
     return p
@@ -117,14 +109,7 @@ def test_a_terminal_whose_master_is_outside_is_replaced_at_restore(
     master, slave = os.openpty()
     try:
         code = "import itertools,time\nfor i in itertools.count():\n    print(i, flush=True)\n    time.sleep(0.2)"
-        p = subprocess.Popen(
-            [sys.executable, "-c", code],
-            stdin=subprocess.DEVNULL,
-            stdout=slave,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        workloads.adopt(p.pid)
+        p = workloads.spawn([sys.executable, "-c", code], stdout=slave)
         os.read(master, 100)  # it has printed
         dumped = json.loads(daemon.cli("-o", "json", "dump", str(p.pid), "--name", "on-pty", check=True).stdout)
         snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
@@ -150,15 +135,7 @@ def test_a_child_of_another_user_gets_the_capability_message(
 ) -> None:
     a, _ = hostile
     code = f"import os,time\nif os.fork() == 0:\n    os.setuid({a.uid})\n    time.sleep(600)\ntime.sleep(600)"
-    p = subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd="/",
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    workloads.adopt(p.pid)
+    p = workloads.spawn([sys.executable, "-c", code], cwd="/")
     wait_for(lambda: any(c.uids().real == a.uid for c in psutil.Process(p.pid).children()), 10, "no child of A")
     child = psutil.Process(p.pid).children()[0].pid
     res = daemon.cli("dump", str(p.pid))

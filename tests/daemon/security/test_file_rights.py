@@ -60,15 +60,7 @@ def reowned(tmp_path: Path, hostile: tuple[User, User], workloads: Workloads) ->
     secret = base / "secret"
     secret.write_bytes(SECRET)
     os.chmod(secret, 0o600)
-    holder = subprocess.Popen(
-        [SYSTEM_PYTHON, str(WORKLOADS / "holder.py"), str(home / "d" / "x"), str(home)],
-        cwd=home,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    workloads.adopt(holder.pid)
+    holder = workloads.spawn([SYSTEM_PYTHON, str(WORKLOADS / "holder.py"), str(home / "d" / "x"), str(home)], cwd=home)
     wait_for(lambda: (home / "ready").exists(), 30, "holder did not start")
     d = start_daemon(tmp_path / "d1")
     try:
