@@ -1,8 +1,8 @@
 """The daemon's one bounded executor: named lanes of worker threads, one owner, one shutdown.
 
 ``build_daemon`` (``gpusnap.daemon.server``) makes one :class:`Executor` and hands it by constructor to the
-store, the buffer store, the prefill and the gRPC server; :meth:`Executor.shutdown` is the last step of the
-daemon's stop. Every pool the daemon's work runs on is a lane here, and every lane's bound is a field of
+store, the buffer store, the prefill and the gRPC server; the daemon's stop calls :meth:`Executor.shutdown`
+once no operation runs, before the agent channel closes and the store's lock is released. Every pool the daemon's work runs on is a lane here, and every lane's bound is a field of
 :class:`LaneSizes`, so the bounds are set in one place.
 
 Deadlocks: a task that waits on a future of its *own* lane can wait forever once every thread of that lane
@@ -129,16 +129,12 @@ class Executor:
     """
 
     def __init__(self, sizes: LaneSizes = LaneSizes()):  # noqa: B008 (frozen)
-        self.sizes = sizes
-        self.rpc = self._lane("rpc", sizes.rpc)
-        self.buffer_jobs = self._lane("buffer_jobs", sizes.buffer_jobs)
-        self.buffer_io = self._lane("buffer_io", sizes.buffer_io)
-        self.digest = self._lane("digest", sizes.digest)
-        self.fsync = self._lane("fsync", sizes.fsync)
-        self.prefill = self._lane("prefill", sizes.prefill)
-
-    def _lane(self, name: str, size: int) -> Lane:
-        return Lane(name, size)
+        self.rpc = Lane("rpc", sizes.rpc)
+        self.buffer_jobs = Lane("buffer_jobs", sizes.buffer_jobs)
+        self.buffer_io = Lane("buffer_io", sizes.buffer_io)
+        self.digest = Lane("digest", sizes.digest)
+        self.fsync = Lane("fsync", sizes.fsync)
+        self.prefill = Lane("prefill", sizes.prefill)
 
     def lanes(self) -> dict[str, Lane]:
         """Lane name (a key of :data:`MAY_WAIT_ON`) → its pool."""
