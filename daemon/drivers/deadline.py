@@ -5,7 +5,8 @@ FC-02, #30). Python cannot interrupt a thread stuck inside a C library, so :func
 call in a *daemon* thread and stops waiting when the deadline passes. The thread is **left behind**: it keeps
 running until the library returns (possibly never). It does not keep the interpreter alive at exit, but it
 does hold whatever the library holds (driver locks), so later calls into the same driver may hang as well;
-they are bounded the same way. :func:`hung_calls` lists the abandoned calls still running, for health reports.
+they are bounded the same way. The thread is named ``gpusnap-deadline[<what>]``, so a stack dump names the
+call that hangs.
 
 An abandoned call that returns late may have changed the world after the caller gave up (a lock that finally
 succeeded leaves a process LOCKED). ``on_late_result`` lets the caller register a compensating action that
@@ -18,19 +19,13 @@ call that never returns would be lost to that lane for good, and enough hung cal
 from __future__ import annotations
 
 import contextvars
-import itertools
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, cast
 
 from gpusnap.daemon.api.errors import DeadlineExceededError
 
 T = TypeVar("T")
-
-_hung_lock = threading.Lock()
-_hung: dict[int, tuple[str, float]] = {}  # call id -> (what, monotonic start)
-_ids = itertools.count(1)
 
 
 class _Box(Generic[T]):
@@ -76,7 +71,6 @@ def call_with_deadline(
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     box: _Box[T] = _Box()
-    call_id = next(_ids)
     ctx = contextvars.copy_context()  # keep structlog/contextvars bindings inside the worker thread
 
     def runner() -> None:
@@ -90,24 +84,18 @@ def call_with_deadline(
             box.value, box.error, box.completed = value, error, True
             late = box.abandoned
         box.done.set()
-        if not late:
-            return
-        _forget(call_id)
-        if error is None and on_late_result is not None:
+        if late and error is None and on_late_result is not None:
             try:
                 on_late_result(cast(T, value))
             except Exception:  # noqa: BLE001 - best effort, nobody is waiting any more
                 pass
 
     thread = threading.Thread(target=runner, name=f"gpusnap-deadline[{what}]", daemon=True)
-    start = time.monotonic()
     thread.start()
     box.done.wait(timeout_s)
     with box.lock:
         if not box.completed:
             box.abandoned = True
-            with _hung_lock:
-                _hung[call_id] = (what, start)
             raise DeadlineExceededError(
                 f"{what} did not return within {timeout_s:g} s; gave up waiting (the call keeps running in a "
                 "background thread). A driver call that never returns usually means an unsupported topology, "
@@ -119,20 +107,3 @@ def call_with_deadline(
     if box.error is not None:
         raise box.error
     return cast(T, box.value)  # set whenever no error was stored
-
-
-def hung_calls() -> list[tuple[str, float]]:
-    """Abandoned calls that have not returned yet.
-
-    Returns:
-        ``[(what, seconds_running), …]``, oldest first; empty when nothing is stuck.
-    """
-    now = time.monotonic()
-    with _hung_lock:
-        items = sorted(_hung.values(), key=lambda item: item[1])
-    return [(what, now - start) for what, start in items]
-
-
-def _forget(call_id: int) -> None:
-    with _hung_lock:
-        _hung.pop(call_id, None)

@@ -8,7 +8,12 @@ import time
 import pytest
 
 from gpusnap.daemon.api.errors import DeadlineExceededError
-from gpusnap.daemon.drivers.deadline import call_with_deadline, hung_calls
+from gpusnap.daemon.drivers.deadline import call_with_deadline
+
+
+def _running(what: str) -> bool:
+    """Whether the call ``what`` left behind still runs (its thread is named after it)."""
+    return f"gpusnap-deadline[{what}]" in [t.name for t in threading.enumerate()]
 
 
 def test_returns_value_and_passes_args() -> None:
@@ -46,13 +51,13 @@ def test_deadline_names_what_and_leaves_thread_behind() -> None:
     assert err.message.startswith("cuCheckpointProcessCheckpoint(pid=9) did not return within 0.2 s")
     assert err.metadata == {"what": "cuCheckpointProcessCheckpoint(pid=9)", "timeout_s": "0.2"}
     what = "cuCheckpointProcessCheckpoint(pid=9)"
-    assert what in [w for w, _ in hung_calls()]
+    assert _running(what), "the call is left running"
     release.set()
     deadline = time.monotonic() + 5
-    while (not late or what in [w for w, _ in hung_calls()]) and time.monotonic() < deadline:
+    while (not late or _running(what)) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert late == ["done"]  # compensating callback ran with the late result
-    assert what not in [w for w, _ in hung_calls()]
+    assert not _running(what)
 
 
 def test_late_error_is_swallowed_and_forgotten() -> None:
@@ -64,12 +69,12 @@ def test_late_error_is_swallowed_and_forgotten() -> None:
 
     with pytest.raises(DeadlineExceededError):
         call_with_deadline(fail_later, timeout_s=0.05, what="late failure")
-    assert "late failure" in [w for w, _ in hung_calls()]
+    assert _running("late failure")
     release.set()
     deadline = time.monotonic() + 5
-    while "late failure" in [w for w, _ in hung_calls()] and time.monotonic() < deadline:
+    while _running("late failure") and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert "late failure" not in [w for w, _ in hung_calls()]
+    assert not _running("late failure")
 
 
 def test_rejects_nonpositive_timeout() -> None:
