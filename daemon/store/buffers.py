@@ -271,7 +271,6 @@ class BufferStore:
         self._lock = threading.Lock()
         self._pins: dict[str, int] = {}
         self._lock_fd: int | None = None
-        self._budget_pass: Future[int] | None = None
         self.evictor = evictor
         self._held: tuple[set[Path], set[str]] = (set(), set())
         self.rank = rank
@@ -524,12 +523,7 @@ class BufferStore:
 
     def schedule_budgets(self) -> None:
         """Run :meth:`enforce_budgets` in the background (after a capture or pull added blobs)."""
-        self._budget_pass = self.jobs.submit(self.enforce_budgets)
-
-    def settle(self) -> None:
-        """Wait for the last background budget pass (tests, shutdown)."""
-        if self._budget_pass is not None:
-            self._budget_pass.result()
+        self.jobs.submit(self.enforce_budgets)
 
     def enforce_budgets(self) -> int:
         """Move least recently used, unpinned blobs of each tier over its budget to the next tier, and

@@ -59,11 +59,6 @@ def file_digests(paths: Sequence[Path], pool: Executor) -> list[str]:
     return [combine([f.result() for f in chunks]) for chunks in jobs]
 
 
-def file_digest(path: Path, pool: Executor) -> str:
-    """The ``DIGEST_ALGORITHM`` digest of ``path`` (lowercase hex)."""
-    return file_digests([path], pool)[0]
-
-
 def image_files(images_dir: Path, pool: Executor) -> tuple[ImageFile, ...]:
     """Describe every regular file under ``images_dir`` (sorted by path) with size and digest (its chunks
     hashed on ``pool``: :func:`file_digests`)."""

@@ -304,14 +304,6 @@ class DeviceFiller:
             self._drop_unlinked()  # (unlinked while it registered: the store's after_collect ran before)
         return True
 
-    def holds(self, fd: int) -> str:
-        """How blob ``fd`` is registered: ``"ahead"`` (by :meth:`register_ahead`, no fill used it yet),
-        ``"kept"`` (used by a fill) or ``""`` (not)."""
-        st = os.fstat(fd)
-        with self._lock:
-            reg = self._registered.get((st.st_dev, st.st_ino))
-        return "" if reg is None else "ahead" if reg.ahead else "kept"
-
     def fill(
         self,
         gpu_uuid: str,

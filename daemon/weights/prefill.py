@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -105,7 +105,6 @@ class PrefillSupport:
         self._store: BufferStore | None = None
         self._jobs = jobs
         self._warm = False
-        self._last: Future[None] | None = None
         self._queued = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -172,12 +171,6 @@ class PrefillSupport:
         if self.filler is not None and self._warm:
             self._submit(lambda: self._register_ahead([snapshot]))
 
-    def settle(self) -> None:
-        """Wait until everything queued so far is done (tests, benchmarks)."""
-        last = self._last
-        if last is not None:
-            last.result()
-
     def close(self) -> None:
         """Stop the background work (gpusnapd's stop): nothing more is queued, what is queued is skipped, a
         registration in progress finishes (the lane itself is its owner's to shut down)."""
@@ -199,7 +192,7 @@ class PrefillSupport:
         with self._lock:
             self._queued += 1
         try:
-            self._last = self._jobs.submit(run)
+            self._jobs.submit(run)
         except RuntimeError:  # (closed)
             with self._lock:
                 self._queued -= 1

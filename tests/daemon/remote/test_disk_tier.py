@@ -20,7 +20,7 @@ from gpusnap.daemon.remote.transfer import Item, push_chunks
 from gpusnap.daemon.store import SnapshotStore
 from tests.daemon.remote.fleet import Fleet
 from tests.daemon.store.test_store import _snapshot
-from tests.lanes import LANES
+from tests.lanes import SERIAL, drain
 
 MIB = 1 << 20
 BLOB = 20 * MIB  # two chunks: 16 MiB and 4 MiB
@@ -32,7 +32,7 @@ def store(tmp_path: Path, remote: RemoteStore) -> Iterator[SnapshotStore]:
         tmp_path / "store",
         disk_tier_bytes=BLOB + BLOB // 2,
         evictor=lambda store: evict.RemoteEvictor(store, remote),
-        executor=LANES,
+        executor=SERIAL,
     )
     s.open()
     yield s
@@ -50,7 +50,7 @@ def _with_blob(store: SnapshotStore, fill: int) -> Snapshot:
             return store.publish(staging, snap)
     finally:
         staged.close()
-        store.buffers.settle()
+        drain(store.buffers.jobs)
 
 
 def _push(store: SnapshotStore, remote: RemoteStore, snap: Snapshot) -> None:

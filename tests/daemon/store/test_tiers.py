@@ -12,13 +12,13 @@ import pytest
 
 from gpusnap.daemon.api.errors import ResourceExhaustedError
 from gpusnap.daemon.store.buffers import BufferStore
-from tests.lanes import LANES
+from tests.lanes import SERIAL, drain
 
 MIB = 1 << 20
 
 
 def _store(tmp: Path, ram: int, disk: int = 0, **wiring: Any) -> BufferStore:
-    s = BufferStore(tmp / "ram", tmp / "disk", ram, disk, executor=LANES, **wiring)
+    s = BufferStore(tmp / "ram", tmp / "disk", ram, disk, executor=SERIAL, **wiring)
     s.open()
     return s
 
@@ -28,7 +28,7 @@ def _capture(s: BufferStore, fill: int, size: int = 4 * MIB) -> str:
     os.pwrite(staged.memfds([0])[0], bytes([fill]) * size, 0)
     (ref,) = staged.commit()
     staged.close()
-    s.settle()  # the budget pass that close queued has run
+    drain(s.jobs)  # the budget pass that close queued has run
     return ref.sha256
 
 

@@ -41,6 +41,14 @@ print(arena.ptr, hashlib.sha256(ctypes.string_at(arena.ptr, {nbytes})).hexdigest
 """
 
 
+def held(filler: DeviceFiller, fd: int) -> str:
+    """How blob ``fd`` is registered: ``"ahead"`` (by ``register_ahead``, no fill used it yet), ``"kept"``
+    (used by a fill) or ``""`` (not)."""
+    st = os.fstat(fd)
+    reg = filler._registered.get((st.st_dev, st.st_ino))
+    return "" if reg is None else "ahead" if reg.ahead else "kept"
+
+
 def _blob(tmp: Path, name: str, nbytes: int) -> tuple[int, bytes]:
     data = os.urandom(nbytes)
     path = tmp / name
@@ -308,22 +316,22 @@ def test_a_registration_made_ahead_serves_the_next_fill_within_the_budget(tmp_pa
     filler = DeviceFiller(drv, keep_budget_bytes=3 * G)
     a, da = _blob(tmp_path, "a", 2 * G)
     b, db = _blob(tmp_path, "b", 2 * G)
-    assert filler.register_ahead(a, len(da), UUID) and filler.holds(a) == "ahead"
+    assert filler.register_ahead(a, len(da), UUID) and held(filler, a) == "ahead"
     assert not filler.register_ahead(a, len(da), UUID), "registered once"
-    assert not filler.register_ahead(b, len(db), UUID) and filler.holds(b) == "", "past the budget"
+    assert not filler.register_ahead(b, len(db), UUID) and held(filler, b) == "", "past the budget"
     with pytest.raises(PrefillError, match="where the snapshot records"):
         filler.register_ahead(b, len(db) + 1, UUID)
     registers = drv.names().count("cuMemHostRegister")
     filled = filler.fill(UUID, [2 * G], [Source(a, len(da), 0, keep=True)])
     assert drv.names().count("cuMemHostRegister") == registers, "the fill used the registration made ahead"
-    assert filler.holds(a) == "kept"
+    assert held(filler, a) == "kept"
     assert _worker_digest(filled, chunk=2 * G, nbytes=len(da)) == hashlib.sha256(da).hexdigest()
     filled.release()
     filler.keep_budget_bytes = 5 * G
     c, dc = _blob(tmp_path, "c", 2 * G)
     assert filler.register_ahead(c, len(dc), UUID)
     filler.fill(UUID, [2 * G], [Source(b, len(db), 0, keep=True)]).release()  # 6 G kept: past 5 G
-    assert (filler.holds(a), filler.holds(b), filler.holds(c)) == ("kept", "kept", ""), "the one made ahead went"
+    assert (held(filler, a), held(filler, b), held(filler, c)) == ("kept", "kept", ""), "the one made ahead went"
     assert filler.registered_bytes() == 4 * G == sum(drv.registered.values())
     for fd in (a, b, c):
         os.close(fd)

@@ -30,8 +30,9 @@ from gpusnap.daemon.api.types import (
 from gpusnap.daemon.store.buffers import BufferStore
 from gpusnap.daemon.weights import prefill
 from gpusnap.daemon.weights.devicefill import PrefillError
+from tests.daemon.weights.test_devicefill import held
 from tests.fakes.cuda_vmm import CUresult, FakeVmmDriver
-from tests.lanes import LANES
+from tests.lanes import LANES, drain
 
 G = 64 << 10
 GPU0 = "GPU-00000000-1111-4222-8333-000000000000"
@@ -283,7 +284,7 @@ def test_off_creates_no_context() -> None:
     support = prefill.PrefillSupport.probe("off", drv, jobs=LANES.prefill)
     support.warm(BufferStore(Path("/nonexistent"), executor=LANES), lambda: [])
     support.after_publish(None)  # type: ignore[arg-type]
-    support.settle()
+    drain(LANES.prefill)
     assert drv.calls == [], "off: gpusnapd makes no driver call at all"
 
 
@@ -295,17 +296,17 @@ def test_warm_creates_contexts_and_registers_the_store_s_snapshots_ahead(tiered:
     support = _support(drv)
     assert "cuDevicePrimaryCtxRetain" not in drv.names(), "the probe creates no context"
     support.warm(tiered, lambda: [snap])
-    support.settle()
+    drain(LANES.prefill)
     assert drv.names().count("cuDevicePrimaryCtxRetain") == 1 and support.contexts == "ready"
     fds = [_blob_fd(tiered, snap, i) for i in range(2)]
-    assert [support.filler.holds(fd) for fd in fds] == ["ahead", "ahead"]  # type: ignore[union-attr]
+    assert [held(support.filler, fd) for fd in fds] == ["ahead", "ahead"]  # type: ignore[union-attr]
     assert "contexts ready" in support.state and "GiB of blobs registered" in support.state, support.state
     registers = drv.names().count("cuMemHostRegister")
     run = prefill.start(support, tiered, snap, None)
     assert run is not None
     assert prefill.hand_over(run, snap.worker, _Client(), 30) == {"b0", "b1"}  # type: ignore[arg-type]
     assert drv.names().count("cuMemHostRegister") == registers, "the first restore's fill registered nothing"
-    assert [support.filler.holds(fd) for fd in fds] == ["kept", "kept"]  # type: ignore[union-attr]
+    assert [held(support.filler, fd) for fd in fds] == ["kept", "kept"]  # type: ignore[union-attr]
     run.close()
     for fd in fds:
         os.close(fd)
@@ -321,19 +322,19 @@ def test_a_published_snapshot_is_registered_ahead_most_recent_first_within_the_b
     os.utime(tiered.path(0, old.buffers[0].sha256), (1, 1))  # used long ago
     support.warm(tiered, lambda: [])
     support.after_publish(old)  # two checkpoints published; only one fits the budget
-    support.settle()
+    drain(LANES.prefill)
     first = _blob_fd(tiered, old)
-    assert support.filler.holds(first) == "ahead"  # type: ignore[union-attr]
+    assert held(support.filler, first) == "ahead"  # type: ignore[union-attr]
     support.after_publish(new)
-    support.settle()
+    drain(LANES.prefill)
     second = _blob_fd(tiered, new)
-    assert support.filler.holds(second) == "" and support.filler.registered_bytes() == 2 * G  # type: ignore[union-attr]
+    assert held(support.filler, second) == "" and support.filler.registered_bytes() == 2 * G  # type: ignore[union-attr]
     support.close()
     fresh = _support(FakeVmmDriver(granularity=G))  # a daemon's start: most recently used first
     fresh.filler.keep_budget_bytes = 3 * G  # type: ignore[union-attr]
     fresh.warm(tiered, lambda: [old, new])
-    fresh.settle()
-    assert (fresh.filler.holds(first), fresh.filler.holds(second)) == ("", "ahead")  # type: ignore[union-attr]
+    drain(LANES.prefill)
+    assert (held(fresh.filler, first), held(fresh.filler, second)) == ("", "ahead")  # type: ignore[union-attr]
     for fd in (first, second):
         os.close(fd)
     fresh.close()
@@ -349,7 +350,7 @@ def test_a_blob_registered_ahead_can_still_be_deleted_or_evicted(tmp_path: Path,
     tiered = _tiered(tmp_path, after_collect=support.filler.drop_unlinked)  # type: ignore[union-attr]  # as build_daemon
     snap = _snapshot(tiered, (ArenaLayout(GPU0, 4 * G, G, (4 * G,), 1),), [(1, 0, 4 * G)])
     support.warm(tiered, lambda: [snap])
-    support.settle()
+    drain(LANES.prefill)
     assert support.filler.registered_bytes() == 4 * G  # type: ignore[union-attr]
     path = tiered.path(0, snap.buffers[0].sha256)
     if how == "delete":
