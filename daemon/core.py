@@ -460,7 +460,7 @@ class Daemon:
         return snapshot
 
     def delete_snapshot(self, ref: str, caller: Caller) -> str:
-        """Delete a snapshot; root may delete damaged ones whose owner cannot be read."""
+        """Delete a snapshot and its park rules; root may delete damaged ones whose owner cannot be read."""
         callers.require_identified(caller)
         with _nothing_to_delete():
             if not caller.is_root:
@@ -479,7 +479,10 @@ class Daemon:
                 f"snapshot {snapshot_id} is in use by operation {busy[0]}; wait for it (`gpusnap wait {busy[0]}`)",
                 reason="SNAPSHOT_BUSY",
             )
-        return self.deps.store.delete(snapshot_id)
+        deleted = self.deps.store.delete(snapshot_id)
+        if self.ladder is not None:  # its rules go with it
+            self.ladder.policies.forget_snapshot(deleted)
+        return deleted
 
     def _ladder(self) -> Ladder:
         if self.ladder is None:

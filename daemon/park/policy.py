@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -183,11 +183,10 @@ class Policies:
                 policy = rule.policy.over(policy)
         return policy
 
-    def forget_snapshots(self, present: Sequence[str]) -> None:
-        """Drop snapshot rules whose snapshot is gone (deleted)."""
-        keep = set(present)
+    def forget_snapshot(self, snapshot_id: str) -> None:
+        """Drop the rules of snapshot ``snapshot_id`` (it was deleted); durable before returning."""
         with self._lock:
-            rules = [r for r in self._rules if not r.snapshot_id or r.snapshot_id in keep]
+            rules = [r for r in self._rules if r.snapshot_id != snapshot_id]
             if len(rules) != len(self._rules):
                 self._rules = rules
                 write_json(self.path, [r.to_json() for r in rules])

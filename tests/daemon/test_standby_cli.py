@@ -1,6 +1,6 @@
 """What a person types: ``gpusnap standby``, ``ls``/``node``/``standbys`` showing it with its host memory,
 ``restore`` finding it, ``activate`` of one another activation took, ``drop``, ``rm`` refused while standbys
-exist, and a standby that survives gpusnapd's restart (real gpusnapd, real CRIU, a CPU tree)."""
+exist and taking the snapshot's park rule with it, and a standby that survives gpusnapd's restart (real gpusnapd, real CRIU, a CPU tree)."""
 
 from __future__ import annotations
 
@@ -81,5 +81,12 @@ def test_standby_ls_restore_activate_drop_and_a_restart(
         assert res.returncode == 3 and "no standby" in res.stderr
         (workload,) = _json(second, "park")["workloads"]  # type: ignore[index]
         assert (workload["rung"], workload["active"], workload["standbys"]) == ("active", 2, 0), workload
+
+        # a snapshot's park rule goes with the snapshot
+        second.cli("park", "set", "counter", "--priority", "5", check=True)
+        assert [r["snapshot_id"] for r in _json(second, "park")["policies"]] == [workload["snapshot_id"]]  # type: ignore[index]
+        second.cli("rm", "counter", check=True)
+        assert _json(second, "park")["policies"] == []  # type: ignore[index]
+        assert json.loads((second.store / "park-policies.json").read_text()) == [], "and it stays gone"
     finally:
         stop_daemon(second)
