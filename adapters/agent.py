@@ -7,9 +7,11 @@ Start it once the engine is built::
     agent = start_agent(VllmAdapter(engine), loop=asyncio.get_running_loop())
 
 The agent dials gpusnapd's agent socket (``GPUSNAP_AGENT_SOCKET``, default ``/run/gpusnap/agent.sock``)
-from a background thread and keeps retrying while the daemon is away. After answering ``Quiesce`` (with
+from a background thread (named ``gpusnap-agent`` for the kernel, so the daemon's preflight finds an agent
+that is not attached to it) and keeps retrying while the daemon is away; the first failure is said once in
+the worker's log (``gpusnap.adapters.reach``). After answering ``Quiesce`` (with
 buffers, ``Free``) it closes the connection, so the captured image holds no socket to the daemon, and waits for its wake file
-(``<wake dir>/<instance id>``); the daemon creates it once the worker may run on (in a restored copy, or
+(``<wake dir>/<instance id>``, by default ``wake`` beside the agent socket, where gpusnapd makes it); the daemon creates it once the worker may run on (in a restored copy, or
 in the source after a failed capture). Then it reconnects and waits for ``Resume``. Buffers the adapter
 names (:meth:`EngineAdapter.buffers`) leave memory between quiesce and resume: see
 ``gpusnap.adapters.buffers`` and ``agent.proto``. The worker survives
@@ -19,6 +21,8 @@ being frozen at any instant: between commands the agent only sleeps or blocks in
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import os
 import secrets
@@ -30,7 +34,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpusnap.adapters import buffers, vmm
+from gpusnap.adapters import buffers, reach, vmm
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
 from gpusnap.adapters.contract import capture_settings, wire
 from gpusnap.adapters.contract._proto import agent_pb2
@@ -40,9 +44,10 @@ log = logging.getLogger("gpusnap.agent")
 T = TypeVar("T")
 
 DEFAULT_SOCKET = "/run/gpusnap/agent.sock"
-DEFAULT_WAKE_DIR = "/run/gpusnap/wake"
-"""gpusnapd creates it (mode 0755: it writes the wake files, the agents only look for theirs); a worker's own
-wake directory must belong to the worker's user."""
+WAKE_DIR_NAME = "wake"
+"""The default wake directory is this, beside the agent socket: gpusnapd creates it there (mode 0755: it writes
+the wake files, the agents only look for theirs); a worker's own wake directory (``GPUSNAP_WAKE_DIR``) must
+belong to the worker's user."""
 RECONNECT_S = 0.5
 WAKE_POLL_S = 0.02
 
@@ -53,7 +58,7 @@ class WorkerAgent:
     Args:
         adapter: the engine adapter whose coroutines the agent calls.
         socket_path: the daemon's agent socket (default: ``GPUSNAP_AGENT_SOCKET`` or ``/run/gpusnap/agent.sock``).
-        wake_dir: where the wake file appears (default: ``GPUSNAP_WAKE_DIR`` or ``/run/gpusnap/wake``).
+        wake_dir: where the wake file appears (default: ``GPUSNAP_WAKE_DIR``, or ``wake`` beside the agent socket).
         loop: the engine's event loop; adapter coroutines run there. ``None``: the agent runs its own loop.
     """
 
@@ -67,7 +72,9 @@ class WorkerAgent:
     ):
         self.adapter = adapter
         self.socket_path = socket_path or os.environ.get("GPUSNAP_AGENT_SOCKET", DEFAULT_SOCKET)
-        self.wake_dir = Path(wake_dir or os.environ.get("GPUSNAP_WAKE_DIR", DEFAULT_WAKE_DIR))
+        self.wake_dir = Path(
+            wake_dir or os.environ.get("GPUSNAP_WAKE_DIR") or Path(self.socket_path).parent / WAKE_DIR_NAME
+        )
         self.instance_id = secrets.token_hex(16)
         self.loop = loop
         self.quiesced = False
@@ -84,6 +91,8 @@ class WorkerAgent:
         """Names of the buffers written out and still in memory, until freed (``Free``) or resumed."""
         self._arenas: list[vmm.Arena] = []
         """The arenas the buffers lie in, as announced at quiesce (MapArenas names them by 1-based index)."""
+        self._unreachable_since: float | None = None
+        """When dialing the socket first failed (since the last success), for the log."""
 
     def start(self) -> WorkerAgent:
         """Start the agent's thread; returns ``self``."""
@@ -105,6 +114,7 @@ class WorkerAgent:
     # -- the agent's thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        _name_thread(wire.AGENT_THREAD)
         if self.loop is None:
             self._own_loop = asyncio.new_event_loop()
         while not self._stop.is_set():
@@ -133,10 +143,16 @@ class WorkerAgent:
                 info={**self.adapter.info(), **capture_settings.report(os.environ)},
             )
             wire.send(sock, agent_pb2.AgentMessage(hello=hello))
-        except OSError:
+        except OSError as exc:
             sock.close()
+            if self._unreachable_since is None:
+                self._unreachable_since = time.monotonic()
+                reach.unreachable(self.socket_path, exc)
             self._stop.wait(RECONNECT_S)
             return None
+        if self._unreachable_since is not None:
+            reach.reached(self.socket_path, time.monotonic() - self._unreachable_since)
+            self._unreachable_since = None
         self._attached.set()
         return sock
 
@@ -331,6 +347,19 @@ class WorkerAgent:
             return fut.result()
         assert self._own_loop is not None
         return self._own_loop.run_until_complete(coro)
+
+
+PR_SET_NAME = 15
+"""prctl(2): name the calling thread (at most 15 bytes)."""
+
+
+def _name_thread(name: str) -> None:
+    """Give the calling thread ``name`` in the kernel (its ``comm``), where the daemon can read it."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError) as exc:  # no libc to call: the daemon then cannot tell it is here
+        log.warning("gpusnap agent: cannot name its thread %r (%s)", name, exc)
 
 
 def _tokens(tokens: list[int]) -> str:

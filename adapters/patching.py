@@ -152,7 +152,8 @@ def activate(engine: str) -> bool:
     """An engine plugin's first step: ``True`` the first time in this process that ``engine``'s plugin runs with
     ``GPUSNAP_AGENT_SOCKET`` set, after blocking io_uring in the process and its future children
     (:func:`gpusnap.adapters.io_uring.block_io_uring`) and applying the capture settings for ``engine``
-    (:func:`gpusnap.adapters.env.configure_capture_env`); ``False`` otherwise (the plugin then does nothing)."""
+    (:func:`gpusnap.adapters.env.configure_capture_env`), and saying in the log if gpusnapd cannot be reached at
+    the socket (:func:`gpusnap.adapters.reach.check_at_start`); ``False`` otherwise (the plugin then does nothing)."""
     if not os.environ.get(ENV_SOCKET):
         return False
     with _activate_lock:
@@ -161,7 +162,9 @@ def activate(engine: str) -> bool:
         _activated.add(engine)
     from gpusnap.adapters.env import configure_capture_env
     from gpusnap.adapters.io_uring import block_io_uring
+    from gpusnap.adapters.reach import check_at_start
 
     block_io_uring()
     configure_capture_env(engine=engine)
+    check_at_start(os.environ[ENV_SOCKET])  # said in the engine's log now, not found out at the first dump
     return True

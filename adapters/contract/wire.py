@@ -20,6 +20,9 @@ PROTOCOL_VERSION = 2
 """2: Offload writes into sealed memfds and keeps the buffers; Free releases them (agent.proto)."""
 MAX_FDS = 200
 """Descriptors per frame (the kernel's SCM_MAX_FD is 253)."""
+AGENT_THREAD = "gpusnap-agent"
+"""The kernel's name (``/proc/<pid>/task/<tid>/comm``) of the agent's thread in a worker process: the daemon's
+preflight finds a process that runs an agent not attached to it (one dialing another socket) by it."""
 
 
 class ChannelClosed(ConnectionError):

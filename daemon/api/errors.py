@@ -70,6 +70,7 @@ _ACTION_BY_REASON: dict[str, Action] = {
     "SNAPSHOT_HAS_STANDBYS": Action.FIX,  # drop its standbys first
     "DEV_SHM_NAME_TAKEN": Action.FIX,  # a /dev/shm name a --host-pidns restore needs
     "AGENT_MISSING": Action.FIX,  # an engine process without an agent: install gpusnap into the engine
+    "AGENT_NOT_ATTACHED": Action.FIX,  # an agent dialing another socket: fix GPUSNAP_AGENT_SOCKET, or --no-quiesce
     "AGENT_USERS": Action.FIX,
     "IO_URING": Action.FIX,
     "STORE_LOCKED": Action.FIX,

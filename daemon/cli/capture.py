@@ -36,7 +36,12 @@ if TYPE_CHECKING:
     metavar="DIR",
     help="worker follows Dynamo Snapshot's control-directory contract: wait for DIR/ready-for-snapshot",
 )
-@click.option("--no-quiesce", is_flag=True, help="capture as is, without the worker agent's warm-up and quiesce")
+@click.option(
+    "--no-quiesce",
+    is_flag=True,
+    help="capture as is, without the worker agents' warm-up, quiesce and offload (also when an agent is not "
+    "attached to this gpusnapd, which is refused otherwise: the slow path)",
+)
 @click.option(
     "--no-offload",
     is_flag=True,

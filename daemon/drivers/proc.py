@@ -148,6 +148,21 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def runs_thread(pid: int, name: str) -> bool:
+    """Whether a thread of ``pid`` has the kernel name ``name`` (``/proc/<pid>/task/*/comm``); False when gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            if Path(f"/proc/{pid}/task/{tid}/comm").read_text().rstrip("\n") == name:
+                return True
+        except OSError:
+            continue  # the thread ended meanwhile
+    return False
+
+
 def same_user_namespace(pid: int) -> bool:
     """Whether ``pid`` shares gpusnapd's user namespace (``/proc/<pid>/ns/user``)."""
     try:

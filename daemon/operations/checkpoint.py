@@ -40,6 +40,7 @@ from gpusnap.daemon.gpu.support import GpuTree
 from gpusnap.daemon.operations import workers
 from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
+from gpusnap.daemon.preflight import agents as agent_checks
 from gpusnap.daemon.preflight import capture as capture_checks
 from gpusnap.daemon.preflight import gpu as gpu_preflight
 from gpusnap.daemon.store.manifest import TCP_LABEL
@@ -124,10 +125,17 @@ class Checkpoint:
         return snapshot
 
     def preflight(self) -> Source:
-        """``preflight``: the tree's capture checks, this host's facts and the GPU preflight of its CUDA side."""
+        """``preflight``: the tree's agents (none running that is not attached to this daemon), its capture checks,
+        this host's facts and the GPU preflight of its CUDA side."""
         deps, opts = self.deps, self.opts
         with self.run.phase(Phase.PREFLIGHT):
             facts = proc.facts(opts.pid)
+            if opts.control_dir == "" and opts.quiesce:  # --no-quiesce: the caller asked for the tree as it is
+                agent_checks.check_attached(
+                    facts.tree_pids,
+                    lambda: [s.info.pid for s in deps.agents.find_all(facts.tree_pids)],
+                    deps.config.agent_socket,
+                )
             agent_quiesces = opts.control_dir == "" and deps.agents.find(facts.tree_pids) is not None
             capture_checks.check_tree(opts, facts, defer_tcp=agent_quiesces)
             facts_host = host_facts(deps)

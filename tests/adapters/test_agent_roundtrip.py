@@ -34,14 +34,20 @@ class Toy:
 
 
 @starts("engine")
-def _start(daemon: DaemonProc, tmp_path: Path, *args: str) -> Toy:
+def _start(daemon: DaemonProc, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Toy:
+    """The toy worker, its agent dialing ``daemon``'s socket (``env`` entries added; "" removes one)."""
     wd = tmp_path / "toy"
     wd.mkdir()
     env = {
-        **os.environ,
-        "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket),
-        "GPUSNAP_WAKE_DIR": str(tmp_path / "wake"),
-        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        k: v
+        for k, v in {
+            **os.environ,
+            "GPUSNAP_AGENT_SOCKET": str(daemon.agent_socket),
+            "GPUSNAP_WAKE_DIR": str(tmp_path / "wake"),
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+            **(env or {}),
+        }.items()
+        if v != ""
     }
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), str(wd), *args],
@@ -176,3 +182,49 @@ def test_engine_process_without_agent_is_refused_by_name(tmp_path: Path) -> None
     finally:
         kill_tree(toy.proc.pid)
         stop_daemon(d)
+
+
+def test_an_agent_dialing_another_socket_is_said_and_refused(daemon: DaemonProc, tmp_path: Path) -> None:
+    """A worker started with the service's socket under a daemon that serves another (`make run`): the worker
+    says so in its log at once, and `dump` (and its dry run) refuses the slow path it would take, naming both
+    sockets and the two ways on; `--no-quiesce` captures it as it is."""
+    wrong = "/run/gpusnap-nowhere/agent.sock"
+    toy = _start(daemon, tmp_path, "--attach-wait", "0", env={"GPUSNAP_AGENT_SOCKET": wrong})
+    try:
+        out = toy.workdir / "out"
+        wait_for(lambda: "cannot reach" in out.read_text(), 10, "the worker did not say it cannot reach gpusnapd")
+        said = out.read_text()
+        assert f"PID {toy.proc.pid} cannot reach gpusnapd at {wrong} (GPUSNAP_AGENT_SOCKET)" in said, said
+        assert "No such file or directory" in said and "build/run/agent.sock" in said, said
+        assert said.count("cannot reach") == 1, f"said once, not at every retry:\n{said}"
+        for dry in (["--dry-run"], []):
+            res = daemon.cli("dump", str(toy.proc.pid), "--name", "toy", *dry)
+            assert res.returncode == 4, res
+            assert f"PID {toy.proc.pid} (" in res.stderr and "runs a gpusnap agent that is not attached" in res.stderr
+            assert f"its GPUSNAP_AGENT_SOCKET is {wrong}" in res.stderr, res.stderr
+            assert f"GPUSNAP_AGENT_SOCKET={daemon.agent_socket}" in res.stderr and "--no-quiesce" in res.stderr
+            assert "slow path" in res.stderr, res.stderr
+        error = json.loads(daemon.cli("-o", "json", "dump", str(toy.proc.pid), "--dry-run").stdout)["error"]
+        assert error["reason"] == "AGENT_NOT_ATTACHED" and error["metadata"]["dials"] == wrong, error
+        assert toy.proc.poll() is None and isinstance(toy.generate(), list), "refused before anything was touched"
+        dumped = daemon.cli("dump", str(toy.proc.pid), "--no-quiesce", "--name", "as-is")
+        assert dumped.returncode == 0 and dumped.stdout.startswith("snap-"), dumped.stderr
+    finally:
+        kill_tree(toy.proc.pid)
+
+
+def test_the_wake_directory_follows_the_agent_socket(daemon: DaemonProc, tmp_path: Path) -> None:
+    """Without GPUSNAP_WAKE_DIR an agent waits in `wake` beside the socket it dials, where gpusnapd makes it."""
+    toy = _start(daemon, tmp_path, env={"GPUSNAP_WAKE_DIR": ""})
+    try:
+        before = toy.generate()
+        daemon.cli("dump", str(toy.proc.pid), "--name", "toy", check=True)
+        doc = json.loads(daemon.cli("-o", "json", "inspect", "toy", check=True).stdout)
+        assert doc["worker"]["wake_dir"] == str(daemon.agent_socket.parent / "wake"), doc["worker"]
+        pid = json.loads(daemon.cli("-o", "json", "restore", "toy", check=True).stdout)["pid"]
+        try:
+            assert toy.generate() == before, "the restored copy was woken in that directory and serves"
+        finally:
+            kill_tree(pid)
+    finally:
+        kill_tree(toy.proc.pid)

@@ -70,6 +70,43 @@ def test_plugin_blocks_io_uring_and_imports_nothing_heavy(gpusnap_target: Path, 
     assert not heavy, got["modules"]
 
 
+def test_plugin_says_at_start_up_when_gpusnapd_is_out_of_reach(gpusnap_target: Path, tmp_path: Path) -> None:
+    """The README's recipe under a daemon that serves another socket (`make run`): vLLM loads the plugin, which
+    says in the engine's log, before any model loads, that it cannot reach gpusnapd, where it looked and the fix;
+    a process the engine starts with the same environment says nothing more."""
+    wrong = str(tmp_path / "agent.sock")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "GPUSNAP_"))}
+    env = {**base, "PYTHONPATH": str(gpusnap_target), "GPUSNAP_AGENT_SOCKET": wrong}
+    child = "import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1]], check=True)"
+    out = subprocess.run(
+        [str(torch_venv.PYTHON), "-c", f"{PROBE}\n{child}", PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=True,
+    )
+    said = [line for line in out.stderr.splitlines() if "gpusnap" in line]
+    assert len(said) == 1, out.stderr
+    assert f"cannot reach gpusnapd at {wrong} (GPUSNAP_AGENT_SOCKET): No such file or directory" in said[0], said
+    assert "`gpusnap dump` refuses it" in said[0] and "build/run/agent.sock" in said[0], said
+    served = subprocess.run(  # a socket someone answers on: nothing is said
+        [
+            str(torch_venv.PYTHON),
+            "-c",
+            f"import socket; s = socket.socket(socket.AF_UNIX); s.bind({wrong!r}); s.listen(); exec({PROBE!r})",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=True,
+    )
+    assert "cannot reach" not in served.stderr, served.stderr
+
+
 def test_installing_gpusnap_moves_no_engine_version() -> None:
     """Every requirement of gpusnap that the engine's environment already has is met by the version it has,
     so ``pip install gpusnap`` there adds packages but changes none."""

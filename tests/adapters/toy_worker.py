@@ -1,6 +1,6 @@
 """A worker with a toy "engine" and the gpusnap agent, for agent round trips without an inference engine.
 
-    python toy_worker.py WORKDIR [--fail-quiesce] [--child-without-agent]
+    python toy_worker.py WORKDIR [--fail-quiesce] [--child-without-agent] [--attach-wait S]
 
 The engine's "weights" are 32 MiB of random bytes made at start-up, so the tokens it generates can only
 be reproduced from the same memory. Its "KV cache" (64 MiB) is freed by quiesce and rebuilt by resume.
@@ -107,6 +107,7 @@ def main() -> int:
     ap.add_argument("--fail-quiesce", action="store_true")
     ap.add_argument("--slow-quiesce", type=float, default=0.0, help="seconds quiesce takes")
     ap.add_argument("--child-without-agent", action="store_true")
+    ap.add_argument("--attach-wait", type=float, default=30.0, help="seconds to wait for the agent to attach")
     args = ap.parse_args()
     engine = ToyEngine()
     children: tuple[int, ...] = ()
@@ -114,7 +115,7 @@ def main() -> int:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], stdin=subprocess.DEVNULL)
         children = (child.pid,)
     agent = start_agent(ToyAdapter(engine, args.workdir, args.fail_quiesce, args.slow_quiesce, children))
-    agent.wait_attached(30)
+    agent.wait_attached(args.attach_wait)
     with open(os.path.join(args.workdir, "ready"), "w") as fh:
         fh.write(str(os.getpid()))
     n = 1
