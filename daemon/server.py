@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,8 @@ def build_daemon(config: DaemonConfig, overrides: Overrides = Overrides()) -> Ru
 
 
 def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStack) -> Running:
-    """:func:`build_daemon`'s work; each thing acquired registers its release on ``undo``."""
+    """:func:`build_daemon`'s work, one subsystem after another; each thing acquired registers its release on
+    ``undo``."""
     config.validate()
     host.raise_open_file_limit()
     executor = Executor()
@@ -156,6 +158,71 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     undo.callback(prefill.close)
     policies = Policies(config.store / POLICIES, config.park())
     policies.load()
+    store, journal = _storage(config, remote, prefill, policies, executor, undo)
+    gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
+    if prefill.filler is not None:
+        prefill.warm(store.buffers, store.list)  # contexts and registrations, in the background
+    agents = _agents(config, undo)
+    undo.callback(executor.shutdown)  # runs before the agents stop and the store closes (the undo runs in reverse)
+    if remote is not None:
+        store.buffers.schedule_budgets()
+    standbys = StandbyRegistry(config.store / STANDBYS)
+    deps = Deps(
+        config=config,
+        store=store,
+        criu=criu,
+        criu_version=criu_version,
+        gpu=gpu,
+        agents=agents,
+        remote=remote,
+        prefill=prefill,
+        standbys=standbys,
+    )
+    metrics = _metrics(config, gpu, criu_version, lambda: daemon)
+    ladder = Ladder(  # its own moves go through the same calls as a caller's (on the daemon built below)
+        store,
+        standbys,
+        policies,
+        config.store,
+        remote is not None,
+        make_standby=lambda snapshot_id: daemon.standby(StandbyOptions(snapshot_id), ROOT_CALLER),
+        drop_standby=lambda standby_id: standby_ops.drop(deps, standby_id),
+    )
+    observe = functools.partial(_after_operation, prefill if prefill.filler is not None else None, ladder, metrics)
+    registry = _operations(deps, journal, observe, overrides.failpoints, undo)
+    daemon = Daemon(deps, registry, ladder)
+    ladder.load()
+    server, proxy, health_servicer = _api(config, daemon, executor, undo)
+    metrics_at = _serve_metrics(config, metrics)
+    ladder.start()
+    running = Running(
+        server=server, proxy=proxy, daemon=daemon, health=health_servicer, metrics=metrics, executor=executor
+    )
+    running.set_health(health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "daemon.started",
+        socket=str(config.socket),
+        agent_socket=str(config.agent_socket),
+        store=str(config.store),
+        criu=config.criu_binary,
+        criu_version=criu_version,
+        listen=config.listen or None,
+        metrics=metrics_at,
+        gpu=gpu.available,
+        gpu_reason=gpu.reason or None,
+    )
+    return running
+
+
+def _storage(
+    config: DaemonConfig,
+    remote: RemoteStore | None,
+    prefill: PrefillSupport,
+    policies: Policies,
+    executor: Executor,
+    undo: contextlib.ExitStack,
+) -> tuple[SnapshotStore, Journal]:
+    """The snapshot store, opened (and locked), and the operation journal beside it (not opened yet)."""
     store = SnapshotStore(
         config.store,
         Path(config.buffer_dir) if config.buffer_dir else None,
@@ -173,9 +240,11 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     journal = Journal(config.store / JOURNAL)
     store.open(hold_buffers=lambda: recovery.held_buffers(journal))  # read once the store is locked
     undo.callback(store.close)
-    gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
-    if prefill.filler is not None:
-        prefill.warm(store.buffers, store.list)  # contexts and registrations, in the background
+    return store, journal
+
+
+def _agents(config: DaemonConfig, undo: contextlib.ExitStack) -> AgentRegistry:
+    """The agent socket, listening, and the agents' wake directory."""
     for sock_dir in {config.socket.parent, config.agent_socket.parent}:
         sock_dir.mkdir(parents=True, exist_ok=True)
         rundirs.check_socket_dir(sock_dir)
@@ -185,43 +254,37 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     # The agents' default GPUSNAP_WAKE_DIR: they only read it, gpusnapd writes their wake files.
     rundirs.make_own_dir(wake_dir(config), 0o755, shared=True, narrowed_from=0o1777)
     undo.callback(rundirs.remove_if_empty, wake_dir(config))
-    undo.callback(executor.shutdown)  # runs before the agents stop and the store closes (the undo runs in reverse)
-    if remote is not None:
-        store.buffers.schedule_budgets()
-    standbys = StandbyRegistry(config.store / STANDBYS)
-    deps = Deps(
-        config=config,
-        store=store,
-        criu=criu,
-        criu_version=criu_version,
-        gpu=gpu,
-        agents=agents,
-        remote=remote,
-        prefill=prefill,
-        standbys=standbys,
-    )
-    metrics = None
-    if config.metrics_listen:  # prometheus-client is imported only when metrics are on
-        from gpusnap.daemon.metrics import Metrics
+    return agents
 
-        metrics = Metrics(lambda: _usage(daemon))  # read at scrape time, once the daemon exists
-        driver, cuda = gpu.driver_versions()
-        metrics.set_versions(
-            gpusnap_version=__version__,
-            criu_version=criu_version,
-            nvidia_driver_version=driver,
-            cuda_driver_version=cuda,
-        )
-    ladder = Ladder(  # its own moves go through the same calls as a caller's (on the daemon built below)
-        store,
-        standbys,
-        policies,
-        config.store,
-        remote is not None,
-        make_standby=lambda snapshot_id: daemon.standby(StandbyOptions(snapshot_id), ROOT_CALLER),
-        drop_standby=lambda standby_id: standby_ops.drop(deps, standby_id),
+
+def _metrics(config: DaemonConfig, gpu: GpuSupport, criu_version: str, daemon: Callable[[], Daemon]) -> Any:
+    """The Prometheus collector (a ``gpusnap.daemon.metrics.Metrics``; not serving yet), or None when
+    ``metrics_listen`` is empty. ``daemon`` gives the daemon once it exists (a scrape reads its usage)."""
+    if not config.metrics_listen:
+        return None
+    from gpusnap.daemon.metrics import Metrics  # prometheus-client is imported only when metrics are on
+
+    metrics = Metrics(lambda: _usage(daemon()))  # read at scrape time
+    driver, cuda = gpu.driver_versions()
+    metrics.set_versions(
+        gpusnap_version=__version__,
+        criu_version=criu_version,
+        nvidia_driver_version=driver,
+        cuda_driver_version=cuda,
     )
-    observe = functools.partial(_after_operation, prefill if prefill.filler is not None else None, ladder, metrics)
+    return metrics
+
+
+def _operations(
+    deps: Deps,
+    journal: Journal,
+    observe: Callable[[OperationRecord], None],
+    failpoints: Failpoints,
+    undo: contextlib.ExitStack,
+) -> OperationRegistry:
+    """The operation registry over the opened journal, once recovery has settled what the last daemon left
+    (before anyone can reach the trees it touches) and the standbys are adopted."""
+    config = deps.config
     journal.open()
     registry = OperationRegistry(
         max_workers=config.max_operations,
@@ -229,14 +292,19 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
         max_running=config.max_running_operations,
         journal=journal,
         on_finished=observe,
-        failpoints=overrides.failpoints,
+        failpoints=failpoints,
     )
     undo.callback(registry.shutdown, wait=True)
-    recovery.recover(deps, journal, registry)  # before anyone can reach the trees it touches
+    recovery.recover(deps, journal, registry)
     standby_ops.adopt(deps)  # after recovery: a standby an activation had claimed is recovery's
-    daemon = Daemon(deps, registry, ladder)
-    ladder.load()
+    return registry
 
+
+def _api(
+    config: DaemonConfig, daemon: Daemon, executor: Executor, undo: contextlib.ExitStack
+) -> tuple[AioServer, PeerCredProxy, health.aio.HealthServicer]:
+    """The gRPC server on the private socket (and TLS on ``listen``), and the peer-credential proxy on the
+    public socket in front of it; both started."""
     private_dir = config.socket.parent / ".gpusnapd-private"
     rundirs.make_own_dir(private_dir, 0o700)
     # Named after the public socket: two daemons whose API sockets share a directory share this one too.
@@ -282,36 +350,27 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     undo.callback(server.stop, 0)
     proxy.start()
     undo.callback(proxy.stop)
-    metrics_at = None
-    if metrics is not None:
-        try:
-            metrics_host, metrics_port = metrics.serve(config.metrics_listen)
-            metrics_at = f"{metrics_host}:{metrics_port}"
-        except OSError as exc:
-            raise FailedPreconditionError(
-                f"cannot serve metrics on {config.metrics_listen} ({exc.strerror or exc}); pick a free address "
-                "with --metrics-listen / metrics_listen",
-                reason="METRICS_ADDRESS_IN_USE",
-                metadata={"listen": config.metrics_listen},
-            ) from exc
-    ladder.start()
-    running = Running(
-        server=server, proxy=proxy, daemon=daemon, health=health_servicer, metrics=metrics, executor=executor
-    )
-    running.set_health(health_pb2.HealthCheckResponse.SERVING)
-    log.info(
-        "daemon.started",
-        socket=str(config.socket),
-        agent_socket=str(config.agent_socket),
-        store=str(config.store),
-        criu=config.criu_binary,
-        criu_version=criu_version,
-        listen=config.listen or None,
-        metrics=metrics_at,
-        gpu=gpu.available,
-        gpu_reason=gpu.reason or None,
-    )
-    return running
+    return server, proxy, health_servicer
+
+
+def _serve_metrics(config: DaemonConfig, metrics: Any) -> str | None:
+    """Serve ``metrics`` on ``metrics_listen``; returns ``host:port`` (None without metrics).
+
+    Raises:
+        FailedPreconditionError: the address is taken (``METRICS_ADDRESS_IN_USE``).
+    """
+    if metrics is None:
+        return None
+    try:
+        metrics_host, metrics_port = metrics.serve(config.metrics_listen)
+    except OSError as exc:
+        raise FailedPreconditionError(
+            f"cannot serve metrics on {config.metrics_listen} ({exc.strerror or exc}); pick a free address "
+            "with --metrics-listen / metrics_listen",
+            reason="METRICS_ADDRESS_IN_USE",
+            metadata={"listen": config.metrics_listen},
+        ) from exc
+    return f"{metrics_host}:{metrics_port}"
 
 
 def wake_dir(config: DaemonConfig) -> Path:
