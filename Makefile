@@ -106,10 +106,10 @@ perf-chart: venv ## redraw docs/performance-phases.png from bench/results (insta
 	$(PY) -m pip install -q -e '.[perf]'
 	$(PY) bench/plot_phases.py
 
-typecheck: venv ## mypy --strict over the gpusnap package
+typecheck: venv ## mypy --strict over the gpusnap package, the benches, scripts/ and the GPU tests (so that a move cannot break a bench)
 	rm -rf .mypy_src && mkdir -p .mypy_src/gpusnap
 	ln -s ../../daemon .mypy_src/gpusnap/daemon && ln -s ../../adapters .mypy_src/gpusnap/adapters
-	cd .mypy_src && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p gpusnap.daemon -p gpusnap.adapters
+	$(VENV)/bin/mypy --config-file pyproject.toml --explicit-package-bases .mypy_src/gpusnap bench scripts tests/gpu
 
 proto: venv ## regenerate daemon/_proto from proto/, then the JSON schema of -o json
 	$(PY) scripts/gen_protos.py

@@ -113,7 +113,7 @@ def main() -> int:
         for slot in args.slots.split(","):
             buffers._slot, buffers._release_slot = (
                 registered if slot == "registered" else (_pinned_slot, _pinned_release)
-            )  # type: ignore[assignment]
+            )
             for threads in (int(t) for t in args.threads.split(",")):
                 r = {"layout": layout, "slot": slot, "threads": threads, **run(tensors, Path(args.dir), threads)}
                 print(json.dumps(r), flush=True)

@@ -65,6 +65,7 @@ def main() -> int:
         w = workloads.start("--mem-mb", str(args.mem_mb))
         op = client.checkpoint(w.pid, name="fanout")
         snap = client.wait(op.id).snapshot
+        assert snap is not None, "the checkpoint failed"
         node = client.node_info()
         for n in (int(x) for x in args.replicas.split(",")):
             fanout_s, pids, phases = _restore(client, snap.id, n)

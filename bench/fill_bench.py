@@ -1,7 +1,7 @@
 """make bench-gpu-fill: the weight leg at memory speed, with what its registration costs and how it pays off.
 
 gpusnapd's arena for the fill is the RAM tier's blob itself: ``mmap``ed and ``cuMemHostRegister``-ed
-(read-only, portable) once by gpusnapd and kept across restores (``gpusnap.daemon.drivers.devicefill``:
+(read-only, portable) once by gpusnapd and kept across restores (``gpusnap.daemon.weights.devicefill``:
 ``register_ahead`` after a checkpoint or a standby, dropped when the blob leaves the tier). Every fill then
 copies it to fresh device memory by DMA (``DeviceFiller.fill``: ``cuMemCreate`` + 4 streams of
 ``cuMemcpyAsync``), which a restored worker maps.
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import results_file  # noqa: E402
-from gpusnap.daemon.drivers.devicefill import DeviceFiller, Source, _call  # noqa: E402
+from gpusnap.daemon.weights.devicefill import DeviceFiller, Source, _call  # noqa: E402
 
 CHUNK = 2 << 30
 SAMPLE = 1 << 20

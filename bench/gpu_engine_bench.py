@@ -218,7 +218,7 @@ def main() -> int:
         "gpu_memory_at_capture_bytes": fast["gpu_memory_at_capture_bytes"],
         "source_rss_bytes": fast["source_rss_bytes"],
         "image_over_weights_plus_rss": (dumped["size_bytes"] + dumped["buffer_bytes"])  # type: ignore[index]
-        / (dumped["buffer_bytes"] + fast["source_rss_bytes"]),  # type: ignore[index,operator]
+        / (dumped["buffer_bytes"] + fast["source_rss_bytes"]),  # type: ignore[index]
         "largest_image_files": fast["largest_image_files"],
         "standby": standby,
         "stock": None

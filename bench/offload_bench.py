@@ -107,7 +107,7 @@ def _dump(daemon: DaemonProc, package: Path, wd: Path, args: argparse.Namespace)
 
 def _median(runs: list[dict[str, Any]], key: str) -> float:
     values = [r["total_s"] if key == "total" else r["phases"].get(key, r.get(key, 0.0)) for r in runs]
-    return statistics.median(values)
+    return float(statistics.median(values))
 
 
 def main() -> int:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import re
@@ -121,6 +122,10 @@ def _reap(pids: list[int]) -> None:
 
 GAP_S = [1.0]
 """Pause before each timed operation (``--gap``)."""
+
+
+def _restore_and_wait(client: Any, snap: str, host_pidns: bool) -> Any:
+    return client.wait(client.restore(snap, host_pid_namespace=host_pidns).id)
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -211,7 +216,7 @@ def gpusnap_round(daemon: DaemonProc, kind: str, tmp: Path, i: int) -> dict[str,
         "dump_phases": _phases(op),
     }
     for key, host_pidns in (("restore_host_pidns", True), ("restore", False)):
-        seconds, rop = _timed(lambda h=host_pidns: client.wait(client.restore(snap, host_pid_namespace=h).id))
+        seconds, rop = _timed(functools.partial(_restore_and_wait, client, snap, host_pidns))
         root = rop.restore.pid
         assert Path(f"/proc/{root}").exists(), f"gpusnap {key} left nothing running"
         restored = _tree(root)
@@ -269,7 +274,8 @@ def cli_times(daemon: DaemonProc, runs: int, others: dict[str, tuple[DaemonProc,
         for samples, d, e in clis[start:] + clis[:start]:
             samples.append(ls(d, e))
         for key, code in CLI_IMPORTS.items():
-            steps[key].append(_timed(lambda c=code: subprocess.run([sys.executable, "-c", c], env=env, check=True))[0])
+            run = functools.partial(subprocess.run, [sys.executable, "-c", code], env=env, check=True)
+            steps[key].append(_timed(run)[0])
     out = {"ls_empty_store": _stats(ls_s), **{k: _stats(v) for k, v in steps.items()}}
     for name, samples in other_s.items():
         out[f"{name}_ls_empty_store"] = _stats(samples)

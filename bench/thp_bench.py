@@ -226,6 +226,7 @@ def gpusnap_round(daemon: DaemonProc, variant: str, tmp: Path, i: int, a: argpar
     source = rollup(proc.pid)
     op = client.wait(client.checkpoint(proc.pid).id)
     proc.wait()
+    assert op.snapshot is not None, op.error
     snap = op.snapshot.id
     time.sleep(a.gap)
     counters = vmstat()
@@ -233,6 +234,7 @@ def gpusnap_round(daemon: DaemonProc, variant: str, tmp: Path, i: int, a: argpar
     rop = client.wait(client.restore(snap).id)
     restore_s = time.perf_counter() - t
     during = _delta(counters)
+    assert rop.restore is not None, rop.error
     pid = rop.restore.pid
     try:
         out = _check_restored(pid, wd, a.settle)

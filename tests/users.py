@@ -38,7 +38,7 @@ class User:
 
 def _remove_stale() -> None:
     for entry in [*pwd.getpwall(), *grp.getgrall()]:
-        name = entry[0]
+        name = str(entry[0])
         m = _NAME_RE.match(name)
         if not m or _alive(int(m.group(1))):
             continue

@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 T_START = time.time()
 
@@ -113,9 +114,9 @@ def main() -> int:
 
     decoder = None
     if args.graphs:
-        from graph_decode import GraphDecoder  # beside this script (sys.path[0])
-
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for tests.gpu
         from gpusnap.adapters import vmm
+        from tests.gpu.graph_decode import GraphDecoder
 
         if args.no_agent:
             vmm.stabilize(dict(model.named_parameters()))

@@ -62,7 +62,7 @@ def test_prefilled_arena_and_its_graph_survive_dump_and_restore(tmp_path: Path) 
         assert state().get("contexts") == "ready", state()
         op = d.client().restore(dumped["id"])
         done = d.client().wait(op.id, timeout_s=900)
-        assert done.error is None, done.error
+        assert done.error is None and done.restore is not None, done.error
         restored = done.restore.pid
         messages = [e.message for e in d.client().watch(op.id) if e.phase == "reload-buffers" and e.message]
         assert any(f"{dumped['buffer_bytes']} bytes prefilled" in m for m in messages), messages
