@@ -33,6 +33,14 @@ def criu_prefix() -> Path:
     return Path(os.environ.get("GPUSNAP_CRIU_PREFIX", REPO / ".criu"))
 
 
+needs_pycriu = pytest.mark.skipif(
+    not (criu_prefix() / "python" / "pycriu").is_dir(),
+    reason=f"pycriu missing under {criu_prefix()}: run `make criu` (make test does)",
+)
+"""For tests that read CRIU's messages or images through pycriu without running CRIU (``make test-fast`` on a
+checkout that has run only ``make venv`` skips them)."""
+
+
 @dataclass
 class DaemonProc:
     """A gpusnapd subprocess; ``run_cli`` drives it through the real CLI."""

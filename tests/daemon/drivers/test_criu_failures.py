@@ -15,7 +15,7 @@ import pytest
 from gpusnap.daemon.api.errors import AbortedError, FailedPreconditionError
 from gpusnap.daemon.drivers import criu_exec
 from gpusnap.daemon.drivers.criu import CRIU_GONE_ERRNOS, CriuDriver, CriuError
-from tests.conftest import criu_prefix
+from tests.conftest import criu_prefix, needs_pycriu
 
 
 def _failed(tmp_path: Path, action: str, result: dict[str, Any], log: str = "") -> CriuError:
@@ -61,6 +61,7 @@ def test_a_taken_pid_is_named_by_crius_errno(tmp_path: Path) -> None:
     assert err.reason == "CRIU_RESTORE_FAILED" and "restore without --host-pidns" in err.message, err
 
 
+@needs_pycriu
 def test_the_helper_reports_a_criu_that_ends_without_answering_as_gone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

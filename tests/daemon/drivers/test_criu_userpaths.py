@@ -12,10 +12,12 @@ import pytest
 
 from gpusnap.daemon.drivers import criu_images, criu_userpaths
 from gpusnap.daemon.drivers.criu_userpaths import USK_EXTERN, Refused, plan
-from tests.conftest import criu_prefix
+from tests.conftest import criu_prefix, needs_pycriu
 
 if str(criu_prefix() / "python") not in sys.path:
     sys.path.append(str(criu_prefix() / "python"))
+
+pytestmark = needs_pycriu
 
 ESTABLISHED, CLOSE, LISTEN = 1, 7, 10
 
