@@ -39,7 +39,7 @@ from gpusnap.adapters.base import EngineAdapter, RestoreContext
 from gpusnap.adapters.contract import capture_settings, wire
 from gpusnap.adapters.contract._proto import agent_pb2
 
-log = logging.getLogger("gpusnap.agent")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

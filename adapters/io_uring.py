@@ -29,7 +29,7 @@ import logging
 import platform
 import struct
 
-log = logging.getLogger("gpusnap.io_uring")
+log = logging.getLogger(__name__)
 
 _PR_SET_NO_NEW_PRIVS = 38
 _SECCOMP_SET_MODE_FILTER = 1

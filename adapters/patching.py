@@ -20,7 +20,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-log = logging.getLogger("gpusnap.patching")
+log = logging.getLogger(__name__)
 
 _hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
 

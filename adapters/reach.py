@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 
-log = logging.getLogger("gpusnap.agent")
+log = logging.getLogger(__name__)
 
 SAID_ENV = "GPUSNAP_AGENT_SOCKET_UNREACHABLE"
 """Set in the environment to the socket path once it was said unreachable: the engine's child processes

@@ -1,8 +1,9 @@
-"""Generate gpusnap's gRPC stubs from proto/ into daemon/_proto (run by `make proto`).
+"""Generate gpusnap's gRPC stubs from proto/ into daemon/_proto, and the agent channel's messages into
+adapters/contract/_proto (run by `make proto`).
 
-protoc writes modules for package `gpusnap.v1`; they are moved into the private package
-`gpusnap.daemon._proto` and their imports rewritten, so the generated code never claims a
-top-level name. Output is committed; never edit it by hand.
+protoc writes modules for package `gpusnap.v1`; they are moved into the private packages
+`gpusnap.daemon._proto` and `gpusnap.adapters.contract._proto` and their module names rewritten, so the
+generated code never claims a top-level name. Output is committed; never edit it by hand.
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ def main() -> int:
         for src in sorted((Path(tmp) / "gpusnap" / "v1").iterdir()):
             if src.name.startswith("agent_pb2_grpc"):
                 continue  # the agent channel is not gRPC
-            text = re.sub(r"\bfrom gpusnap\.v1 import\b", f"from {PACKAGE} import", src.read_text())
-            text = re.sub(r"\bimport gpusnap\.v1\.(\w+)", rf"import {PACKAGE}.\1", text)
-            text = re.sub(r"\bgpusnap\.v1\.(\w+_pb2)\b", rf"{PACKAGE}.\1", text)
-            dest = AGENT_OUT_DIR if src.name in AGENT_MODULES else OUT_DIR
+            agent = src.name in AGENT_MODULES
+            package = AGENT_PACKAGE if agent else PACKAGE  # the module's own name, as it registers its messages
+            text = re.sub(r"\bfrom gpusnap\.v1 import\b", f"from {package} import", src.read_text())
+            text = re.sub(r"\bimport gpusnap\.v1\.(\w+)", rf"import {package}.\1", text)
+            text = re.sub(r"\bgpusnap\.v1\.(\w+_pb2)\b", rf"{package}.\1", text)
+            dest = AGENT_OUT_DIR if agent else OUT_DIR
             (dest / src.name).write_text(text)
     (OUT_DIR / "__init__.py").write_text(
         '"""Generated gRPC code for gpusnap.v1 (scripts/gen_protos.py). Do not edit."""\n'

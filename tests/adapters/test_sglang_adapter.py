@@ -227,7 +227,7 @@ def test_warm_up_timeout_aborts_the_request() -> None:
 def test_busy_flush_is_tolerated(caplog: pytest.LogCaptureFixture) -> None:
     engine = FakeSglangEngine()
     engine.tokenizer_manager.in_flight = 1  # a user request keeps the engine busy
-    with caplog.at_level("INFO", logger="gpusnap.adapters.sglang"):
+    with caplog.at_level("INFO", logger="gpusnap.adapters.engines.sglang.adapter"):
         assert len(asyncio.run(SglangAdapter(engine).warm_up())) == 2
     assert "flush_cache after the warm-up refused" in caplog.text
     assert engine.calls.mock_calls == WARMUP
@@ -298,6 +298,6 @@ def test_agent_failed_quiesce_leaves_the_worker_serving(engine_loop: EngineLoop)
 
 
 def test_dp_size_mismatch_is_logged(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="gpusnap.adapters.sglang"):
+    with caplog.at_level("WARNING", logger="gpusnap.adapters.engines.sglang.adapter"):
         SglangAdapter(FakeSglangEngine(dp_size=4))
     assert "server_args.dp_size is 4" in caplog.text

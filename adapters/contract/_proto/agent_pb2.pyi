@@ -6,11 +6,13 @@ The channel between gpusnapd and the worker agent that runs inside an engine wor
 Transport: the agent connects to the daemon's agent socket (a Unix stream socket, default
 /run/gpusnap/agent.sock; env GPUSNAP_AGENT_SOCKET). Every frame is a 4-byte big-endian length followed by
 one serialized message: the agent sends AgentMessage, the daemon sends DaemonMessage. The daemon learns
-the worker's PID from the socket's peer credentials (SO_PEERCRED), which also works from containers.
+the worker's PID from the socket's peer credentials (SO_PEERCRED), which also works from containers. The
+agent's thread is named "gpusnap-agent" for the kernel (/proc/<pid>/task/<tid>/comm): a capture refuses a
+process that runs one not attached to the daemon (AGENT_NOT_ATTACHED), which would take the slow path.
 
 Capture: the daemon sends WarmUp, then Quiesce. After answering Quiesce (and, with buffers, the last
 Offload) the agent closes the connection (no socket to the daemon may be in the image) and waits for its
-wake file, <wake dir>/<instance_id>, to appear; then it reconnects with hello.resumed = true and waits
+wake file, <wake dir>/<instance_id>, to appear (wake dir: GPUSNAP_WAKE_DIR, default "wake" beside the agent socket); then it reconnects with hello.resumed = true and waits
 for Resume. If the daemon closes the connection first (a failed capture), the agent waits the same way. The daemon creates the
 wake file once the worker may run on: after a restore (in the restored copy) or after a failed capture
 (in the source).

@@ -47,7 +47,7 @@ from typing import Any
 
 from gpusnap.adapters.base import WARMUP_MAX_TOKENS, EngineAdapter, RestoreContext
 
-log = logging.getLogger("gpusnap.adapters.sglang")
+log = logging.getLogger(__name__)
 
 SGLANG_WARMUP_INPUT_IDS: tuple[int, ...] = (10, 11, 12)
 """SGLang's own token-only warm-up prompt (``_execute_server_warmup`` with ``skip_tokenizer_init``)."""

@@ -31,7 +31,7 @@ from typing import Any
 
 from gpusnap.adapters.patching import activate, guarded
 
-log = logging.getLogger("gpusnap.sglang_plugin")
+log = logging.getLogger(__name__)
 
 SCHEDULER_LOOP = "sglang.srt.managers.scheduler.Scheduler.run_event_loop"
 HANDLE_LOOP = "sglang.srt.managers.tokenizer_manager.TokenizerManager.auto_create_handle_loop"

@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 from gpusnap.adapters.base import WARMUP_MAX_TOKENS, WARMUP_PROMPT_TOKEN_IDS, EngineAdapter, RestoreContext
 
-log = logging.getLogger("gpusnap.adapters.trtllm")
+log = logging.getLogger(__name__)
 
 DEFAULT_RELEASE_TAGS: tuple[str, ...] = ("kv_cache",)
 """Only the KV cache: the weights stay on the GPU, where the CUDA checkpoint copies them."""

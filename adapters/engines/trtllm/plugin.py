@@ -30,7 +30,7 @@ from typing import Any
 
 from gpusnap.adapters.patching import activate, after, around, when_imported
 
-log = logging.getLogger("gpusnap.trtllm_plugin")
+log = logging.getLogger(__name__)
 
 
 def enable() -> None:

@@ -15,7 +15,7 @@ from tensorrt_llm.executor.worker import GenerationExecutorWorker
 
 from gpusnap.adapters.patching import guarded
 
-log = logging.getLogger("gpusnap.trtllm_worker")
+log = logging.getLogger(__name__)
 
 
 class GpusnapExecutorWorker(GenerationExecutorWorker):  # type: ignore[misc]

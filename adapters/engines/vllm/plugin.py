@@ -57,7 +57,7 @@ from gpusnap.adapters.patching import missing as _missing
 from gpusnap.adapters.patching import require as _require
 from gpusnap.adapters.patching import when_imported as _when_imported
 
-log = logging.getLogger("gpusnap.vllm_plugin")
+log = logging.getLogger(__name__)
 
 
 _adapter: Any = None  # VllmProcessAdapter, created on first use

@@ -29,7 +29,7 @@ from gpusnap.adapters.base import EngineAdapter, RestoreContext
 from gpusnap.adapters.engine_process import MemoryPlan, model_weights, process_title
 from gpusnap.adapters.engines.vllm.adapter import Release, VllmAdapter
 
-log = logging.getLogger("gpusnap.adapters.vllm")
+log = logging.getLogger(__name__)
 
 
 def memory_plan(vllm_config: Any, device_type: str, *, stable: bool = False) -> MemoryPlan:
