@@ -444,7 +444,7 @@ class OperationEvent(_message.Message):
         TYPE_PHASE_FINISHED: OperationEvent._Type.ValueType  # 2
         TYPE_PHASE_FAILED: OperationEvent._Type.ValueType  # 3
         TYPE_PROGRESS: OperationEvent._Type.ValueType  # 4
-        """bytes/total_bytes moved so far within the phase"""
+        """bytes/total_bytes moved so far within the phase (total 0: not known), at a rate"""
         TYPE_ROLLBACK: OperationEvent._Type.ValueType  # 5
         """an undo step ran after a failure"""
         TYPE_OPERATION_FINISHED: OperationEvent._Type.ValueType  # 6
@@ -456,7 +456,7 @@ class OperationEvent(_message.Message):
     TYPE_PHASE_FINISHED: OperationEvent.Type.ValueType  # 2
     TYPE_PHASE_FAILED: OperationEvent.Type.ValueType  # 3
     TYPE_PROGRESS: OperationEvent.Type.ValueType  # 4
-    """bytes/total_bytes moved so far within the phase"""
+    """bytes/total_bytes moved so far within the phase (total 0: not known), at a rate"""
     TYPE_ROLLBACK: OperationEvent.Type.ValueType  # 5
     """an undo step ran after a failure"""
     TYPE_OPERATION_FINISHED: OperationEvent.Type.ValueType  # 6
@@ -472,6 +472,7 @@ class OperationEvent(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     OPERATION_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
+    BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
     operation_id: _builtins.str
     type: Global___OperationEvent.Type.ValueType
     phase: _builtins.str
@@ -481,6 +482,11 @@ class OperationEvent(_message.Message):
     message: _builtins.str
     sequence: _builtins.int
     """0, 1, 2, … within the operation"""
+    bytes_per_second: _builtins.float
+    """PROGRESS: bytes a second over the last few seconds (0: not known yet). Phases that move bytes report while
+    they run, about twice a second: dump (image bytes written; total not known beforehand), checksum and verify
+    (bytes digested of total_bytes), restore (image bytes read of total_bytes), transfers (of total_bytes).
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -498,10 +504,11 @@ class OperationEvent(_message.Message):
         message: _builtins.str = ...,
         operation: Global___Operation | None = ...,
         sequence: _builtins.int = ...,
+        bytes_per_second: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "duration_seconds", b"duration_seconds", "message", b"message", "operation", b"operation", "operation_id", b"operation_id", "phase", b"phase", "sequence", b"sequence", "time", b"time", "total_bytes", b"total_bytes", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "bytes_per_second", b"bytes_per_second", "duration_seconds", b"duration_seconds", "message", b"message", "operation", b"operation", "operation_id", b"operation_id", "phase", b"phase", "sequence", b"sequence", "time", b"time", "total_bytes", b"total_bytes", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

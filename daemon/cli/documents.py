@@ -16,6 +16,7 @@ from gpusnap.daemon.client.values import (
     Budget,
     NodeInfo,
     Operation,
+    OperationEvent,
     ParkEvent,
     PhaseTiming,
     PolicyRule,
@@ -177,6 +178,7 @@ COMMANDS: dict[str, tuple[Any, frozenset[str]]] = {
     "node": (NodeInfo, frozenset()),
     "ops": (list[Operation], OPS_OMIT),
     "wait": (Operation, frozenset()),
+    "wait_events": (OperationEvent, frozenset()),
     "cancel": (Operation, frozenset()),
     "suspend": (Operation, frozenset()),
     "resume": (Operation, frozenset()),
@@ -187,4 +189,5 @@ COMMANDS: dict[str, tuple[Any, frozenset[str]]] = {
     "park": (ParkReport, frozenset()),
     "park_set": (PolicyRule, frozenset()),
 }
-"""Command (``detached``: any ``--detach``; ``failed``: any failure) -> (document type, fields left out)."""
+"""Command (``detached``: any ``--detach``; ``failed``: any failure; ``wait_events``: each line of ``wait --events``)
+-> (document type, fields left out)."""

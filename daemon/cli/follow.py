@@ -49,7 +49,7 @@ def phase_display(enabled: bool) -> Iterator[Callable[[OperationEvent], None]]:
                     tasks[phase],
                     completed=event.bytes,
                     total=event.total_bytes or None,
-                    moved=moved(event.bytes, event.total_bytes),
+                    moved=moved(event.bytes, event.total_bytes, event.bytes_per_second),
                 )
             elif event.type in (E.PHASE_FINISHED, E.PHASE_FAILED) and phase in tasks:
                 mark = "" if event.type == E.PHASE_FINISHED else " [red]failed[/red]"
@@ -58,7 +58,9 @@ def phase_display(enabled: bool) -> Iterator[Callable[[OperationEvent], None]]:
                     description=phase + mark,
                     completed=1,
                     total=1,
-                    moved=moved(event.bytes, event.bytes),
+                    moved=moved(
+                        event.bytes, event.bytes, event.bytes / event.duration_seconds if event.duration_seconds else 0
+                    ),
                 )
             elif event.type == E.ROLLBACK:
                 from rich.markup import escape
@@ -102,9 +104,15 @@ def start_held(fn: Callable[[], OperationHandle]) -> tuple[OperationHandle, Held
         raise
 
 
-def follow(client: DaemonClient, op_id: str, show_progress: bool, held: HeldInterrupt | None = None) -> Operation:
-    """Follow the operation to its end (live phases when ``show_progress``); its error is raised if it failed,
-    and Ctrl-C cancels it (:func:`cancel_and_wait`)."""
+def follow(
+    client: DaemonClient,
+    op_id: str,
+    show_progress: bool,
+    held: HeldInterrupt | None = None,
+    on_event: Callable[[OperationEvent], None] | None = None,
+) -> Operation:
+    """Follow the operation to its end (live phases when ``show_progress``, or every event to ``on_event``); its
+    error is raised if it failed, and Ctrl-C cancels it (:func:`cancel_and_wait`)."""
     from gpusnap.daemon.api.errors import ResourceExhaustedError
     from gpusnap.daemon.api.types import EventType
     from gpusnap.daemon.client import raise_if_failed
@@ -115,7 +123,8 @@ def follow(client: DaemonClient, op_id: str, show_progress: bool, held: HeldInte
             if held.pending:
                 raise KeyboardInterrupt
         try:
-            with phase_display(show_progress) as show:
+            with phase_display(show_progress and on_event is None) as show:
+                show = on_event or show
                 for event in client.watch(op_id):
                     show(event)
                     if event.type is EventType.OPERATION_FINISHED and event.operation is not None:
@@ -163,6 +172,31 @@ def cancel_and_wait(client: DaemonClient, op_id: str) -> Operation:
     except KeyboardInterrupt:
         click.echo(f"gpusnap: operation {op_id} goes on in gpusnapd: follow it with `gpusnap wait {op_id}`", err=True)
         sys.exit(130)
+
+
+def print_event(event: OperationEvent, as_json: bool) -> None:
+    """One event of ``wait --events``: a JSON object on one line (JSON Lines), or a line of text: its time, phase,
+    type, and bytes, rate and message where it has them."""
+    if as_json:
+        import json
+
+        from gpusnap.daemon.cli.render import plain
+
+        click.echo(json.dumps(plain(event)), nl=True)
+        return
+    from gpusnap.daemon.api.types import EventType as E
+
+    what = event.type.value.replace("_", " ")
+    if event.type is E.PROGRESS:
+        moving = moved(event.bytes, event.total_bytes, event.bytes_per_second)
+    else:  # a phase's bytes at its average rate
+        average = event.bytes / event.duration_seconds if event.duration_seconds else 0.0
+        moving = moved(event.bytes, event.bytes, average)
+        if event.duration_seconds:
+            moving = f"{moving} in {event.duration_seconds:.2f} s".strip()
+    phase = "" if event.type is E.OPERATION_FINISHED else event.phase or "-"
+    line = " ".join(filter(None, [event.time.astimezone().strftime("%H:%M:%S.%f")[:-5], phase, what, moving]))
+    click.echo(safe(f"{line}: {event.message}" if event.message else line))
 
 
 def run_operation(obj: Ctx, start: Callable[[DaemonClient], OperationHandle]) -> Operation:

@@ -8,7 +8,7 @@ import click
 
 from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.cli.app import Ctx, checked, command_options, main
-from gpusnap.daemon.cli.follow import follow
+from gpusnap.daemon.cli.follow import follow, print_event
 from gpusnap.daemon.cli.output import add_row, emit, new_table, phase_summary, print_table, wide
 
 if TYPE_CHECKING:
@@ -20,13 +20,21 @@ if TYPE_CHECKING:
 @main.command()
 @command_options
 @click.argument("operation")
+@click.option(
+    "--events",
+    is_flag=True,
+    help="print each of its events as it comes (phases, progress in bytes with the rate, rollback), with -o json "
+    "one JSON object a line, the last one carrying the operation",
+)
 @click.pass_obj
-def wait(obj: Ctx, operation: str) -> None:
+def wait(obj: Ctx, operation: str, events: bool) -> None:
     """Wait for an operation (from --detach) to end; exits with its outcome."""
+    on_event = (lambda e: print_event(e, obj.output == "json")) if events else None
     with obj.client() as client:
-        op = checked(lambda: follow(client, client.get_operation(operation).id, obj.live))
+        op = checked(lambda: follow(client, client.get_operation(operation).id, obj.live, on_event=on_event))
     if obj.output == "json":
-        emit(op)
+        if not events:  # the last event carried it
+            emit(op)
         return
     what = f"snapshot {op.snapshot.id}" if op.snapshot else f"restored as PID {op.restore.pid}" if op.restore else ""
     click.echo(f"{op.id} succeeded{': ' + what if what else ''} ({phase_summary(op)})")

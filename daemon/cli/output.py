@@ -98,11 +98,14 @@ def count(n: int, noun: str, plural: str = "") -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
-def moved(done: int, total: int) -> str:
-    """The bytes column of the phase display: empty for phases that move no bytes (no "1/1 bytes")."""
-    if not total:
-        return human_size(done) if done else ""
-    return human_size(done) if done == total else f"{human_size(done)}/{human_size(total)}"
+def moved(done: int, total: int, rate: float = 0.0) -> str:
+    """The bytes column of the phase display: ``1.2 GiB``, ``1.2 GiB of 4.0 GiB``, then ``at 410.3 MiB/s`` while
+    the phase runs; empty for phases that move no bytes (no "1/1 bytes")."""
+    if not total or done == total:
+        text = human_size(done) if done else ""
+    else:
+        text = f"{human_size(done)} of {human_size(total)}"
+    return f"{text} at {human_size(int(rate))}/s" if text and rate > 0 else text
 
 
 def phase_summary(op: Operation) -> str:

@@ -250,6 +250,8 @@ class OperationEvent:
     message: str | None
     operation: Operation | None
     sequence: int
+    bytes_per_second: float
+    """``PROGRESS``: bytes a second over the last few seconds (0: not known yet)."""
 
 
 @dataclasses.dataclass(frozen=True)

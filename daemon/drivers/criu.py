@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 import structlog
 
 from gpusnap.daemon.api.errors import (
@@ -220,6 +221,7 @@ class CriuDriver:
         on_start: Callable[[int], None] | None = None,
         on_post_dump: Callable[[dict[int, int]], None] | None = None,
         external: Sequence[str] = (),
+        on_progress: Callable[[int], None] | None = None,
     ) -> None:
         """Dump the tree rooted at ``pid`` into ``images_dir``; CRIU's log goes to ``work_dir/dump.log``.
 
@@ -237,6 +239,8 @@ class CriuDriver:
                 source is killed, so a failed publish never loses the source.
             external: CRIU ``--external`` keys, e.g. ``tty[rdev:dev]`` for a terminal whose other side stays
                 outside the tree (a restore hands CRIU a file for it with ``inherit_fd``).
+            on_progress: called about every ``PROGRESS_S`` while CRIU runs with the bytes its images hold so far
+                (the files under ``images_dir``, as they grow).
 
         Raises:
             CriuError: CRIU refused (FAILED_PRECONDITION, with log lines) or died (ABORTED).
@@ -270,7 +274,8 @@ class CriuDriver:
             if on_post_dump
             else None
         )
-        self._run(req, work_dir / "dump.log", timeout_s, on_start=on_start, on_notify=handler)
+        progress = _Ticker(on_progress, lambda _events: dir_bytes(images_dir)) if on_progress else None
+        self._run(req, work_dir / "dump.log", timeout_s, on_start=on_start, on_notify=handler, progress=progress)
 
     def restore(
         self,
@@ -292,6 +297,7 @@ class CriuDriver:
         scratch_dir: Path | None = None,
         leave_stopped: bool = False,
         file_copies: Mapping[str, Any] | None = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> RestoredTree:
         """Restore the tree dumped in ``images_dir``; the log goes to ``work_dir/<log_name>``.
 
@@ -318,6 +324,9 @@ class CriuDriver:
                 the images' file system (it gets links to them).
             file_copies: files the tree continues writing that get copies of their own, made as their owner
                 (``operations.file_copies.request``; ``criu_exec``).
+            on_progress: called about every ``PROGRESS_S`` while CRIU runs with the bytes CRIU and the tasks it
+                restores have read so far (their ``/proc/<pid>/io`` ``rchar``: the images' pages, read by each task
+                itself; a task that already exited is no longer counted).
 
         Raises:
             PermissionDeniedError, FailedPreconditionError, InternalError: ``owner``'s sockets could not be
@@ -372,7 +381,13 @@ class CriuDriver:
 
             handler = _NotifyHandler({"pre-resume": pre_resume})
         events = self._run(
-            req, work_dir / log_name, timeout_s, on_notify=handler, private_log=private_log, before_criu=before_criu
+            req,
+            work_dir / log_name,
+            timeout_s,
+            on_notify=handler,
+            private_log=private_log,
+            before_criu=before_criu,
+            progress=_Ticker(on_progress, _restore_reads) if on_progress else None,
         )
         init_pid = next((e["pid"] for e in events if e.get("event") == "init"), 0)
         result = events[-1]
@@ -398,6 +413,7 @@ class CriuDriver:
         on_notify: _NotifyHandler | None = None,
         private_log: bool = False,
         before_criu: Callable[[int, int], None] | None = None,
+        progress: _Ticker | None = None,
     ) -> list[dict[str, Any]]:
         action = req["action"]
         line = json.dumps(req).encode() + b"\n"
@@ -410,7 +426,9 @@ class CriuDriver:
             _send(proc, line)
         answered = False
         try:  # a failed request must not leave the helper's pipes open in the daemon
-            events = self._exchange(proc, action, log_path, timeout_s, on_start, on_notify, private_log, before_criu)
+            events = self._exchange(
+                proc, action, log_path, timeout_s, on_start, on_notify, private_log, before_criu, progress
+            )
             answered = True
             return events
         finally:
@@ -464,6 +482,7 @@ class CriuDriver:
         on_notify: _NotifyHandler | None,
         private_log: bool = False,
         before_criu: Callable[[int, int], None] | None = None,
+        progress: _Ticker | None = None,
     ) -> list[dict[str, Any]]:
         start_error: BaseException | None = None
         if on_start:
@@ -484,7 +503,10 @@ class CriuDriver:
                         f"({self._keep_log(log_path)}); raise the operation timeout if the tree is large",
                         reason="CRIU_TIMEOUT",
                     )
-                if not sel.select(timeout=min(remaining, 1.0)):
+                ready = sel.select(timeout=min(remaining, PROGRESS_S))
+                if progress is not None:
+                    progress.tick(events)
+                if not ready:
                     continue
                 chunk = os.read(proc.stdout.fileno(), 65536)
                 if not chunk:
@@ -505,6 +527,8 @@ class CriuDriver:
                             start_error = exc
                         _answer(proc, start_error is None)
                     if event.get("event") == "notify":
+                        if event["script"] == "post-dump":
+                            progress = None  # the images are complete: what follows is the caller's phases
                         ok = on_notify.handle(event, events) if on_notify else True
                         _answer(proc, ok)
                         if ok and event["script"] == "post-dump":
@@ -512,6 +536,8 @@ class CriuDriver:
                             # the deadline here would lose both, so wait for it to finish.
                             deadline = float("inf")
                 if events and events[-1].get("event") == "result":
+                    if progress is not None:  # all of it, however fast it went (a restored task keeps its count)
+                        progress.tick(events, last=True)
                     break
         finally:
             sel.close()
@@ -636,6 +662,65 @@ def _end_helper(proc: subprocess.Popen[bytes]) -> None:
 
 
 _Callback = Callable[[dict[str, Any], list[dict[str, Any]]], None]
+
+PROGRESS_S = 0.5
+"""How often a request's progress is measured and reported while CRIU runs."""
+
+
+class _Ticker:
+    """Reports a running request's progress: ``measure(events so far)`` handed to ``report`` at most every
+    ``PROGRESS_S``. A measurement that fails (a file or task gone meanwhile) is skipped."""
+
+    def __init__(self, report: Callable[[int], None], measure: Callable[[list[dict[str, Any]]], int]):
+        self.report = report
+        self.measure = measure
+        self._next = 0.0
+
+    def tick(self, events: list[dict[str, Any]], *, last: bool = False) -> None:
+        now = time.monotonic()
+        if now < self._next and not last:
+            return
+        self._next = now + PROGRESS_S
+        try:
+            done = self.measure(events)
+        except (OSError, psutil.Error):
+            return
+        self.report(done)
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (a dump's images as CRIU writes them); 0 when it is gone."""
+    total = 0
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                total += dir_bytes(Path(entry.path))
+            elif entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue  # removed meanwhile
+    return total
+
+
+def _restore_reads(events: list[dict[str, Any]]) -> int:
+    """Bytes read so far by a restore's CRIU and the tasks it restores: every process under the namespace init (or,
+    without one, under the helper, whose PID the ``start`` event names)."""
+    top = next((int(e["pid"]) for e in events if e.get("event") == "init"), 0) or next(
+        (int(e["helper"]) for e in events if e.get("event") == "start"), 0
+    )
+    if not top:
+        return 0
+    total = 0
+    for p in psutil.Process(top).children(recursive=True):
+        try:
+            total += p.io_counters().read_chars
+        except psutil.Error:
+            continue  # gone, or a zombie
+    return total
 
 
 def _image_bytes(event: dict[str, Any]) -> dict[int, int]:

@@ -76,6 +76,7 @@ class OperationEvent:
     bytes: int = 0
     total_bytes: int = 0
     message: str = ""
+    bytes_per_second: float = 0.0
 
 
 def new_operation_id() -> str:
@@ -452,6 +453,16 @@ def os_error(exc: OSError, phase: str) -> GpusnapError:
     return InternalError(f"{exc.strerror or exc}{where} ({exc.filename or 'no file'})", reason="HOST_IO_ERROR")
 
 
+RATE_WINDOW_S = 2.0
+"""A progress event's rate is over the bytes of about the last this many seconds."""
+TICK_S = 0.5
+"""Progress of a phase that is measured from outside (a CRIU dump's images as they grow) is read this often."""
+EVENT_GAP_S = 0.1
+"""Progress reported from inside a phase (chunks digested, sent) makes at most one event this often."""
+RATE_MIN_S = 0.1
+"""A rate is measured over at least this long (a shorter window says 0: not known yet)."""
+
+
 @dataclasses.dataclass
 class PhaseProgress:
     """Handle a phase body uses to report bytes moved (``bytes``) and progress events."""
@@ -459,19 +470,53 @@ class PhaseProgress:
     record: OperationRecord
     phase: str
     bytes: int = 0
+    _samples: list[tuple[float, int]] = dataclasses.field(default_factory=lambda: [(time.monotonic(), 0)])
+    """(monotonic time, bytes done) of the reports of about the last ``RATE_WINDOW_S``, oldest first; the phase
+    started with none done."""
+    _reported: bool = False
 
-    def report(self, done: int, total: int, message: str = "") -> None:
-        """Emit a ``PROGRESS`` event: ``done`` of ``total`` bytes (``message``: e.g. which process, how long)."""
-        self.record.emit(EventType.PROGRESS, phase=self.phase, bytes=done, total_bytes=total, message=message)
+    def report(self, done: int, total: int, message: str = "", rate: float | None = None) -> None:
+        """Emit a ``PROGRESS`` event: ``done`` of ``total`` bytes (0: not known), at ``rate`` bytes a second (default:
+        measured over the reports of the last ``RATE_WINDOW_S``); ``message``: e.g. which process, how long."""
+        now = time.monotonic()
+        self._samples = [(t, b) for t, b in self._samples if now - t <= RATE_WINDOW_S and b <= done]
+        if rate is None:
+            first_t, first_b = self._samples[0] if self._samples else (now, done)
+            rate = (done - first_b) / (now - first_t) if now - first_t >= RATE_MIN_S else 0.0
+        self._samples.append((now, done))
+        self._reported = True
+        self.record.emit(
+            EventType.PROGRESS,
+            phase=self.phase,
+            bytes=done,
+            total_bytes=total,
+            message=message,
+            bytes_per_second=max(rate, 0.0),
+        )
+
+    def ticks(self, total: int = 0) -> Callable[[int], None]:
+        """A ``done`` callback for a phase measured from outside every ``TICK_S`` (a CRIU dump's images as they
+        grow, a restore's reads): sets :attr:`bytes` and reports ``done`` of ``total`` when it changed."""
+
+        def report(done: int) -> None:
+            done = min(done, total) if total else done
+            if done != self.bytes or not self._reported:
+                self.bytes = done
+                self.report(done, total)
+
+        return report
 
     def every_percent(self) -> Callable[[int, int], None]:
-        """A ``(done, total)`` callback that sets :attr:`bytes` and reports at most every 1% (and at the end)."""
-        last = [-1]
+        """A ``(done, total)`` callback that sets :attr:`bytes` and reports the first time, at the end, and between
+        at most every 1% and every ``EVENT_GAP_S``."""
+        last = [-1, 0.0]
 
         def report(done: int, total: int) -> None:
             self.bytes = done
-            if done == total or done - last[0] >= max(1, total // 100):
-                last[0] = done
+            now = time.monotonic()
+            first, step = last[0] < 0, done - last[0] >= max(1, total // 100) and now - last[1] >= EVENT_GAP_S
+            if done == total or first or step:
+                last[:] = [done, now]
                 self.report(done, total)
 
         return report

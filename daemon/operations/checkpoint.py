@@ -35,10 +35,11 @@ from gpusnap.daemon.api.types import (
     Terminal,
 )
 from gpusnap.daemon.drivers import devshm, host, proc
+from gpusnap.daemon.drivers.criu import dir_bytes
 from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.gpu.support import GpuTree
 from gpusnap.daemon.operations import workers
-from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
+from gpusnap.daemon.operations.base import Phase, PhaseProgress, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import agents as agent_checks
 from gpusnap.daemon.preflight import capture as capture_checks
@@ -170,9 +171,9 @@ class Checkpoint:
         run, opts, deps = self.run, self.opts, self.deps
         with deps.store.stage(opts.name, self.owner_uid) as staging:
             run.record.note(staging=staging.snapshot_id)
-            run.open_phase(Phase.DUMP)
+            progress = run.open_phase(Phase.DUMP)
             terminals = capture_checks.outside_terminals(source.facts.tree_pids)  # a shell's job: dumped external
-            publish = _Publisher(self, source, capture, staging, terminals)
+            publish = _Publisher(self, source, capture, staging, terminals, progress)
             nested_kill = bool(source.enter_ns_of) and not opts.leave_running
             deps.criu.dump(
                 leave_stopped=nested_kill,
@@ -185,6 +186,7 @@ class Checkpoint:
                 timeout_s=self.timeout,
                 enter_ns_of=source.enter_ns_of,
                 on_post_dump=publish,
+                on_progress=progress.ticks(),  # the images as CRIU writes them (their total is not known before)
             )
             devshm.remove_link_remaps(publish.remaps)
             if nested_kill:  # the tree as it is now: children forked after preflight were dumped too
@@ -205,8 +207,11 @@ class _Publisher:
         capture: workers.Capture,
         staging: StagingDir,
         terminals: tuple[Terminal, ...],
+        dumped: PhaseProgress,
     ):
         self.checkpoint = checkpoint
+        self.dumped = dumped
+        """The ``dump`` phase's progress: its bytes are the images' once CRIU has written them."""
         self.source = source
         self.capture = capture
         self.staging = staging
@@ -218,6 +223,7 @@ class _Publisher:
     def __call__(self, image_bytes: dict[int, int]) -> None:
         run, opts, owner_uid = self.checkpoint.run, self.checkpoint.opts, self.checkpoint.owner_uid
         staging = self.staging
+        self.dumped.bytes = dir_bytes(staging.images)
         run.close_phase()
         frozen = proc.tree_pids_or_empty(opts.pid) or list(self.source.facts.tree_pids)  # as CRIU froze it
         if owner_uid != 0:  # a set-user-ID program exec'd since preflight: refused, CRIU resumes the tree
@@ -229,7 +235,7 @@ class _Publisher:
                 progress.bytes = devshm.save(shm_files, staging.images / DEV_SHM)
             self.remaps.extend(devshm.link_remaps(shm_files))
         with run.phase(Phase.CHECKSUM) as progress:
-            files = self.checkpoint.deps.store.describe_images(staging.images)
+            files = self.checkpoint.deps.store.describe_images(staging.images, progress.every_percent())
             progress.bytes = sum(f.size_bytes for f in files)
             buffers = weights.commit(self.capture.parts, lambda staged: run.record.note(staged=staged))
         if opts.leave_running:  # the source keeps its files: no restore continues them in place

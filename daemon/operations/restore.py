@@ -161,7 +161,7 @@ class Restore:
         Returns what raises for damaged buffers once their digests are in (a no-op without ``verify_buffers``)."""
         store = self.deps.store
         with self.run.phase(Phase.VERIFY) as progress:
-            store.verify(snapshot)
+            store.verify(snapshot, progress.every_percent())
             progress.bytes = snapshot.size_bytes
             buffers_checked = None
             if snapshot.buffers and self.opts.verify_buffers:  # digested while CRIU and CUDA restore run
@@ -212,7 +212,7 @@ class Restore:
         with run.phase(Phase.RESTORE) as progress:
             workers.before_restore(snapshot)
             hooks = _CriuHooks(run, snapshot, self.deps.store.restore_scratch(_label(run)))
-            tree = self._criu_restore(snapshot, opts, hooks, leave_stopped)
+            tree = self._criu_restore(snapshot, opts, hooks, leave_stopped, progress.ticks(snapshot.size_bytes))
             progress.bytes = snapshot.size_bytes
             # Without a namespace init, ns_pid is the host PID; register before anything else can fail.
             kill = run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, tree.ns_pid))
@@ -230,10 +230,16 @@ class Restore:
         return CpuSide(tree.init_pid, tree.ns_pid, root, tuple(hooks.restored), cuda_pids, tree.file_copies, kill=kill)
 
     def _criu_restore(
-        self, snapshot: Snapshot, opts: RestoreOptions, hooks: _CriuHooks, leave_stopped: bool
+        self,
+        snapshot: Snapshot,
+        opts: RestoreOptions,
+        hooks: _CriuHooks,
+        leave_stopped: bool,
+        on_progress: Callable[[int], None],
     ) -> RestoredTree:
         """CRIU's restore of ``snapshot`` into fresh namespaces (or the host's), its ``/dev/shm`` files back
-        (private, or the host's with the dump's link remaps put back for CRIU and removed after)."""
+        (private, or the host's with the dump's link remaps put back for CRIU and removed after); ``on_progress``
+        gets the bytes read so far while CRIU runs."""
         run, store = self.run, self.deps.store
         shm_dir = store.shm_dir(snapshot.id)
         private_shm = shm_dir.is_dir() and not opts.host_pid_namespace
@@ -256,6 +262,7 @@ class Restore:
             scratch_dir=hooks.scratch,
             leave_stopped=leave_stopped,
             file_copies=file_copies.request(snapshot, _label(run), lambda: store.take_in_place(snapshot.id)),
+            on_progress=on_progress,
         )
         devshm.remove_link_remaps(remaps)  # opened by CRIU: the restored tree holds the file, not the name
         return tree

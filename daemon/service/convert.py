@@ -284,6 +284,7 @@ def event(r: OperationRecord, e: OperationEvent) -> operations_pb2.OperationEven
         total_bytes=e.total_bytes,
         message=e.message,
         sequence=e.sequence,
+        bytes_per_second=e.bytes_per_second,
     )
     if e.type is EventType.OPERATION_FINISHED:
         msg.operation.CopyFrom(operation(r))

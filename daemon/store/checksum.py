@@ -13,8 +13,8 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from collections.abc import Iterable, Sequence
-from concurrent.futures import Executor
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor, as_completed
 from pathlib import Path
 
 from gpusnap.daemon.api.types import ImageFile
@@ -44,35 +44,55 @@ def chunk_count(size: int) -> int:
     return -(-size // CHUNK_BYTES)
 
 
-def file_digests(paths: Sequence[Path], pool: Executor) -> list[str]:
+Progress = Callable[[int, int], None]
+"""Called with (bytes digested so far, bytes to digest) as chunks finish."""
+
+
+def file_digests(paths: Sequence[Path], pool: Executor, progress: Progress | None = None) -> list[str]:
     """The ``DIGEST_ALGORITHM`` digests of ``paths`` (lowercase hex), every chunk of every file in
     parallel on ``pool`` (gpusnapd's: a lane of ``gpusnap.daemon.executor``, kept between calls: a pool per
     call started its threads inside every verify and every dump, ``make bench-overhead``). Never call it
-    from a task of ``pool`` itself: it waits for ``pool``'s tasks.
+    from a task of ``pool`` itself: it waits for ``pool``'s tasks. ``progress`` hears of every chunk done.
 
     Raises:
         OSError: a file cannot be read.
         RuntimeError: called from a task of a lane that may not wait on ``pool`` (``executor.check_wait``).
     """
     check_wait(pool)
-    jobs = [[pool.submit(_hash_chunk, p, off) for off in range(0, p.stat().st_size, CHUNK_BYTES)] for p in paths]
+    sizes = [p.stat().st_size for p in paths]
+    jobs = [
+        [pool.submit(_hash_chunk, p, off) for off in range(0, size, CHUNK_BYTES)]
+        for p, size in zip(paths, sizes, strict=True)
+    ]
+    if progress is not None:
+        total, done = sum(sizes), 0
+        chunk_bytes = {
+            f: min(CHUNK_BYTES, size - i * CHUNK_BYTES)
+            for chunks, size in zip(jobs, sizes, strict=True)
+            for i, f in enumerate(chunks)
+        }
+        for f in as_completed(chunk_bytes):
+            done += chunk_bytes[f]
+            progress(done, total)
     return [combine([f.result() for f in chunks]) for chunks in jobs]
 
 
-def image_files(images_dir: Path, pool: Executor) -> tuple[ImageFile, ...]:
+def image_files(images_dir: Path, pool: Executor, progress: Progress | None = None) -> tuple[ImageFile, ...]:
     """Describe every regular file under ``images_dir`` (sorted by path) with size and digest (its chunks
-    hashed on ``pool``: :func:`file_digests`)."""
+    hashed on ``pool``: :func:`file_digests`, telling ``progress``)."""
     paths = sorted(p for p in images_dir.rglob("*") if p.is_file() and not p.is_symlink())
-    digests = file_digests(paths, pool)
+    digests = file_digests(paths, pool, progress)
     return tuple(
         ImageFile(path=str(p.relative_to(images_dir)), size_bytes=p.stat().st_size, sha256=d)
         for p, d in zip(paths, digests, strict=True)
     )
 
 
-def mismatches(images_dir: Path, files: Iterable[ImageFile], pool: Executor) -> list[str]:
+def mismatches(
+    images_dir: Path, files: Iterable[ImageFile], pool: Executor, progress: Progress | None = None
+) -> list[str]:
     """Return one line per file that is missing, of the wrong size or with the wrong digest (hashed on
-    ``pool``: :func:`file_digests`)."""
+    ``pool``: :func:`file_digests`, telling ``progress``)."""
     out = []
     sized = []
     for f in files:
@@ -86,6 +106,6 @@ def mismatches(images_dir: Path, files: Iterable[ImageFile], pool: Executor) -> 
             out.append(f"{f.path}: {size} bytes, expected {f.size_bytes}")
         else:
             sized.append(f)
-    digests = file_digests([images_dir / f.path for f in sized], pool)
+    digests = file_digests([images_dir / f.path for f in sized], pool, progress)
     out.extend(f"{f.path}: checksum mismatch" for f, d in zip(sized, digests, strict=True) if d != f.sha256)
     return out

@@ -368,23 +368,24 @@ class SnapshotStore:
             metadata={"snapshot": ref},
         )
 
-    def verify(self, snapshot: Snapshot) -> None:
-        """Check every image file against the manifest's sizes and sha256.
+    def verify(self, snapshot: Snapshot, progress: checksum.Progress | None = None) -> None:
+        """Check every image file against the manifest's sizes and sha256 (``progress``: bytes digested of all).
 
         Raises:
             DataLossError: reason ``IMAGE_CHECKSUM``, naming the damaged files.
         """
         images = self.snapshots_dir / snapshot.id / IMAGES
-        self.raise_damaged(snapshot, checksum.mismatches(images, snapshot.files, self.executor.digest))
+        self.raise_damaged(snapshot, checksum.mismatches(images, snapshot.files, self.executor.digest, progress))
 
-    def describe_images(self, images_dir: Path) -> tuple[ImageFile, ...]:
+    def describe_images(self, images_dir: Path, progress: checksum.Progress | None = None) -> tuple[ImageFile, ...]:
         """Every regular file under ``images_dir`` (sorted by path) with its size and digest, hashed on the
-        ``digest`` lane (:func:`checksum.image_files`): what a staged snapshot's ``files`` must be.
+        ``digest`` lane (:func:`checksum.image_files`): what a staged snapshot's ``files`` must be (``progress``:
+        bytes digested of all).
 
         Raises:
             OSError: a file cannot be read.
         """
-        return checksum.image_files(images_dir, self.executor.digest)
+        return checksum.image_files(images_dir, self.executor.digest, progress)
 
     @staticmethod
     def raise_damaged(snapshot: Snapshot, bad: Sequence[str]) -> None:

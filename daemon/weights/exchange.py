@@ -32,12 +32,18 @@ T = TypeVar("T")
 class Progress(Protocol):
     """Where a step reports bytes moved (an operation's phase progress)."""
 
-    def report(self, done: int, total: int, message: str = "") -> None: ...
+    def report(self, done: int, total: int, message: str = "", rate: float | None = None) -> None: ...
 
 
 def report(progress: Progress, label: str, nbytes: int, seconds: float, what: str, tail: str = "") -> None:
-    """One progress event for one process (``label``): its bytes, and a message with its seconds (then ``tail``)."""
-    progress.report(nbytes, nbytes, message=f"{label}: {nbytes} bytes {what} in {seconds:.3f} s{tail}")
+    """One progress event for one process (``label``): its bytes, its rate, and a message with its seconds (then
+    ``tail``)."""
+    progress.report(
+        nbytes,
+        nbytes,
+        message=f"{label}: {nbytes} bytes {what} in {seconds:.3f} s{tail}",
+        rate=nbytes / seconds if seconds > 0 else 0.0,
+    )
 
 
 def fd_batches(items: Sequence[T], fds_of: Callable[[T], int] = lambda _: 1) -> list[list[T]]:

@@ -67,7 +67,9 @@ def test_tables_fit_80_columns_off_a_terminal(daemon: DaemonProc, workloads: Wor
 def test_phase_bytes_column() -> None:
     assert moved(0, 0) == "", "a phase that moves no bytes shows none (not '1/1 bytes')"
     assert moved(2048, 2048) == "2.0 KiB"
-    assert moved(512, 2048) == "512 B/2.0 KiB"
+    assert moved(512, 2048) == "512 B of 2.0 KiB"
+    assert moved(512, 2048, 300 << 20) == "512 B of 2.0 KiB at 300.0 MiB/s", "the rate while a phase runs"
+    assert moved(3 << 20, 0, 1 << 20) == "3.0 MiB at 1.0 MiB/s", "no total where none is known"
     assert moved(3 << 20, 0) == "3.0 MiB"
 
 
