@@ -4,7 +4,8 @@ Root lacks CAP_SYS_RESOURCE on the test machines, so CRIU cannot dump another us
 (tests/daemon/test_access.py). Tests of non-root snapshots therefore dump a root process and then
 rewrite, with pycriu, every task's credentials in the images (uids, gids, groups, and no capabilities
 but the bounding set), the recorded owner of every unix socket's file and of every deleted file (what
-the user's own dump records: the user bound or wrote them), set the manifest's owner, source uid/gid and owner credentials, and recompute
+the user's own dump records: the user bound or wrote them), set the manifest's owner, source uid/gid, owner
+and process credentials, and recompute
 the manifest's image digests. Run it while no daemon serves the store (a daemon may cache manifests).
 """
 
@@ -33,7 +34,10 @@ def _pycriu():  # type: ignore[no-untyped-def]
     return pycriu
 
 
-def reown(snapshot_dir: Path, user: User) -> None:
+def reown(snapshot_dir: Path, user: User, *, owner: bool = True, tree_creds: bool = True) -> None:
+    """Make the snapshot's tree ``user``'s. ``owner``: the snapshot is the user's too (as the user's own dump
+    records it); else it stays root's (root's dump of the user's tree). ``tree_creds``: the manifest records
+    every process's rights (as this gpusnap's dumps do); else it lacks them (as older gpusnap's did)."""
     pycriu = _pycriu()
     images = snapshot_dir / "images"
     groups = sorted(set(os.getgrouplist(user.name, user.gid)))
@@ -80,9 +84,16 @@ def reown(snapshot_dir: Path, user: User) -> None:
 
     manifest = snapshot_dir / "manifest.json"
     doc = json.loads(manifest.read_text())
-    doc["owner_uid"] = user.uid
+    if owner:
+        doc["owner_uid"] = user.uid
     doc["source"]["uid"], doc["source"]["gid"] = user.uid, user.gid
     doc["owner_creds"] = {"uid": user.uid, "gid": user.gid, "groups": groups}
+    if tree_creds:
+        doc["tree_creds"] = [
+            {"pid": pid, "uid": user.uid, "gid": user.gid, "groups": groups} for pid in doc["source"]["tree_pids"]
+        ]
+    else:
+        doc.pop("tree_creds", None)
     doc["files"] = [
         {"path": f.path, "size_bytes": f.size_bytes, "sha256": f.sha256} for f in image_files(images, LANES.digest)
     ]

@@ -197,6 +197,25 @@ class Creds:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProcessCreds:
+    """The rights one process of a tree ran with when it was frozen, which CRIU gives it back at restore
+    (``/proc/<pid>/status``): what a restore opens, binds and creates for it with (``access.tree_rights``)."""
+
+    pid: int
+    """Host PID at dump (as ``HeldFile.pid``)."""
+    uid: int
+    """Its filesystem uid: the one the kernel checks its opens against (0: root's rights)."""
+    gid: int
+    """Its filesystem gid."""
+    groups: tuple[int, ...] = ()
+    """Its supplementary groups."""
+
+    @property
+    def creds(self) -> Creds:
+        return Creds(uid=self.uid, gid=self.gid, groups=self.groups)
+
+
+@dataclasses.dataclass(frozen=True)
 class Snapshot:
     """A complete, published snapshot."""
 
@@ -220,6 +239,9 @@ class Snapshot:
     """Files reopened by path on restore; checked against the owner's rights first (``file_rights``)."""
     owner_creds: Creds | None = None
     """The root process's credentials at dump (``None`` in snapshots of older gpusnap)."""
+    tree_creds: tuple[ProcessCreds, ...] = ()
+    """Every process's rights at dump (empty in snapshots of older gpusnap: ``access.tree_rights`` derives
+    them from ``owner_creds``). A restore acts with these, not with the rights of whoever took or restores it."""
     process_images: tuple[ProcessImage, ...] = ()
     """Bytes of the images per process (empty in snapshots of older gpusnap, or where CRIU's images could not
     be read); what they do not cover is shared memory no process was counted for, and the images' metadata."""

@@ -318,10 +318,12 @@ class CriuDriver:
             terminals: terminals left behind at dump and the file standing in for them
                 (``{"keys": [...], "path": "", "uid", "gid", "groups"}``, see ``criu_exec``).
             title: what the namespace init's command line says once the tree runs (``["snapshot=…", …]``).
-            owner: a non-root snapshot's owner: its unix sockets named by path are made with the owner's
-                rights and inherited by CRIU, which then resolves none of their paths as root
-                (``criu_userpaths``); needs ``scratch_dir``, a directory to be created and removed again on
-                the images' file system (it gets links to them).
+            owner: the user a tree ran as (``access.tree_rights``; ``None``: every process ran as root): its
+                unix sockets named by path are made with that user's rights and inherited by CRIU, which then
+                resolves none of their paths as root (``criu_userpaths``); needs ``scratch_dir``.
+            scratch_dir: a directory to be created and removed again on the images' file system, where the
+                images CRIU reads are linked when some must be rewritten (an ``owner``, or file copies CRIU
+                reopens: ``criu_userpaths.external``).
             file_copies: files the tree continues writing that get copies of their own, made as their owner
                 (``operations.file_copies.request``; ``criu_exec``).
             on_progress: called about every ``PROGRESS_S`` while CRIU runs with the bytes CRIU and the tasks it
@@ -366,11 +368,12 @@ class CriuDriver:
             "title": list(title),
             "file_copies": dict(file_copies) if file_copies else None,
         }
+        if scratch_dir is not None:
+            req["scratch_dir"] = str(scratch_dir)
         if owner is not None:
             if scratch_dir is None:
                 raise ValueError("a restore with an owner needs a scratch_dir")
             req["owner"] = {"uid": owner.uid, "gid": owner.gid, "groups": list(owner.groups)}
-            req["scratch_dir"] = str(scratch_dir)
         handler = None
         if before_resume:
 

@@ -25,9 +25,10 @@ Request (one JSON object)::
                    "uid": 1000, "gid": 1000, "groups": []},   # ("": /dev/null), opened as that user
      "title": ["snapshot=snap-…", …],          # restore with new_pidns: what the namespace init's command line
                                                # says once the tree runs (``gpusnap.daemon.drivers.reaper``)
-     "owner": null | {"uid": …, "gid": …, "groups": […]},  # restore of a non-root snapshot: its path-named
-     "scratch_dir": "…",                       # unix sockets are made as the owner (criu_userpaths), the
-                                               # images CRIU reads are links made in scratch_dir
+     "owner": null | {"uid": …, "gid": …, "groups": […]},  # restore of a tree that ran as a user: its
+                                               # path-named unix sockets are made as that user (criu_userpaths)
+     "scratch_dir": "…",                       # where the images CRIU reads are linked when it must read
+                                               # rewritten ones (the owner's, or external file copies)
      "file_copies": null | {…}}                # restore: copies of files the tree continues writing, made as
                                                # their owner and inherited by CRIU (``filecopies``)
 
@@ -307,11 +308,14 @@ def _next_size(sk: socket.socket, criu_pid: int) -> tuple[int, bool]:
             return (len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK | socket.MSG_DONTWAIT)) if ready else 0), True
 
 
-def _prepare_sockets(req: dict[str, Any]) -> criu_userpaths.Prepared | None:
-    """A restore of a non-root owner's snapshot: its path-named unix sockets, made as the owner."""
-    if req["action"] != "restore" or not req.get("owner"):
+def _prepare_images(req: dict[str, Any], made: filecopies.Made) -> criu_userpaths.Prepared | None:
+    """The images CRIU restores from: a tree that ran as a user gets its path-named unix sockets made as that
+    user (``owner``: criu_userpaths); files whose copies CRIU reopens once per description are marked
+    external (``filecopies``)."""
+    reopen = made.reopened()
+    if req["action"] != "restore" or not (req.get("owner") or reopen):
         return None
-    return criu_userpaths.prepare(req["images_dir"], req["scratch_dir"], req["owner"])
+    return criu_userpaths.prepare(req["images_dir"], req["scratch_dir"], req.get("owner"), reopen)
 
 
 def _criu_for(inherit: Sequence[tuple[str, int]], command: list[str], stdin: int = -1) -> Swrk:
@@ -337,8 +341,8 @@ def _restore(req: dict[str, Any], swrk: Swrk, command: list[str], stdin: int = -
     prepared = None
     made = filecopies.Made()
     try:
-        prepared = _prepare_sockets(req)  # in the tree's namespaces, as its owner (criu_userpaths)
         made = filecopies.make(req.get("file_copies"))
+        prepared = _prepare_images(req, made)  # in the tree's namespaces, as its user (criu_userpaths)
         inherit = [*(prepared.inherit if prepared else ()), *made.inherit]
         if inherit:  # CRIU must inherit them: a fresh one
             swrk.close()

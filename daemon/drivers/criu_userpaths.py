@@ -130,13 +130,16 @@ def _unrestorable(message: str) -> Refused:
     return Refused(message, reason="UNIX_SOCKET_UNRESTORABLE", code="FAILED_PRECONDITION")
 
 
-def plan(files_img: bytes, remaps: list[Any], queued_for: set[int], scratch_dir: str) -> tuple[list[_Op], bytes] | None:
+def plan(
+    files_img: bytes, remaps: list[Any], queued_for: set[int], scratch_dir: str, reopen: frozenset[str] = frozenset()
+) -> tuple[list[_Op], bytes] | None:
     """The sockets the owner makes and the rewritten ``files.img``; ``None`` when nothing needs either.
 
     Args:
         remaps: ``remap-fpath.img``'s entries (``remap_file_path_entry``).
         queued_for: ids of the sockets that hold queued data (``sk-queues.img``'s ``id_for``).
         scratch_dir: where ghosts go (``<scratch_dir>/ghosts``, made by :func:`prepare`).
+        reopen: paths of regular files CRIU reopens from an inherited descriptor (see :func:`external`).
 
     Raises:
         Refused: reason ``UNIX_SOCKET_UNRESTORABLE`` or ``LINK_REMAP_UNSAFE``.
@@ -193,10 +196,12 @@ def plan(files_img: bytes, remaps: list[Any], queued_for: set[int], scratch_dir:
                 "their queues: let the tree read its sockets empty before the dump, or restore it as root"
             )
     named = [u for u in usk.values() if _name(u.name) and not u.uflags & USK_EXTERN and u.ino not in ops]
-    if not (ops or named or ghosts):
+    if not (ops or named or ghosts or reopen):
         return None
     out = bytearray(criu_images.header(files_img))
     for fe in files:
+        if fe.HasField("reg") and fe.reg.name in reopen:
+            fe.reg.ext = True
         if fe.HasField("usk") and fe.usk.ino in ops:
             fe.usk.uflags |= USK_EXTERN
             fe.usk.deleted = False
@@ -236,9 +241,32 @@ def _queued(data: bytes) -> set[int]:
     return found
 
 
-def prepare(images_dir: str, scratch_dir: str, owner: dict[str, Any]) -> Prepared | None:
-    """Make the snapshot's path-named unix sockets as ``owner`` (``uid``, ``gid``, ``groups``) and the
-    images CRIU restores instead (see the module docstring); ``None`` when nothing needs either.
+def external(files_img: bytes, reopen: frozenset[str]) -> bytes | None:
+    """``files.img`` with every regular file named in ``reopen`` marked external (``reg.ext``); ``None`` when
+    there is none. CRIU then opens each such entry (each open file description the tree held) from the
+    inherited descriptor keyed by its path (``inherit_fd``, key ``/path``) through ``/proc/self/fd``, with
+    the entry's own flags and position (criu/files-reg.c ``open_path``), instead of resolving the path: how a
+    file held through several descriptions continues a copy (``gpusnap.daemon.operations.file_copies``)."""
+    if not reopen:
+        return None
+    fdinfo_pb2 = _pb()[0]
+    out = bytearray(criu_images.header(files_img))
+    for raw in criu_images.entries(files_img):
+        fe = fdinfo_pb2.file_entry.FromString(raw)
+        if fe.HasField("reg") and fe.reg.name in reopen:
+            fe.reg.ext = True
+        blob = fe.SerializeToString()
+        out += struct.pack("<I", len(blob)) + blob
+    return bytes(out)
+
+
+def prepare(
+    images_dir: str, scratch_dir: str, owner: dict[str, Any] | None, reopen: frozenset[str] = frozenset()
+) -> Prepared | None:
+    """Make the snapshot's path-named unix sockets as ``owner`` (``uid``, ``gid``, ``groups``; ``None``: a
+    tree that ran as root, whose sockets and ghosts are CRIU's) and the images CRIU restores instead (see the
+    module docstring), with the regular files of ``reopen`` external (:func:`external`); ``None`` when
+    nothing needs either.
 
     Creates ``scratch_dir`` (the caller removes it with :func:`discard`).
 
@@ -246,12 +274,18 @@ def prepare(images_dir: str, scratch_dir: str, owner: dict[str, Any]) -> Prepare
         Refused: a socket the owner cannot make (``FILE_NOT_PERMITTED``, ``ADDRESS_IN_USE``), or what
             gpusnap does not restore for non-root owners (``UNIX_SOCKET_UNRESTORABLE``, ``LINK_REMAP_UNSAFE``).
     """
-    remaps = _records(_read(images_dir, "remap-fpath.img"), _pb()[2].remap_file_path_entry)
-    planned = plan(_read(images_dir, "files.img"), remaps, _queued(_read(images_dir, "sk-queues.img")), scratch_dir)
+    files = _read(images_dir, "files.img")
+    planned: tuple[list[_Op], bytes] | None
+    if owner is None:
+        rewritten = external(files, reopen)
+        planned = None if rewritten is None else ([], rewritten)
+    else:
+        remaps = _records(_read(images_dir, "remap-fpath.img"), _pb()[2].remap_file_path_entry)
+        planned = plan(files, remaps, _queued(_read(images_dir, "sk-queues.img")), scratch_dir, reopen)
     if planned is None:
         return None
     ops, files_img = planned
-    fds = _as_owner(ops, owner) if ops else []
+    fds = _as_owner(ops, owner) if ops and owner is not None else []
     try:
         for op, fd in zip(ops, fds, strict=True):
             _restore_common(fd, op.entry)

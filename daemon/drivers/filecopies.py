@@ -1,20 +1,23 @@
-"""Copies of the files a restored tree continues writing, made in the restore's helper as the snapshot's owner.
+"""Copies of the files a restored tree continues writing, made in the restore's helper as the user who writes them.
 
 The daemon decides which files (``gpusnap.daemon.operations.file_copies``) and sends, in the helper's
 request (``criu_exec``'s ``file_copies``)::
 
-    {"uid": 1000, "gid": 1000, "groups": [1000], "in_place": true,
-     "files": [{"path": "/home/u/w.log", "key": "home/u/w.log", "copy": "w.log.gpusnap-op-…",
-                "size": 18649, "pos": 18649, "flags": 32769}]}
+    {"in_place": true,
+     "files": [{"path": "/home/u/w.log", "key": "home/u/w.log", "reopen": false, "copy": "w.log.gpusnap-op-…",
+                "size": 18649, "pos": 18649, "flags": 32769, "uid": 1000, "gid": 1000, "groups": [1000]}]}
 
-:func:`make` forks a child that *is* the owner (its uid, gid and groups, for good; root for root's snapshots),
-which opens each file by its path, so the kernel checks every step against the owner's rights, and reads
-its size. A file that still has its size at the dump is left to CRIU when ``in_place``; otherwise the child
-creates the copy beside it (``O_EXCL``, no symlink followed), with the file's mode bits, copies the first
-``size`` bytes into it and sets its position and flags as the tree held them. The copies' descriptors come
-back over a socket pair and go to CRIU as inherited descriptors (``inherit_fd``, key: the path without its
-first ``/``, CRIU's name of the file), so CRIU opens neither the file nor the copy: root follows no path here.
-A failed restore removes the copies it made (:meth:`Made.discard`, again as the owner).
+:func:`make` forks a child that *is* the user the file's writer ran as (``uid``, ``gid`` and ``groups``, for
+good; root only for a writer that ran as root), one per user, which opens each file by its path, so the
+kernel checks every step against that user's rights, and reads its size. A file that still has its size at
+the dump is left to CRIU when ``in_place``; otherwise the child creates the copy beside it (``O_EXCL``, no
+symlink followed), with the file's mode bits, copies the first ``size`` bytes into it and sets its position
+and flags as the tree held them. The copies' descriptors come back over a socket pair and go to CRIU as
+inherited descriptors (``inherit_fd``, keyed by ``key``): CRIU's name of the file (its path without the
+first ``/``), whose entries then share that descriptor, or with ``reopen`` the path itself, whose entries
+CRIU marks external and reopens from it one by one, each with its own flags and position
+(``criu_userpaths.external``). Either way CRIU resolves neither the file's path nor the copy's: root follows
+no path here. A failed restore removes the copies it made (:meth:`Made.discard`, again as their users).
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ CHUNK = 1 << 20
 class Made:
     """What :func:`make` made: ``inherit`` (CRIU's key, descriptor) pairs and ``copies`` for the result."""
 
-    spec: dict[str, Any] | None = None
     inherit: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     copies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """``{"path", "copy", "size_bytes"}``: the file, its copy's path, the bytes copied."""
@@ -54,12 +56,24 @@ class Made:
             os.close(fd)
         self.inherit = [(key, -1) for key, _ in self.inherit]
 
+    owners: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The credentials each copy was made with (``uid``, ``gid``, ``groups``)."""
+    reopen: set[str] = dataclasses.field(default_factory=set)
+    """Paths whose copy CRIU reopens once per open file description (``criu_userpaths.external``)."""
+
+    def reopened(self) -> frozenset[str]:
+        """The paths CRIU must take as external files (their copies' descriptors are keyed by the path)."""
+        return frozenset(self.reopen)
+
     def discard(self) -> None:
-        """Remove the copies (a failed restore), as the owner; a name that no longer names its copy is left."""
-        if not self.copies or self.spec is None:
-            return
-        items = [{"path": c["copy"], "dev": d, "ino": i} for c, (d, i) in zip(self.copies, self.ids, strict=True)]
-        _as_owner(self.spec, lambda: [_unlink_same(it) for it in items])
+        """Remove the copies (a failed restore), each as the user who made it; a name that no longer names
+        its copy is left."""
+        items = [
+            ({"path": c["copy"], "dev": d, "ino": i}, o)
+            for c, (d, i), o in zip(self.copies, self.ids, self.owners, strict=True)
+        ]
+        for owner, group in _by_owner(items, lambda item: item[1]):
+            _as_owner(owner, lambda group=group: [_unlink_same(it) for it, _ in group])
 
 
 def make(spec: dict[str, Any] | None) -> Made:
@@ -71,22 +85,47 @@ def make(spec: dict[str, Any] | None) -> Made:
     """
     if not spec or not spec.get("files"):
         return Made()
-    made = Made(spec=spec)
-    replies = _as_owner(spec, lambda: [_one(f, bool(spec["in_place"])) for f in spec["files"]])
+    made = Made()
     failure = None
-    for f, (reply, fd) in zip(spec["files"], replies, strict=False):
-        if "error" in reply:
-            failure = (f, reply)
-            break
-        if fd >= 0:
-            made.inherit.append((f["key"], fd))
-            made.copies.append({"path": f["path"], "copy": _copy_path(f), "size_bytes": f["size"]})
-            made.ids.append((reply["dev"], reply["ino"]))
+    try:
+        for owner, files in _by_owner(spec["files"], _owner):
+            replies = _as_owner(owner, lambda files=files: [_one(f, bool(spec["in_place"])) for f in files])
+            for f, (reply, fd) in zip(files, replies, strict=False):
+                if "error" in reply:
+                    failure = (f, reply)
+                    break
+                if fd >= 0:
+                    made.inherit.append((f["key"], fd))
+                    made.copies.append({"path": f["path"], "copy": _copy_path(f), "size_bytes": f["size"]})
+                    made.ids.append((reply["dev"], reply["ino"]))
+                    made.owners.append(owner)
+                    if f.get("reopen"):
+                        made.reopen.add(f["path"])
+            if failure is not None:
+                break
+    except BaseException:
+        made.close_fds()
+        made.discard()
+        raise
     if failure is not None:
         made.close_fds()
         made.discard()
-        raise _refusal(spec, *failure)
+        raise _refusal(*failure)
     return made
+
+
+def _owner(f: dict[str, Any]) -> dict[str, Any]:
+    """The credentials a file's copy is made with: its writer's (``uid``, ``gid``, ``groups``)."""
+    return {"uid": int(f["uid"]), "gid": int(f["gid"]), "groups": [int(g) for g in f["groups"]]}
+
+
+def _by_owner(items: list[Any], owner_of: Any) -> list[tuple[dict[str, Any], list[Any]]]:
+    """``items`` grouped by ``owner_of(item)``, in the order each owner first appears."""
+    groups: dict[str, tuple[dict[str, Any], list[Any]]] = {}
+    for item in items:
+        owner = owner_of(item)
+        groups.setdefault(json.dumps(owner, sort_keys=True), (owner, []))[1].append(item)
+    return list(groups.values())
 
 
 def _one(f: dict[str, Any], in_place: bool) -> tuple[dict[str, Any], int]:
@@ -168,8 +207,8 @@ def _unlink_same(item: dict[str, Any]) -> tuple[dict[str, Any], int]:
 
 
 def _as_owner(spec: dict[str, Any], work: Any) -> list[tuple[dict[str, Any], int]]:
-    """Run ``work()`` (a list of (reply, fd) pairs) in a child that is ``spec``'s uid, gid and groups; the
-    replies come back one message each, with their descriptor.
+    """Run ``work()`` (a list of (reply, fd) pairs) in a child that is ``spec``'s uid, gid and groups (an
+    owner as :func:`_owner` gives it); the replies come back one message each, with their descriptor.
 
     Raises:
         Refused: the child could not become the owner or died (``FILE_COPY_FAILED``, INTERNAL).
@@ -217,7 +256,7 @@ def _as_owner(spec: dict[str, Any], work: Any) -> list[tuple[dict[str, Any], int
     return out
 
 
-def _refusal(spec: dict[str, Any], f: dict[str, Any], reply: dict[str, Any]) -> Refused:
+def _refusal(f: dict[str, Any], reply: dict[str, Any]) -> Refused:
     path, size, now = f["path"], f["size"], reply["now"]
     if reply["error"] == "shrunk":
         return Refused(
@@ -231,8 +270,8 @@ def _refusal(spec: dict[str, Any], f: dict[str, Any], reply: dict[str, Any]) -> 
     why = "it grew since the dump" if now != size else "an earlier restore of this snapshot (or its source) writes it"
     return Refused(
         f"{path} is one the tree writes at its own position and {why}, so this restore continues a copy of its "
-        f"first {size} bytes, {copy}, which uid {spec['uid']} could not create ({reply['why']}); let uid "
-        f"{spec['uid']} create files in {os.path.dirname(path) or '/'} (and free space there), or open the file "
+        f"first {size} bytes, {copy}, which uid {f['uid']} could not create ({reply['why']}); let uid "
+        f"{f['uid']} create files in {os.path.dirname(path) or '/'} (and free space there), or open the file "
         "with O_APPEND in the worker",
         reason="FILE_COPY_FAILED",
         code="FAILED_PRECONDITION",

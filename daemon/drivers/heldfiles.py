@@ -15,7 +15,7 @@ import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from gpusnap.daemon.api.types import Creds, HeldFile
+from gpusnap.daemon.api.types import Creds, HeldFile, ProcessCreds
 
 DELETED = " (deleted)"
 SKIPPED_PREFIXES = ("/proc/", "/sys/")
@@ -136,3 +136,21 @@ def creds(pid: int) -> Creds:
         elif key == "Groups":
             groups = tuple(int(g) for g in value.split())
     return Creds(uid=uid, gid=gid, groups=groups)
+
+
+def process_creds(pid: int) -> ProcessCreds:
+    """The rights ``pid`` runs with: its filesystem uid and gid (the fourth ``Uid``/``Gid`` field of
+    ``/proc/<pid>/status``, what the kernel checks opens against) and its supplementary groups.
+
+    Raises:
+        OSError: the process is gone.
+    """
+    fields = {
+        k: v.split() for k, _, v in (ln.partition(":") for ln in Path(f"/proc/{pid}/status").read_text().splitlines())
+    }
+    return ProcessCreds(
+        pid=pid,
+        uid=int(fields["Uid"][3]),
+        gid=int(fields["Gid"][3]),
+        groups=tuple(int(g) for g in fields.get("Groups", [])),
+    )

@@ -228,7 +228,7 @@ class _Publisher:
         frozen = proc.tree_pids_or_empty(opts.pid) or list(self.source.facts.tree_pids)  # as CRIU froze it
         if owner_uid != 0:  # a set-user-ID program exec'd since preflight: refused, CRIU resumes the tree
             callers.check_plain_rights(frozen, owner_uid)
-        held, creds = file_rights.record(frozen)
+        held, creds, tree_creds = file_rights.record(frozen)
         shm_files = devshm.files(frozen)
         if shm_files:
             with run.phase(Phase.DEV_SHM) as progress:  # CRIU keeps only names and sizes of these
@@ -258,6 +258,7 @@ class _Publisher:
                 buffers=buffers,
                 held_files=held,
                 owner_creds=creds,
+                tree_creds=tree_creds,
                 terminals=self.terminals,
             )
             self.checkpoint.deps.store.publish(staging, snapshot)

@@ -29,9 +29,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from gpusnap.daemon.access import file_rights
-from gpusnap.daemon.api.errors import FailedPreconditionError
-from gpusnap.daemon.api.types import HeldFile, Snapshot
+from gpusnap.daemon.access import tree_rights
+from gpusnap.daemon.api.types import Creds, HeldFile, Snapshot
 
 INFIX = ".gpusnap-"
 """A copy's name is the file's name, this, and the restore's operation id (and ``-<i>`` in a fan-out)."""
@@ -50,48 +49,43 @@ def request(snapshot: Snapshot, label: str, take_in_place: Callable[[], bool]) -
     """What the restore's helper needs to give this copy of the tree its own copy of each file it writes
     without ``O_APPEND`` (``criu_exec``'s ``file_copies``), or ``None`` when the tree writes none.
 
+    A file the tree holds through several open file descriptions (a writer and a reader, one with ``O_APPEND``
+    and one without: CRIU's ``static/file_append``) is reopened from its copy once per description, each with
+    its own position and flags (``reopen``: CRIU's external-file path, ``criu_userpaths``); a file held through
+    one gets the copy's descriptor itself. Each copy is made with the rights of the process that writes the
+    file (``access.tree_rights``).
+
     Args:
         label: the copy's operation id, with ``-<i>`` for copy ``i`` of a fan-out.
         take_in_place: takes the snapshot's in-place claim (called only when such a file exists); ``True``
             lets this restore continue files that still have their size at the dump in place.
-
-    Raises:
-        FailedPreconditionError: reason ``FILE_COPY_FAILED``: the tree held such a file through descriptions
-            at different positions, which one copy cannot give back.
     """
     written = {h.path for h in snapshot.held_files if continued(h)}
     if not written:
         return None
+    rights = tree_rights.of(snapshot)
     files = []
     for path in sorted(written):
-        fds = [h for h in snapshot.held_files if h.path == path and h.what.startswith("fd ") and h.flags >= 0]
-        kinds = {(h.pos, h.flags & (os.O_ACCMODE | os.O_APPEND)) for h in fds}
-        if len(kinds) > 1:
-            raise FailedPreconditionError(
-                f"snapshot {snapshot.id}'s tree holds {path} open {len(kinds)} times at different positions; a "
-                "restore that gives it a copy of the file can give it only one: restore it where the file has its "
-                "size at the dump, as the first restore of a dump that ended its source",
-                reason="FILE_COPY_FAILED",
-                metadata={"snapshot": snapshot.id},
-            )
-        writer = next(h for h in fds if continued(h))
-        reads = any(h.access & os.R_OK for h in snapshot.held_files if h.path == path)
+        held = [h for h in snapshot.held_files if h.path == path]
+        fds = {(h.pid, h.what) for h in held if h.what.startswith("fd ") and h.flags >= 0}
+        writer = next(h for h in held if continued(h))
+        creds = rights.of(writer.pid) or Creds(uid=0, gid=0)
+        reads = any(h.access & os.R_OK for h in held)
         access = os.O_RDWR if reads or writer.flags & os.O_ACCMODE == os.O_RDWR else os.O_WRONLY
+        reopen = len(fds) > 1
         files.append(
             {
                 "path": path,
-                "key": path.lstrip("/") or ".",  # CRIU's name of a regular file: its path without the first "/"
+                # CRIU's name of a regular file: its path without the first "/"; of an external one, the path
+                "key": path if reopen else path.lstrip("/") or ".",
+                "reopen": reopen,
                 "copy": os.path.basename(path) + INFIX + label,
                 "size": writer.size,
                 "pos": writer.pos,
-                "flags": (writer.flags & ~os.O_ACCMODE) | access,
+                "flags": (writer.flags & ~os.O_ACCMODE) | (os.O_RDWR if reopen else access),
+                "uid": creds.uid,
+                "gid": creds.gid,
+                "groups": list(creds.groups),
             }
         )
-    creds = file_rights.owner_creds(snapshot)
-    return {
-        "uid": creds.uid,
-        "gid": creds.gid,
-        "groups": list(creds.groups),
-        "in_place": take_in_place(),
-        "files": files,
-    }
+    return {"in_place": take_in_place(), "files": files}

@@ -26,9 +26,9 @@ import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from gpusnap.daemon.access import file_rights
+from gpusnap.daemon.access import file_rights, tree_rights
 from gpusnap.daemon.api.errors import FailedPreconditionError, NotFoundError
-from gpusnap.daemon.api.types import FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
+from gpusnap.daemon.api.types import Creds, FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import criu_userpaths, devshm, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap
@@ -258,7 +258,7 @@ class Restore:
             before_criu=hooks.before_criu,
             terminals=_terminal_stand_in(snapshot, opts),
             title=(f"snapshot={snapshot.id}", f"name={snapshot.name or '-'}", f"operation={run.record.id}"),
-            owner=file_rights.owner_creds(snapshot) if snapshot.owner_uid != 0 else None,
+            owner=tree_rights.of(snapshot).user,
             scratch_dir=hooks.scratch,
             leave_stopped=leave_stopped,
             file_copies=file_copies.request(snapshot, _label(run), lambda: store.take_in_place(snapshot.id)),
@@ -499,12 +499,5 @@ def _terminal_stand_in(snapshot: Snapshot, opts: RestoreOptions) -> dict[str, ob
             "--host-pidns",
             reason="TERMINAL",
         )
-    creds = snapshot.owner_creds
-    uid = creds.uid if creds else snapshot.source.uid
-    return {
-        "keys": keys,
-        "path": opts.terminal,
-        "uid": uid,
-        "gid": creds.gid if creds else snapshot.source.gid,
-        "groups": list(creds.groups) if creds else [],
-    }
+    creds = tree_rights.of(snapshot).user or Creds(uid=0, gid=0)  # the tree's user opens it, whoever restores
+    return {"keys": keys, "path": opts.terminal, "uid": creds.uid, "gid": creds.gid, "groups": list(creds.groups)}

@@ -18,6 +18,7 @@ Schema (``manifest_version`` 3; version 1 lacks ``buffers``, version 2 ``agents`
      "held_files": [{"pid": 1234, "what": "fd 3", "path": "/home/u/log", "dev": 2049, "ino": 131, "access": 2,
                      "size": 18649, "pos": 18649, "flags": 32769}],
      "owner_creds": {"uid": 1000, "gid": 1000, "groups": [1000, 27]},
+     "tree_creds": [{"pid": 1234, "uid": 1000, "gid": 1000, "groups": [1000, 27]}],
      "process_images": [{"pid": 1234, "image_bytes": 2042482688}],
      "terminals": [{"path": "/dev/pts/3", "key": "tty[8803:19]", "fds": ["1234/0"], "controlling": true}]}
 
@@ -33,6 +34,10 @@ snapshot's owner may still open every file CRIU reopens by path (``gpusnap.daemo
 a held file's ``size``, ``pos`` and ``flags`` (regular files held by an fd; optional, -1 or absent in older
 manifests) let a restore give the tree a copy of a file it writes that has grown
 (``gpusnap.daemon.operations.file_copies``).
+
+``tree_creds`` (optional, absent in older manifests) are the rights each process ran with (its filesystem
+uid and gid, and groups): a restore acts with them, whoever took or restores the snapshot
+(``gpusnap.daemon.access.tree_rights``, which derives them from ``owner_creds`` for older manifests).
 
 ``terminals`` (optional, absent in older manifests) are the terminals a shell's job was started from, left
 behind at dump; a restore replaces each descriptor of one by a file (``gpusnap.daemon.api.types.Terminal``).
@@ -64,6 +69,7 @@ from gpusnap.daemon.api.types import (
     HostFacts,
     ImageFile,
     PhaseTiming,
+    ProcessCreds,
     ProcessFacts,
     ProcessImage,
     Snapshot,
@@ -99,6 +105,7 @@ def to_json(snapshot: Snapshot) -> dict[str, Any]:
         "buffers": [_fields(b) for b in snapshot.buffers],
         "held_files": [_fields(h) for h in snapshot.held_files],
         "owner_creds": _fields(snapshot.owner_creds) if snapshot.owner_creds else None,
+        "tree_creds": [_fields(c) for c in snapshot.tree_creds],
         "process_images": [_fields(i) for i in snapshot.process_images],
         "terminals": [_fields(t) for t in snapshot.terminals],
     }
@@ -173,6 +180,12 @@ def from_json(doc: dict[str, Any]) -> Snapshot:
                 Creds(**{**doc["owner_creds"], "groups": tuple(doc["owner_creds"]["groups"])})
                 if doc.get("owner_creds")
                 else None
+            ),
+            tree_creds=tuple(
+                ProcessCreds(
+                    pid=int(c["pid"]), uid=int(c["uid"]), gid=int(c["gid"]), groups=tuple(int(g) for g in c["groups"])
+                )
+                for c in doc.get("tree_creds", [])
             ),
             process_images=tuple(
                 ProcessImage(pid=int(i["pid"]), image_bytes=int(i["image_bytes"]))

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import WORKLOADS, DaemonProc, Workloads, _cli_env, start_daemon, stop_daemon, wait_for
 from tests.reown import dumped_by_root, reown, user_home
@@ -115,3 +117,53 @@ def test_a_users_copies_are_made_with_the_users_rights(
             assert sorted(p.name for p in home.iterdir()) == sorted(["w.log", Path(made["copy"]).name])
         finally:
             stop_daemon(d)
+
+
+def test_files_held_through_two_descriptors_restore_in_place_first_then_through_copies(
+    daemon: DaemonProc, workloads: Workloads, tmp_path: Path
+) -> None:
+    """Issue 26, item 5: one fd with O_APPEND and one without (CRIU's static/file_append), and a writer plus a
+    reader of one file. Before, every restore was refused (``FILE_COPY_FAILED``, "different positions"), the
+    first in-place one too, and the default dump had ended the worker. Now the first restore continues the
+    files themselves and every later one their copies, each descriptor with its own position and flags."""
+    work = tmp_path / "two"
+    work.mkdir()
+    holder = workloads.spawn([sys.executable, str(WORKLOADS / "two_fds.py"), str(work)], cwd=work)
+    wait_for(lambda: (work / "ready").exists(), 30, "two_fds.py did not start")
+    daemon.cli("dump", str(holder.pid), "--name", "two", check=True)
+    holder.wait(timeout=10)
+    dumped = {"a_append": (0, True), "a_plain": (0, False), "b_writer": (11, False), "b_reader": (5, False)}
+
+    def poke(pid: int) -> dict[str, Any]:
+        """The restored process's report (its descriptors before it writes X and Y into a.log)."""
+        report = work / "report-1"  # every restored process counts from the dump's 0
+        report.unlink(missing_ok=True)
+        os.kill(pid, signal.SIGUSR1)
+        wait_for(report.exists, 10, f"restored PID {pid} did not report")
+        wait_for(lambda: report.read_text().endswith("}"), 10, "half a report")
+        doc: dict[str, Any] = json.loads(report.read_text())
+        assert {k: (v["pos"], v["append"]) for k, v in doc["before"].items()} == dumped, doc
+        assert doc["read"] == "56789", doc
+        return doc
+
+    first = json.loads(daemon.cli("-o", "json", "restore", "two", check=True).stdout)
+    workloads.adopt(first["pid"])
+    assert first["replicas"][0].get("file_copies", []) == [], "the first restore continues the files themselves"
+    report = poke(first["pid"])
+    assert {v["file"] for v in report["before"].values()} == {str(work / "a.log"), str(work / "b.log")}
+    assert (work / "a.log").read_bytes() == b"Xtart\nY", "X at the plain fd's 0, Y appended: two descriptions"
+    for args in ((), ("--replicas", "2")):
+        doc = json.loads(daemon.cli("-o", "json", "restore", "two", *args, check=True).stdout)
+        for r in doc["replicas"]:
+            workloads.adopt(r["pid"])
+            copies = {c["path"]: c["copy"] for c in r["file_copies"]}
+            assert sorted(copies) == [str(work / "a.log"), str(work / "b.log")], r
+            report = poke(r["pid"])
+            assert {k: v["file"] for k, v in report["before"].items()} == {
+                "a_append": copies[str(work / "a.log")],
+                "a_plain": copies[str(work / "a.log")],
+                "b_writer": copies[str(work / "b.log")],
+                "b_reader": copies[str(work / "b.log")],
+            }
+            assert Path(copies[str(work / "a.log")]).read_bytes() == b"Xtart\nY"
+    assert (work / "a.log").read_bytes() == b"Xtart\nY", "a later copy wrote into the file itself"

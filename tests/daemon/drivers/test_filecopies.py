@@ -13,7 +13,8 @@ from gpusnap.daemon.drivers import filecopies
 
 def _spec(log: Path, size: int, in_place: bool, flags: int = os.O_WRONLY) -> dict[str, object]:
     entry = {"path": str(log), "key": str(log)[1:], "copy": "w.log.gpusnap-op-x", "size": size, "pos": size}
-    return {"uid": 0, "gid": 0, "groups": [], "in_place": in_place, "files": [{**entry, "flags": flags}]}
+    owner = {"uid": 0, "gid": 0, "groups": []}
+    return {"in_place": in_place, "files": [{**entry, "flags": flags, **owner}]}
 
 
 def test_a_grown_file_gets_a_copy_of_its_dumped_bytes_at_its_position(tmp_path: Path) -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import UTC, datetime
 
-import pytest
-
-from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.api.types import Creds, HeldFile, HostFacts, ProcessFacts, Snapshot
 from gpusnap.daemon.operations import file_copies
 
@@ -48,18 +46,19 @@ def test_only_files_written_at_their_own_position_get_copies() -> None:
     assert taken == [], "the in-place claim is taken only when a file needs it"
     req = file_copies.request(_snapshot(*held, _fd("/h/w.log", os.O_WRONLY | 0o100000)), "op-a-1", lambda: False)
     assert req == {
-        "uid": 1000,
-        "gid": 1000,
-        "groups": [1000, 27],
         "in_place": False,
         "files": [
             {
                 "path": "/h/w.log",
                 "key": "h/w.log",
+                "reopen": False,
                 "copy": "w.log.gpusnap-op-a-1",
                 "size": 10,
                 "pos": 10,
                 "flags": os.O_WRONLY | 0o100000,
+                "uid": 1000,
+                "gid": 1000,
+                "groups": [1000, 27],
             }
         ],
     }
@@ -71,10 +70,32 @@ def test_a_file_also_read_or_mapped_gets_a_copy_it_can_read() -> None:
     assert req is not None and req["in_place"] and req["files"][0]["flags"] & os.O_ACCMODE == os.O_RDWR
 
 
-def test_one_file_at_two_positions_is_refused() -> None:
+def test_a_file_held_through_several_descriptors_is_reopened_from_its_copy_once_each() -> None:
+    """Issue 26, item 5: a writer and a reader (or one fd with ``O_APPEND`` and one without) are not refused;
+    CRIU reopens the copy once per description (the key is the path itself: an external file)."""
     held = (_fd("/h/w.log", os.O_WRONLY, pos=10), _fd("/h/w.log", os.O_RDONLY, pos=0, what="fd 4"))
-    with pytest.raises(FailedPreconditionError) as e:
-        file_copies.request(_snapshot(*held), "op-c", lambda: True)
-    assert e.value.reason == "FILE_COPY_FAILED" and "/h/w.log open 2 times at different positions" in e.value.message
-    shared = (_fd("/h/w.log", os.O_WRONLY), _fd("/h/w.log", os.O_WRONLY, pid=2))  # one description, forked
-    assert file_copies.request(_snapshot(*shared), "op-c", lambda: True) is not None
+    req = file_copies.request(_snapshot(*held), "op-c", lambda: True)
+    assert req is not None and req["in_place"]
+    [f] = req["files"]
+    assert (f["key"], f["reopen"], f["flags"] & os.O_ACCMODE) == ("/h/w.log", True, os.O_RDWR)
+    one = file_copies.request(_snapshot(_fd("/h/w.log", os.O_WRONLY)), "op-c", lambda: True)
+    assert one is not None and (one["files"][0]["key"], one["files"][0]["reopen"]) == ("h/w.log", False)
+
+
+def test_each_copy_is_made_as_the_process_that_writes_it() -> None:
+    """Issue 26, item 1: root's snapshot of a tree whose processes ran as two users: each file's copy is
+    made with its writer's rights (a writer that ran as root: root's)."""
+    from gpusnap.daemon.api.types import ProcessCreds
+
+    snap = dataclasses.replace(
+        _snapshot(_fd("/h/a.log", os.O_WRONLY, pid=1), _fd("/h/b.log", os.O_WRONLY, pid=2), _fd("/r.log", 1, pid=3)),
+        owner_uid=0,
+        tree_creds=(ProcessCreds(1, 1000, 1000, (1000,)), ProcessCreds(2, 1001, 1001, ()), ProcessCreds(3, 0, 0)),
+    )
+    req = file_copies.request(snap, "op-d", lambda: True)
+    assert req is not None
+    assert [(f["path"], f["uid"], f["groups"]) for f in req["files"]] == [
+        ("/h/a.log", 1000, [1000]),
+        ("/h/b.log", 1001, []),
+        ("/r.log", 0, []),
+    ]
