@@ -12,6 +12,11 @@ restore on the same host (CRIU's ``criu/files-reg.c``; docs/criu-limits.md). Kep
 snapshot, and the next dump of a tree of the same shape (same file ids) fails on "Can't link remap
 ... File exists". gpusnap therefore carries them in the saved copy only: :func:`remove_link_remaps`
 after each dump, :func:`put_back_link_remaps` before a restore into the host's /dev/shm.
+
+The files themselves outlive a dump that ends the tree: nothing of the tree is left to remove them (vLLM's
+``psm_*`` queues, 400 MiB for a tiny model). The snapshot holds them, so :func:`remove_ended` removes the
+names that only the ended tree used, and :func:`put_back_link_remaps` puts a missing name back before a
+restore into the host's /dev/shm.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ LINK_REMAP_PREFIX = "link_remap."
 
 @dataclass(frozen=True)
 class LinkRemap:
-    """One link remap CRIU made: its path and the inode it names (so only that file is ever removed)."""
+    """One name in /dev/shm and the inode it names, so only that file is ever removed: a link remap CRIU made,
+    or a file a tree held (:func:`named`)."""
 
     path: Path
     dev: int
@@ -43,6 +49,14 @@ def files(pids: list[int], root: Path = DEV_SHM) -> list[Path]:
     Matched by inode, so it also finds a file mapped under a name that was since removed but that is
     still linked under another one and, inside CRIU's post-dump, the link remaps CRIU made for those.
     """
+    held = _held(pids, root)
+    if not held:  # nothing of the tree is under root: no need to list it (a host's /dev/shm may be large)
+        return []
+    return _named_inodes(held, root)
+
+
+def _held(pids: list[int], root: Path) -> set[tuple[int, int]]:
+    """(st_dev, st_ino) of every file under ``root`` that one of ``pids`` holds open or maps."""
     held: set[tuple[int, int]] = set()
     prefix = str(root) + "/"
     for pid in pids:
@@ -59,8 +73,11 @@ def files(pids: list[int], root: Path = DEV_SHM) -> list[Path]:
                 except OSError:
                     continue
                 held.add((st.st_dev, st.st_ino))
-    if not held:  # nothing of the tree is under root: no need to list it (a host's /dev/shm may be large)
-        return []
+    return held
+
+
+def _named_inodes(held: set[tuple[int, int]], root: Path) -> list[Path]:
+    """Every name under ``root`` of an inode of ``held``, sorted."""
     found: list[Path] = []
     try:
         with os.scandir(root) as it:
@@ -74,6 +91,50 @@ def files(pids: list[int], root: Path = DEV_SHM) -> list[Path]:
     except OSError:
         return []
     return sorted(found)
+
+
+def _pids() -> list[int]:
+    return [int(n) for n in os.listdir("/proc") if n.isdigit()]
+
+
+def named(paths: list[Path]) -> list[LinkRemap]:
+    """Each of ``paths`` that is a regular file, with the inode it names now."""
+    found = []
+    for p in paths:
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            found.append(LinkRemap(p, st.st_dev, st.st_ino))
+    return found
+
+
+def remove_ended(names: list[LinkRemap], ended: list[int], root: Path = DEV_SHM) -> list[Path]:
+    """After a dump that ended the tree ``ended`` (its PIDs), whose files ``names`` the snapshot holds: remove
+    each name that still names its inode when no other live process holds that file open or maps it. Returns
+    the names removed.
+
+    Another process that holds it keeps it, name and all (it may share it with the tree by name); a process
+    that only opens it by name later finds it gone, as it would once the tree's own clean-up had run.
+    """
+    if not names:
+        return []
+    gone = set(ended)
+    others = _held([p for p in _pids() if p not in gone], root)
+    removed = []
+    for n in names:
+        if (n.dev, n.ino) in others:
+            continue
+        try:
+            st = n.path.lstat()
+            if (st.st_dev, st.st_ino) != (n.dev, n.ino):
+                continue
+            n.path.unlink()
+        except OSError:
+            continue
+        removed.append(n.path)
+    return removed
 
 
 def save(names: list[Path], dest: Path) -> int:
@@ -93,17 +154,7 @@ def save(names: list[Path], dest: Path) -> int:
 
 def link_remaps(names: list[Path]) -> list[LinkRemap]:
     """The link remaps among ``names`` (regular files only), with the inode each names."""
-    found = []
-    for p in names:
-        if not p.name.startswith(LINK_REMAP_PREFIX):
-            continue
-        try:
-            st = p.lstat()
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            found.append(LinkRemap(p, st.st_dev, st.st_ino))
-    return found
+    return named([p for p in names if p.name.startswith(LINK_REMAP_PREFIX)])
 
 
 def remove_link_remaps(remaps: list[LinkRemap]) -> None:
@@ -120,22 +171,32 @@ def remove_link_remaps(remaps: list[LinkRemap]) -> None:
             continue
 
 
-def put_back_link_remaps(saved: Path, root: Path = DEV_SHM) -> list[LinkRemap]:
-    """Before a restore into ``root`` (the host's /dev/shm), give each saved link remap its name again.
+@dataclass
+class PutBack:
+    """What :func:`put_back_link_remaps` made in the host's /dev/shm."""
+
+    remaps: list[LinkRemap]
+    """Link remaps: removed once CRIU has opened them (:func:`remove_link_remaps`)."""
+    names: list[LinkRemap]
+    """Names the tree held that were gone (a dump that ended the tree removes them): the restored tree's
+    from then on, as they were the source's; removed again only when the restore fails."""
+
+
+def put_back_link_remaps(saved: Path, root: Path = DEV_SHM) -> PutBack:
+    """Before a restore into ``root`` (the host's /dev/shm), give each saved file that is missing there its
+    name again (the files of a tree whose dump ended it, :func:`remove_ended`), then each saved link remap.
 
     A link remap stands for a file that still has another name (``sem.<name>``). Where that name is
     in ``root`` as a regular file with the saved owner, mode and size, the link remap becomes a hard
     link to it, so the restored mapping and the name stay one file as they were; otherwise it is a new
-    file (``O_EXCL``, never through a symlink) with the saved bytes, owner and mode.
-
-    Returns:
-        The link remaps made, for :func:`remove_link_remaps` once CRIU has opened them (or failed).
+    file (``O_EXCL``, never through a symlink) with the saved bytes, owner and mode. A missing name is
+    put back the same way (a hard link to a name of the same file put back before it, else a new file).
 
     Raises:
         FileExistsError: a link remap's name is taken in ``root`` (by a dump made before gpusnap removed
-            them, or by someone else); nothing made is left behind.
+            them, or by someone else), or a missing name was taken meanwhile; nothing made is left behind.
     """
-    made: list[LinkRemap] = []
+    made = PutBack([], [])
     try:
         entries = sorted(saved.iterdir())
     except OSError:
@@ -144,12 +205,17 @@ def put_back_link_remaps(saved: Path, root: Path = DEV_SHM) -> list[LinkRemap]:
     for p in entries:
         by_inode.setdefault(p.lstat().st_ino, []).append(p)
     try:
-        for p in entries:
-            st = p.lstat()
-            if p.name.startswith(LINK_REMAP_PREFIX) and stat.S_ISREG(st.st_mode):
-                made.append(_put_back(p, st, [s for s in by_inode[st.st_ino] if s != p], root))
+        for remaps in (False, True):  # the names first: a link remap is then linked to its name
+            for p in entries:
+                st = p.lstat()
+                if p.name.startswith(LINK_REMAP_PREFIX) != remaps or not stat.S_ISREG(st.st_mode):
+                    continue
+                if not remaps and os.path.lexists(root / p.name):
+                    continue
+                one = _put_back(p, st, [s for s in by_inode[st.st_ino] if s != p], root)
+                (made.remaps if remaps else made.names).append(one)
     except BaseException:
-        remove_link_remaps(made)
+        remove_link_remaps(made.remaps + made.names)
         raise
     return made
 

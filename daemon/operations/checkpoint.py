@@ -191,6 +191,8 @@ class Checkpoint:
             devshm.remove_link_remaps(publish.remaps)
             if nested_kill:  # the tree as it is now: children forked after preflight were dumped too
                 proc.kill_tree(sorted(set(source.facts.tree_pids) | set(proc.tree_pids_or_empty(opts.pid))))
+            if not opts.leave_running:  # the snapshot holds the ended tree's /dev/shm files: not the host
+                devshm.remove_ended(publish.shm_names, publish.frozen)
             run.close_phase()
         assert publish.published is not None
         return publish.published
@@ -218,6 +220,10 @@ class _Publisher:
         self.terminals = terminals
         self.remaps: list[devshm.LinkRemap] = []
         """CRIU's, kept on the host after a dump that kills: the copy has them."""
+        self.shm_names: list[devshm.LinkRemap] = []
+        """The tree's own /dev/shm files, saved in the snapshot: a dump that ends the tree removes them."""
+        self.frozen: list[int] = []
+        """The tree as CRIU froze it."""
         self.published: tuple[Snapshot, Undo] | None = None
 
     def __call__(self, image_bytes: dict[int, int]) -> None:
@@ -226,6 +232,7 @@ class _Publisher:
         self.dumped.bytes = dir_bytes(staging.images)
         run.close_phase()
         frozen = proc.tree_pids_or_empty(opts.pid) or list(self.source.facts.tree_pids)  # as CRIU froze it
+        self.frozen = list(frozen)
         if owner_uid != 0:  # a set-user-ID program exec'd since preflight: refused, CRIU resumes the tree
             callers.check_plain_rights(frozen, owner_uid)
         held, creds, tree_creds = file_rights.record(frozen)
@@ -234,6 +241,7 @@ class _Publisher:
             with run.phase(Phase.DEV_SHM) as progress:  # CRIU keeps only names and sizes of these
                 progress.bytes = devshm.save(shm_files, staging.images / DEV_SHM)
             self.remaps.extend(devshm.link_remaps(shm_files))
+            self.shm_names = [n for n in devshm.named(shm_files) if n not in self.remaps]
         with run.phase(Phase.CHECKSUM) as progress:
             files = self.checkpoint.deps.store.describe_images(staging.images, progress.every_percent())
             progress.bytes = sum(f.size_bytes for f in files)

@@ -26,7 +26,7 @@ inherits them (``inherit_fd``, keyed by the path) instead of opening any path
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from gpusnap.daemon.access import tree_rights
@@ -45,7 +45,9 @@ def continued(held: HeldFile) -> bool:
     return mode != os.O_RDONLY and not (mode == os.O_WRONLY and held.flags & os.O_APPEND)
 
 
-def request(snapshot: Snapshot, label: str, take_in_place: Callable[[], bool]) -> dict[str, Any] | None:
+def request(
+    snapshot: Snapshot, label: str, take_in_place: Callable[[], bool], fresh: Collection[str] = ()
+) -> dict[str, Any] | None:
     """What the restore's helper needs to give this copy of the tree its own copy of each file it writes
     without ``O_APPEND`` (``criu_exec``'s ``file_copies``), or ``None`` when the tree writes none.
 
@@ -59,8 +61,10 @@ def request(snapshot: Snapshot, label: str, take_in_place: Callable[[], bool]) -
         label: the copy's operation id, with ``-<i>`` for copy ``i`` of a fan-out.
         take_in_place: takes the snapshot's in-place claim (called only when such a file exists); ``True``
             lets this restore continue files that still have their size at the dump in place.
+        fresh: paths this restore brings back as copies of this tree's own, with their size at the dump (the
+            /dev/shm files copied into a private /dev/shm): continued in place, never copied again.
     """
-    written = {h.path for h in snapshot.held_files if continued(h)}
+    written = {h.path for h in snapshot.held_files if continued(h) and h.path not in fresh}
     if not written:
         return None
     rights = tree_rights.of(snapshot)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from gpusnap.daemon.access import file_rights, tree_rights
-from gpusnap.daemon.api.errors import FailedPreconditionError, NotFoundError
+from gpusnap.daemon.api.errors import DataLossError, FailedPreconditionError, GpusnapError, NotFoundError
 from gpusnap.daemon.api.types import Creds, FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import criu_userpaths, devshm, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
@@ -38,8 +38,10 @@ from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import restore as restore_preflight
 from gpusnap.daemon.remote import evict
+from gpusnap.daemon.store import checksum
+from gpusnap.daemon.store.imagecheck import ImageCheck
 from gpusnap.daemon.store.manifest import TCP_LABEL
-from gpusnap.daemon.store.store import restore_log_name
+from gpusnap.daemon.store.store import DEV_SHM, restore_log_name
 from gpusnap.daemon.weights import prefill as weights_prefill
 
 REPLICA_INDEX = "{i}"
@@ -90,6 +92,8 @@ class Restore:
         self.opts = opts
         self.timeout = opts.timeout_s or deps.config.restore_timeout
         self._prefill: tuple[weights_prefill.Prefill, Undo] | None = None
+        self._images: ImageCheck | None = None
+        """The image check :meth:`verify_images` began; every copy's ``pre-resume`` waits for it."""
 
     def run_all(self) -> RestoreResult:
         """prepare → verify → each copy (CRIU, GPU, validation, the workers) → release."""
@@ -157,12 +161,12 @@ class Restore:
             self.deps.store.buffers.schedule_budgets()
 
     def verify(self, snapshot: Snapshot) -> Callable[[], None]:
-        """``verify``: the image digests; the buffers digested (``verify_buffers``) or read ahead meanwhile.
-        Returns what raises for damaged buffers once their digests are in (a no-op without ``verify_buffers``)."""
+        """``verify``: the images (:meth:`verify_images`); the buffers digested (``verify_buffers``) or read ahead
+        meanwhile. Returns what raises for damaged buffers once their digests are in (a no-op without
+        ``verify_buffers``)."""
         store = self.deps.store
         with self.run.phase(Phase.VERIFY) as progress:
-            store.verify(snapshot, progress.every_percent())
-            progress.bytes = snapshot.size_bytes
+            progress.bytes = self.verify_images(snapshot, progress.every_percent())
             buffers_checked = None
             if snapshot.buffers and self.opts.verify_buffers:  # digested while CRIU and CUDA restore run
                 buffers_checked = store.buffers.start_verify(snapshot.buffer_uid, snapshot.buffers)
@@ -174,6 +178,20 @@ class Restore:
                 store.raise_damaged(snapshot, buffers_checked.result())
 
         return buffers_verified
+
+    def verify_images(self, snapshot: Snapshot, progress: checksum.Progress | None = None) -> int:
+        """The image check, inside the caller's ``verify`` phase: every size, and the digest of every image CRIU
+        parses, now; the digests of the data no code reads before the restored tasks run (CRIU's page images,
+        and the /dev/shm files a private /dev/shm gets) while CRIU restores, awaited at its ``pre-resume``
+        (``store.imagecheck``; ``progress``: bytes digested now). Returns the bytes hashed now.
+
+        Raises:
+            DataLossError: reason ``IMAGE_CHECKSUM``.
+        """
+        private_shm = self.deps.store.shm_dir(snapshot.id).is_dir() and not self.opts.host_pid_namespace
+        check = self.deps.store.verify(snapshot, progress, later=lambda path: _restored_as_data(path, private_shm))
+        self._images = check
+        return check.hashed_bytes
 
     def copy(
         self,
@@ -211,8 +229,14 @@ class Restore:
         )
         with run.phase(Phase.RESTORE) as progress:
             workers.before_restore(snapshot)
-            hooks = _CriuHooks(run, snapshot, self.deps.store.restore_scratch(_label(run)))
-            tree = self._criu_restore(snapshot, opts, hooks, leave_stopped, progress.ticks(snapshot.size_bytes))
+            assert self._images is not None, "verify_images runs before any copy's restore"
+            hooks = _CriuHooks(run, snapshot, self.deps.store.restore_scratch(_label(run)), self._images)
+            try:
+                tree = self._criu_restore(snapshot, opts, hooks, leave_stopped, progress.ticks(snapshot.size_bytes))
+            except GpusnapError as exc:
+                if not isinstance(exc, DataLossError):  # a damaged page image can make CRIU fail: say so
+                    self._images.wait()
+                raise
             progress.bytes = snapshot.size_bytes
             # Without a namespace init, ns_pid is the host PID; register before anything else can fail.
             kill = run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, tree.ns_pid))
@@ -261,7 +285,12 @@ class Restore:
             owner=tree_rights.of(snapshot).user,
             scratch_dir=hooks.scratch,
             leave_stopped=leave_stopped,
-            file_copies=file_copies.request(snapshot, _label(run), lambda: store.take_in_place(snapshot.id)),
+            file_copies=file_copies.request(
+                snapshot,
+                _label(run),
+                lambda: store.take_in_place(snapshot.id),
+                _private_shm_paths(shm_dir, private_shm),
+            ),
             on_progress=on_progress,
         )
         devshm.remove_link_remaps(remaps)  # opened by CRIU: the restored tree holds the file, not the name
@@ -344,12 +373,15 @@ def replica_options(opts: RestoreOptions, index: int) -> RestoreOptions:
 
 class _CriuHooks:
     """What a restore does at CRIU's notifications: journal the helper and namespace init before CRIU restores
-    anything, and at ``pre-resume`` (every task restored, none running) count the restored processes and check
-    the owner's file rights on them (``access.file_rights.check_restored``), killing the tree on a refusal."""
+    anything, and at ``pre-resume`` (every task restored, none running) wait for the image digests computed
+    meanwhile (``store.imagecheck``), count the restored processes and check the owner's file rights on them
+    (``access.file_rights.check_restored``), killing the tree on a mismatch or a refusal."""
 
-    def __init__(self, run: PhaseRunner, snapshot: Snapshot, scratch: Path):
+    def __init__(self, run: PhaseRunner, snapshot: Snapshot, scratch: Path, images: ImageCheck):
         self.run = run
         self.snapshot = snapshot
+        self.images = images
+        """The digests computed while CRIU runs: ``pre-resume`` waits for them."""
         self.scratch = scratch
         """Root's scratch directory of this restore (CRIU's ghost files of a non-root snapshot among them)."""
         self.restored: list[int] = []
@@ -372,6 +404,7 @@ class _CriuHooks:
             [p for p in proc.tree_pids(t.init_pid) if proc.namespace_pid(p) == t.ns_pid] if t.init_pid else [t.ns_pid]
         )
         try:
+            self.images.wait()  # no task runs an instruction until every digest matched
             self.run.failpoints.hit(self.run.record.kind.value, "pre-resume" + self.run.phase_suffix)
             if not found:
                 raise FailedPreconditionError(
@@ -389,6 +422,23 @@ class _CriuHooks:
         except BaseException:
             _kill_tree(t.init_pid, found[0] if found else t.ns_pid)
             raise
+
+
+def _restored_as_data(path: str, private_shm: bool) -> bool:
+    """Whether image file ``path`` (relative to the images directory) is data that no code reads before the
+    restored tasks run: a CRIU page image (copied into the restored memory, never parsed: ``checksum.RAW_PAGES``)
+    or, with a private /dev/shm, a saved /dev/shm file (copied into that tmpfs, which only the tree sees).
+    Into the host's /dev/shm such a file is put back where other processes can open it: checked first."""
+    if checksum.RAW_PAGES.fullmatch(path):
+        return True
+    return private_shm and path.startswith(DEV_SHM + "/")
+
+
+def _private_shm_paths(shm_dir: Path, private_shm: bool) -> frozenset[str]:
+    """The /dev/shm paths a private /dev/shm gets as fresh copies of the saved files (none: the host's)."""
+    if not private_shm:
+        return frozenset()
+    return frozenset(str(devshm.DEV_SHM / name) for name in os.listdir(shm_dir))
 
 
 def _restored_cuda_pids(run: PhaseRunner, snapshot: Snapshot, root: int) -> tuple[int, ...]:
@@ -472,9 +522,10 @@ def _kill_tree(init_pid: int, root: int) -> None:
 
 
 def _put_back_link_remaps(run: PhaseRunner, shm_dir: Path) -> list[devshm.LinkRemap]:
-    """A restore into the host's /dev/shm: CRIU opens the dump's link remaps by name (drivers.devshm)."""
+    """A restore into the host's /dev/shm: CRIU opens the dump's link remaps, and the names the tree held, by
+    name (drivers.devshm). Returns the link remaps, to remove once CRIU has opened them."""
     try:
-        remaps = devshm.put_back_link_remaps(shm_dir)
+        made = devshm.put_back_link_remaps(shm_dir)
     except FileExistsError as e:
         raise FailedPreconditionError(
             f"/dev/shm/{Path(str(e.filename)).name} exists, and a restore into the host's PID namespace needs that "
@@ -482,8 +533,8 @@ def _put_back_link_remaps(run: PhaseRunner, shm_dir: Path) -> list[devshm.LinkRe
             "(a private /dev/shm)",
             reason="DEV_SHM_NAME_TAKEN",
         ) from None
-    run.on_failure("remove-link-remaps", lambda: devshm.remove_link_remaps(remaps))
-    return remaps
+    run.on_failure("remove-link-remaps", lambda: devshm.remove_link_remaps(made.remaps + made.names))
+    return made.remaps
 
 
 def _terminal_stand_in(snapshot: Snapshot, opts: RestoreOptions) -> dict[str, object] | None:

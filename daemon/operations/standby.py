@@ -79,8 +79,7 @@ def run_standby(run: PhaseRunner, deps: Deps, opts: StandbyOptions) -> tuple[Sta
     if snapshot.gpu_processes:  # its activation needs the driver: refuse now rather than then
         deps.gpu.require(f"a standby of snapshot {snapshot.id} (it holds GPU state)")
     with run.phase(Phase.VERIFY) as progress:
-        deps.store.verify(snapshot)
-        progress.bytes = snapshot.size_bytes
+        progress.bytes = plan.verify_images(snapshot)
     made: list[Standby] = []
     one = dataclasses.replace(ropts, replicas=1)
     for index in range(opts.count):

@@ -13,19 +13,26 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor, as_completed
+from concurrent.futures import Executor, Future, as_completed
 from pathlib import Path
 
 from gpusnap.daemon.api.types import ImageFile
 from gpusnap.daemon.executor import check_wait
 
 CHUNK_BYTES = 16 << 20
+RAW_PAGES = re.compile(r"pages-[0-9]+\.img")
+"""CRIU's page images (``pages-<id>.img``: ``CR_FD_PAGES``, magic ``RAW_IMAGE_MAGIC`` in CRIU 4.2's
+criu/image-desc.c and criu/include/magic.h): raw page contents that CRIU copies into the restored memory
+and never parses. Every other image (protobuf entries, and the other raw ones: ``ip``'s, ``tar``'s and
+``iptables-restore``'s input) is parsed by CRIU or a tool it runs."""
 DIGEST_ALGORITHM = "sha256-list-16MiB"
 """sha256(b"16777216:" + sha256(chunk_0) + sha256(chunk_1) + …); an empty file hashes no chunk."""
 
 
-def _hash_chunk(path: Path, offset: int) -> bytes:
+def hash_chunk(path: Path, offset: int) -> bytes:
+    """The SHA-256 of the ``CHUNK_BYTES`` chunk of ``path`` at ``offset`` (a multiple of ``CHUNK_BYTES``)."""
     with open(path, "rb") as fh:
         size = min(CHUNK_BYTES, os.fstat(fh.fileno()).st_size - offset)
         if size <= 0:
@@ -48,6 +55,33 @@ Progress = Callable[[int, int], None]
 """Called with (bytes digested so far, bytes to digest) as chunks finish."""
 
 
+class PendingDigests:
+    """Digests being computed on a pool (:func:`start_digests`): :meth:`result` waits for them."""
+
+    def __init__(self, jobs: list[list[Future[bytes]]]):
+        self._jobs = jobs
+
+    def result(self) -> list[str]:
+        """The ``DIGEST_ALGORITHM`` digests, in the order of the paths given.
+
+        Raises:
+            OSError: a file cannot be read.
+        """
+        return [combine([f.result() for f in chunks]) for chunks in self._jobs]
+
+
+def start_digests(paths: Sequence[Path], pool: Executor) -> PendingDigests:
+    """Queue every chunk of every file of ``paths`` on ``pool`` and return at once; the caller may then wait
+    for them from any thread that may wait on ``pool`` (``executor.check_wait``).
+
+    Raises:
+        OSError: a file cannot be stat'ed.
+    """
+    return PendingDigests(
+        [[pool.submit(hash_chunk, p, off) for off in range(0, p.stat().st_size, CHUNK_BYTES)] for p in paths]
+    )
+
+
 def file_digests(paths: Sequence[Path], pool: Executor, progress: Progress | None = None) -> list[str]:
     """The ``DIGEST_ALGORITHM`` digests of ``paths`` (lowercase hex), every chunk of every file in
     parallel on ``pool`` (gpusnapd's: a lane of ``gpusnap.daemon.executor``, kept between calls: a pool per
@@ -61,7 +95,7 @@ def file_digests(paths: Sequence[Path], pool: Executor, progress: Progress | Non
     check_wait(pool)
     sizes = [p.stat().st_size for p in paths]
     jobs = [
-        [pool.submit(_hash_chunk, p, off) for off in range(0, size, CHUNK_BYTES)]
+        [pool.submit(hash_chunk, p, off) for off in range(0, size, CHUNK_BYTES)]
         for p, size in zip(paths, sizes, strict=True)
     ]
     if progress is not None:
@@ -88,17 +122,13 @@ def image_files(images_dir: Path, pool: Executor, progress: Progress | None = No
     )
 
 
-def mismatches(
-    images_dir: Path, files: Iterable[ImageFile], pool: Executor, progress: Progress | None = None
-) -> list[str]:
-    """Return one line per file that is missing, of the wrong size or with the wrong digest (hashed on
-    ``pool``: :func:`file_digests`, telling ``progress``)."""
-    out = []
-    sized = []
+def size_mismatches(images_dir: Path, files: Iterable[ImageFile]) -> tuple[list[str], list[ImageFile]]:
+    """One line per file of ``files`` that is missing under ``images_dir`` or of the wrong size, and the files
+    that have their sizes (whose digests are still to check)."""
+    out, sized = [], []
     for f in files:
-        path = images_dir / f.path
         try:
-            size = path.stat().st_size
+            size = (images_dir / f.path).stat().st_size
         except FileNotFoundError:
             out.append(f"{f.path}: missing")
             continue
@@ -106,6 +136,19 @@ def mismatches(
             out.append(f"{f.path}: {size} bytes, expected {f.size_bytes}")
         else:
             sized.append(f)
+    return out, sized
+
+
+def digest_mismatches(files: Sequence[ImageFile], digests: Sequence[str]) -> list[str]:
+    """One line per file of ``files`` whose digest in ``digests`` (same order) is not the recorded one."""
+    return [f"{f.path}: checksum mismatch" for f, d in zip(files, digests, strict=True) if d != f.sha256]
+
+
+def mismatches(
+    images_dir: Path, files: Iterable[ImageFile], pool: Executor, progress: Progress | None = None
+) -> list[str]:
+    """Return one line per file that is missing, of the wrong size or with the wrong digest (hashed on
+    ``pool``: :func:`file_digests`, telling ``progress``)."""
+    out, sized = size_mismatches(images_dir, files)
     digests = file_digests([images_dir / f.path for f in sized], pool, progress)
-    out.extend(f"{f.path}: checksum mismatch" for f, d in zip(sized, digests, strict=True) if d != f.sha256)
-    return out
+    return out + digest_mismatches(sized, digests)

@@ -45,10 +45,12 @@ from gpusnap.daemon.api.errors import (
 )
 from gpusnap.daemon.api.types import ImageFile, Snapshot
 from gpusnap.daemon.executor import Executor
-from gpusnap.daemon.store import checksum, manifest
+from gpusnap.daemon.store import checksum, imagecheck, manifest
 from gpusnap.daemon.store.buffers import BufferStore
 from gpusnap.daemon.store.durable import fsync_dir, fsync_tree
+from gpusnap.daemon.store.imagecheck import ImageCheck
 from gpusnap.daemon.store.index import SnapshotIndex
+from gpusnap.daemon.store.verified import Status, VerifiedOnce
 
 log = structlog.get_logger(__name__)
 
@@ -151,6 +153,8 @@ class SnapshotStore:
         """(owner uid, name) -> id of the snapshot being written under that name."""
         self._lock_fd: int | None = None
         self._index = SnapshotIndex()
+        self.verified = VerifiedOnce(executor.digest)
+        """Image files hashed once on a root-only RAM store (``store.verified``; enabled by :meth:`open`)."""
 
     def open(self, hold_buffers: Callable[[], tuple[Iterable[Path], Iterable[str]]] | None = None) -> None:
         """Create the layout, take the store lock and remove staging leftovers (``hold_buffers``: see
@@ -178,6 +182,7 @@ class SnapshotStore:
                 reason="STORE_LOCKED",
             ) from None
         self._lock_fd = fd
+        self.verified.use_store(self.root)
         for leftover in self.staging_dir.iterdir():
             log.warning("store.staging_removed", path=str(leftover))
             shutil.rmtree(leftover, ignore_errors=True)
@@ -368,40 +373,45 @@ class SnapshotStore:
             metadata={"snapshot": ref},
         )
 
-    def verify(self, snapshot: Snapshot, progress: checksum.Progress | None = None) -> None:
-        """Check every image file against the manifest's sizes and sha256 (``progress``: bytes digested of all).
+    def verify(
+        self,
+        snapshot: Snapshot,
+        progress: checksum.Progress | None = None,
+        later: Callable[[str], bool] = lambda _path: False,
+    ) -> ImageCheck:
+        """Check every image file against the manifest's sizes and digests (``store.imagecheck``): sizes and
+        the digests of the files ``later`` does not pick (a path relative to the images directory) now
+        (``progress``: bytes digested of those); files hashed once on a root-only RAM store are trusted
+        (``store.verified``); the digests of the picked ones are computed in the background, and the returned
+        check's ``wait`` raises for them.
 
         Raises:
             DataLossError: reason ``IMAGE_CHECKSUM``, naming the damaged files.
         """
         images = self.snapshots_dir / snapshot.id / IMAGES
-        self.raise_damaged(snapshot, checksum.mismatches(images, snapshot.files, self.executor.digest, progress))
+        return imagecheck.start(snapshot, images, self.executor.digest, self.verified, later, progress)
 
     def describe_images(self, images_dir: Path, progress: checksum.Progress | None = None) -> tuple[ImageFile, ...]:
         """Every regular file under ``images_dir`` (sorted by path) with its size and digest, hashed on the
         ``digest`` lane (:func:`checksum.image_files`): what a staged snapshot's ``files`` must be (``progress``:
-        bytes digested of all).
+        bytes digested of all). On a root-only RAM store the files are remembered as verified
+        (``store.verified``).
 
         Raises:
             OSError: a file cannot be read.
         """
-        return checksum.image_files(images_dir, self.executor.digest, progress)
+        before = {p: Status.of(p) for p in images_dir.rglob("*") if p.is_file() and not p.is_symlink()}
+        files = checksum.image_files(images_dir, self.executor.digest, progress)
+        for f in files:
+            path = images_dir / f.path
+            if path in before:
+                self.verified.remember(before[path], path, f.sha256)
+        return files
 
     @staticmethod
     def raise_damaged(snapshot: Snapshot, bad: Sequence[str]) -> None:
         """Raise DataLossError (``IMAGE_CHECKSUM``) naming the damaged files in ``bad``, if any."""
-        if bad:
-            shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
-            raise DataLossError(
-                f"snapshot {snapshot.id} is damaged ({shown}); it cannot be restored: delete it and checkpoint again",
-                reason="IMAGE_CHECKSUM",
-                # the damaged files by name ("pages-1.img: checksum mismatch" -> "pages-1.img")
-                metadata={
-                    "snapshot": snapshot.id,
-                    "files": ",".join(b.partition(":")[0] for b in bad[:20]),
-                    "damaged_count": str(len(bad)),
-                },
-            )
+        imagecheck.raise_damaged(snapshot, bad)
 
     def delete(self, ref: str, owner_uid: int = 0) -> str:
         """Delete a snapshot (damaged ones too); returns its id. Raises as :meth:`get`."""
