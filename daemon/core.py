@@ -26,6 +26,7 @@ from gpusnap.daemon.api.types import (
     CheckpointOptions,
     GpuPrefill,
     HostFacts,
+    Policy,
     RestoredTree,
     RestoreOptions,
     RestoreResult,
@@ -43,7 +44,7 @@ from gpusnap.daemon.operations.restore import run_restore
 from gpusnap.daemon.operations.standby import StandbyOptions, drop, registry, run_activate, run_standby
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
 from gpusnap.daemon.park.ladder import Budget, Event, Ladder, Workload
-from gpusnap.daemon.park.policy import Policy, Rule
+from gpusnap.daemon.park.policy import Rule
 from gpusnap.daemon.park.standbys import Standby
 from gpusnap.daemon.preflight.restore import check_replicas
 from gpusnap.daemon.remote import evict

@@ -15,7 +15,7 @@ from gpusnap.daemon import __version__, logsetup
 from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.operations.failpoints import Failpoints
-from gpusnap.daemon.server import Overrides, build_daemon
+from gpusnap.daemon.server import Overrides, build_daemon, check_config
 
 EXIT_CONFIG = 2
 EXIT_PRECONDITION = 3
@@ -68,7 +68,7 @@ def main(ctx: click.Context, /, config_file: Path | None, **flags: object) -> No
     overrides = ctx.obj if isinstance(ctx.obj, Overrides) else Overrides(failpoints=Failpoints.from_env())
     try:
         config = DaemonConfig.load(config_file, overrides=flags)
-        config.validate()
+        check_config(config)
     except GpusnapError as err:
         click.echo(f"gpusnapd: {err}", err=True)
         sys.exit(EXIT_CONFIG)

@@ -19,8 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
+from gpusnap.daemon.api.types import FinishedOperation
 from gpusnap.daemon.config import parse_listen
-from gpusnap.daemon.operations.base import OperationRecord, OperationState
 
 MAX_SCRAPE_CONNECTIONS = 8
 """Scrapes served at once; further connections are closed as they are accepted (any local user can reach
@@ -126,15 +126,15 @@ class Metrics:
         """Fill ``gpusnap_build_info`` (e.g. ``criu_version="4.2"``; empty values are sent as "none")."""
         self.build.info({k: v or "none" for k, v in versions.items()})
 
-    def observe(self, record: OperationRecord) -> None:
-        """Count a finished operation, its phases and the bytes they moved."""
+    def after_operation(self, record: FinishedOperation) -> None:
+        """Count a finished operation, its phases and the bytes they moved (it subscribes to the operation
+        registry)."""
         kind = record.kind.value
-        result = "succeeded" if record.state is OperationState.SUCCEEDED else "failed"
+        result = "succeeded" if record.succeeded else "failed"
         self.operations.labels(kind, result).inc()
         if record.error is not None:
             self.failures.labels(kind, record.error.reason).inc()
-        if record.finished is not None:
-            self.operation_seconds.labels(kind, result).observe((record.finished - record.started).total_seconds())
+        self.operation_seconds.labels(kind, result).observe((record.finished - record.started).total_seconds())
         for phase in record.phases:
             name = phase.phase.partition("#")[0]  # fan-out copies ("restore#3") share their phase's series
             self.phase_seconds.labels(kind, name).observe(phase.duration_seconds)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from gpusnap.daemon._proto import (
 )
 from gpusnap.daemon.access import rundirs
 from gpusnap.daemon.api.errors import FailedPreconditionError
-from gpusnap.daemon.api.types import ROOT_CALLER, Snapshot
+from gpusnap.daemon.api.types import ROOT_CALLER, FinishedOperation
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import host
@@ -35,7 +35,7 @@ from gpusnap.daemon.executor import Executor
 from gpusnap.daemon.gpu.support import GpuSupport
 from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations import standby as standby_ops
-from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState
+from gpusnap.daemon.operations.base import OperationKind
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.failpoints import NONE as NO_FAULTS
 from gpusnap.daemon.operations.failpoints import Failpoints
@@ -122,6 +122,18 @@ class Overrides:
     workers' snapshots record no GPU use turn it off."""
 
 
+def check_config(config: DaemonConfig) -> None:
+    """Check ``config`` as a whole: its settings (``DaemonConfig.validate``) and the remote store's URL, which
+    its backend parses (``remote.objects.check_url``; no SDK is imported).
+
+    Raises:
+        InvalidArgumentError: inconsistent settings, or a remote URL no backend takes (``BAD_CONFIG``).
+    """
+    config.validate()
+    if config.remote:
+        remote_objects.check_url(config.remote)
+
+
 def build_daemon(config: DaemonConfig, overrides: Overrides = Overrides()) -> Running:  # noqa: B008 (frozen)
     """Check CRIU, open the store, start the gRPC server and the socket proxy; every collaborator is built here
     and handed to the next by its constructor. A start refused part-way releases what it had taken (the agent
@@ -140,7 +152,7 @@ def build_daemon(config: DaemonConfig, overrides: Overrides = Overrides()) -> Ru
 def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStack) -> Running:
     """:func:`build_daemon`'s work, one subsystem after another; each thing acquired registers its release on
     ``undo``."""
-    config.validate()
+    check_config(config)
     host.raise_open_file_limit()
     executor = Executor()
     undo.callback(executor.shutdown)  # a start that fails before the store opens (idempotent: see below)
@@ -188,8 +200,11 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
         make_standby=lambda snapshot_id: daemon.standby(StandbyOptions(snapshot_id), ROOT_CALLER),
         drop_standby=lambda standby_id: standby_ops.drop(deps, standby_id),
     )
-    observe = functools.partial(_after_operation, prefill if prefill.filler is not None else None, ladder, metrics)
-    registry = _operations(deps, journal, observe, overrides.failpoints, undo)
+    # each operation's end, published once by the registry, to the metrics, the park ladder and the prefill
+    subscribers = [ladder.after_operation] if metrics is None else [metrics.after_operation, ladder.after_operation]
+    if prefill.filler is not None:
+        subscribers.append(prefill.after_operation)
+    registry = _operations(deps, journal, subscribers, overrides.failpoints, undo)
     daemon = Daemon(deps, registry, ladder)
     ladder.load()
     server, proxy, health_servicer = _api(config, daemon, executor, undo)
@@ -278,7 +293,7 @@ def _metrics(config: DaemonConfig, gpu: GpuSupport, criu_version: str, daemon: C
 def _operations(
     deps: Deps,
     journal: Journal,
-    observe: Callable[[OperationRecord], None],
+    subscribers: Sequence[Callable[[FinishedOperation], None]],
     failpoints: Failpoints,
     undo: contextlib.ExitStack,
 ) -> OperationRegistry:
@@ -291,7 +306,7 @@ def _operations(
         max_per_caller=config.max_operations_per_caller,
         max_running=config.max_running_operations,
         journal=journal,
-        on_finished=observe,
+        subscribers=subscribers,
         failpoints=failpoints,
     )
     undo.callback(registry.shutdown, wait=True)
@@ -377,16 +392,6 @@ def wake_dir(config: DaemonConfig) -> Path:
     """The agents' default GPUSNAP_WAKE_DIR: ``wake`` beside the agent socket (mode 0755; only gpusnapd writes
     there)."""
     return config.agent_socket.parent / "wake"
-
-
-def _after_operation(prefill: PrefillSupport | None, ladder: Ladder, metrics: Any, record: OperationRecord) -> None:
-    """Each finished operation: to the metrics, to the park ladder, and a snapshot a checkpoint published to
-    prefill."""
-    if metrics is not None:
-        metrics.observe(record)
-    ladder.after_operation(record)
-    if prefill is not None and record.state is OperationState.SUCCEEDED and isinstance(record.result, Snapshot):
-        prefill.after_publish(record.result)
 
 
 def _release(daemon: Daemon, executor: Executor) -> None:

@@ -1,35 +1,42 @@
-"""Every engine's settings, collected from the engine folders: ``gpusnap.adapters.engines.<name>.settings``
-defines ``SETTINGS`` (:class:`~gpusnap.adapters.contract.settings.EngineSettings`), and nothing else needs
-to name the engine (``docs/engines.md``, "Adding an engine").
+"""Every engine's settings, found through the ``gpusnap.engines`` entry points: each engine folder's
+``settings.SETTINGS`` (:class:`~gpusnap.adapters.contract.settings.EngineSettings`), declared in
+``pyproject.toml``, so that nothing else needs to name the engine (``docs/engines.md``, "Adding an engine").
 
 Read by the capture-settings table (:mod:`gpusnap.adapters.contract.capture_settings`) and by the daemon's
 preflight (``gpusnap.daemon.preflight.gpu``: engine markers, tensor-parallel flags). Only the ``settings``
-module of each folder is imported (standard library only), never the engine's adapter or plugin.
+module of each engine is imported (standard library and this contract only), never its adapter or plugin.
+A checkout that is not installed finds them in the link tree ``scripts/link_tree.py`` makes (``build/pkg``).
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from importlib import metadata
 
-from gpusnap.adapters import engines as _engines
 from gpusnap.adapters.contract.settings import EngineSettings
+
+GROUP = "gpusnap.engines"
+"""The entry-point group: ``<engine name> = "gpusnap.adapters.engines.<name>.settings:SETTINGS"``."""
 
 
 def _collect() -> tuple[EngineSettings, ...]:
-    """``SETTINGS`` of every engine folder that has a ``settings`` module, by folder name."""
+    """``SETTINGS`` of every ``gpusnap.engines`` entry point, by engine name.
+
+    Raises:
+        ImportError: there is none (gpusnap's metadata is not on the path), or one is not an ``EngineSettings``
+            of its own name.
+    """
+    points = sorted(metadata.entry_points(group=GROUP), key=lambda p: p.name)
+    if not points:
+        raise ImportError(
+            f"no {GROUP} entry points: gpusnap is not installed where this Python looks (pip install it, or put a "
+            "link tree made by scripts/link_tree.py, e.g. build/pkg, on PYTHONPATH)"
+        )
     found = []
-    for module in sorted(pkgutil.iter_modules(_engines.__path__), key=lambda m: m.name):
-        if not module.ispkg:
-            continue
-        name = f"{_engines.__name__}.{module.name}.settings"
-        try:
-            settings = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # a folder without settings (an engine with nothing to declare)
-                continue
-            raise
-        found.append(settings.SETTINGS)
+    for point in points:
+        settings = point.load()
+        if not isinstance(settings, EngineSettings) or settings.name != point.name:
+            raise ImportError(f"entry point {GROUP}:{point.name} ({point.value}) is not that engine's EngineSettings")
+        found.append(settings)
     return tuple(found)
 
 

@@ -11,6 +11,8 @@ import enum
 from collections.abc import Mapping
 from datetime import datetime
 
+from gpusnap.daemon.api.errors import GpusnapError, InvalidArgumentError
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcessFacts:
@@ -306,6 +308,62 @@ class EventType(enum.Enum):
     PROGRESS = "progress"
     ROLLBACK = "rollback"
     OPERATION_FINISHED = "operation_finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedOperation:
+    """The end of one operation, as the operation registry publishes it once to its subscribers (the park
+    ladder, the metrics, the prefill): what it was, how it ended, and its result."""
+
+    id: str
+    kind: OperationKind
+    state: OperationState
+    """``SUCCEEDED``, ``FAILED`` or ``CANCELLED``."""
+    owner_uid: int
+    target_pid: int
+    target_snapshot: str
+    started: datetime
+    finished: datetime
+    phases: tuple[PhaseTiming, ...]
+    result: object = None
+    """A checkpoint's or pull's :class:`Snapshot`, a restore's :class:`RestoreResult`, ...; None when it failed."""
+    error: GpusnapError | None = None
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state is OperationState.SUCCEEDED
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How a snapshot's workload is kept on the park ladder (``gpusnap.daemon.park.policy``); ``None``:
+    inherit."""
+
+    keep_warm: int | None = None
+    priority: int | None = None
+    standby_idle_s: float | None = None
+
+    def over(self, base: Policy) -> Policy:
+        """This policy's set knobs over ``base``'s."""
+        return Policy(
+            keep_warm=self.keep_warm if self.keep_warm is not None else base.keep_warm,
+            priority=self.priority if self.priority is not None else base.priority,
+            standby_idle_s=self.standby_idle_s if self.standby_idle_s is not None else base.standby_idle_s,
+        )
+
+    def check(self) -> Policy:
+        """Raises InvalidArgumentError (``INVALID_POLICY``) for out-of-range knobs; returns ``self``."""
+        if self.keep_warm is not None and not 0 <= self.keep_warm <= MAX_KEEP_WARM:
+            raise InvalidArgumentError(f"keep_warm must be 0 to {MAX_KEEP_WARM}", reason="INVALID_POLICY")
+        if self.priority is not None and not -1000 <= self.priority <= 1000:
+            raise InvalidArgumentError("priority must be -1000 to 1000", reason="INVALID_POLICY")
+        if self.standby_idle_s is not None and not 0 <= self.standby_idle_s <= 365 * 86400:
+            raise InvalidArgumentError("standby_idle_s must be 0 to a year (in seconds)", reason="INVALID_POLICY")
+        return self
+
+
+MAX_KEEP_WARM = 64
+"""The most standbys one policy may keep ready."""
 
 
 @dataclasses.dataclass(frozen=True)

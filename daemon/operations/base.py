@@ -25,9 +25,9 @@ import structlog
 
 from gpusnap.daemon.api.errors import CancelledError, GpusnapError, InternalError, ResourceExhaustedError
 from gpusnap.daemon.api.types import EventType as EventType
+from gpusnap.daemon.api.types import FinishedOperation, PhaseTiming, RestoreResult, Snapshot
 from gpusnap.daemon.api.types import OperationKind as OperationKind
 from gpusnap.daemon.api.types import OperationState as OperationState
-from gpusnap.daemon.api.types import PhaseTiming, RestoreResult, Snapshot
 from gpusnap.daemon.operations.failpoints import NONE as NO_FAULTS
 from gpusnap.daemon.operations.failpoints import Failpoints
 from gpusnap.daemon.park.standbys import Standby
@@ -194,6 +194,29 @@ class OperationRecord:
         except OSError as exc:  # the outcome stands; recovery redoes the safe part after a restart
             structlog.get_logger(__name__).warning("journal.write_failed", operation_id=self.id, error=str(exc))
         self.emit(EventType.OPERATION_FINISHED, phase=self.phase, message=str(error) if error else "")
+
+    def ending(self) -> FinishedOperation:
+        """How this finished operation ended (its record stays with the registry; watchers keep reading it).
+
+        Raises:
+            RuntimeError: it has not finished.
+        """
+        with self._cond:
+            if self.finished is None:
+                raise RuntimeError(f"operation {self.id} has not finished")
+            return FinishedOperation(
+                id=self.id,
+                kind=self.kind,
+                state=self.state,
+                owner_uid=self.owner_uid,
+                target_pid=self.target_pid,
+                target_snapshot=self.target_snapshot,
+                started=self.started,
+                finished=self.finished,
+                phases=tuple(self.phases),
+                result=self.result,
+                error=self.error,
+            )
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the operation is done or ``timeout`` seconds pass; True if done."""

@@ -16,13 +16,14 @@ restore counting once per copy it makes (``weight``: each copy is a tree with a 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 
 import structlog
 
 from gpusnap.daemon.api import validate
 from gpusnap.daemon.api.errors import AbortedError, NotFoundError, ResourceExhaustedError, UnavailableError
+from gpusnap.daemon.api.types import FinishedOperation
 from gpusnap.daemon.operations.base import EventType, OperationRecord, PhaseRunner, os_error
 from gpusnap.daemon.operations.failpoints import NONE as NO_FAULTS
 from gpusnap.daemon.operations.failpoints import Failpoints
@@ -78,7 +79,9 @@ class OperationRegistry:
         max_per_caller: running operations of one uid.
         max_running: running operations in all, waiting ones included.
         journal: where operations are journaled (none: not at all).
-        on_finished: called with each record once it has finished (metrics); its exceptions are logged.
+        subscribers: each is called with every operation's end (:class:`FinishedOperation`, published once,
+            from the operation's thread, in order: the park ladder, the metrics, the prefill); their
+            exceptions are logged, never the operation's.
         failpoints: faults its operations meet at phase boundaries (``operations.failpoints``; tests).
     """
 
@@ -88,12 +91,12 @@ class OperationRegistry:
         max_per_caller: int = 16,
         max_running: int = 256,
         journal: Journal | None = None,
-        on_finished: Callable[[OperationRecord], None] | None = None,
+        subscribers: Sequence[Callable[[FinishedOperation], None]] = (),
         failpoints: Failpoints = NO_FAULTS,
     ):
         self.journal = journal
         self.failpoints = failpoints
-        self._on_finished = on_finished
+        self._subscribers = tuple(subscribers)
         self.slots = WorkSlots(max_workers)
         self._weights: dict[str, int] = {}
         """Running operations that count more than once against their caller (fan-out restores)."""
@@ -192,11 +195,7 @@ class OperationRegistry:
         def run() -> None:
             try:
                 PhaseRunner(record, self.slots.of(record.owner_uid), self.failpoints).run(body)
-                if self._on_finished is not None:
-                    try:
-                        self._on_finished(record)
-                    except Exception:  # a metrics bug must not fail the operation
-                        log.exception("operation.observer_failed", operation_id=record.id)
+                self._publish(record.ending())
             finally:
                 with self._lock:
                     for p in pids:
@@ -213,6 +212,15 @@ class OperationRegistry:
         with self._lock:
             self._threads[record.id] = thread
         thread.start()
+
+    def _publish(self, finished: FinishedOperation) -> None:
+        """Hand an operation's end to every subscriber, each guarded: one's bug must not fail the operation or
+        keep the end from the others."""
+        for subscriber in self._subscribers:
+            try:
+                subscriber(finished)
+            except Exception:
+                log.exception("operation.observer_failed", operation_id=finished.id)
 
     def _ended(self, op_id: str) -> bool:
         op = self._ops.get(op_id)

@@ -43,15 +43,14 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
 from gpusnap.daemon.api.errors import GpusnapError, ResourceExhaustedError
-from gpusnap.daemon.api.types import RestoreResult, Snapshot
+from gpusnap.daemon.api.types import FinishedOperation, OperationKind, Policy, RestoreResult, Snapshot
 from gpusnap.daemon.drivers import proc
-from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState
-from gpusnap.daemon.park.policy import Policies, Policy
+from gpusnap.daemon.park.policy import Policies
 from gpusnap.daemon.park.standbys import READY, Standby, StandbyRegistry
 from gpusnap.daemon.store import SnapshotStore
 from gpusnap.daemon.store.durable import write_json
@@ -62,6 +61,16 @@ ACTIVE_FILE = "park-active.json"
 KEEP_EVENTS = 256
 RETRY_S = 60.0
 """After a standby the ladder made failed, it tries that snapshot again only this much later."""
+
+
+class Started(Protocol):
+    """An operation the ladder started (a standby of ``keep_warm``), as it checks on it at its next pass."""
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def error(self) -> GpusnapError | None: ...
 
 
 class Rung(enum.IntEnum):
@@ -165,7 +174,7 @@ class Ladder:
         state_dir: Path,
         remote: bool,
         *,
-        make_standby: Callable[[str], OperationRecord] | None = None,
+        make_standby: Callable[[str], Started] | None = None,
         drop_standby: Callable[[str], object] | None = None,
     ):
         self.store = store
@@ -184,7 +193,7 @@ class Ladder:
         self._tracked: dict[int, Tracked] = {}
         self._reserved: dict[str, dict[int, int]] = {"standby_ram": {}, "gpu": {}}
         self._next_reservation = 0
-        self._making: dict[str, OperationRecord] = {}
+        self._making: dict[str, Started] = {}
         self._failed_at: dict[str, float] = {}
         self._last: dict[str, Rung] = {}
         self._stop = threading.Event()
@@ -234,10 +243,10 @@ class Ladder:
 
     # -- what operations tell the ladder --------------------------------------------------------------------
 
-    def after_operation(self, record: OperationRecord) -> None:
+    def after_operation(self, record: FinishedOperation) -> None:
         """Track the tree a restore or activation brought up, a suspend or resume of a tracked tree, and
-        record the rung changes it caused; then ask for a pass."""
-        if record.state is OperationState.SUCCEEDED:
+        record the rung changes it caused; then ask for a pass (it subscribes to the operation registry)."""
+        if record.succeeded:
             with self._lock:
                 if isinstance(record.result, RestoreResult):
                     self.track(record.result)

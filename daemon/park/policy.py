@@ -2,7 +2,7 @@
 
 A :class:`Policy` has three knobs; an unset one (``None``) inherits. The effective policy of a snapshot is its
 snapshot rule over its label rules (in the order they were set, later over earlier) over the node's defaults
-(``[park]`` in ``gpusnapd.toml``: :class:`ParkConfig`):
+(``[park]`` in ``gpusnapd.toml``: :class:`~gpusnap.daemon.config.ParkConfig`):
 
 - ``keep_warm``: standbys kept ready for the snapshot (default 0). The ladder makes them and makes a new one
   once a restore or activation took one.
@@ -27,62 +27,14 @@ from typing import Any
 import structlog
 
 from gpusnap.daemon.api.errors import InvalidArgumentError
-from gpusnap.daemon.api.types import Snapshot
+from gpusnap.daemon.api.types import Policy, Snapshot
+from gpusnap.daemon.config import ParkConfig
 from gpusnap.daemon.store.durable import write_json
 
 log = structlog.get_logger(__name__)
 
 FILE = "park-policies.json"
 MAX_RULES = 1024
-MAX_KEEP_WARM = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """One rule's knobs (module docstring); ``None``: inherit."""
-
-    keep_warm: int | None = None
-    priority: int | None = None
-    standby_idle_s: float | None = None
-
-    def over(self, base: Policy) -> Policy:
-        """This policy's set knobs over ``base``'s."""
-        return Policy(
-            keep_warm=self.keep_warm if self.keep_warm is not None else base.keep_warm,
-            priority=self.priority if self.priority is not None else base.priority,
-            standby_idle_s=self.standby_idle_s if self.standby_idle_s is not None else base.standby_idle_s,
-        )
-
-    def check(self) -> Policy:
-        """Raises InvalidArgumentError (``INVALID_POLICY``) for out-of-range knobs; returns ``self``."""
-        if self.keep_warm is not None and not 0 <= self.keep_warm <= MAX_KEEP_WARM:
-            raise InvalidArgumentError(f"keep_warm must be 0 to {MAX_KEEP_WARM}", reason="INVALID_POLICY")
-        if self.priority is not None and not -1000 <= self.priority <= 1000:
-            raise InvalidArgumentError("priority must be -1000 to 1000", reason="INVALID_POLICY")
-        if self.standby_idle_s is not None and not 0 <= self.standby_idle_s <= 365 * 86400:
-            raise InvalidArgumentError("standby_idle_s must be 0 to a year (in seconds)", reason="INVALID_POLICY")
-        return self
-
-
-@dataclasses.dataclass(frozen=True)
-class ParkConfig:
-    """The node's ``[park]`` section: default policy, budgets (bytes; 0: none) and the ladder's pace."""
-
-    keep_warm: int = 0
-    priority: int = 0
-    standby_idle_s: float = 3600.0
-    standby_ram_bytes: int = 0
-    """Host memory all standbys together may hold (their resident memory; reservations of standbys being
-    made included). 0: none."""
-    gpu_bytes: int = 0
-    """GPU memory the trees gpusnapd restored or activated may hold together (as captured: CUDA state plus
-    buffers; reservations of restores in flight included). 0: none."""
-    interval_s: float = 30.0
-    """Seconds between two passes of the ladder (it also runs after every operation)."""
-
-    @property
-    def defaults(self) -> Policy:
-        return Policy(self.keep_warm, self.priority, self.standby_idle_s)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from gpusnap.daemon._proto import operations_pb2, park_pb2
-from gpusnap.daemon.api.types import RestoreOptions
+from gpusnap.daemon.api.types import Policy, RestoreOptions
 from gpusnap.daemon.operations.standby import StandbyOptions
 from gpusnap.daemon.park.ladder import Budget, Event, Rung, Workload
-from gpusnap.daemon.park.policy import Policy, Rule
+from gpusnap.daemon.park.policy import Rule
 from gpusnap.daemon.service.convert import seconds, timestamp
 
 

@@ -49,7 +49,7 @@ import structlog
 
 from gpusnap.adapters.contract import wire
 from gpusnap.daemon.api.errors import GpusnapError
-from gpusnap.daemon.api.types import ArenaLayout, BufferRef, GpuPrefill, Snapshot, WorkerInfo
+from gpusnap.daemon.api.types import ArenaLayout, BufferRef, FinishedOperation, GpuPrefill, Snapshot, WorkerInfo
 from gpusnap.daemon.drivers.cuda import normalize_gpu_uuid
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.store.buffers import BufferStore
@@ -163,6 +163,12 @@ class PrefillSupport:
         self.contexts = "creating"
         self._submit(self._create_contexts)
         self._submit(lambda: self._register_ahead(snapshots()))
+
+    def after_operation(self, finished: FinishedOperation) -> None:
+        """A checkpoint (or pull) that published a snapshot: :meth:`after_publish` it (it subscribes to the
+        operation registry)."""
+        if finished.succeeded and isinstance(finished.result, Snapshot):
+            self.after_publish(finished.result)
 
     def after_publish(self, snapshot: Snapshot) -> None:
         """Queue the registration ahead of ``snapshot``'s RAM-tier arena blobs (a checkpoint just published

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,10 @@ needs_venv = pytest.mark.skipif(
 
 
 def package_links(tmp: Path) -> Path:
-    """A directory that makes this checkout importable as ``gpusnap`` from the venv."""
+    """A directory that makes this checkout importable as ``gpusnap`` from the venv (scripts/link_tree.py)."""
     root = tmp / "pkg"
     if not root.exists():
-        (root / "gpusnap").mkdir(parents=True)
-        (root / "gpusnap" / "daemon").symlink_to(REPO / "daemon")
-        (root / "gpusnap" / "adapters").symlink_to(REPO / "adapters")
+        subprocess.run([sys.executable, str(REPO / "scripts" / "link_tree.py"), str(root)], check=True)
     return root
 
 

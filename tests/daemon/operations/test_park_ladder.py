@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.api.errors import ResourceExhaustedError
-from gpusnap.daemon.api.types import ROOT_CALLER, RestoreOptions, Snapshot
+from gpusnap.daemon.api.types import ROOT_CALLER, Policy, RestoreOptions, Snapshot
+from gpusnap.daemon.config import ParkConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.operations import standby as standby_ops
@@ -20,7 +21,7 @@ from gpusnap.daemon.operations.base import OperationRecord
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.operations.standby import StandbyOptions
 from gpusnap.daemon.park.ladder import Ladder, Rung
-from gpusnap.daemon.park.policy import ParkConfig, Policies, Policy
+from gpusnap.daemon.park.policy import Policies
 from gpusnap.daemon.park.standbys import StandbyRegistry
 from tests.conftest import wait_for
 from tests.daemon.operations.conftest import GPU_BYTES, MIB, GpuNode
@@ -74,7 +75,7 @@ def _park(node: GpuNode, tmp_path: Path, config: ParkConfig) -> Park:
         make_standby=lambda snapshot_id: daemon.standby(StandbyOptions(snapshot_id), ROOT_CALLER),
         drop_standby=lambda standby_id: standby_ops.drop(deps, standby_id),
     )
-    registry = OperationRegistry(on_finished=ladder.after_operation)
+    registry = OperationRegistry(subscribers=[ladder.after_operation])
     daemon = Daemon(deps, registry, ladder)
     ladder.load()
     return Park(node, daemon, ladder)

@@ -7,8 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+from gpusnap.daemon.api.types import Policy
+from gpusnap.daemon.config import ParkConfig
 from gpusnap.daemon.park.ladder import blob_rank
-from gpusnap.daemon.park.policy import ParkConfig, Policies, Policy, Rule
+from gpusnap.daemon.park.policy import Policies, Rule
 
 
 def _snap(sid: str, uid: int, digests: list[str], labels: dict[str, str] | None = None) -> SimpleNamespace:
