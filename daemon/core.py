@@ -423,7 +423,9 @@ class Daemon:
         return self.registry.find_request(caller.uid, kind.value, request_id)
 
     def cancel(self, op_id: str, caller: Caller) -> OperationRecord:
-        """Ask a running operation to stop and roll back; it does at its next phase boundary or wait.
+        """Ask a running operation to stop and roll back: at once where its phase can stop safely, else once the
+        phase ends, unless it is past its point of no return; its ``cancel_note`` says which
+        (:meth:`OperationRecord.request_cancel`).
 
         Raises:
             NotFoundError: as :meth:`operation`.
@@ -431,8 +433,7 @@ class Daemon:
         """
         callers.require_identified(caller)
         record = self.operation(op_id, caller)
-        if not record.done:
-            record.cancel_requested.set()
+        record.request_cancel()
         return record
 
     def operation(self, op_id: str, caller: Caller) -> OperationRecord:

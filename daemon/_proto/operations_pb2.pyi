@@ -363,6 +363,7 @@ class Operation(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     TARGET_PID_FIELD_NUMBER: _builtins.int
     TARGET_SNAPSHOT_FIELD_NUMBER: _builtins.int
+    CANCEL_NOTE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"op-" + 26 lowercase base32 characters"""
     kind: Global___OperationKind.ValueType
@@ -373,6 +374,11 @@ class Operation(_message.Message):
     """checkpoint/suspend/resume: the tree root"""
     target_snapshot: _builtins.str
     """restore: the snapshot id"""
+    cancel_note: _builtins.str
+    """Once a cancel was requested (CancelOperation, Ctrl-C): what it does, in words, as it was asked: the phase stops
+    now; or it cannot be interrupted, runs to its end and the operation rolls back then (and why); or it is too
+    late (why). Empty while none was requested.
+    """
     @_builtins.property
     def started(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -418,10 +424,11 @@ class Operation(_message.Message):
         error: _status_pb2.Status | None = ...,
         target_pid: _builtins.int = ...,
         target_snapshot: _builtins.str = ...,
+        cancel_note: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "standby", b"standby", "started", b"started", "suspend", b"suspend", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "id", b"id", "kind", b"kind", "phase", b"phase", "phases", b"phases", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "standby", b"standby", "started", b"started", "state", b"state", "suspend", b"suspend", "target_pid", b"target_pid", "target_snapshot", b"target_snapshot", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_note", b"cancel_note", "error", b"error", "finished", b"finished", "id", b"id", "kind", b"kind", "phase", b"phase", "phases", b"phases", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "standby", b"standby", "started", b"started", "state", b"state", "suspend", b"suspend", "target_pid", b"target_pid", "target_snapshot", b"target_snapshot", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["snapshot", "restore", "suspend", "resume", "transfer", "standby"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
@@ -449,6 +456,8 @@ class OperationEvent(_message.Message):
         """an undo step ran after a failure"""
         TYPE_OPERATION_FINISHED: OperationEvent._Type.ValueType  # 6
         """the final event; operation holds the final state"""
+        TYPE_CANCEL_REQUESTED: OperationEvent._Type.ValueType  # 7
+        """a cancel was requested; message: what it does (Operation.cancel_note)"""
 
     class Type(_Type, metaclass=_TypeEnumTypeWrapper): ...
     TYPE_UNSPECIFIED: OperationEvent.Type.ValueType  # 0
@@ -461,6 +470,8 @@ class OperationEvent(_message.Message):
     """an undo step ran after a failure"""
     TYPE_OPERATION_FINISHED: OperationEvent.Type.ValueType  # 6
     """the final event; operation holds the final state"""
+    TYPE_CANCEL_REQUESTED: OperationEvent.Type.ValueType  # 7
+    """a cancel was requested; message: what it does (Operation.cancel_note)"""
 
     OPERATION_ID_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int

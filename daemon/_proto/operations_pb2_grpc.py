@@ -173,9 +173,11 @@ class OperationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CancelOperation(self, request, context):
-        """Ask a running operation to stop: it rolls back at its next phase boundary (or wait) and ends FAILED
-        with CANCELLED. Once its snapshot is published (or its restored tree validated) it runs to its end.
-        Returns the operation as it is now; follow it with WaitOperation.
+        """Ask a running operation to stop: it ends CANCELLED, rolled back. A phase that can stop safely stops at once
+        (waiting for a control directory, CRIU's restore into a fresh PID namespace); any other runs to its end
+        first (CRIU's dump: the source is resumed as soon as the images are written, before anything is published).
+        Once a checkpoint's source has ended with its snapshot published it runs to its end. Returns the operation
+        as it is now, whose cancel_note says which of these happens; follow it with WaitOperation.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -52,9 +52,11 @@ class OperationServiceStub:
     Pull: _grpc.UnaryUnaryMultiCallable[_operations_pb2.PullRequest, _operations_pb2.PullResponse]
     """Download a remote snapshot into the local store (digests checked as chunks arrive)."""
     CancelOperation: _grpc.UnaryUnaryMultiCallable[_operations_pb2.CancelOperationRequest, _operations_pb2.CancelOperationResponse]
-    """Ask a running operation to stop: it rolls back at its next phase boundary (or wait) and ends FAILED
-    with CANCELLED. Once its snapshot is published (or its restored tree validated) it runs to its end.
-    Returns the operation as it is now; follow it with WaitOperation.
+    """Ask a running operation to stop: it ends CANCELLED, rolled back. A phase that can stop safely stops at once
+    (waiting for a control directory, CRIU's restore into a fresh PID namespace); any other runs to its end
+    first (CRIU's dump: the source is resumed as soon as the images are written, before anything is published).
+    Once a checkpoint's source has ended with its snapshot published it runs to its end. Returns the operation
+    as it is now, whose cancel_note says which of these happens; follow it with WaitOperation.
     """
     Standby: _grpc.UnaryUnaryMultiCallable[_operations_pb2.StandbyRequest, _operations_pb2.StandbyResponse]
     """Restore a snapshot's CPU side ahead of demand: count copies, each stopped in a fresh PID namespace,
@@ -87,9 +89,11 @@ class OperationServiceAsyncStub(OperationServiceStub):
     Pull: _aio.UnaryUnaryMultiCallable[_operations_pb2.PullRequest, _operations_pb2.PullResponse]  # type: ignore[assignment]
     """Download a remote snapshot into the local store (digests checked as chunks arrive)."""
     CancelOperation: _aio.UnaryUnaryMultiCallable[_operations_pb2.CancelOperationRequest, _operations_pb2.CancelOperationResponse]  # type: ignore[assignment]
-    """Ask a running operation to stop: it rolls back at its next phase boundary (or wait) and ends FAILED
-    with CANCELLED. Once its snapshot is published (or its restored tree validated) it runs to its end.
-    Returns the operation as it is now; follow it with WaitOperation.
+    """Ask a running operation to stop: it ends CANCELLED, rolled back. A phase that can stop safely stops at once
+    (waiting for a control directory, CRIU's restore into a fresh PID namespace); any other runs to its end
+    first (CRIU's dump: the source is resumed as soon as the images are written, before anything is published).
+    Once a checkpoint's source has ended with its snapshot published it runs to its end. Returns the operation
+    as it is now, whose cancel_note says which of these happens; follow it with WaitOperation.
     """
     Standby: _aio.UnaryUnaryMultiCallable[_operations_pb2.StandbyRequest, _operations_pb2.StandbyResponse]  # type: ignore[assignment]
     """Restore a snapshot's CPU side ahead of demand: count copies, each stopped in a fresh PID namespace,
@@ -185,9 +189,11 @@ class OperationServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _operations_pb2.CancelOperationRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_operations_pb2.CancelOperationResponse, _abc.Awaitable[_operations_pb2.CancelOperationResponse]]:
-        """Ask a running operation to stop: it rolls back at its next phase boundary (or wait) and ends FAILED
-        with CANCELLED. Once its snapshot is published (or its restored tree validated) it runs to its end.
-        Returns the operation as it is now; follow it with WaitOperation.
+        """Ask a running operation to stop: it ends CANCELLED, rolled back. A phase that can stop safely stops at once
+        (waiting for a control directory, CRIU's restore into a fresh PID namespace); any other runs to its end
+        first (CRIU's dump: the source is resumed as soon as the images are written, before anything is published).
+        Once a checkpoint's source has ended with its snapshot published it runs to its end. Returns the operation
+        as it is now, whose cancel_note says which of these happens; follow it with WaitOperation.
         """
 
     @_abc_1.abstractmethod

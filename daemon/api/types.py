@@ -308,6 +308,7 @@ class EventType(enum.Enum):
     PROGRESS = "progress"
     ROLLBACK = "rollback"
     OPERATION_FINISHED = "operation_finished"
+    CANCEL_REQUESTED = "cancel_requested"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,10 @@ def phase_display(enabled: bool) -> Iterator[Callable[[OperationEvent], None]]:
 
                 line = escape(safe(f"{phase}: {event.message or ''}"))
                 progress.console.print(f"[yellow]rollback[/yellow] {line}")
+            elif event.type == E.CANCEL_REQUESTED:
+                from rich.markup import escape
+
+                progress.console.print(f"[yellow]cancel[/yellow] {escape(safe(event.message or ''))}")
 
         yield show
 
@@ -162,11 +166,13 @@ def poll(client: DaemonClient, op_id: str) -> Operation:
 
 
 def cancel_and_wait(client: DaemonClient, op_id: str) -> Operation:
-    """Ctrl-C: cancel the operation and wait for its rollback; a second Ctrl-C leaves it to gpusnapd."""
+    """Ctrl-C: cancel the operation, say at once what that does (it stops now, or once its phase ends, or it is too
+    late: ``cancel_note``), and wait for its end; a second Ctrl-C leaves it to gpusnapd. Returns the operation if it
+    ended well all the same (too late to cancel)."""
     try:
-        client.cancel(op_id)
+        note = client.cancel(op_id).cancel_note
         click.echo(
-            f"gpusnap: interrupted; cancelling {op_id} and rolling back (Ctrl-C again to stop waiting)", err=True
+            f"gpusnap: interrupted: {safe(note or 'cancelling ' + op_id)} (Ctrl-C again to stop waiting)", err=True
         )
         return client.wait(op_id)  # raises CancelledError once rolled back (exit 130)
     except KeyboardInterrupt:

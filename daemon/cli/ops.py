@@ -9,7 +9,7 @@ import click
 from gpusnap.daemon.api.errors import GpusnapError
 from gpusnap.daemon.cli.app import Ctx, checked, command_options, main
 from gpusnap.daemon.cli.follow import follow, print_event
-from gpusnap.daemon.cli.output import add_row, emit, new_table, phase_summary, print_table, wide
+from gpusnap.daemon.cli.output import add_row, emit, new_table, phase_summary, print_table, safe, wide
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -45,12 +45,15 @@ def wait(obj: Ctx, operation: str, events: bool) -> None:
 @click.argument("operation")
 @click.pass_obj
 def cancel(obj: Ctx, operation: str) -> None:
-    """Cancel a running operation: it rolls back and ends with CANCELLED."""
+    """Cancel a running operation: it rolls back and ends with CANCELLED. Says at once what the cancel does (the
+    running phase stops now, or runs to its end first, or it is too late), then waits for the operation's end."""
     from gpusnap.daemon.api.types import OperationState
 
     with obj.client() as client:
         op = checked(lambda: client.cancel(operation))
         if op.state is OperationState.RUNNING:
+            if obj.output != "json":
+                click.echo(safe(f"cancelling {op.id}: {op.cancel_note}"), err=True)
             try:
                 client.wait(op.id)
             except GpusnapError:
@@ -59,7 +62,11 @@ def cancel(obj: Ctx, operation: str) -> None:
     if obj.output == "json":
         emit(op)
     elif op.state is OperationState.CANCELLED:
-        click.echo(f"{op.id} cancelled; what it had done was rolled back")
+        click.echo(safe(f"{op.id} cancelled: {op.error.message if op.error else 'rolled back'}"))
+    elif op.state is OperationState.SUCCEEDED and op.cancel_note:
+        click.echo(safe(f"{op.id} ran to its end and succeeded: {op.cancel_note}"))
+    elif op.state is OperationState.FAILED:
+        click.echo(safe(f"{op.id} failed before it could be cancelled: {op.error.message if op.error else ''}"))
     else:
         click.echo(f"{op.id} had ended ({op.state.value}) before it could be cancelled")
 

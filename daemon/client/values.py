@@ -234,6 +234,8 @@ class Operation:
     """checkpoint, suspend, resume: the tree's root."""
     target_snapshot: str | None
     """restore, push, pull: the snapshot's id."""
+    cancel_note: str | None
+    """Once a cancel was requested: what it does (stops now; runs its phase to the end first, and why; too late)."""
 
 
 @dataclasses.dataclass(frozen=True)

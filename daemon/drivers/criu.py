@@ -40,6 +40,7 @@ import structlog
 
 from gpusnap.daemon.api.errors import (
     AbortedError,
+    CancelledError,
     DeadlineExceededError,
     FailedPreconditionError,
     GpusnapError,
@@ -298,6 +299,7 @@ class CriuDriver:
         leave_stopped: bool = False,
         file_copies: Mapping[str, Any] | None = None,
         on_progress: Callable[[int], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> RestoredTree:
         """Restore the tree dumped in ``images_dir``; the log goes to ``work_dir/<log_name>``.
 
@@ -329,6 +331,9 @@ class CriuDriver:
             on_progress: called about every ``PROGRESS_S`` while CRIU runs with the bytes CRIU and the tasks it
                 restores have read so far (their ``/proc/<pid>/io`` ``rchar``: the images' pages, read by each task
                 itself; a task that already exited is no longer counted).
+            cancelled: polled about every ``POLL_S`` while CRIU runs; once it says True, CRIU and everything it
+                restored are killed (with a new PID namespace, its init: nothing of the tree is left) and
+                ``CancelledError`` is raised. Only for ``new_pidns``.
 
         Raises:
             PermissionDeniedError, FailedPreconditionError, InternalError: ``owner``'s sockets could not be
@@ -338,7 +343,10 @@ class CriuDriver:
                 ``FILE_COPY_FAILED``); CRIU did not run.
             CriuError: CRIU refused or died; nothing of the tree is left running.
             DeadlineExceededError: not done within ``timeout_s``; everything restored so far was killed.
+            CancelledError: ``cancelled`` said so; everything restored so far was killed.
         """
+        if cancelled is not None and not new_pidns:
+            raise ValueError("only a restore into a new PID namespace can be stopped (its init takes the tree along)")
         opts: dict[str, Any] = {
             "shell_job": True,
             "ext_unix_sk": True,
@@ -391,6 +399,7 @@ class CriuDriver:
             private_log=private_log,
             before_criu=before_criu,
             progress=_Ticker(on_progress, _restore_reads) if on_progress else None,
+            cancelled=cancelled,
         )
         init_pid = next((e["pid"] for e in events if e.get("event") == "init"), 0)
         result = events[-1]
@@ -417,6 +426,7 @@ class CriuDriver:
         private_log: bool = False,
         before_criu: Callable[[int, int], None] | None = None,
         progress: _Ticker | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> list[dict[str, Any]]:
         action = req["action"]
         line = json.dumps(req).encode() + b"\n"
@@ -430,7 +440,7 @@ class CriuDriver:
         answered = False
         try:  # a failed request must not leave the helper's pipes open in the daemon
             events = self._exchange(
-                proc, action, log_path, timeout_s, on_start, on_notify, private_log, before_criu, progress
+                proc, action, log_path, timeout_s, on_start, on_notify, private_log, before_criu, progress, cancelled
             )
             answered = True
             return events
@@ -486,6 +496,7 @@ class CriuDriver:
         private_log: bool = False,
         before_criu: Callable[[int, int], None] | None = None,
         progress: _Ticker | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> list[dict[str, Any]]:
         start_error: BaseException | None = None
         if on_start:
@@ -506,7 +517,12 @@ class CriuDriver:
                         f"({self._keep_log(log_path)}); raise the operation timeout if the tree is large",
                         reason="CRIU_TIMEOUT",
                     )
-                ready = sel.select(timeout=min(remaining, PROGRESS_S))
+                ready = sel.select(timeout=min(remaining, POLL_S))
+                if cancelled is not None and cancelled():
+                    self._kill(proc, events)
+                    raise CancelledError(
+                        f"CRIU {action} was stopped and what it had restored killed", reason="CANCELLED"
+                    )
                 if progress is not None:
                     progress.tick(events)
                 if not ready:
@@ -668,6 +684,8 @@ _Callback = Callable[[dict[str, Any], list[dict[str, Any]]], None]
 
 PROGRESS_S = 0.5
 """How often a request's progress is measured and reported while CRIU runs."""
+POLL_S = 0.1
+"""How often a request that can be cancelled looks for a cancel while CRIU runs (and the progress for its time)."""
 
 
 class _Ticker:

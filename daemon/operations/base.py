@@ -117,6 +117,13 @@ class OperationRecord:
         self.events: list[OperationEvent] = []
         self._cond = threading.Condition()
         self._listeners: list[Callable[[], None]] = []
+        self.cancel_note = ""
+        """Once a cancel was requested: what it does (:meth:`request_cancel`)."""
+        self.stops_now = False
+        """A block that watches for a cancel request itself runs (:meth:`PhaseRunner.stoppable`): it stops at once."""
+        self.past_return = ""
+        """Why a cancel can no longer roll the operation back, once it cannot (:meth:`PhaseRunner.commit`)."""
+        self._cancel_lock = threading.Lock()
 
     @property
     def done(self) -> bool:
@@ -132,6 +139,22 @@ class OperationRecord:
         for listener in listeners:
             listener()
         return event
+
+    def request_cancel(self) -> str:
+        """Ask the operation to stop and roll back (``cancel_requested``); returns what that does now, in words (also
+        ``cancel_note``, and a ``CANCEL_REQUESTED`` event when it changed): the running phase stops at once, or it
+        cannot be interrupted and the operation rolls back once it ends (and why), or it is too late (and why).
+        Empty for an operation that has ended."""
+        with self._cancel_lock:
+            if self.done:
+                return ""
+            self.cancel_requested.set()
+            note = _cancel_note(self)
+            changed = note != self.cancel_note
+            self.cancel_note = note
+        if changed:
+            self.emit(EventType.CANCEL_REQUESTED, phase=self.phase, message=note)
+        return note
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (from the emitting thread; it must not block) after every new event."""
@@ -228,6 +251,37 @@ class OperationRecord:
         with self._cond:
             self._cond.wait_for(lambda: len(self.events) > sequence + 1, timeout=timeout)
             return self.events[sequence + 1 :]
+
+
+RUNS_ON: dict[str, tuple[str, str]] = {
+    Phase.DUMP: (
+        "CRIU is writing the frozen tree's images and cannot be stopped safely before it has",
+        "then the source is resumed, before anything is published, and the images are dropped",
+    ),
+    Phase.GPU_LOCK: ("the CUDA driver's lock waits for the GPU work in flight", ""),
+    Phase.GPU_CHECKPOINT: ("the CUDA driver's checkpoint cannot be interrupted", ""),
+    Phase.GPU_RESTORE: ("the CUDA driver's restore cannot be interrupted", ""),
+    Phase.WARM_UP: ("the worker's agent finishes its warm-up request first", ""),
+    Phase.QUIESCE: ("the worker's agent finishes quiescing first", "then the worker is resumed"),
+    Phase.OFFLOAD: ("the worker's agents finish writing out their buffers first", "then the worker is resumed"),
+    Phase.RESTORE: (
+        "CRIU restores into gpusnapd's own PID namespace (--host-pidns), where stopping it could leave processes "
+        "behind",
+        "then the restored tree is killed",
+    ),
+}
+"""Phases that do not stop at once: why, and what the rollback does once they end (default: nothing to add)."""
+
+
+def _cancel_note(record: OperationRecord) -> str:
+    """What a cancel requested now does (:meth:`OperationRecord.request_cancel`)."""
+    what, phase = record.kind.value, record.phase or "its start"
+    if record.past_return:
+        return f"too late to cancel: {record.past_return}; the {what} runs to its end"
+    if record.stops_now:
+        return f"stopping {phase} now; then the {what} rolls back what it did"
+    why, then = RUNS_ON.get(phase.partition("#")[0], (f"{phase} cannot be interrupted", ""))
+    return f"{why}; the {what} stops when {phase} ends and rolls back" + (f": {then}" if then else "")
 
 
 def result_json(result: Any) -> dict[str, Any] | None:
@@ -367,14 +421,46 @@ class PhaseRunner:
         self.record.emit(EventType.PHASE_FAILED, phase=name, duration_seconds=elapsed, message=str(exc))
         self.log.warning("phase.failed", phase=name, duration_s=round(elapsed, 4), error=str(exc))
 
-    def check_cancelled(self) -> None:
-        """Raise ``CancelledError`` if the operation's cancellation was requested."""
-        if self.record.cancel_requested.is_set():
-            raise CancelledError(
-                f"operation {self.record.id} was cancelled before {self.record.phase or 'it started'} ended; "
-                "what it had done was rolled back",
-                reason="CANCELLED",
+    def check_cancelled(self, *, during: bool = False, last: bool = False) -> None:
+        """Raise ``CancelledError`` if the operation's cancellation was requested (and it is not past its point of no
+        return, :meth:`commit`): at a phase boundary (before the next phase starts), ``during`` the phase that
+        watched for it and stopped, or at the end of the ``last`` phase."""
+        if self.record.cancel_requested.is_set() and not self.record.past_return:
+            phase = self.record.phase
+            how = (
+                f"during {phase}, which stopped"
+                if during
+                else f"during {phase}, its last phase, which ran to its end first"
+                if last
+                else f"after {phase} ended"
+                if phase
+                else "before it started"
             )
+            raise self.cancelled(how)
+
+    def cancelled(self, how: str) -> CancelledError:
+        """The ``CancelledError`` this operation ends with, cancelled ``how`` (``"during restore, which stopped"``)."""
+        return CancelledError(
+            f"operation {self.record.id} was cancelled {how}; what it had done was rolled back", reason="CANCELLED"
+        )
+
+    def commit(self, why: str) -> None:
+        """The point of no return: from here on a cancel cannot roll the operation back (``why``, e.g. "the snapshot
+        is published and its source ends"), and says so; a cancel requested before raises ``CancelledError`` now.
+        Atomic with :meth:`OperationRecord.request_cancel`."""
+        with self.record._cancel_lock:
+            self.check_cancelled()
+            self.record.past_return = why
+
+    @contextmanager
+    def stoppable(self) -> Iterator[Callable[[], bool]]:
+        """A block that watches for a cancel request itself (it polls what this yields) and stops at once when there
+        is one: a cancel note then says so (:meth:`OperationRecord.request_cancel`)."""
+        self.record.stops_now = True
+        try:
+            yield self.record.cancel_requested.is_set
+        finally:
+            self.record.stops_now = False
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
@@ -432,6 +518,7 @@ class PhaseRunner:
             self.record.save()  # durable before anything with side effects
             result = body(self)
             self.close_phase()
+            self.check_cancelled(last=True)  # a cancel during the last phase rolls back too, as it said it would
         except Exception as exc:
             self._fail(exc)
             return

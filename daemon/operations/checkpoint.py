@@ -117,6 +117,7 @@ class Checkpoint:
         if gpus is not None and opts.leave_running:
             with run.phase(Phase.GPU_RESUME):
                 gpus[0].rollback_to_running(gpus[1]).raise_for_problems()
+        run.commit("the snapshot is published")  # (a source left running: a cancel until here unpublishes it)
         if gpus is not None:
             gpus[2].drop()
         if capture.resume is not None:
@@ -231,6 +232,11 @@ class _Publisher:
         staging = self.staging
         self.dumped.bytes = dir_bytes(staging.images)
         run.close_phase()
+        if run.record.cancel_requested.is_set():  # CRIU resumes the source: nothing is published
+            raise run.cancelled(
+                "during dump, which CRIU could not stop safely before it had written the images: the source was "
+                "resumed then, before anything was published, and the images dropped"
+            )
         frozen = proc.tree_pids_or_empty(opts.pid) or list(self.source.facts.tree_pids)  # as CRIU froze it
         self.frozen = list(frozen)
         if owner_uid != 0:  # a set-user-ID program exec'd since preflight: refused, CRIU resumes the tree
@@ -274,6 +280,8 @@ class _Publisher:
         deps = self.checkpoint.deps
         self.published = (snapshot, run.on_failure("unpublish", lambda: _unpublish(deps, snapshot.id)))
         run.open_phase(Phase.FINISH)
+        if not opts.leave_running:  # CRIU ends the source once this returns: the snapshot is all there is then
+            run.commit("the snapshot is published and CRIU is ending its source")
 
 
 def _unpublish(deps: Deps, snapshot_id: str) -> None:

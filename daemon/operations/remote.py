@@ -97,6 +97,7 @@ def run_push(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
             p.bytes = tally.transferred_bytes
     n = len(snap.files)
     doc = RemoteManifest(snap, prov, tuple(chunk_lists[:n]), dict(zip(blobs, chunk_lists[n:], strict=True)))
+    run.commit("the upload is complete and its manifest goes up, which lists the snapshot in the remote store")
     with run.phase(Phase.PUBLISH):
         if not remote.publish(doc):
             run.log.info("push.already_published", snapshot_id=snap.id)
@@ -136,6 +137,7 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
         with run.phase(Phase.DOWNLOAD) as p, _room_given_back(work, blob_work):
             tally = pull_chunks(remote.objects, remote.limits, items, chunk_lists, p.every_percent())
             p.bytes = tally.transferred_bytes
+        run.commit("the download is complete and the snapshot is being added to the store")
         with run.phase(Phase.PUBLISH), _room_given_back(work, blob_work):
             digests = [b.sha256 for b in snap.buffers]
             store.buffers.pin(uid, digests)

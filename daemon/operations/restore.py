@@ -20,6 +20,7 @@ cuda-checkpoint#53) and keeps the snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -27,7 +28,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from gpusnap.daemon.access import file_rights, tree_rights
-from gpusnap.daemon.api.errors import DataLossError, FailedPreconditionError, GpusnapError, NotFoundError
+from gpusnap.daemon.api.errors import (
+    CancelledError,
+    DataLossError,
+    FailedPreconditionError,
+    GpusnapError,
+    NotFoundError,
+)
 from gpusnap.daemon.api.types import Creds, FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import criu_userpaths, devshm, proc
 from gpusnap.daemon.drivers.criu import RestoredTree
@@ -268,31 +275,40 @@ class Restore:
         shm_dir = store.shm_dir(snapshot.id)
         private_shm = shm_dir.is_dir() and not opts.host_pid_namespace
         remaps = _put_back_link_remaps(run, shm_dir) if shm_dir.is_dir() and not private_shm else []
-        tree = self.deps.criu.restore(
-            images_dir=store.images_dir(snapshot.id),
-            work_dir=store.images_dir(snapshot.id).parent,
-            log_name=restore_log_name(_label(run)),
-            new_pidns=not opts.host_pid_namespace,
-            tcp=_tcp_mode_of(snapshot),
-            timeout_s=self.timeout,
-            new_netns=opts.private_network,
-            shm_dir=shm_dir if private_shm else None,
-            before_resume=hooks.before_resume,
-            private_log=snapshot.owner_uid != 0,
-            before_criu=hooks.before_criu,
-            terminals=_terminal_stand_in(snapshot, opts),
-            title=(f"snapshot={snapshot.id}", f"name={snapshot.name or '-'}", f"operation={run.record.id}"),
-            owner=tree_rights.of(snapshot).user,
-            scratch_dir=hooks.scratch,
-            leave_stopped=leave_stopped,
-            file_copies=file_copies.request(
-                snapshot,
-                _label(run),
-                lambda: store.take_in_place(snapshot.id),
-                _private_shm_paths(shm_dir, private_shm),
-            ),
-            on_progress=on_progress,
-        )
+        with contextlib.ExitStack() as stack:  # into a fresh PID namespace, a cancel stops CRIU at once
+            cancelled = None if opts.host_pid_namespace else stack.enter_context(run.stoppable())
+            try:
+                tree = self.deps.criu.restore(
+                    images_dir=store.images_dir(snapshot.id),
+                    work_dir=store.images_dir(snapshot.id).parent,
+                    log_name=restore_log_name(_label(run)),
+                    new_pidns=not opts.host_pid_namespace,
+                    tcp=_tcp_mode_of(snapshot),
+                    timeout_s=self.timeout,
+                    new_netns=opts.private_network,
+                    shm_dir=shm_dir if private_shm else None,
+                    before_resume=hooks.before_resume,
+                    private_log=snapshot.owner_uid != 0,
+                    before_criu=hooks.before_criu,
+                    terminals=_terminal_stand_in(snapshot, opts),
+                    title=(f"snapshot={snapshot.id}", f"name={snapshot.name or '-'}", f"operation={run.record.id}"),
+                    owner=tree_rights.of(snapshot).user,
+                    scratch_dir=hooks.scratch,
+                    leave_stopped=leave_stopped,
+                    file_copies=file_copies.request(
+                        snapshot,
+                        _label(run),
+                        lambda: store.take_in_place(snapshot.id),
+                        _private_shm_paths(shm_dir, private_shm),
+                    ),
+                    on_progress=on_progress,
+                    cancelled=cancelled,
+                )
+            except CancelledError as exc:
+                raise run.cancelled(
+                    f"during {run.record.phase}, which stopped: CRIU was killed, and its PID namespace with what "
+                    "it had restored"
+                ) from exc
         devshm.remove_link_remaps(remaps)  # opened by CRIU: the restored tree holds the file, not the name
         return tree
 

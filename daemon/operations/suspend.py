@@ -81,6 +81,7 @@ def run_resume(run: PhaseRunner, deps: Deps, pid: int, requested_map: Mapping[st
         tree = known or GpuTree(cuda_pids=tuple(suspended), processes=())
         gpu_map, _ = gpumap.resolve_for_processes(requested_map, tree.processes, deps.gpu.gpus())
     ctl = deps.gpu.controller(tree.gpu_bytes)
+    run.commit("the GPU state is being brought back, which has nothing to roll back to")
     with run.phase(Phase.GPU_RESTORE) as progress:
         visible_of = {g.pid: g.visible_gpu_uuids for g in tree.processes}
         for p in suspended:

@@ -134,15 +134,15 @@ def prepare_capture(
         run.record.note(control_dir=str(cdir))
         with run.phase(Phase.WAIT_READY):
             controldir.clear(cdir, owner_uid, controldir.RESTORE_COMPLETE, controldir.SNAPSHOT_COMPLETE)
-            with run.waiting():
+            with run.waiting(), run.stoppable() as cancelled:
                 try:
                     controldir.wait_ready(
                         cdir,
                         min(cfg.ready_timeout, opts.timeout_s or cfg.ready_timeout),
-                        lambda: proc.alive(opts.pid) and not run.record.cancel_requested.is_set(),
+                        lambda: proc.alive(opts.pid) and not cancelled(),
                     )
                 except DeadlineExceededError:
-                    run.check_cancelled()  # cancelled, rather than not ready
+                    run.check_cancelled(during=True)  # cancelled, rather than not ready
                     raise
         resume = run.on_failure(
             "resume-worker", lambda: controldir.signal_file(cdir, owner_uid, controldir.RESTORE_COMPLETE)

@@ -56,6 +56,7 @@ _EVENT = {
     EventType.PROGRESS: operations_pb2.OperationEvent.TYPE_PROGRESS,
     EventType.ROLLBACK: operations_pb2.OperationEvent.TYPE_ROLLBACK,
     EventType.OPERATION_FINISHED: operations_pb2.OperationEvent.TYPE_OPERATION_FINISHED,
+    EventType.CANCEL_REQUESTED: operations_pb2.OperationEvent.TYPE_CANCEL_REQUESTED,
 }
 
 
@@ -221,6 +222,7 @@ def operation(r: OperationRecord) -> operations_pb2.Operation:
         phases=[phase(p) for p in r.phases],
         target_pid=r.target_pid,
         target_snapshot=r.target_snapshot,
+        cancel_note=r.cancel_note,
     )
     if r.finished:
         msg.finished.CopyFrom(timestamp(r.finished))

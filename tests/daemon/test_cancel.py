@@ -13,8 +13,10 @@ import psutil
 import pytest
 
 from gpusnap.daemon.api.errors import CancelledError, Code, FailedPreconditionError, InvalidArgumentError
-from gpusnap.daemon.client.values import OperationState
+from gpusnap.daemon.client import DaemonClient
+from gpusnap.daemon.client.values import Operation, OperationState
 from tests.conftest import DaemonProc, Workloads, _cli_env, wait_for
+from tests.pty_shell import Shell
 
 
 def _waiting(daemon: DaemonProc, workloads: Workloads, tmp_path: Path) -> tuple[int, Path]:
@@ -67,7 +69,8 @@ def test_ctrl_c_cancels(daemon: DaemonProc, workloads: Workloads, tmp_path: Path
     )
     cli.send_signal(signal.SIGINT)
     _, err = cli.communicate(timeout=60)
-    assert cli.returncode == 130 and "cancelling" in err, err
+    assert cli.returncode == 130 and "interrupted: stopping wait-ready now" in err, err
+    assert "cancelled during wait-ready, which stopped" in err, err
     [op] = daemon.client().list_operations()
     assert op.state is OperationState.CANCELLED and op.error is not None and op.error.code == Code.CANCELLED
     listed = json.loads(daemon.cli("-o", "json", "ops", check=True).stdout)
@@ -97,3 +100,57 @@ def test_idempotency_key(daemon: DaemonProc, workloads: Workloads) -> None:
         assert other.id != op.id, "another key is another request"
         with pytest.raises(FailedPreconditionError):
             client.wait(other.id)
+
+
+def _running_phase(client: DaemonClient, phase: str) -> Operation | None:
+    return next((o for o in client.list_operations() if o.phase == phase and o.state is OperationState.RUNNING), None)
+
+
+def test_ctrl_c_during_a_dump_and_cancel_during_a_restore_say_what_happens(
+    daemon: DaemonProc, workloads: Workloads, tmp_path: Path
+) -> None:
+    """Ctrl-C while CRIU writes the images, typed in a terminal: the CLI says at once that the dump cannot be stopped
+    safely and what happens when it ends; it then ends exit 130, the source running on and nothing published, and
+    says that, not "cancelled before dump ended". `gpusnap cancel` during CRIU's restore stops it at once."""
+    w = workloads.start("--mem-mb", "1536", "--random", "--no-listener", "--no-child")
+    client = daemon.client()
+    daemon.cli("dump", str(w.pid), "--name", "kept", "--leave-running", check=True)
+    sh = Shell(tmp_path, {**_cli_env(), "GPUSNAP_SOCKET": str(daemon.socket)})
+    try:
+        sh.start(f"{sys.executable} -m gpusnap.daemon.cli dump {w.pid} --name never")
+        wait_for(lambda: _running_phase(client, "dump"), 120, "the dump did not start")
+        shown = sh.interrupt(timeout=120)
+        assert sh.run("echo $?").strip() == "130", shown
+    finally:
+        sh.close()
+    said = (
+        "interrupted: CRIU is writing the frozen tree's images and cannot be stopped safely before it has; the "
+        "checkpoint stops when dump ends and rolls back: then the source is resumed, before anything is published, "
+        "and the images are dropped (Ctrl-C again to stop waiting)"
+    )
+    assert said in shown, shown
+    assert (
+        "cancelled during dump, which CRIU could not stop safely before it had written the images: the source was "
+        "resumed then, before anything was published" in shown
+    ), shown
+    assert "before dump ended" not in shown
+    [op] = [o for o in client.list_operations() if o.state is OperationState.CANCELLED]
+    events = list(client.watch(op.id))
+    kinds = [(e.type.value, e.phase) for e in events]
+    asked = kinds.index(("cancel_requested", "dump"))
+    assert asked < kinds.index(("phase_finished", "dump")), "said while CRIU still wrote the images"
+    assert not any(p in ("checksum", "publish", "finish") for _, p in kinds), "nothing was published"
+    assert [s.name for s in client.list_snapshots()] == ["kept"]
+    assert psutil.Process(w.pid).status() not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
+    handle = client.restore("kept")
+    wait_for(lambda: client.get_operation(handle.id).phase == "restore", 60, "the restore did not start")
+    res = daemon.cli("cancel", handle.id)
+    assert res.returncode == 0, res.stderr
+    assert f"cancelling {handle.id}: stopping restore now; then the restore rolls back what it did" in res.stderr
+    assert (
+        f"{handle.id} cancelled: operation {handle.id} was cancelled during restore, which stopped: CRIU was "
+        "killed" in res.stdout
+    ), res.stdout
+    restored = [p for p in psutil.process_iter(["cmdline"]) if f"operation={handle.id}" in (p.info["cmdline"] or [])]
+    assert not restored, "nothing of the restored tree is left"

@@ -39,7 +39,7 @@ def test_dump_checksum_and_restore_report_bytes_and_rate(daemon: DaemonProc, wor
     workloads.adopt(client.wait(handle.id).restore.pid)
 
     text = daemon.cli("wait", handle.id, "--events", check=True).stdout  # what a person reads in a log
-    line = r"^\d\d:\d\d:\d\d\.\d restore progress [\d.]+ [KM]iB( of [\d.]+ MiB)? at [\d.]+ [KM]iB/s$"
+    line = r"^\d\d:\d\d:\d\d\.\d restore progress [\d.]+ [KM]iB( of [\d.]+ MiB)? at [\d.]+ [KMG]iB/s$"
     assert re.search(line, text, re.M), text
-    assert re.search(r"^\d\d:\d\d:\d\d\.\d restore phase finished [\d.]+ MiB at [\d.]+ MiB/s in [\d.]+ s$", text, re.M)
+    assert re.search(r"^\d\d:\d\d:\d\d\.\d restore phase finished [\d.]+ MiB at [\d.]+ [KMG]iB/s in [\d.]+ s$", text, re.M)
     assert re.search(r"^\d\d:\d\d:\d\d\.\d operation finished$", text, re.M), text
