@@ -35,11 +35,13 @@ def test_dump_checksum_and_restore_report_bytes_and_rate(daemon: DaemonProc, wor
     assert restore and all(e.total_bytes == size for e in restore), restore
     assert any(0 < e.bytes <= size and e.bytes_per_second > 0 for e in restore), restore
     verify = [e for e in watched if e.type is EventType.PROGRESS and e.phase == "verify"]
-    assert verify and verify[-1].bytes == verify[-1].total_bytes == size
+    assert verify and verify[-1].bytes == verify[-1].total_bytes <= size, "what verify hashes before CRIU runs"
     workloads.adopt(client.wait(handle.id).restore.pid)
 
     text = daemon.cli("wait", handle.id, "--events", check=True).stdout  # what a person reads in a log
     line = r"^\d\d:\d\d:\d\d\.\d restore progress [\d.]+ [KM]iB( of [\d.]+ MiB)? at [\d.]+ [KMG]iB/s$"
     assert re.search(line, text, re.M), text
-    assert re.search(r"^\d\d:\d\d:\d\d\.\d restore phase finished [\d.]+ MiB at [\d.]+ [KMG]iB/s in [\d.]+ s$", text, re.M)
+    assert re.search(
+        r"^\d\d:\d\d:\d\d\.\d restore phase finished [\d.]+ MiB at [\d.]+ [KMG]iB/s in [\d.]+ s$", text, re.M
+    )
     assert re.search(r"^\d\d:\d\d:\d\d\.\d operation finished$", text, re.M), text
