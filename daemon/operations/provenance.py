@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import collections
-import json
 from datetime import UTC, datetime
 
 from gpusnap.daemon.api.types import Snapshot
@@ -12,6 +11,7 @@ from gpusnap.daemon.operations.checkpoint import host_facts
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.remote import compat
 from gpusnap.daemon.remote.layout import Provenance
+from gpusnap.daemon.store import documents
 
 
 def _major(driver: str) -> str:
@@ -56,7 +56,7 @@ def check(deps: Deps, snapshot_id: str, prov: Provenance) -> None:
 
 
 def to_bytes(prov: Provenance) -> bytes:
-    return json.dumps(prov.to_json(), indent=1, sort_keys=True).encode()
+    return documents.encode(prov)
 
 
 def check_pulled(deps: Deps, snapshot_id: str) -> None:
@@ -64,4 +64,4 @@ def check_pulled(deps: Deps, snapshot_id: str) -> None:
     data = deps.store.provenance(snapshot_id)
     if data is None:
         return
-    check(deps, snapshot_id, Provenance.from_json(json.loads(data)))
+    check(deps, snapshot_id, documents.decode(data, Provenance))

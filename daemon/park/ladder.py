@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -52,8 +51,8 @@ from gpusnap.daemon.api.types import FinishedOperation, OperationKind, Policy, R
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.park.policy import Policies
 from gpusnap.daemon.park.standbys import READY, Standby, StandbyRegistry
-from gpusnap.daemon.store import SnapshotStore
-from gpusnap.daemon.store.durable import write_json
+from gpusnap.daemon.store import SnapshotStore, documents
+from gpusnap.daemon.store.documents import DocumentError
 
 log = structlog.get_logger(__name__)
 
@@ -108,6 +107,18 @@ class Tracked:
     root_start: float
     gpu_bytes: int
     suspended: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackedDocument:
+    """``park-active.json`` (``gpusnap.daemon.store.documents``); the previous release wrote the bare list."""
+
+    schema_version: int = 1
+    trees: tuple[Tracked, ...] = ()
+
+
+def _listed(trees: list[Tracked]) -> TrackedDocument:
+    return TrackedDocument(trees=tuple(trees))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,13 +216,12 @@ class Ladder:
     def load(self) -> None:
         """Read the trees tracked before a restart; keep those still alive (same PID and start time)."""
         try:
-            docs = json.loads(self._active_path.read_bytes())
-            found = [Tracked(**d) for d in docs]
+            found = documents.load(self._active_path, TrackedDocument, previous=(list[Tracked], _listed)).trees
         except FileNotFoundError:
-            found = []
-        except (OSError, ValueError, TypeError) as exc:
+            found = ()
+        except (OSError, DocumentError) as exc:
             log.error("park.active_unreadable", error=str(exc))
-            found = []
+            found = ()
         with self._lock:
             self._tracked = {t.root: t for t in found if abs(proc.start_time(t.root) - t.root_start) < 0.01}
             self._save_tracked()
@@ -274,7 +284,7 @@ class Ladder:
 
     def _save_tracked(self) -> None:
         try:
-            write_json(self._active_path, [dataclasses.asdict(t) for t in self._tracked.values()])
+            documents.save(self._active_path, TrackedDocument(trees=tuple(self._tracked.values())))
         except OSError as exc:
             log.warning("park.active_unwritable", error=str(exc))
 

@@ -18,18 +18,17 @@ snapshot rule needs the right to restore that snapshot. Rules live in ``<store>/
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from gpusnap.daemon.api.errors import InvalidArgumentError
 from gpusnap.daemon.api.types import Policy, Snapshot
 from gpusnap.daemon.config import ParkConfig
-from gpusnap.daemon.store.durable import write_json
+from gpusnap.daemon.store import documents
+from gpusnap.daemon.store.documents import DocumentError
 
 log = structlog.get_logger(__name__)
 
@@ -61,17 +60,17 @@ class Rule:
             dict(other.labels),
         )
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "policy": dataclasses.asdict(self.policy),
-            "owner_uid": self.owner_uid,
-            "snapshot_id": self.snapshot_id,
-            "labels": dict(self.labels),
-        }
 
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Rule:
-        return cls(Policy(**doc["policy"]).check(), int(doc["owner_uid"]), str(doc["snapshot_id"]), doc["labels"])
+@dataclasses.dataclass(frozen=True)
+class PoliciesDocument:
+    """``park-policies.json`` (``gpusnap.daemon.store.documents``); the previous release wrote the bare list."""
+
+    schema_version: int = 1
+    rules: tuple[Rule, ...] = ()
+
+
+def _listed(rules: list[Rule]) -> PoliciesDocument:
+    return PoliciesDocument(rules=tuple(rules))
 
 
 class Policies:
@@ -86,11 +85,12 @@ class Policies:
     def load(self) -> None:
         """Read the rules file (a missing one: no rules; an unreadable one is logged and ignored)."""
         try:
-            docs = json.loads(self.path.read_bytes())
-            rules = [Rule.from_json(d) for d in docs]
+            rules = list(documents.load(self.path, PoliciesDocument, previous=(list[Rule], _listed)).rules)
+            for rule in rules:
+                rule.policy.check()
         except FileNotFoundError:
             rules = []
-        except (OSError, ValueError, KeyError, TypeError, InvalidArgumentError) as exc:
+        except (OSError, DocumentError, InvalidArgumentError) as exc:
             log.error("park.policies_unreadable", path=str(self.path), error=str(exc))
             rules = []
         with self._lock:
@@ -108,7 +108,7 @@ class Policies:
             if len(rules) > MAX_RULES:
                 raise InvalidArgumentError(f"at most {MAX_RULES} park policies", reason="INVALID_POLICY")
             self._rules = rules
-            write_json(self.path, [r.to_json() for r in rules])
+            documents.save(self.path, PoliciesDocument(rules=tuple(rules)))
         return rule
 
     def delete(self, rule: Rule) -> bool:
@@ -118,7 +118,7 @@ class Policies:
             if len(rules) == len(self._rules):
                 return False
             self._rules = rules
-            write_json(self.path, [r.to_json() for r in rules])
+            documents.save(self.path, PoliciesDocument(rules=tuple(rules)))
         return True
 
     def rules(self, owner_uid: int | None = None) -> list[Rule]:
@@ -141,4 +141,4 @@ class Policies:
             rules = [r for r in self._rules if r.snapshot_id != snapshot_id]
             if len(rules) != len(self._rules):
                 self._rules = rules
-                write_json(self.path, [r.to_json() for r in rules])
+                documents.save(self.path, PoliciesDocument(rules=tuple(rules)))

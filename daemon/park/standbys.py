@@ -16,19 +16,18 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
-import json
 import os
 import signal
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from gpusnap.daemon.drivers import proc
-from gpusnap.daemon.store.durable import write_json
+from gpusnap.daemon.store import documents
+from gpusnap.daemon.store.documents import DocumentError
 
 log = structlog.get_logger(__name__)
 
@@ -70,20 +69,6 @@ class Standby:
     buffer_uid: int = 0
     state: str = READY
 
-    def to_json(self) -> dict[str, Any]:
-        doc = dataclasses.asdict(self)
-        doc["created"] = self.created.isoformat()
-        return doc
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Standby:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in doc.items() if k in fields}
-        values["created"] = datetime.fromisoformat(doc["created"])
-        for key in ("pids", "restored", "cuda_pids", "digests"):
-            values[key] = tuple(values.get(key, ()))
-        return cls(**values)
-
     def tree_alive(self) -> bool:
         """Its namespace init and root are the processes it was made with (same start times)."""
         return _same(self.init_pid, self.init_start) and _same(self.root, self.root_start)
@@ -108,6 +93,18 @@ def kill(standby: Standby) -> None:
             pass
     if _same(standby.root, standby.root_start):
         proc.kill_tree(proc.tree_pids_or_empty(standby.root))
+
+
+@dataclasses.dataclass(frozen=True)
+class StandbysDocument:
+    """``standbys.json`` (``gpusnap.daemon.store.documents``); the previous release wrote the bare list."""
+
+    schema_version: int = 1
+    standbys: tuple[Standby, ...] = ()
+
+
+def _listed(standbys: list[Standby]) -> StandbysDocument:
+    return StandbysDocument(standbys=tuple(standbys))
 
 
 class StandbyRegistry:
@@ -135,20 +132,15 @@ class StandbyRegistry:
             (adopted, [(dropped, why)]).
         """
         try:
-            docs = json.loads(self.path.read_bytes())
+            saved = documents.load(self.path, StandbysDocument, previous=(list[Standby], _listed)).standbys
         except FileNotFoundError:
-            docs = []
-        except (OSError, ValueError) as exc:
+            saved = ()
+        except (OSError, DocumentError) as exc:
             log.error("standby.registry_unreadable", path=str(self.path), error=str(exc))
-            docs = []
+            saved = ()
         adopted: list[Standby] = []
         dropped: list[tuple[Standby, str]] = []
-        for doc in docs:
-            try:
-                sb = Standby.from_json(doc)
-            except (KeyError, TypeError, ValueError) as exc:
-                log.error("standby.entry_unreadable", error=str(exc))
-                continue
+        for sb in saved:
             if sb.state != READY:
                 dropped.append((sb, "an activation had claimed it when gpusnapd stopped (its recovery decides)"))
                 continue
@@ -244,7 +236,7 @@ class StandbyRegistry:
         return sb
 
     def _save_locked(self) -> None:
-        write_json(self.path, [s.to_json() for s in sorted(self._standbys.values(), key=lambda s: s.id)])
+        documents.save(self.path, StandbysDocument(standbys=tuple(sorted(self._standbys.values(), key=lambda s: s.id))))
 
     def _changed(self) -> None:
         if self.on_change is not None:

@@ -27,7 +27,6 @@ module docstring gives.
 from __future__ import annotations
 
 import dataclasses
-import json
 import secrets
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
@@ -41,8 +40,8 @@ from gpusnap.daemon.api.types import BufferRef, Snapshot
 from gpusnap.daemon.remote import layout
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.remote.transfer import Item, Progress, Tally, pull_chunks
-from gpusnap.daemon.store import checksum
-from gpusnap.daemon.store.durable import write_json
+from gpusnap.daemon.store import checksum, documents
+from gpusnap.daemon.store.documents import DocumentError
 from gpusnap.daemon.store.store import SnapshotStore
 
 log = structlog.get_logger(__name__)
@@ -52,25 +51,26 @@ RECORD = "remote.json"
 
 @dataclasses.dataclass(frozen=True)
 class Record:
+    """``snapshots/<id>/remote.json`` (``gpusnap.daemon.store.documents``): the remote it is published in, and
+    each buffer blob's chunk digests there."""
+
     remote: str
     buffers: dict[str, tuple[str, ...]]
+    schema_version: int = 1
 
 
 def write_record(snapshot_dir: Path, remote: str, buffers: Mapping[str, Sequence[str]]) -> None:
     """Record (durably, atomically) that the snapshot in ``snapshot_dir`` is published in ``remote``."""
-    write_json(snapshot_dir / RECORD, {"remote": remote, "buffers": {d: list(c) for d, c in buffers.items()}})
+    documents.save(snapshot_dir / RECORD, Record(remote, {d: tuple(c) for d, c in buffers.items()}))
 
 
 def read_record(snapshot_dir: Path) -> Record | None:
     """The snapshot's record, or None when it has none or it is unreadable (then nothing is evicted)."""
     try:
-        doc = json.loads((snapshot_dir / RECORD).read_bytes())
-        return Record(
-            remote=str(doc["remote"]), buffers={str(d): tuple(str(c) for c in v) for d, v in doc["buffers"].items()}
-        )
+        return documents.load(snapshot_dir / RECORD, Record)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, DocumentError) as exc:
         log.warning("remote.record_unreadable", path=str(snapshot_dir / RECORD), error=str(exc))
         return None
 

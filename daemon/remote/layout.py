@@ -32,7 +32,7 @@ from typing import Any
 from gpusnap.daemon.api import validate
 from gpusnap.daemon.api.errors import DataLossError
 from gpusnap.daemon.api.types import Snapshot
-from gpusnap.daemon.store import checksum, manifest
+from gpusnap.daemon.store import checksum, documents, manifest
 
 FORMAT = "gpusnap-remote/1"
 MANIFESTS = "manifests/"
@@ -56,7 +56,8 @@ def snapshot_id_of(key: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Provenance:
-    """Where and with what a snapshot was made: what the compatibility gate compares."""
+    """Where and with what a snapshot was made: what the compatibility gate compares (a document of
+    ``gpusnap.daemon.store.documents``: a pulled snapshot's ``provenance.json``, and inside its remote manifest)."""
 
     node: str
     pushed_at: str
@@ -68,25 +69,7 @@ class Provenance:
     gpu_model: str = ""
     gpu_count: int = 0
     driver_major: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "cpu_flags": list(self.cpu_flags)}
-
-    @classmethod
-    def from_json(cls, p: dict[str, Any]) -> Provenance:
-        """Raises KeyError, TypeError, ValueError on a malformed record."""
-        return cls(
-            node=str(p["node"]),
-            pushed_at=str(p["pushed_at"]),
-            gpusnap_version=str(p["gpusnap_version"]),
-            machine=str(p["machine"]),
-            kernel=str(p["kernel"]),
-            criu_version=str(p["criu_version"]),
-            cpu_flags=tuple(str(f) for f in p["cpu_flags"]),
-            gpu_model=str(p["gpu_model"]),
-            gpu_count=int(p["gpu_count"]),
-            driver_major=str(p["driver_major"]),
-        )
+    schema_version: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +87,7 @@ class RemoteManifest:
         doc = {
             "format": FORMAT,
             "snapshot": manifest.to_json(self.snapshot),
-            "provenance": self.provenance.to_json(),
+            "provenance": documents.to_builtins(self.provenance),
             "files": [list(c) for c in self.file_chunks],
             "buffers": {k: list(v) for k, v in self.buffer_chunks.items()},
         }
@@ -135,7 +118,7 @@ def parse(data: bytes, key_id: str) -> RemoteManifest:
         raise bad(f"format {doc.get('format') if isinstance(doc, dict) else None!r}, this gpusnap reads {FORMAT}")
     try:
         snap = manifest.from_json(doc["snapshot"])
-        prov = Provenance.from_json(doc["provenance"])
+        prov = documents.convert(doc["provenance"], Provenance)
         files = tuple(tuple(str(d) for d in c) for c in doc["files"])
         buffers = {str(k): tuple(str(d) for d in v) for k, v in doc["buffers"].items()}
     except DataLossError as exc:

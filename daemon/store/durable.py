@@ -58,12 +58,17 @@ def fsync_tree(root: Path, pool: Executor) -> None:
 
 
 def write_json(path: Path, doc: object) -> None:
-    """Replace ``path`` with ``doc`` as JSON, durably and atomically (a crash leaves the old file or the new
-    one, mode 0600): a temporary file beside it, fsynced, renamed over it, then the directory fsynced."""
+    """Replace ``path`` with ``doc`` as JSON (:func:`write_file`)."""
+    write_file(path, json.dumps(doc, sort_keys=True).encode())
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``, durably and atomically (a crash leaves the old file or the new one,
+    mode 0600): a temporary file beside it, fsynced, renamed over it, then the directory fsynced."""
     tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, json.dumps(doc, sort_keys=True).encode())
+        os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -1,0 +1,93 @@
+"""One codec for the documents gpusnapd saves: the park policies, the standbys, the park ladder's tracked
+trees, a snapshot's remote record and its provenance (what the compatibility gate compares).
+
+Each document is a frozen dataclass with a field ``schema_version`` (its default is the version this release
+writes); :func:`encode` and :func:`decode` turn any of them into JSON and back through one library,
+msgspec, which checks every field's type on the way in, so a document is read as its type or not at all. A
+document that a newer gpusnapd wrote (a higher ``schema_version``) is refused, naming the file. One written
+by the release before versions (the same fields, without ``schema_version``) is read as version 1; a
+document that release wrote in another shape is read through its ``previous`` type (:func:`load`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from gpusnap.daemon.store.durable import write_file
+
+T = TypeVar("T")
+
+
+class DocumentError(ValueError):
+    """A saved document that does not decode as its type (the message names the field), or that a newer
+    gpusnapd wrote."""
+
+
+def encode(doc: object) -> bytes:
+    """``doc`` (a document dataclass) as JSON, keys sorted."""
+    return msgspec.json.encode(doc, order="sorted")
+
+
+def decode(data: bytes, into: type[T], previous: tuple[Any, Callable[[Any], T]] | None = None) -> T:
+    """The document of type ``into`` in ``data``.
+
+    Args:
+        previous: ``(its type, what turns it into ``into``)`` for the shape the previous release wrote.
+
+    Raises:
+        DocumentError: malformed JSON, a field of the wrong type or missing, or a newer ``schema_version``.
+    """
+    try:
+        if previous is None:
+            doc = msgspec.json.decode(data, type=into)
+        else:
+            found = msgspec.json.decode(data, type=into | previous[0])
+            doc = found if isinstance(found, into) else previous[1](found)
+    except msgspec.MsgspecError as exc:
+        raise DocumentError(str(exc)) from exc
+    version = getattr(doc, "schema_version", None)
+    written = into.__dataclass_fields__["schema_version"].default  # type: ignore[attr-defined]
+    if version is not None and version > written:
+        raise DocumentError(f"schema_version {version} is newer than this gpusnapd reads ({written}): upgrade gpusnapd")
+    return doc
+
+
+def to_builtins(doc: object) -> Any:
+    """``doc`` as JSON's types, for a document carried inside another (a remote manifest's provenance)."""
+    return msgspec.to_builtins(doc, order="sorted")
+
+
+def convert(obj: Any, into: type[T]) -> T:
+    """The document of type ``into`` that :func:`to_builtins` gave ``obj``.
+
+    Raises:
+        DocumentError: a field of the wrong type or missing.
+    """
+    try:
+        return msgspec.convert(obj, type=into)
+    except msgspec.MsgspecError as exc:
+        raise DocumentError(str(exc)) from exc
+
+
+def load(path: Path, into: type[T], previous: tuple[Any, Callable[[Any], T]] | None = None) -> T:
+    """:func:`decode` the document saved at ``path``.
+
+    Raises:
+        FileNotFoundError: there is none.
+        OSError: it cannot be read.
+        DocumentError: as :func:`decode`, naming ``path``.
+    """
+    data = path.read_bytes()
+    try:
+        return decode(data, into, previous)
+    except DocumentError as exc:
+        raise DocumentError(f"{path}: {exc}") from exc
+
+
+def save(path: Path, doc: object) -> None:
+    """Replace ``path`` with ``doc``, durably and atomically (``durable.write_file``)."""
+    write_file(path, encode(doc))
