@@ -227,19 +227,8 @@ class OperationRecord:
         with self._cond:
             if self.finished is None:
                 raise RuntimeError(f"operation {self.id} has not finished")
-            return FinishedOperation(
-                id=self.id,
-                kind=self.kind,
-                state=self.state,
-                owner_uid=self.owner_uid,
-                target_pid=self.target_pid,
-                target_snapshot=self.target_snapshot,
-                started=self.started,
-                finished=self.finished,
-                phases=tuple(self.phases),
-                result=self.result,
-                error=self.error,
-            )
+            fields = (self.id, self.kind, self.state, self.owner_uid, self.target_pid, self.target_snapshot)
+            return FinishedOperation(*fields, self.started, self.finished, tuple(self.phases), self.result, self.error)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the operation is done or ``timeout`` seconds pass; True if done."""

@@ -110,18 +110,6 @@ class Tracked:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrackedDocument:
-    """``park-active.json`` (``gpusnap.daemon.store.documents``); the previous release wrote the bare list."""
-
-    schema_version: int = 1
-    trees: tuple[Tracked, ...] = ()
-
-
-def _listed(trees: list[Tracked]) -> TrackedDocument:
-    return TrackedDocument(trees=tuple(trees))
-
-
-@dataclasses.dataclass(frozen=True)
 class Workload:
     """One row of the ladder."""
 
@@ -216,7 +204,7 @@ class Ladder:
     def load(self) -> None:
         """Read the trees tracked before a restart; keep those still alive (same PID and start time)."""
         try:
-            found = documents.load(self._active_path, TrackedDocument, previous=(list[Tracked], _listed)).trees
+            found = documents.load_items(self._active_path, Tracked)
         except FileNotFoundError:
             found = ()
         except (OSError, DocumentError) as exc:
@@ -284,7 +272,7 @@ class Ladder:
 
     def _save_tracked(self) -> None:
         try:
-            documents.save(self._active_path, TrackedDocument(trees=tuple(self._tracked.values())))
+            documents.save_items(self._active_path, self._tracked.values())
         except OSError as exc:
             log.warning("park.active_unwritable", error=str(exc))
 

@@ -61,18 +61,6 @@ class Rule:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class PoliciesDocument:
-    """``park-policies.json`` (``gpusnap.daemon.store.documents``); the previous release wrote the bare list."""
-
-    schema_version: int = 1
-    rules: tuple[Rule, ...] = ()
-
-
-def _listed(rules: list[Rule]) -> PoliciesDocument:
-    return PoliciesDocument(rules=tuple(rules))
-
-
 class Policies:
     """The node's rules (module docstring), durable in ``path``. Thread-safe."""
 
@@ -85,7 +73,7 @@ class Policies:
     def load(self) -> None:
         """Read the rules file (a missing one: no rules; an unreadable one is logged and ignored)."""
         try:
-            rules = list(documents.load(self.path, PoliciesDocument, previous=(list[Rule], _listed)).rules)
+            rules = list(documents.load_items(self.path, Rule))
             for rule in rules:
                 rule.policy.check()
         except FileNotFoundError:
@@ -108,7 +96,7 @@ class Policies:
             if len(rules) > MAX_RULES:
                 raise InvalidArgumentError(f"at most {MAX_RULES} park policies", reason="INVALID_POLICY")
             self._rules = rules
-            documents.save(self.path, PoliciesDocument(rules=tuple(rules)))
+            documents.save_items(self.path, rules)
         return rule
 
     def delete(self, rule: Rule) -> bool:
@@ -118,7 +106,7 @@ class Policies:
             if len(rules) == len(self._rules):
                 return False
             self._rules = rules
-            documents.save(self.path, PoliciesDocument(rules=tuple(rules)))
+            documents.save_items(self.path, rules)
         return True
 
     def rules(self, owner_uid: int | None = None) -> list[Rule]:
@@ -141,4 +129,4 @@ class Policies:
             rules = [r for r in self._rules if r.snapshot_id != snapshot_id]
             if len(rules) != len(self._rules):
                 self._rules = rules
-                documents.save(self.path, PoliciesDocument(rules=tuple(rules)))
+                documents.save_items(self.path, rules)

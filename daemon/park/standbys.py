@@ -95,18 +95,6 @@ def kill(standby: Standby) -> None:
         proc.kill_tree(proc.tree_pids_or_empty(standby.root))
 
 
-@dataclasses.dataclass(frozen=True)
-class StandbysDocument:
-    """``standbys.json`` (``gpusnap.daemon.store.documents``); the previous release wrote the bare list."""
-
-    schema_version: int = 1
-    standbys: tuple[Standby, ...] = ()
-
-
-def _listed(standbys: list[Standby]) -> StandbysDocument:
-    return StandbysDocument(standbys=tuple(standbys))
-
-
 class StandbyRegistry:
     """The node's standbys (see the module docstring). Thread-safe.
 
@@ -132,7 +120,7 @@ class StandbyRegistry:
             (adopted, [(dropped, why)]).
         """
         try:
-            saved = documents.load(self.path, StandbysDocument, previous=(list[Standby], _listed)).standbys
+            saved = documents.load_items(self.path, Standby)
         except FileNotFoundError:
             saved = ()
         except (OSError, DocumentError) as exc:
@@ -236,7 +224,7 @@ class StandbyRegistry:
         return sb
 
     def _save_locked(self) -> None:
-        documents.save(self.path, StandbysDocument(standbys=tuple(sorted(self._standbys.values(), key=lambda s: s.id))))
+        documents.save_items(self.path, sorted(self._standbys.values(), key=lambda s: s.id))
 
     def _changed(self) -> None:
         if self.on_change is not None:

@@ -11,15 +11,26 @@ document that release wrote in another shape is read through its ``previous`` ty
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
 from gpusnap.daemon.store.durable import write_file
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing(Generic[T]):
+    """A document that is a list of items: the park policies' rules, the standbys, the ladder's tracked trees
+    (:func:`load_items`, :func:`save_items`)."""
+
+    schema_version: int = 1
+    items: tuple[T, ...] = ()
 
 
 class DocumentError(ValueError):
@@ -46,11 +57,12 @@ def decode(data: bytes, into: type[T], previous: tuple[Any, Callable[[Any], T]] 
             doc = msgspec.json.decode(data, type=into)
         else:
             found = msgspec.json.decode(data, type=into | previous[0])
-            doc = found if isinstance(found, into) else previous[1](found)
+            doc = found if isinstance(found, typing.get_origin(into) or into) else previous[1](found)
     except msgspec.MsgspecError as exc:
         raise DocumentError(str(exc)) from exc
     version = getattr(doc, "schema_version", None)
-    written = into.__dataclass_fields__["schema_version"].default  # type: ignore[attr-defined]
+    kind: Any = typing.get_origin(into) or into
+    written = kind.__dataclass_fields__["schema_version"].default
     if version is not None and version > written:
         raise DocumentError(f"schema_version {version} is newer than this gpusnapd reads ({written}): upgrade gpusnapd")
     return doc
@@ -91,3 +103,22 @@ def load(path: Path, into: type[T], previous: tuple[Any, Callable[[Any], T]] | N
 def save(path: Path, doc: object) -> None:
     """Replace ``path`` with ``doc``, durably and atomically (``durable.write_file``)."""
     write_file(path, encode(doc))
+
+
+def load_items(path: Path, item: type[T]) -> tuple[T, ...]:
+    """The items of the :class:`Listing` saved at ``path`` (the previous release saved the bare list).
+
+    Raises:
+        As :func:`load`.
+    """
+    listing: Listing[T] = load(path, Listing[item], previous=(list[item], _listing))  # type: ignore[valid-type]
+    return listing.items
+
+
+def save_items(path: Path, items: Iterable[T]) -> None:
+    """Save ``items`` as a :class:`Listing` at ``path`` (:func:`save`)."""
+    save(path, Listing(items=tuple(items)))
+
+
+def _listing(items: list[Any]) -> Listing[Any]:
+    return Listing(items=tuple(items))

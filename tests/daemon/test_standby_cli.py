@@ -87,6 +87,6 @@ def test_standby_ls_restore_activate_drop_and_a_restart(
         assert [r["snapshot_id"] for r in _json(second, "park")["policies"]] == [workload["snapshot_id"]]  # type: ignore[index]
         second.cli("rm", "counter", check=True)
         assert _json(second, "park")["policies"] == []  # type: ignore[index]
-        assert json.loads((second.store / "park-policies.json").read_text())["rules"] == [], "and it stays gone"
+        assert json.loads((second.store / "park-policies.json").read_text())["items"] == [], "and it stays gone"
     finally:
         stop_daemon(second)

@@ -5,7 +5,6 @@ refused, naming the field."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from datetime import UTC, datetime
@@ -16,10 +15,9 @@ import pytest
 from gpusnap.daemon.api.types import Policy
 from gpusnap.daemon.config import ParkConfig
 from gpusnap.daemon.operations import provenance
-from gpusnap.daemon.park import ladder, standbys
-from gpusnap.daemon.park.ladder import Tracked, TrackedDocument
-from gpusnap.daemon.park.policy import Policies, PoliciesDocument, Rule
-from gpusnap.daemon.park.standbys import Standby, StandbysDocument
+from gpusnap.daemon.park.ladder import Tracked
+from gpusnap.daemon.park.policy import Policies, Rule
+from gpusnap.daemon.park.standbys import Standby
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.remote.layout import Provenance
 from gpusnap.daemon.store import documents
@@ -63,14 +61,14 @@ def test_the_previous_release_s_park_policies_load(tmp_path: Path) -> None:
 
 
 def test_the_previous_release_s_standbys_load() -> None:
-    doc = documents.load(PREVIOUS / "standbys.json", StandbysDocument, previous=(list[Standby], standbys._listed))
-    assert doc.standbys == (STANDBY,)
-    assert documents.decode(documents.encode(doc), StandbysDocument) == doc
+    assert documents.load_items(PREVIOUS / "standbys.json", Standby) == (STANDBY,)
+    listing = documents.Listing(items=(STANDBY,))
+    assert documents.decode(documents.encode(listing), documents.Listing[Standby]) == listing
 
 
 def test_the_previous_release_s_tracked_trees_and_remote_record_load() -> None:
-    tracked = documents.load(PREVIOUS / "park-active.json", TrackedDocument, previous=(list[Tracked], ladder._listed))
-    assert tracked.trees == (Tracked("s-one", 4200, 1764789090.75, 1 << 30, True),)
+    tracked = documents.load_items(PREVIOUS / "park-active.json", Tracked)
+    assert tracked == (Tracked("s-one", 4200, 1764789090.75, 1 << 30, True),)
     record = evict.read_record(PREVIOUS)
     assert record == evict.Record("s3://bucket/prefix", {"cd" * 32: ("ef" * 32, "01" * 32)})
 
@@ -94,9 +92,9 @@ def test_the_previous_release_s_provenance_loads() -> None:
 
 
 def test_a_newer_or_mistyped_document_is_refused_naming_the_field(tmp_path: Path) -> None:
-    newer = documents.encode(dataclasses.replace(PoliciesDocument(), schema_version=2))
+    newer = documents.encode(documents.Listing(schema_version=2, items=(STANDBY,)))
     with pytest.raises(DocumentError, match="schema_version 2 is newer than this gpusnapd reads"):
-        documents.decode(newer, PoliciesDocument)
+        documents.decode(newer, documents.Listing[Standby])
     (tmp_path / "remote.json").write_text('{"remote": "s3://b/p", "buffers": {"ab": [1]}}')
     with pytest.raises(DocumentError, match=r"remote.json: Expected `str`, got `int` - at `\$.buffers\[...\]\[0\]`"):
         documents.load(tmp_path / "remote.json", evict.Record)
