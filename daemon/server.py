@@ -33,7 +33,7 @@ from gpusnap.daemon.drivers import host
 from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.executor import Executor
 from gpusnap.daemon.gpu.support import GpuSupport
-from gpusnap.daemon.operations import recovery
+from gpusnap.daemon.operations import leftover_criu, recovery
 from gpusnap.daemon.operations import standby as standby_ops
 from gpusnap.daemon.operations.base import OperationKind
 from gpusnap.daemon.operations.deps import Deps
@@ -253,7 +253,10 @@ def _storage(
         executor=executor,
     )
     journal = Journal(config.store / JOURNAL)
-    store.open(hold_buffers=lambda: recovery.held_buffers(journal))  # read once the store is locked
+    store.open(
+        hold_buffers=lambda: recovery.held_buffers(journal),
+        busy_staging=lambda: leftover_criu.busy_staging(journal.entries()),
+    )  # read once the store is locked
     undo.callback(store.close)
     return store, journal
 

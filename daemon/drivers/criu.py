@@ -232,7 +232,9 @@ class CriuDriver:
             leave_stopped: leave the dumped tree stopped instead of killing it (CRIU ``--leave-stopped``);
                 the caller kills it. Needed when CRIU runs inside the tree's PID namespace, which dies
                 with the tree, CRIU and the helper included, before CRIU could answer.
-            on_start: called with the helper's PID once it runs (used by fault-injection tests).
+            on_start: called with the helper's PID before it gets the request (its process group holds the
+                CRIU it starts): a caller journals it, so that a daemon started after this one dies finds
+                that CRIU and waits for it (``operations.recovery``). If it raises, nothing is dumped.
             on_post_dump: called once the images are complete while the tree is still frozen (CRIU's
                 ``post-dump`` notification), with the bytes of pages the images hold for each PID (as CRIU
                 saw it; empty if unknown). If it raises, CRIU fails the dump and resumes the tree,
@@ -432,15 +434,23 @@ class CriuDriver:
         line = json.dumps(req).encode() + b"\n"
         proc = self._take_helper()
         try:
-            _send(proc, line)
-        except BrokenPipeError:  # a spare that died while it waited: start afresh
+            if on_start:  # before the helper has the request: its CRIU is known wherever the daemon dies
+                on_start(proc.pid)
+            try:
+                _send(proc, line)
+            except BrokenPipeError:  # a spare that died while it waited: start afresh
+                _end_helper(proc)
+                proc = self._spawn()
+                if on_start:
+                    on_start(proc.pid)
+                _send(proc, line)
+        except BaseException:
             _end_helper(proc)
-            proc = self._spawn()
-            _send(proc, line)
+            raise
         answered = False
         try:  # a failed request must not leave the helper's pipes open in the daemon
             events = self._exchange(
-                proc, action, log_path, timeout_s, on_start, on_notify, private_log, before_criu, progress, cancelled
+                proc, action, log_path, timeout_s, on_notify, private_log, before_criu, progress, cancelled
             )
             answered = True
             return events
@@ -491,7 +501,6 @@ class CriuDriver:
         action: str,
         log_path: Path,
         timeout_s: float,
-        on_start: Callable[[int], None] | None,
         on_notify: _NotifyHandler | None,
         private_log: bool = False,
         before_criu: Callable[[int, int], None] | None = None,
@@ -499,8 +508,6 @@ class CriuDriver:
         cancelled: Callable[[], bool] | None = None,
     ) -> list[dict[str, Any]]:
         start_error: BaseException | None = None
-        if on_start:
-            on_start(proc.pid)
         assert proc.stdin and proc.stdout and proc.stderr
         events: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout_s

@@ -187,6 +187,7 @@ class Checkpoint:
                 timeout_s=self.timeout,
                 enter_ns_of=source.enter_ns_of,
                 on_post_dump=publish,
+                on_start=lambda helper: run.record.note(criu_helper=helper, criu_helper_start=proc.start_time(helper)),
                 on_progress=progress.ticks(),  # the images as CRIU writes them (their total is not known before)
             )
             devshm.remove_link_remaps(publish.remaps)

@@ -1,6 +1,8 @@
 """Recovery at start: finish every operation a crashed daemon left half-done, from its journal entry.
 
-- checkpoint: the source comes back. Stopped processes of its tree are continued, CUDA processes are
+- checkpoint: a CRIU the crashed daemon started that still dumps is waited for first
+  (:mod:`~gpusnap.daemon.operations.leftover_criu`): the operation runs on, holding the tree, until it is
+  gone, and nothing below happens before. Then the source comes back. Stopped processes of its tree are continued, CUDA processes are
   restored and unlocked (``rollback_to_running``), a quiesced worker is woken, given back the buffers it had
   written out (staged files, kept when the buffer store opened: :func:`held_buffers`, or their committed
   blobs) and resumed, a control-directory
@@ -30,10 +32,10 @@ from typing import Any
 import structlog
 
 from gpusnap.daemon.api.errors import AbortedError, Code, GpusnapError, error_for_code
-from gpusnap.daemon.api.types import FileCopy, RestoreOptions, RestoreResult
+from gpusnap.daemon.api.types import FileCopy, RestoreOptions, RestoreResult, Snapshot
 from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.drivers.cuda import ProcessState
-from gpusnap.daemon.operations import workers
+from gpusnap.daemon.operations import leftover_criu, workers
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState, PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
@@ -50,6 +52,7 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
     recovered = []
     suspended: set[int] = set()
     stray_cuda: set[int] = set()
+    kept: tuple[list[Path], list[str]] = ([], [])
     for entry in journal.entries():
         try:
             kind = OperationKind(entry["kind"])
@@ -66,10 +69,17 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
                 suspended.discard(record.target_pid)
             continue
         facts = record.facts
-        for tree in (*facts.get("earlier_trees", []), facts.get("tree", {}), facts):
-            stray_cuda.update(_alive(tree.get("cuda_pids", []), None))
         record.journal = journal
         log.warning("recovery.operation", operation_id=record.id, kind=kind.value, phase=record.phase)
+        if kind is OperationKind.CHECKPOINT and leftover_criu.running(facts):
+            _after_leftover_criu(deps, registry, record)  # its CUDA processes and buffers are its own
+            staged_paths, staged_keys = _staged(entry)
+            kept[0].extend(staged_paths)
+            kept[1].extend(staged_keys)
+            recovered.append(record)
+            continue
+        for tree in (*facts.get("earlier_trees", []), facts.get("tree", {}), facts):
+            stray_cuda.update(_alive(tree.get("cuda_pids", []), None))
         try:
             if kind in (OperationKind.RESTORE, OperationKind.ACTIVATE):
                 _recover_restore(deps, registry, record, facts)
@@ -106,7 +116,7 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
         _unlock_strays(deps, sorted(stray_cuda - suspended))
     except Exception:  # the daemon must still start; the processes are named in the log
         log.exception("recovery.cuda_unlock_failed", pids=sorted(stray_cuda - suspended))
-    deps.store.buffers.release_held()  # handed back: the blobs no snapshot names go with the next line
+    deps.store.buffers.release_held(keep=kept)  # handed back: the blobs no snapshot names go with the next line
     deps.store.collect_buffers()
     journal.trim()
     return recovered
@@ -119,11 +129,20 @@ def held_buffers(journal: Journal) -> tuple[list[Path], list[str]]:
     paths: list[Path] = []
     keys: list[str] = []
     for entry in journal.entries():
-        if entry.get("state") != "running":
-            continue
-        for staged in entry.get("facts", {}).get("staged", []):
-            paths += [Path(p) for p in staged.get("paths", [])]
-            keys += [f"{int(staged['uid'])}/{d}" for d in staged.get("digests", [])]
+        if entry.get("state") == "running":
+            entry_paths, entry_keys = _staged(entry)
+            paths += entry_paths
+            keys += entry_keys
+    return paths, keys
+
+
+def _staged(entry: dict[str, Any]) -> tuple[list[Path], list[str]]:
+    """One journal entry's staged buffer files and committed blob keys (:func:`held_buffers`)."""
+    paths: list[Path] = []
+    keys: list[str] = []
+    for staged in entry.get("facts", {}).get("staged", []):
+        paths += [Path(p) for p in staged.get("paths", [])]
+        keys += [f"{int(staged['uid'])}/{d}" for d in staged.get("digests", [])]
     return paths, keys
 
 
@@ -202,8 +221,45 @@ def _alive(pids: list[int], starts: list[float] | None) -> list[int]:
 
 
 def _recover_capture(deps: Deps, record: OperationRecord, facts: dict[str, Any]) -> None:
+    try:
+        record.finish(result=_capture_outcome(deps, record, facts))
+    except AbortedError as err:
+        record.finish(error=err)
+
+
+def _after_leftover_criu(deps: Deps, registry: OperationRegistry, record: OperationRecord) -> None:
+    """Run the rest of a checkpoint whose CRIU outlived the crashed daemon: wait for that CRIU, then remove its
+    staging directory and bring the source back as :func:`_recover_capture` does. The operation holds the tree
+    meanwhile, so nothing reports the source running, or captures it again, while that CRIU holds it."""
+    facts = record.facts
     tree = _alive(facts.get("tree_pids", []), facts.get("starts"))
-    done: list[str] = []
+    log.warning("recovery.waiting_for_criu", operation_id=record.id, pids=leftover_criu.running(facts))
+
+    def rest(run: PhaseRunner) -> Snapshot:
+        def still(pids: list[int], seconds: float) -> None:
+            log.warning("recovery.still_waiting_for_criu", operation_id=record.id, pids=pids, seconds=round(seconds))
+
+        waited = leftover_criu.wait(facts, still)
+        log.warning("recovery.criu_ended", operation_id=record.id, waited_s=round(waited, 3))
+        if facts.get("staging"):
+            deps.store.remove_staging(str(facts["staging"]))
+        try:
+            return _capture_outcome(deps, record, facts, f"its CRIU ended {waited:.1f} s after gpusnapd restarted")
+        finally:
+            deps.store.buffers.release_held(only=_staged({"facts": facts}))
+
+    registry.resume(record, tree, rest)
+
+
+def _capture_outcome(deps: Deps, record: OperationRecord, facts: dict[str, Any], waited: str = "") -> Snapshot:
+    """Bring back the source of a capture the crashed daemon left (module docstring); its snapshot when one was
+    durable before the crash.
+
+    Raises:
+        AbortedError: none was (reason ``DAEMON_RESTARTED``), saying what was undone.
+    """
+    tree = _alive(facts.get("tree_pids", []), facts.get("starts"))
+    done: list[str] = [waited] if waited else []
     thawed = proc.ensure_no_frozen(tree)
     if thawed:
         done.append(f"continued stopped PIDs {thawed}")
@@ -227,17 +283,16 @@ def _recover_capture(deps: Deps, record: OperationRecord, facts: dict[str, Any])
             snapshot = deps.store.get(snapshot_id)
         except GpusnapError:
             snapshot = None
-        if snapshot is not None:  # complete and durable: the capture succeeded, its source kept running
+        if snapshot is not None:  # complete and durable: the capture succeeded
+            left = "was left running" if tree else "was ended, as the capture asked"
             record.facts["recovery"] = (
-                f"snapshot {snapshot_id} was durable before gpusnapd restarted; the source was left running ({what})"
+                f"snapshot {snapshot_id} was durable before gpusnapd restarted; the source {left} ({what})"
             )
-            record.finish(result=snapshot)
-            return
-    record.finish(
-        error=_restarted(
-            f"gpusnapd restarted during {record.phase or 'the start'} of this {record.kind.value}; no snapshot was "
-            f"published and the process keeps running ({what}); run it again"
-        )
+            return snapshot
+    running = "keeps running" if tree else "is gone"
+    raise _restarted(
+        f"gpusnapd restarted during {record.phase or 'the start'} of this {record.kind.value}; no snapshot was "
+        f"published and the process {running} ({what}); run it again"
     )
 
 
@@ -313,8 +368,7 @@ def _started_by_helper(tree: dict[str, Any]) -> list[int]:
     return sorted(found)
 
 
-START_SLACK_S = 0.02
-"""Start times are in clock ticks (10 ms): a process started right after the helper may read as a tick before."""
+START_SLACK_S = leftover_criu.START_SLACK_S
 
 
 def _kill(init_pid: int, pids: list[int]) -> None:

@@ -276,10 +276,19 @@ class BufferStore:
         self.rank = rank
         self.after_collect = after_collect
 
-    def release_held(self) -> None:
-        """Remove the staged files :meth:`open` kept and unpin the blobs it pinned (recovery is done with them)."""
-        paths, keys = self._held
-        self._held = (set(), set())
+    def release_held(
+        self,
+        keep: tuple[Iterable[Path], Iterable[str]] = ((), ()),
+        only: tuple[Iterable[Path], Iterable[str]] | None = None,
+    ) -> None:
+        """Remove the staged files :meth:`open` kept and unpin the blobs it pinned (recovery is done with them),
+        but those in ``keep`` (a capture recovery finishes later), or only those in ``only``."""
+        held_paths, held_keys = self._held
+        if only is not None:
+            paths, keys = held_paths & set(only[0]), held_keys & set(only[1])
+        else:
+            paths, keys = held_paths - set(keep[0]), held_keys - set(keep[1])
+        self._held = (held_paths - paths, held_keys - keys)
         for path in paths:
             path.unlink(missing_ok=True)
         self._unpin_keys(keys)

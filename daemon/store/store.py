@@ -156,9 +156,14 @@ class SnapshotStore:
         self.verified = VerifiedOnce(executor.digest)
         """Image files hashed once on a root-only RAM store (``store.verified``; enabled by :meth:`open`)."""
 
-    def open(self, hold_buffers: Callable[[], tuple[Iterable[Path], Iterable[str]]] | None = None) -> None:
+    def open(
+        self,
+        hold_buffers: Callable[[], tuple[Iterable[Path], Iterable[str]]] | None = None,
+        busy_staging: Callable[[], Iterable[str]] | None = None,
+    ) -> None:
         """Create the layout, take the store lock and remove staging leftovers (``hold_buffers``: see
-        :meth:`BufferStore.open`; called once the lock is held).
+        :meth:`BufferStore.open`; ``busy_staging``: the staging directories a CRIU of a crashed daemon still
+        writes into, kept for recovery to remove with :meth:`remove_staging`; both called once the lock is held).
 
         Raises:
             FailedPreconditionError: another daemon holds the store (reason ``STORE_LOCKED``).
@@ -183,7 +188,11 @@ class SnapshotStore:
             ) from None
         self._lock_fd = fd
         self.verified.use_store(self.root)
+        busy = set(busy_staging()) if busy_staging is not None else set()
         for leftover in self.staging_dir.iterdir():
+            if leftover.name in busy:
+                log.warning("store.staging_kept", path=str(leftover), why="a CRIU of an earlier gpusnapd writes it")
+                continue
             log.warning("store.staging_removed", path=str(leftover))
             shutil.rmtree(leftover, ignore_errors=True)
         try:
@@ -198,6 +207,13 @@ class SnapshotStore:
         self.expire_pulls()
         self.collect_buffers()
         self.buffers.enforce_budgets()
+
+    def remove_staging(self, snapshot_id: str) -> None:
+        """Remove a staging directory :meth:`open` kept (its CRIU has ended)."""
+        path = self.staging_dir / snapshot_id
+        if path.parent == self.staging_dir and path.name == snapshot_id and snapshot_id not in ("", ".", ".."):
+            log.warning("store.staging_removed", path=str(path))
+            shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
         """Release the store's locks."""

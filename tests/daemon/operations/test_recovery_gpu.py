@@ -9,10 +9,14 @@ Real CRIU, real store and processes.
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import psutil
 import pytest
 
 from gpusnap.daemon.api.types import CheckpointOptions, RestoreOptions
+from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.drivers.cuda import ProcessState
 from gpusnap.daemon.operations import recovery
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState, PhaseRunner
@@ -72,6 +76,39 @@ def test_capture_crash_after_gpu_phases(node: GpuNode, phase: str) -> None:
     tree.assert_progressing()
     assert node.listed() == []
     assert journal.entries()[0]["state"] == "failed", "the outcome is durable"
+
+
+def test_capture_crash_with_the_gpu_locked_waits_for_a_criu_still_dumping(node: GpuNode) -> None:
+    """Issue 26, item 4, with the GPU locked: the daemon died with the CUDA processes CHECKPOINTED and its dump
+    CRIU still running (stood in for by a process group the journal names as that helper's). Recovery leaves
+    the CUDA state alone, and the operation running, until that group is gone; then restores and unlocks."""
+    tree = node.start(cuda=("root", "child"), env=NCCL_ENV)
+    opts = CheckpointOptions(pid=tree.root)
+    journal = _crashed(
+        node,
+        OperationKind.CHECKPOINT,
+        "dump",
+        lambda run: run_checkpoint(run, node.deps, opts, 0),
+        target_pid=tree.root,
+    )
+    criu = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        [entry] = journal.entries()
+        entry["facts"].update(criu_helper=criu.pid, criu_helper_start=proc.start_time(criu.pid))
+        journal.write(entry)
+        registry = OperationRegistry(journal=journal)
+        [record] = recovery.recover(node.deps, journal, registry)
+        time.sleep(0.5)
+        assert not record.done, "the operation ended while the earlier daemon's CRIU still ran"
+        assert {node.cuda.get_state(p) for p in (tree.root, tree.child)} == {ProcessState.CHECKPOINTED}
+    finally:
+        criu.kill()
+        criu.wait()
+    wait_for(lambda: record.done, 10, "recovery did not go on once that CRIU was gone")
+    assert record.error is not None and "CRIU ended" in record.error.message, record.error
+    assert {node.cuda.get_state(p) for p in (tree.root, tree.child)} == {ProcessState.RUNNING}
+    tree.assert_progressing()
+    registry.shutdown(wait=True)
 
 
 @pytest.mark.parametrize("phase", ["gpu-unlock", "validate"])
