@@ -125,8 +125,11 @@ def test_gpusnap_install_criu_gives_the_criu_gpusnapd_runs_with(
 
     block = (REPO / "README.md").read_text().split("## Install from the wheel", 1)[1].split("```sh\n", 1)[1]
     lines = block.split("```", 1)[0].splitlines()
-    assert any(line.startswith("/opt/gpusnap/venv/bin/gpusnap-install-criu ") for line in lines), lines
-    assert lines[-1] == f"/opt/gpusnap/venv/bin/gpusnapd {flags(str(DEFAULT_CRIU_PREFIX))}", lines
+    assert any(line.startswith("/opt/gpusnap/bin/gpusnap-install-criu ") for line in lines), lines
+    assert lines[-1] == f"/opt/gpusnap/bin/gpusnapd {flags(str(DEFAULT_CRIU_PREFIX))}", lines
+    service = (REPO / "scripts" / "install-service.sh").read_text()  # the same layout as make install-service
+    assert "PREFIX=${PREFIX:-/opt/gpusnap}" in service and '"$DESTDIR$PREFIX/criu"' in service, service
+    assert '"$PREFIX/bin/$cmd"' in service, "its gpusnapd and gpusnap are the venv's, in PREFIX/bin"
     prefix = tmp_path / "criu"
     out = subprocess.run(
         [str(installed / "gpusnap-install-criu"), str(prefix)],

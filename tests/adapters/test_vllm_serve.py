@@ -34,7 +34,7 @@ import pytest
 
 from tests.adapters import torch_venv
 from tests.adapters.vllm_model import make_tiny_llama
-from tests.adapters.vllm_server import VllmServer, engine_env, pythonpath
+from tests.adapters.vllm_server import VllmServer, engine_env, pythonpath, readme_cpu_args
 from tests.conftest import REPO, DaemonProc, kill_tree, phase_seconds
 
 pytestmark = [torch_venv.needs_venv, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -70,8 +70,8 @@ def _server(daemon: DaemonProc, tmp: Path, target: Path, model: Path, name: str,
         **({"GPUSNAP_TEST_REPO": str(REPO)} if arenas else {}),
     )
     argv = [str(torch_venv.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model"]
-    cpu = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4"]
-    return VllmServer(argv, model, tmp / f"{name}.log", env, *cpu, "--kv-cache-memory-bytes", str(64 << 20))
+    cpu = readme_cpu_args(max_model_len="256", kv_cache_memory_bytes=str(64 << 20))  # as the README says
+    return VllmServer(argv, model, tmp / f"{name}.log", env, *cpu, "--max-num-seqs", "4")
 
 
 def _dump(daemon: DaemonProc, pid: int, name: str, *args: str) -> dict[str, Any]:

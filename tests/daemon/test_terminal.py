@@ -99,6 +99,7 @@ def test_the_readme_quick_start_as_typed_in_two_terminals(checkout: Path) -> Non
         assert os.getsid(pid) == init.pid != os.getsid(sh.pid), "the restored tree runs in a session of its own"
         assert f"snapshot={dumped[1]}" in init.cmdline() and "name=my-worker" in init.cmdline()
         assert re.search(rf"^ {pid} +my-worker", out[7], re.M), f"ls --running lists it:\n{out[7]}"
+        assert re.search(rf"^ *{init.pid} .*snapshot={dumped[1]} name=my-worker operation=op-", out[8], re.M), out[8]
         assert f"stopped PID {pid} " in sh.run(stop), sh.transcript
         assert not init.is_running() or init.status() == psutil.STATUS_ZOMBIE, "stop returned before the tree ended"
         shown = server.interrupt()
@@ -137,3 +138,29 @@ def test_a_job_with_its_output_on_the_terminal_restores_with_a_file(
     assert psutil.Process(again["pid"]).is_running()
     for i in _inits(snap[1]):
         kill_tree(i.pid)
+
+
+def readme_block(after: str) -> list[str]:
+    """The lines a person types of the README's first ``sh`` block after the text ``after``."""
+    text = (REPO / "README.md").read_text().split(after, 1)[1]
+    return text.split("```sh\n", 1)[1].split("```", 1)[0].replace("\\\n", " ").splitlines()
+
+
+def test_the_readme_fan_out_block_reaches_a_copys_port_from_the_host(shell: Shell, daemon: DaemonProc) -> None:
+    """The Fan-out section's block, typed line by line: a copy of `--replicas` keeps its port on its own loopback,
+    and `nsenter` into its network namespace reaches it from the host."""
+    lines = readme_block("### Fan-out")
+    assert any(line.startswith("nsenter --target $P --net ") for line in lines), lines
+    for leftover in ("/tmp/web.log", "/tmp/copies"):
+        Path(leftover).unlink(missing_ok=True)
+    try:
+        out = [shell.run(line) for line in lines]
+        assert re.search(r"^snap-[a-z2-7]{26}$", out[2], re.M), shell.transcript
+        assert out[5].strip() == "200", f"the copy did not answer on its port:\n{shell.transcript}"
+        assert out[6].count("stopped PID") == 2, shell.transcript
+        assert not [p for p in psutil.process_iter(["cmdline"]) if "name=web" in (p.info["cmdline"] or [])]
+    finally:
+        for i in [p for p in psutil.process_iter(["cmdline"]) if "name=web" in (p.info["cmdline"] or [])]:
+            kill_tree(i.pid)
+        for leftover in ("/tmp/web.log", "/tmp/copies"):
+            Path(leftover).unlink(missing_ok=True)
