@@ -258,13 +258,19 @@ class Ladder:
         self.poke()
 
     def track(self, result: RestoreResult) -> None:
-        """Count the tree(s) a restore or activation brought up as active (idempotent)."""
+        """Count the tree(s) a restore or activation brought up as active (idempotent: the operation's thread
+        tracks them before its GPU reservation ends, and the operation's end finds them tracked, so
+        ``park-active.json`` is written once)."""
+        with self._lock:
+            copies = [c for c in result.replicas or (result,) if c.pid not in self._tracked]
+        if not copies:
+            return
         try:
             snapshot = self.store.get(result.snapshot_id)
         except GpusnapError:
             return
         with self._lock:
-            for copy in result.replicas or (result,):
+            for copy in copies:
                 if copy.pid not in self._tracked:
                     start = proc.start_time(copy.pid)
                     self._tracked[copy.pid] = Tracked(snapshot.id, copy.pid, start, gpu_need(snapshot))

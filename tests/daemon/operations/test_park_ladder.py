@@ -88,15 +88,22 @@ def park(node: GpuNode, tmp_path: Path) -> Iterator[Park]:
     p.daemon.registry.shutdown()
 
 
-def test_keep_warm_makes_standbys_and_a_new_one_after_a_restore_took_one(park: Park) -> None:
+def test_keep_warm_makes_standbys_and_a_new_one_after_a_restore_took_one(park: Park, tmp_path: Path) -> None:
     snap = park.snapshot()
     park.policy(snap, keep_warm=1)
     park.ladder.tick()  # the ladder starts a standby operation
     wait_for(lambda: park.standbys_of(snap) == 1, 60, "keep_warm made no standby")
     first = park.daemon.standbys(ROOT_CALLER)[0]
     park.node.workloads.adopt(first.root)
+    tracked = tmp_path / "store" / "park-active.json"
+    writes: list[int] = []
+    park.ladder._save_tracked = lambda save=park.ladder._save_tracked: (writes.append(1), save())[1]  # type: ignore[method-assign]
     restored = park.done(park.daemon.restore(RestoreOptions(snapshot=snap.id), ROOT_CALLER))
     assert restored.error is None and restored.result.pid == first.root, "the restore took the standby"
+    seen = f"restore {restored.id}"  # the ladder saw the operation's end (its rung change's reason)
+    wait_for(lambda: any(e.reason == seen for e in park.ladder.events), 10, "the ladder did not see the restore end")
+    assert f'"root":{restored.result.pid},' in tracked.read_text()
+    assert writes == [1], "the restore's tree is recorded once (its thread tracks it; its end finds it tracked)"
     park.ladder.tick()
     wait_for(lambda: park.standbys_of(snap) == 1, 60, "no new standby after the restore took one")
     again = park.daemon.standbys(ROOT_CALLER)[0]
