@@ -64,6 +64,10 @@ def main(ctx: click.Context, /, config_file: Path | None, **flags: object) -> No
     gpusnap.daemon.config.DaemonConfig, optionally under [gpusnapd]), GPUSNAP_<KEY> environment
     variables, and these flags.
     """
+    # A stop from the start on (systemctl stop during the start): the daemon starts, then stops cleanly.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     # A launcher's Overrides (main(obj=...): tests/daemon/prefill_daemon.py), else the faults GPUSNAP_FAILPOINT names.
     overrides = ctx.obj if isinstance(ctx.obj, Overrides) else Overrides(failpoints=Failpoints.from_env())
     try:
@@ -80,9 +84,6 @@ def main(ctx: click.Context, /, config_file: Path | None, **flags: object) -> No
         log.error("daemon.start_failed", reason=err.reason, error=str(err))
         click.echo(f"gpusnapd: {err}", err=True)
         sys.exit(EXIT_IN_USE if err.reason in IN_USE_REASONS else EXIT_PRECONDITION)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     notifier = sdnotify.SystemdNotifier()
     notifier.notify("READY=1")
     notifier.notify(f"STATUS=serving on {config.socket}")

@@ -635,7 +635,7 @@ class CriuDriver:
                 if exc.errno != errno.EXDEV:
                     raise
                 shutil.copyfile(log_path, kept)
-            for old in sorted(self.failed_logs_dir.iterdir(), key=lambda p: p.stat().st_mtime)[:-KEPT_LOGS]:
+            for old in sorted(self.failed_logs_dir.iterdir(), key=_mtime)[:-KEPT_LOGS]:
                 old.unlink(missing_ok=True)
             return f"full log: {kept}"
         except OSError as exc:
@@ -656,6 +656,14 @@ class CriuDriver:
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def _mtime(path: Path) -> float:
+    """``path``'s modification time; 0 when another failed request has just pruned it."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _send(proc: subprocess.Popen[bytes], line: bytes) -> None:

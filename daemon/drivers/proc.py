@@ -137,14 +137,19 @@ def stopped(pid: int) -> bool:
 
 
 def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc/<pid>/task/*/children)."""
+    """Direct children of ``pid`` (from /proc/<pid>/task/*/children); a thread that ends while they are read
+    is skipped (its children, if any, are re-parented to a live one), not taken for the process ending."""
     out: list[int] = []
     task_dir = Path(f"/proc/{pid}/task")
     try:
-        for task in task_dir.iterdir():
-            out.extend(int(x) for x in (task / "children").read_text().split())
+        tasks = list(task_dir.iterdir())
     except (FileNotFoundError, ProcessLookupError):
         return []
+    for task in tasks:
+        try:
+            out.extend(int(x) for x in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return out
 
 

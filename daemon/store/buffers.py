@@ -25,6 +25,7 @@ what another user's restore reads. Restores check blob sizes, and re-digest blob
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import os
@@ -40,7 +41,7 @@ import structlog
 from gpusnap.daemon.api.errors import DataLossError, FailedPreconditionError, ResourceExhaustedError
 from gpusnap.daemon.api.types import BufferRef
 from gpusnap.daemon.executor import Executor, check_wait
-from gpusnap.daemon.store import checksum, sealed
+from gpusnap.daemon.store import checksum, listing, sealed
 from gpusnap.daemon.store.durable import fsync_dir
 from gpusnap.daemon.store.tiers import Tier, eviction_order, mark_used, move
 
@@ -48,10 +49,6 @@ log = structlog.get_logger(__name__)
 
 COPY_CHUNK_BYTES = 64 << 20
 """Bytes of a worker's memfd copied into gpusnapd's file per job on the store's pool."""
-
-
-def _move_to(dst: Tier, key: str, path: Path, _size: int) -> bool:
-    return move(key, path, dst)
 
 
 class StagedBuffers:
@@ -514,13 +511,14 @@ class BufferStore:
         with self._lock:
             keep = referenced() | set(self._pins)
             for tier in self.tiers:
-                for key, blob in list(tier.blob_files()):
-                    if key not in keep:
-                        freed += blob.stat().st_size
-                        blob.unlink()
-                for user_dir in tier.blobs.iterdir():
-                    if not any(user_dir.iterdir()):
-                        user_dir.rmdir()
+                for key, blob, st in list(tier.blob_stats()):
+                    if key not in keep:  # (an eviction may move it meanwhile: it is then gone here)
+                        freed += st.st_size
+                        blob.unlink(missing_ok=True)
+                for user_dir in listing.entries(tier.blobs):
+                    if not listing.entries(user_dir):
+                        with contextlib.suppress(OSError):  # gone meanwhile, or an eviction moved a blob in
+                            user_dir.rmdir()
         if freed:
             log.info("buffers.collected", bytes=freed)
             if self.after_collect is not None:
@@ -541,7 +539,7 @@ class BufferStore:
         enforced at staging only (its blobs have nowhere safer to go)."""
         moved = 0
         for tier, slower in zip(self.tiers, self.tiers[1:], strict=False):
-            moved += self._drain(tier, slower.name, functools.partial(_move_to, slower), "pinned by operations")
+            moved += self._drain(tier, slower.name, functools.partial(self._move_to, slower), "pinned by operations")
         evictor = self.evictor
         if evictor is not None:
             moved += self._drain(
@@ -575,6 +573,9 @@ class BufferStore:
                 "buffers.over_budget", tier=tier.name, used=used, budget=tier.budget_bytes, why=f"the rest is {kept}"
             )
         return gone
+
+    def _move_to(self, dst: Tier, key: str, path: Path, _size: int) -> bool:
+        return move(key, path, dst, guard=self._lock)  # (the collector removes empty user directories under it)
 
     def _drop_unpinned(self, key: str, path: Path) -> bool:
         with self._lock:  # pinned since the order was taken: an operation is about to read it

@@ -45,7 +45,7 @@ from gpusnap.daemon.api.errors import (
 )
 from gpusnap.daemon.api.types import ImageFile, Snapshot
 from gpusnap.daemon.executor import Executor
-from gpusnap.daemon.store import checksum, imagecheck, manifest
+from gpusnap.daemon.store import checksum, imagecheck, listing, manifest
 from gpusnap.daemon.store.buffers import BufferStore
 from gpusnap.daemon.store.durable import fsync_dir, fsync_tree
 from gpusnap.daemon.store.imagecheck import ImageCheck
@@ -332,8 +332,8 @@ class SnapshotStore:
 
     def unfinished_pulls(self) -> tuple[int, int]:
         """Pulls whose work is in the store (in flight, or left by one that failed), and its bytes."""
-        found = [*self.pulls_dir.iterdir(), *self.buffers.pulling.iterdir()]
-        held = sum(p.stat().st_size for d in found for p in (d.rglob("*") if d.is_dir() else [d]) if p.is_file())
+        found = [*listing.entries(self.pulls_dir), *listing.entries(self.buffers.pulling)]
+        held = sum(listing.tree_bytes(d) for d in found)  # (a pull finishing or expiring removes its work)
         return len({d.name.partition(".")[0] for d in found}), held
 
     def provenance(self, snapshot_id: str) -> bytes | None:
@@ -476,7 +476,7 @@ class SnapshotStore:
             dirs = [self.snapshots_dir]
         else:
             dirs = [self.snapshots_dir / s.id for s in self.list(owner_uid=owner_uid)]
-        images = sum(p.stat().st_size for d in dirs for p in d.rglob("*") if p.is_file())
+        images = sum(listing.tree_bytes(d) for d in dirs)  # (an rm removes a snapshot meanwhile)
         return images + sum(t.used_bytes(owner_uid) for t in self.buffers.tiers)
 
     def check_name_free(self, name: str, owner_uid: int = 0) -> None:

@@ -13,15 +13,18 @@ there, and restores fetch them back (``gpusnap.daemon.remote.evict``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import structlog
 
+from gpusnap.daemon.store import listing
 from gpusnap.daemon.store.durable import fsync_dir
 
 log = structlog.get_logger(__name__)
@@ -44,16 +47,24 @@ class Tier:
         return self.root / "incoming"
 
     def blob_files(self, uid: int | None = None) -> Iterator[tuple[str, Path]]:
-        """(``<uid>/<digest>``, path) of every blob in this tier (of user ``uid`` only, when given)."""
-        for user_dir in self.blobs.iterdir():
+        """(``<uid>/<digest>``, path) of every blob in this tier (of user ``uid`` only, when given); a user
+        directory the garbage collector removes meanwhile is skipped (``store.listing``)."""
+        for user_dir in listing.entries(self.blobs):
             if uid is not None and user_dir.name != str(uid):
                 continue
-            for blob in user_dir.iterdir():
+            for blob in listing.entries(user_dir):
                 yield f"{user_dir.name}/{blob.name}", blob
+
+    def blob_stats(self, uid: int | None = None) -> Iterator[tuple[str, Path, os.stat_result]]:
+        """:meth:`blob_files` with each blob's ``lstat``; a blob collected or evicted meanwhile is skipped."""
+        for key, path in self.blob_files(uid):
+            st = listing.stat(path)
+            if st is not None:
+                yield key, path, st
 
     def used_bytes(self, uid: int | None = None) -> int:
         """Bytes of this tier's blobs (of user ``uid`` only, when given)."""
-        return sum(p.stat().st_size for _, p in self.blob_files(uid))
+        return sum(st.st_size for _, _, st in self.blob_stats(uid))
 
     def free_bytes(self) -> int:
         st = os.statvfs(self.root)
@@ -79,20 +90,21 @@ class TierUsage:
     @classmethod
     def of(cls, tier: Tier, uid: int | None = None) -> TierUsage:
         """``tier``'s use by the blobs of ``uid`` (None: of everyone)."""
-        files = [p for _, p in tier.blob_files(uid)]
+        files = [st for _, _, st in tier.blob_stats(uid)]
         return cls(
             tier.name,
             str(tier.root),
-            sum(p.stat().st_size for p in files),
+            sum(st.st_size for st in files),
             tier.budget_bytes,
             tier.free_bytes(),
             len(files),
         )
 
 
-def move(key: str, src: Path, dst_tier: Tier) -> bool:
+def move(key: str, src: Path, dst_tier: Tier, guard: AbstractContextManager[object] | None = None) -> bool:
     """Copy blob ``key`` from ``src`` into ``dst_tier`` (fsynced, renamed into place), then remove ``src``.
-    Returns False when the source went away meanwhile (collected)."""
+    Returns False when the source went away meanwhile (collected). ``guard``: held while the user directory is
+    made and the copy renamed into it (the lock under which the garbage collector removes empty ones)."""
     target = dst_tier.blobs / key
     if not target.exists():
         tmp = dst_tier.incoming / f"evict-{secrets.token_hex(8)}"
@@ -105,8 +117,9 @@ def move(key: str, src: Path, dst_tier: Tier) -> bool:
             tmp.unlink(missing_ok=True)
             return False
         os.chmod(tmp, 0o400)
-        target.parent.mkdir(mode=0o700, exist_ok=True)
-        os.rename(tmp, target)
+        with guard or contextlib.nullcontext():
+            target.parent.mkdir(mode=0o700, exist_ok=True)
+            os.rename(tmp, target)
         fsync_dir(target.parent)
     src.unlink(missing_ok=True)
     return True
@@ -118,9 +131,8 @@ def eviction_order(
     """Unpinned blobs of ``tier``, lowest ``rank`` first (the park ladder's priority of the snapshots using a
     blob; none: all equal), least recently used first within a rank: (key, path, size)."""
     found = []
-    for key, path in tier.blob_files():
+    for key, path, st in tier.blob_stats():
         if key not in pinned:
-            st = path.stat()
             found.append((rank(key) if rank is not None else 0, st.st_mtime, key, path, st.st_size))
     return [(k, p, s) for _, _, k, p, s in sorted(found)]
 

@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -122,6 +124,36 @@ def test_sigterm_stops_the_daemon_cleanly(daemon: DaemonProc) -> None:
     os.kill(daemon.proc.pid, signal.SIGTERM)
     assert daemon.proc.wait(timeout=20) == 0
     assert not daemon.socket.exists()
+
+
+def test_a_stop_during_the_start_stops_the_daemon_cleanly(tmp_path: Path) -> None:
+    """Issue 26, item 10: a SIGTERM while gpusnapd builds itself (``systemctl stop`` during the start; here as
+    soon as it has locked its store) killed it with no clean-up (exit -15, its socket left): the handlers came
+    only after the socket was bound. Now it finishes starting, then stops as on any SIGTERM."""
+    lock = tmp_path / "store" / ".lock"
+    sent: list[int] = []
+
+    def stop_when_locked() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not sent:
+            if lock.exists():
+                for p in psutil.process_iter(["cmdline"]):
+                    if str(lock.parent) in (p.info["cmdline"] or []) and "gpusnap.daemon.main" in p.info["cmdline"]:
+                        os.kill(p.pid, signal.SIGTERM)
+                        sent.append(p.pid)
+            time.sleep(0.001)
+
+    killer = threading.Thread(target=stop_when_locked)
+    killer.start()
+    d = start_daemon(tmp_path)
+    killer.join()
+    try:
+        assert sent == [d.proc.pid], sent
+        assert d.proc.wait(timeout=30) == 0, d.log.read_text()[-2000:]
+        assert not d.socket.exists(), "the socket was left behind"
+        assert "daemon.stopped" in d.log.read_text()
+    finally:
+        stop_daemon(d)
 
 
 def test_failed_dump_keeps_its_log(daemon: DaemonProc, workloads: Workloads) -> None:
