@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from datetime import datetime
 
 import structlog
 
@@ -36,7 +37,7 @@ from gpusnap.daemon.drivers import restored
 from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.operations import remote as remote_ops
-from gpusnap.daemon.operations.base import OperationKind, OperationRecord, PhaseRunner
+from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState, PhaseRunner
 from gpusnap.daemon.operations.checkpoint import host_facts, run_checkpoint
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
@@ -45,7 +46,7 @@ from gpusnap.daemon.operations.standby import StandbyOptions, drop, registry, ru
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
 from gpusnap.daemon.park.ladder import Budget, Event, Ladder, Workload
 from gpusnap.daemon.park.policy import Rule
-from gpusnap.daemon.park.standbys import Standby
+from gpusnap.daemon.park.standbys import READY, Standby
 from gpusnap.daemon.preflight.restore import check_replicas
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.store.tiers import TierUsage
@@ -158,8 +159,13 @@ class Daemon:
         standby = self._standby_for(snapshot.id, opts)
         if standby is not None:  # restored ahead: activate it instead (gpusnap.daemon.operations.standby)
             return self._start_activation(record, standby, opts, caller, release)
+        skipped = self._standbys_skipped(snapshot.id, opts)
         return self._start_held(
-            record, (), lambda run: run_restore(run, self.deps, opts), release, weight=opts.replicas
+            record,
+            (),
+            lambda run: dataclasses.replace(run_restore(run, self.deps, opts), standbys_skipped=skipped),
+            release,
+            weight=opts.replicas,
         )
 
     def _start_held(
@@ -193,6 +199,30 @@ class Daemon:
         if self.deps.standbys is None or opts.no_standby or opts.replicas != 1 or opts.host_pid_namespace:
             return None
         return self.deps.standbys.claim_for(snapshot_id, opts.private_network)
+
+    def _standbys_skipped(self, snapshot_id: str, opts: RestoreOptions) -> str:
+        """Why a restore with ``opts`` takes none of the ready standbys of ``snapshot_id`` (``""``: it has none, or
+        the caller asked for none with ``no_standby``), and how to take one."""
+        if self.deps.standbys is None or opts.no_standby:
+            return ""
+        ready = [s for s in self.deps.standbys.list(snapshot_id=snapshot_id) if s.state == READY]
+        if not ready:
+            return ""
+        many = f"its {len(ready)} ready standbys" if len(ready) > 1 else "its ready standby"
+        if opts.replicas != 1:
+            return (
+                f"{many} are not used by a restore of --replicas {opts.replicas} (each copy restores from the images)"
+            )
+        if opts.host_pid_namespace:
+            return f"{many} run in PID namespaces of their own, which --host-pidns does not want"
+        if all(s.private_network for s in ready) and not opts.private_network:
+            return (
+                f"{many} have private networks (made with --count > 1 or --private-net); restore --private-net "
+                "to activate one"
+            )
+        if not opts.private_network:
+            return ""
+        return f"{many} share the host's network; restore without --private-net to activate one"
 
     def standby(self, opts: StandbyOptions, caller: Caller, request_id: str = "") -> OperationRecord:
         """Validate and start a standby operation: ``opts.count`` copies of a snapshot restored ahead
@@ -268,7 +298,10 @@ class Daemon:
         """Run the activation of the claimed ``standby``; a refused start gives the standby back."""
         try:
             return self._start_held(
-                record, standby.pids, lambda run: run_activate(run, self.deps, standby, opts), release
+                record,
+                standby.pids,
+                lambda run: dataclasses.replace(run_activate(run, self.deps, standby, opts), standby_id=standby.id),
+                release,
             )
         except BaseException:
             registry(self.deps).unclaim(standby.id)
@@ -516,7 +549,9 @@ class Daemon:
         Raises:
             InvalidArgumentError (``INVALID_POLICY``), NotFoundError, PermissionDeniedError.
         """
-        rule = self._ladder().policies.set(self._rule(snapshot, labels, policy, caller))
+        rule = self._rule(snapshot, labels, policy, caller)
+        self._ladder().check_policy(rule)
+        rule = self._ladder().policies.set(rule)
         self._ladder().poke()
         return rule
 
@@ -543,7 +578,29 @@ class Daemon:
             PermissionDeniedError: an anonymous caller (reason ``ANONYMOUS``).
         """
         callers.require_identified(caller)
-        return [t for t in restored.running() if callers.sees(caller, t.uid)]
+        activated = self._activations()
+        return [
+            dataclasses.replace(t, operation_id=activated.get((t.pid, t.started), t.operation_id))
+            for t in restored.running()
+            if callers.sees(caller, t.uid)
+        ]
+
+    def _activations(self) -> dict[tuple[int, datetime], str]:
+        """(root PID, start) of each tree an activation brought up -> that operation: its init names the standby
+        operation that restored it, but what a person saw printed, and stops it by, is the activation's."""
+        found: dict[tuple[int, datetime], str] = {}
+        trees = {t.pid: t.started for t in restored.running()}
+        for record in self.registry.list():
+            result = record.result
+            if record.state is not OperationState.SUCCEEDED or not isinstance(result, RestoreResult):
+                continue
+            if not result.standby_id or record.finished is None:
+                continue
+            for copy in result.replicas or (result,):
+                started = trees.get(copy.pid)
+                if started is not None and started <= record.finished:  # not a later tree given the same PID
+                    found[(copy.pid, started)] = record.id
+        return found
 
     def stop_restored_trees(self, caller: Caller, pid: int = 0, operation_id: str = "") -> list[RestoredTree]:
         """Stop the caller's restored tree whose root (or namespace init) is host PID ``pid``, or every tree of
@@ -562,10 +619,15 @@ class Daemon:
             )
         if operation_id:
             validate.operation_id(operation_id)
+        activated = self._activations()
         chosen = [
             t
-            for t in self.restored_trees(caller)
-            if (pid and pid in (t.pid, t.init_pid)) or (operation_id and t.operation_id == operation_id)
+            for t in restored.running()
+            if callers.sees(caller, t.uid)
+            and (
+                (pid and pid in (t.pid, t.init_pid))
+                or (operation_id and operation_id in (t.operation_id, activated.get((t.pid, t.started))))
+            )
         ]
         if not chosen:
             raise NotFoundError(

@@ -113,11 +113,17 @@ class RestoreResult(_message.Message):
     NAMESPACE_PID_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     FILE_COPIES_FIELD_NUMBER: _builtins.int
+    STANDBY_ID_FIELD_NUMBER: _builtins.int
+    STANDBYS_SKIPPED_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     """host PID of the restored tree's root"""
     snapshot_id: _builtins.str
     namespace_pid: _builtins.int
     """root's PID inside its PID namespace (= original PID)"""
+    standby_id: _builtins.str
+    """The standby activated instead of a restore from the images ("sb-…"); empty: restored from the images."""
+    standbys_skipped: _builtins.str
+    """Restored from the images although the snapshot has ready standbys: why none was taken, and how to take one."""
     @_builtins.property
     def pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """host PIDs of the whole restored tree"""
@@ -141,10 +147,12 @@ class RestoreResult(_message.Message):
         namespace_pid: _builtins.int = ...,
         replicas: _abc.Iterable[Global___RestoredReplica] | None = ...,
         file_copies: _abc.Iterable[Global___FileCopy] | None = ...,
+        standby_id: _builtins.str = ...,
+        standbys_skipped: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_copies", b"file_copies", "namespace_pid", b"namespace_pid", "pid", b"pid", "pids", b"pids", "replicas", b"replicas", "snapshot_id", b"snapshot_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_copies", b"file_copies", "namespace_pid", b"namespace_pid", "pid", b"pid", "pids", b"pids", "replicas", b"replicas", "snapshot_id", b"snapshot_id", "standby_id", b"standby_id", "standbys_skipped", b"standbys_skipped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -399,6 +399,7 @@ class Workload(_message.Message):
     HOST_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     GPU_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     RAM_TIER_BYTES_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
     snapshot_id: _builtins.str
     name: _builtins.str
     rung: Global___Rung.ValueType
@@ -413,6 +414,8 @@ class Workload(_message.Message):
     """held by its active trees (as captured: CUDA state + buffers)"""
     ram_tier_bytes: _builtins.int
     """its buffers in the RAM tier"""
+    note: _builtins.str
+    """why its policy is not met now (keep_warm over a budget, …); empty: it is"""
     @_builtins.property
     def policy(self) -> Global___Policy:
         """the effective policy (every field set)"""
@@ -430,10 +433,11 @@ class Workload(_message.Message):
         host_memory_bytes: _builtins.int = ...,
         gpu_memory_bytes: _builtins.int = ...,
         ram_tier_bytes: _builtins.int = ...,
+        note: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "gpu_memory_bytes", b"gpu_memory_bytes", "host_memory_bytes", b"host_memory_bytes", "name", b"name", "policy", b"policy", "ram_tier_bytes", b"ram_tier_bytes", "rung", b"rung", "snapshot_id", b"snapshot_id", "standbys", b"standbys", "suspended", b"suspended"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "gpu_memory_bytes", b"gpu_memory_bytes", "host_memory_bytes", b"host_memory_bytes", "name", b"name", "note", b"note", "policy", b"policy", "ram_tier_bytes", b"ram_tier_bytes", "rung", b"rung", "snapshot_id", b"snapshot_id", "standbys", b"standbys", "suspended", b"suspended"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -478,7 +482,9 @@ class ParkEvent(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     snapshot_id: _builtins.str
     from_rung: Global___Rung.ValueType
+    """unspecified: it was not on the ladder (a new snapshot)"""
     to_rung: Global___Rung.ValueType
+    """unspecified: it left the ladder (its snapshot was deleted)"""
     reason: _builtins.str
     """"keep_warm 2", "standby idle 3600 s", "standby_ram budget", …"""
     @_builtins.property

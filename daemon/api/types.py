@@ -483,6 +483,10 @@ class RestoreResult:
     """With fan-out, every copy in index order (the fields above are the first's); else empty."""
     file_copies: tuple[FileCopy, ...] = ()
     """Files this tree continues writing in a copy of its own, not where it held them (the first copy's)."""
+    standby_id: str = ""
+    """The standby activated instead of a restore from the images; empty: restored from the images."""
+    standbys_skipped: str = ""
+    """Restored from the images although the snapshot has ready standbys: why none was taken, how to take one."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ import click
 
 from gpusnap.daemon.cli.app import PID, SECONDS, Ctx, checked, command_options, main, parse_labels, parse_pairs
 from gpusnap.daemon.cli.follow import detached, follow, run_operation, start_held
-from gpusnap.daemon.cli.output import console, count, emit, human_size, outcome, phase_summary, terminal_lines
+from gpusnap.daemon.cli.output import console, count, emit, human_size, outcome, phase_summary, safe, terminal_lines
 
 if TYPE_CHECKING:
     from gpusnap.daemon.client.values import Operation
@@ -270,13 +270,18 @@ def print_restored(obj: Ctx, done: Operation) -> None:
                 operation=done.id,
                 replicas=copies,
                 phases=done.phases,
+                standby_id=res.standby_id,
+                standbys_skipped=res.standbys_skipped,
             )
         )
     else:
         click.echo("\n".join(str(c.pid) for c in copies))
         pids = ", ".join(str(c.pid) for c in copies)
         err = console(stderr=True)
-        err.print(f"restored {res.snapshot_id} as PID {pids}: {phase_summary(done)}", highlight=False)
+        how = f"from standby {res.standby_id}" if res.standby_id else "from its images"
+        err.print(f"restored {res.snapshot_id} {how} as PID {pids}: {phase_summary(done)}", highlight=False)
+        if res.standbys_skipped:
+            err.print(safe(f"not from a standby: {res.standbys_skipped}"), highlight=False, markup=False)
         for c in copies:  # files an earlier copy (or the source) continues: this one writes its own copy
             for f in c.file_copies:
                 err.print(

@@ -68,6 +68,10 @@ class Restored:
     operation: str = _f(OPERATION_ID)
     replicas: tuple[Replica, ...] = _f({"schema": {"minItems": 1}})
     phases: tuple[PhaseTiming, ...] = _f(PHASES)
+    standby_id: str | None = dataclasses.field(default=None, metadata={"schema": {"pattern": "^sb-"}})
+    """The standby activated instead of a restore from the images."""
+    standbys_skipped: str | None = dataclasses.field(default=None, metadata={})
+    """Restored from the images although the snapshot has ready standbys: why none was taken, how to take one."""
 
 
 @dataclasses.dataclass(frozen=True)

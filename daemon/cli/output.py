@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from gpusnap.daemon.api import sizes
+
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
@@ -69,13 +71,7 @@ def new_table(*headers: str, **kw: Any) -> Table:
     return Table(*headers, box=None, **kw)
 
 
-def human_size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return str(n)
+human_size = sizes.human_size  # the daemon's messages say sizes the same way
 
 
 def terminal_lines(snap: Snapshot) -> list[str]:

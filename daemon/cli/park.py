@@ -10,7 +10,17 @@ import click
 from gpusnap.daemon.cli.app import SECONDS, Ctx, checked, command_options, main, parse_labels, parse_pairs
 from gpusnap.daemon.cli.capture import GPU_MAP_HELP, parse_gpu_map, print_restored
 from gpusnap.daemon.cli.follow import run_operation
-from gpusnap.daemon.cli.output import add_row, emit, human_size, new_table, outcome, phase_summary, print_table
+from gpusnap.daemon.cli.output import (
+    add_row,
+    console,
+    emit,
+    human_size,
+    new_table,
+    outcome,
+    phase_summary,
+    print_table,
+    safe,
+)
 
 if TYPE_CHECKING:
     from gpusnap.daemon.client.values import Ladder, Standby
@@ -166,6 +176,9 @@ def print_ladder(ladder: Ladder, events: bool = True) -> None:
             human_size(w.host_memory_bytes),
         )
     print_table(table)
+    for w in ladder.workloads:  # a policy the ladder cannot meet now says why, here and not only in the log
+        if w.note:
+            console().print(safe(f"{w.name or w.snapshot_id}: {w.note}"), highlight=False, markup=False)
     budgets = new_table("BUDGET", "USED", "OF")
     for b in ladder.budgets:
         add_row(budgets, b.name, human_size(b.used_bytes), human_size(b.budget_bytes) if b.budget_bytes else "-")
@@ -174,7 +187,9 @@ def print_ladder(ladder: Ladder, events: bool = True) -> None:
         moves = new_table("TIME", "WORKLOAD", "MOVE", "WHY")
         for e in ladder.events[-10:]:
             when = e.time.astimezone(UTC).astimezone().strftime("%H:%M:%S")
-            add_row(moves, when, e.snapshot_id, f"{e.from_rung.value} -> {e.to_rung.value}", e.reason)
+            src = e.from_rung.value if e.from_rung else "new"
+            dst = e.to_rung.value if e.to_rung else "deleted"
+            add_row(moves, when, e.snapshot_id, f"{src} -> {dst}", e.reason)
         print_table(moves)
 
 

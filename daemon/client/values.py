@@ -164,6 +164,10 @@ class RestoreResult:
     replicas: tuple[Replica, ...]
     file_copies: tuple[FileCopy, ...] = ()
     """Files the tree continues writing in a copy of its own (the first copy's)."""
+    standby_id: str | None = None
+    """The standby activated instead of a restore from the images."""
+    standbys_skipped: str | None = None
+    """Restored from the images although the snapshot has ready standbys: why none was taken, how to take one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +365,8 @@ class Workload:
     host_memory_bytes: int
     gpu_memory_bytes: int
     ram_tier_bytes: int
+    note: str | None = None
+    """Why its policy is not met now (keep_warm over a budget, the standby failed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,8 +381,10 @@ class Budget:
 class ParkEvent:
     time: datetime
     snapshot_id: str
-    from_rung: Rung
-    to_rung: Rung
+    from_rung: Rung | None
+    """None: it was not on the ladder (a new snapshot)."""
+    to_rung: Rung | None
+    """None: it left the ladder (its snapshot was deleted)."""
     reason: str
 
 

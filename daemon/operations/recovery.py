@@ -201,6 +201,8 @@ def _restore_result(deps: Deps, record: OperationRecord, entry: dict[str, Any]) 
             snapshot_id=r["snapshot_id"],
             namespace_pid=r["namespace_pid"],
             file_copies=tuple(FileCopy(**f) for f in r.get("file_copies", [])),
+            standby_id=r.get("standby_id", ""),
+            standbys_skipped=r.get("standbys_skipped", ""),
         )
     elif "gpu_map" in result:
         record.result = dict(result["gpu_map"])

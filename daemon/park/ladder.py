@@ -29,7 +29,10 @@ What moves a workload (:meth:`Ladder.tick`, every ``[park] interval_s`` and afte
   store holds it whole (``gpusnap.daemon.remote.evict``). The ladder deletes no snapshot.
 
 Every rung change of a workload, whoever caused it, is an event (:attr:`Ladder.events`, the API's
-``GetLadder``, the log line ``park.move``, the metric ``gpusnap_park_moves_total``).
+``GetLadder``, the log line ``park.move``, the metric ``gpusnap_park_moves_total``), credited to its cause: an
+operation's end to the workloads that operation was about (its snapshot, the tree it suspended), the ladder's
+own drops to the standby's workload, and what happens outside both at the next pass (a restored tree that ended
+or was stopped, a standby dropped by hand, a deleted snapshot, a tier move), each with its own reason.
 """
 
 from __future__ import annotations
@@ -46,10 +49,11 @@ from typing import Any, Protocol
 
 import structlog
 
-from gpusnap.daemon.api.errors import GpusnapError, ResourceExhaustedError
+from gpusnap.daemon.api.errors import GpusnapError, InvalidArgumentError, ResourceExhaustedError
+from gpusnap.daemon.api.sizes import human_size
 from gpusnap.daemon.api.types import FinishedOperation, OperationKind, Policy, RestoreResult, Snapshot
 from gpusnap.daemon.drivers import proc
-from gpusnap.daemon.park.policy import Policies
+from gpusnap.daemon.park.policy import Policies, Rule
 from gpusnap.daemon.park.standbys import READY, Standby, StandbyRegistry
 from gpusnap.daemon.store import SnapshotStore, documents
 from gpusnap.daemon.store.documents import DocumentError
@@ -122,6 +126,8 @@ class Workload:
     host_memory_bytes: int
     gpu_memory_bytes: int
     ram_tier_bytes: int
+    note: str = ""
+    """Why its policy is not met now (keep_warm deferred: over a budget, the standby failed); empty when it is."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +200,8 @@ class Ladder:
         self._next_reservation = 0
         self._making: dict[str, Started] = {}
         self._failed_at: dict[str, float] = {}
+        self._unmet: dict[str, str] = {}
+        """Snapshot id -> why its keep_warm is not met now (the last refusal of the standby the ladder asked for)."""
         self._last: dict[str, Rung] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -254,8 +262,23 @@ class Ladder:
                         suspended = record.kind is OperationKind.SUSPEND
                         self._tracked[found.root] = dataclasses.replace(found, suspended=suspended)
                         self._save_tracked()
-        self.observe(f"{record.kind.value} {record.id}")
+        self.observe(f"{record.kind.value} {record.id}", only=self._about(record))
         self.poke()
+
+    def _about(self, record: FinishedOperation) -> set[str]:
+        """The workloads (snapshot ids) an operation was about: its snapshot (target or result), its standbys',
+        or the one whose tree it suspended or resumed. None for an operation on an untracked tree (a dump of a
+        PID, its dry run)."""
+        about = {record.target_snapshot} if record.target_snapshot else set()
+        result = record.result
+        if isinstance(result, Snapshot | RestoreResult):
+            about.add(result.id if isinstance(result, Snapshot) else result.snapshot_id)
+        elif isinstance(result, tuple):
+            about.update(s.snapshot_id for s in result if isinstance(s, Standby))
+        tracked = self._tracked.get(record.target_pid) if record.target_pid else None
+        if tracked is not None:
+            about.add(tracked.snapshot_id)
+        return about
 
     def track(self, result: RestoreResult) -> None:
         """Count the tree(s) a restore or activation brought up as active (idempotent: the operation's thread
@@ -281,6 +304,29 @@ class Ladder:
             documents.save_items(self._active_path, self._tracked.values())
         except OSError as exc:
             log.warning("park.active_unwritable", error=str(exc))
+
+    def check_policy(self, rule: Rule) -> None:
+        """Refuse a rule whose ``keep_warm`` the standby budget could never hold for a snapshot it selects (its
+        standbys alone, every other standby dropped), rather than accept it and defer it forever.
+
+        Raises:
+            InvalidArgumentError: reason ``INVALID_POLICY``, with the sizes and the most that fits.
+        """
+        keep, budget = rule.policy.keep_warm or 0, self.config.standby_ram_bytes
+        if not keep or not budget:
+            return
+        for snapshot in self.store.list():
+            need = snapshot.size_bytes * keep
+            if rule.applies_to(snapshot) and need > budget:
+                fits = budget // snapshot.size_bytes if snapshot.size_bytes else keep
+                raise InvalidArgumentError(
+                    f"keep_warm {keep} for {snapshot.name or snapshot.id} needs {keep} standby{'s' if keep > 1 else ''} of "
+                    f"{human_size(snapshot.size_bytes)}, {human_size(need)} of host memory, over the "
+                    f"{human_size(budget)} [park] standby_ram_bytes budget, so it could never be met; keep at most "
+                    f"{fits} warm, or raise the budget",
+                    reason="INVALID_POLICY",
+                    metadata={"needed_bytes": str(need), "budget_bytes": str(budget), "snapshot": snapshot.id},
+                )
 
     # -- budgets --------------------------------------------------------------------------------------------
 
@@ -313,8 +359,8 @@ class Ladder:
             used = self._gpu_used()
             if budget and need and used + need > budget:
                 raise ResourceExhaustedError(
-                    f"restoring {snapshot.id} needs {need / 2**30:.1f} GiB of GPU memory, and the workloads gpusnapd "
-                    f"runs hold {used / 2**30:.1f} GiB of the {budget / 2**30:.1f} GiB [park] gpu_bytes budget; "
+                    f"restoring {snapshot.id} needs {human_size(need)} of GPU memory, and the workloads gpusnapd "
+                    f"runs hold {human_size(used)} of the {human_size(budget)} [park] gpu_bytes budget; "
                     "suspend or end one (`gpusnap suspend PID`), or raise the budget",
                     reason="PARK_BUDGET",
                     metadata={"budget": "gpu", "needed_bytes": str(need), "used_bytes": str(used)},
@@ -358,8 +404,8 @@ class Ladder:
         used = self._standby_used()
         if used + need > budget:
             raise ResourceExhaustedError(
-                f"standbys of {for_snapshot} need {need / 2**20:.0f} MiB of host memory, and standbys hold "
-                f"{used / 2**20:.0f} MiB of the {budget / 2**20:.0f} MiB [park] standby_ram_bytes budget with no "
+                f"standbys of {for_snapshot} need {human_size(need)} of host memory, and standbys hold "
+                f"{human_size(used)} of the {human_size(budget)} [park] standby_ram_bytes budget with no "
                 "lower priority to give way; drop one (`gpusnap drop STANDBY`), lower keep_warm, or raise the budget",
                 reason="PARK_BUDGET",
                 metadata={"budget": "standby_ram", "needed_bytes": str(need), "used_bytes": str(used)},
@@ -396,7 +442,7 @@ class Ladder:
             return
         log.info("park.drop_standby", standby=sb.id, snapshot=sb.snapshot_id, reason=reason)
         self.drop_standby(sb.id)
-        self.observe(reason)
+        self.observe(reason, only={sb.snapshot_id})
 
     # -- the pass -------------------------------------------------------------------------------------------
 
@@ -419,7 +465,7 @@ class Ladder:
                     self._drop(sb, "standby_ram budget")
             self._keep_warm()
         self.store.buffers.enforce_budgets()
-        self.observe("tier budgets", tiers_only=True)
+        self.observe(_outside, outside=True)
 
     def _keep_warm(self) -> None:
         if self.make_standby is None:
@@ -430,6 +476,8 @@ class Ladder:
             policy = self.policies.effective(snapshot)
             if (policy.keep_warm or 0) > len(have.get(snapshot.id, [])):
                 wanted.append((-(policy.priority or 0), snapshot.created, snapshot.id, policy.keep_warm))
+        for met in set(self._unmet) - {w[2] for w in wanted}:
+            del self._unmet[met]
         for _, _, snapshot_id, keep in sorted(wanted):
             making = self._making.get(snapshot_id)
             if making is not None and not making.done:
@@ -437,13 +485,15 @@ class Ladder:
             self._making.pop(snapshot_id, None)
             if making is not None and making.error is not None:
                 self._failed_at[snapshot_id] = time.monotonic()
+                self._unmet[snapshot_id] = f"keep_warm {keep}: the standby failed: {making.error.message}"
             if time.monotonic() - self._failed_at.get(snapshot_id, -RETRY_S) < RETRY_S:
                 continue
             try:
                 self._making[snapshot_id] = self.make_standby(snapshot_id)
                 log.info("park.keep_warm", snapshot=snapshot_id, keep_warm=keep)
-            except GpusnapError as exc:  # over budget, busy: try again at a later pass
+            except GpusnapError as exc:  # over budget, busy: try again at a later pass, and say why in the ladder
                 self._failed_at[snapshot_id] = time.monotonic()
+                self._unmet[snapshot_id] = f"keep_warm {keep} not met: {exc.message}"
                 log.info("park.keep_warm_deferred", snapshot=snapshot_id, reason=exc.reason, error=str(exc))
 
     # -- rungs and events -----------------------------------------------------------------------------------
@@ -492,6 +542,7 @@ class Ladder:
                     + sum(proc.rss_bytes(proc.tree_pids_or_empty(t.root)) for t in suspended),
                     gpu_memory_bytes=sum(t.gpu_bytes for t in active),
                     ram_tier_bytes=ram,
+                    note=self._unmet.get(snapshot.id, ""),
                 )
             )
         return out
@@ -511,18 +562,27 @@ class Ladder:
                 rung = max(rung, Rung.DISK)
         return ram, rung
 
-    def observe(self, reason: str, tiers_only: bool = False) -> list[Event]:
-        """Compare every workload's rung with the last one seen; an event for each change (``reason``: what
-        caused it). ``tiers_only``: only changes between the ram, disk and remote rungs (or into one, from
-        none); the others are an operation's, recorded with its reason when it ends. Returns the new events."""
+    def observe(
+        self,
+        reason: str | Callable[[Rung | None, Rung | None], str],
+        *,
+        only: set[str] | None = None,
+        outside: bool = False,
+    ) -> list[Event]:
+        """Compare the workloads' rungs with the last ones seen; an event for each change, with ``reason`` (what
+        caused it, or a function of the change that says). ``only``: those workloads (an operation's). ``outside``:
+        only moves down a rung, onto the ladder's tiers or off it (a tree that ended, a standby dropped by hand, a
+        tier move, a new or deleted snapshot): up a rung only an operation moves a workload, and its end records
+        that. Returns the new events."""
         with self._lock:
             now = {w.snapshot.id: w.rung for w in self._workloads()}
             new = []
-            for snapshot_id in sorted(set(now) | set(self._last)):
+            for snapshot_id in sorted((set(now) | set(self._last)) if only is None else only):
                 before, after = self._last.get(snapshot_id), now.get(snapshot_id)
-                if before == after or (tiers_only and not (_tier(before) and _tier(after))):
-                    continue
-                new.append(Event(datetime.now(UTC), snapshot_id, before, after, reason))
+                if before == after or (outside and after is not None and after < (before or Rung.RAM)):
+                    continue  # (up a rung, or onto one of a running tree or standby: an operation's move, at its end)
+                why = reason if isinstance(reason, str) else reason(before, after)
+                new.append(Event(datetime.now(UTC), snapshot_id, before, after, why))
                 if after is None:
                     self._last.pop(snapshot_id, None)
                 else:
@@ -531,7 +591,7 @@ class Ladder:
                 self.events.append(event)
                 names = (_label(event.from_rung), _label(event.to_rung))
                 self.moves[names] += 1
-                log.info("park.move", snapshot=event.snapshot_id, src=names[0], dst=names[1], reason=reason)
+                log.info("park.move", snapshot=event.snapshot_id, src=names[0], dst=names[1], reason=event.reason)
             return new
 
     def usage(self) -> dict[str, Any]:
@@ -545,9 +605,17 @@ class Ladder:
         }
 
 
-def _tier(rung: Rung | None) -> bool:
-    """A rung of the snapshot's own (ram, disk, remote), or none yet."""
-    return rung is None or rung >= Rung.RAM
+def _outside(before: Rung | None, after: Rung | None) -> str:
+    """What moved a workload from ``before`` to ``after`` when no operation did (``Ladder.observe``)."""
+    if after is None:
+        return "its snapshot was deleted"
+    if before is None:
+        return "a new snapshot"
+    if before in (Rung.ACTIVE, Rung.SUSPENDED):
+        return "its restored trees ended (stopped, or exited)"
+    if before is Rung.STANDBY:
+        return "its standbys ended (dropped)"
+    return "tier budgets"
 
 
 def _label(rung: Rung | None) -> str:

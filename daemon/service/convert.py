@@ -252,6 +252,8 @@ def operation(r: OperationRecord) -> operations_pb2.Operation:
                     for i, c in enumerate(r.result.replicas)
                 ],
                 file_copies=[operations_pb2.FileCopy(**dataclasses.asdict(f)) for f in r.result.file_copies],
+                standby_id=r.result.standby_id,
+                standbys_skipped=r.result.standbys_skipped,
             )
         )
     elif isinstance(r.result, TransferResult):

@@ -69,6 +69,7 @@ def workload(w: Workload) -> park_pb2.Workload:
         host_memory_bytes=w.host_memory_bytes,
         gpu_memory_bytes=w.gpu_memory_bytes,
         ram_tier_bytes=w.ram_tier_bytes,
+        note=w.note,
     )
 
 

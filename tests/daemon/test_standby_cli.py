@@ -55,8 +55,8 @@ def test_standby_ls_restore_activate_drop_and_a_restart(
     assert restored["pid"] in roots, "a restore of the snapshot activated one of its standbys"  # type: ignore[index]
     assert "wake" in phase_seconds(restored) and "restore" not in phase_seconds(restored)  # type: ignore[arg-type]
     wait_for(lambda: w.last("parent.log") > dumped_at + 2, 15, "the activated standby does not run")
-    moves = [(e["from_rung"], e["to_rung"], e["reason"]) for e in _json(daemon, "park")["events"]]  # type: ignore[index]
-    assert [m[:2] for m in moves] == [("unspecified", "disk"), ("disk", "standby"), ("standby", "active")], moves
+    moves = [(e.get("from_rung"), e["to_rung"], e["reason"]) for e in _json(daemon, "park")["events"]]  # type: ignore[index]
+    assert [m[:2] for m in moves] == [(None, "disk"), ("disk", "standby"), ("standby", "active")], moves
     assert moves[1][2].startswith("standby op-") and moves[2][2].startswith("restore op-"), "each move says why"
 
     # the standby the restore took is gone: activating it restores the snapshot (from the other standby)
@@ -90,3 +90,60 @@ def test_standby_ls_restore_activate_drop_and_a_restart(
         assert json.loads((second.store / "park-policies.json").read_text())["items"] == [], "and it stays gone"
     finally:
         stop_daemon(second)
+
+
+def test_what_a_person_sees_of_standbys_and_the_ladder(tmp_path: Path, workloads: Workloads) -> None:
+    """A restore says which path it took and why it did not take a ready standby; `stop` takes the operation id
+    `activate` printed; the ladder credits no move to an operation that had nothing to do with it and shows no
+    `unspecified` rung; a keep_warm the standby budget can never hold is refused with the sizes `park` shows."""
+    budget = 120_000_000  # 114.4 MiB: room for two standbys of an 8 MiB tree (about 30 MiB of images), not eight
+    d = start_daemon(tmp_path, extra_env={"GPUSNAP_PARK_STANDBY_RAM_BYTES": str(budget)})
+    try:
+        w = workloads.start("--mem-mb", "8", "--no-listener")
+        d.cli("dump", str(w.pid), "--name", "web", check=True)
+        ids = [s["id"] for s in _json(d, "standby", "web", "--count", "2")["standbys"]]  # type: ignore[index]
+        for s in _json(d, "standbys"):  # type: ignore[union-attr]
+            workloads.adopt(s["pid"])  # type: ignore[index]
+
+        plain = d.cli("restore", "web", check=True)  # the standbys have private networks: from the images
+        workloads.adopt(int(plain.stdout.split()[0]))
+        said = " ".join(plain.stderr.split())  # (wrapped at 80 columns off a terminal)
+        assert re.search(r"^restored snap-\w+ from its images as PID \d+: ", said), said
+        assert (
+            "not from a standby: its 2 ready standbys have private networks (made with --count > 1 or "
+            "--private-net); restore --private-net to activate one" in said
+        ), said
+        fast = d.cli("restore", "web", "--private-net", check=True)
+        said = " ".join(fast.stderr.split())
+        assert re.search(rf"^restored snap-\w+ from standby ({ids[0]}|{ids[1]}) as PID \d+", said), said
+        workloads.adopt(int(fast.stdout.split()[0]))
+        taken = _json(d, "restore", "web", "--private-net")
+        assert taken["standby_id"] in ids and "standbys_skipped" not in taken, taken  # type: ignore[index,operator]
+        assert _json(d, "standbys") == [], "both standbys were taken"
+
+        again = _json(d, "standby", "web")["standbys"][0]  # type: ignore[index]
+        workloads.adopt(again["pid"])
+        up = _json(d, "activate", again["id"])
+        stopped = d.cli("stop", up["operation"])  # type: ignore[index]
+        assert stopped.returncode == 0 and f"stopped PID {up['pid']} " in stopped.stdout, stopped  # type: ignore[index]
+        wait_for(lambda: not proc.alive(up["pid"]), 20, "the activated tree survived its stop")  # type: ignore[index]
+
+        other = workloads.start("--mem-mb", "1", "--no-listener", "--no-child")
+        dry = json.loads(d.cli("-o", "json", "dump", str(other.pid), "--dry-run", check=True).stdout)
+        events = _json(d, "park")["events"]  # type: ignore[index]
+        assert not [e for e in events if dry["id"] in e["reason"]], "a dry run of another PID moved nothing"
+        assert all(e["reason"] for e in events), events
+        text = d.cli("park", check=True).stdout
+        assert "unspecified" not in text and re.search(r"new -> disk", text), text
+        assert re.search(r"standby_ram\s+[\d.]+ (B|[KMG]iB)\s+114\.4 MiB", text), text
+
+        refused = d.cli("park", "set", "web", "--keep-warm", "8")
+        assert refused.returncode == 2, refused
+        assert re.search(
+            r"keep_warm 8 for web needs 8 standbys of [\d.]+ MiB, [\d.]+ MiB of host memory, over the 114\.4 "
+            r"MiB \[park\] standby_ram_bytes budget, so it could never be met; keep at most \d+ warm",
+            " ".join(refused.stderr.split()),
+        ), refused.stderr
+        assert _json(d, "park")["policies"] == [], "nothing was set"  # type: ignore[index]
+    finally:
+        stop_daemon(d)

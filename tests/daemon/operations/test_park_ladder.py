@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.api.errors import ResourceExhaustedError
+from gpusnap.daemon.api.errors import InvalidArgumentError, ResourceExhaustedError
 from gpusnap.daemon.api.types import ROOT_CALLER, Policy, RestoreOptions, Snapshot
 from gpusnap.daemon.config import ParkConfig
 from gpusnap.daemon.core import Daemon
@@ -149,6 +149,17 @@ def test_the_standby_budget_takes_from_the_lowest_priority_first(park: Park, nod
     park.ladder.config = park.ladder.policies.config = ParkConfig(standby_ram_bytes=kept.host_memory_bytes)
     park.ladder.tick()
     assert (park.standbys_of(high), park.standbys_of(mid)) == (1, 0)
+    # a keep_warm that fits the budget alone is taken, and while high's standby holds the room the ladder says
+    # why it is not met where `gpusnap park` shows it, not only in its log
+    budget = max(kept.host_memory_bytes, low.size_bytes) + 1
+    park.ladder.config = park.ladder.policies.config = ParkConfig(standby_ram_bytes=budget)
+    park.policy(low, keep_warm=1)
+    park.ladder.tick()
+    [row] = [w for w in park.ladder.workloads() if w.snapshot.id == low.id]
+    assert row.note.startswith(f"keep_warm 1 not met: standbys of {low.id} need ") and "budget" in row.note, row
+    with pytest.raises(InvalidArgumentError) as never:  # two can never fit: refused when set
+        park.policy(low, keep_warm=2)
+    assert never.value.reason == "INVALID_POLICY" and "could never be met" in never.value.message
 
 
 def test_concurrent_standbys_hold_the_budget(park: Park) -> None:
