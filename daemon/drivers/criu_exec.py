@@ -358,9 +358,26 @@ def _restore(req: dict[str, Any], swrk: Swrk, command: list[str], stdin: int = -
             criu_userpaths.discard(prepared.images_dir)
     if result["ok"]:
         result["file_copies"] = made.copies
+        result[LEDGER] = made.ledger()  # for the tree's init, which removes them once the tree ends
     else:
         made.discard()
     return result
+
+
+LEDGER = "_copies"
+"""The key of a restore's result that holds its copies' ledger (``filecopies.Made.ledger``): it stays in the
+helper; the namespace init hands it to the reaper (``--copies-fd``), which removes the copies with the tree."""
+
+
+def _ledger_fd(ledger: list[dict[str, Any]]) -> int:
+    """A memfd holding ``ledger`` as JSON, inheritable (for the reaper's ``--copies-fd``); -1 when empty."""
+    if not ledger:
+        return -1
+    fd = os.memfd_create("gpusnap-copies", 0)
+    os.write(fd, json.dumps(ledger).encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.set_inheritable(fd, True)
+    return fd
 
 
 def _reap_forever() -> None:
@@ -508,16 +525,17 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
                 "error": f"namespace init: {exc}",
                 "errno": getattr(exc, "errno", 0) or 0,
             }
+        copies = _ledger_fd(result.pop(LEDGER, []))
         os.write(w, (json.dumps(result) + "\n").encode())
         os.close(w)
         if not result["ok"]:
             os._exit(1)
         _silence_stdio()
-        pump = []
+        pump = [] if copies < 0 else [f"--copies-fd={copies}"]
         if master >= 0:
             os.set_inheritable(master, True)
             os.set_inheritable(term_out, True)
-            pump = [f"--pump={master},{term_out}"]
+            pump.append(f"--pump={master},{term_out}")
         try:  # the tree's reaper, with a command line naming what it restored
             os.execv(
                 sys.executable,
@@ -629,6 +647,7 @@ def main() -> int:
         return 1
     if req["action"] == "restore":
         result = _restore(req, _ready(warm, command), command)
+        result.pop(LEDGER, None)  # no init outlives the tree here: its copies stay, named in the result
     else:
         result = _run_criu(req, _ready(warm, command))
     _emit(out, result)

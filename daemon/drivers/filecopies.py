@@ -65,15 +65,26 @@ class Made:
         """The paths CRIU must take as external files (their copies' descriptors are keyed by the path)."""
         return frozenset(self.reopen)
 
+    def ledger(self) -> list[dict[str, Any]]:
+        """What :func:`remove` needs to remove the copies later: each copy's path, device, inode and the
+        credentials it was made with (JSON-ready)."""
+        return [
+            {"path": c["copy"], "dev": d, "ino": i, **o}
+            for c, (d, i), o in zip(self.copies, self.ids, self.owners, strict=True)
+        ]
+
     def discard(self) -> None:
         """Remove the copies (a failed restore), each as the user who made it; a name that no longer names
         its copy is left."""
-        items = [
-            ({"path": c["copy"], "dev": d, "ino": i}, o)
-            for c, (d, i), o in zip(self.copies, self.ids, self.owners, strict=True)
-        ]
-        for owner, group in _by_owner(items, lambda item: item[1]):
-            _as_owner(owner, lambda group=group: [_unlink_same(it) for it, _ in group])
+        remove(self.ledger())
+
+
+def remove(ledger: list[dict[str, Any]]) -> None:
+    """Remove the copies of ``ledger`` (:meth:`Made.ledger`), each in a child that is the user who made it,
+    and only while its name still names that copy (same device and inode): the tree that wrote them has
+    ended (``gpusnap.daemon.drivers.reaper``), or its restore failed."""
+    for owner, group in _by_owner(ledger, _owner):
+        _as_owner(owner, lambda group=group: [_unlink_same(it) for it in group])
 
 
 def make(spec: dict[str, Any] | None) -> Made:

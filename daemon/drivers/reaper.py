@@ -12,12 +12,19 @@ The namespace init of ``gpusnap.daemon.drivers.criu_exec`` execs ``python -m gpu
   place of it, and copies what the tree writes there into ``OUT`` (the ``--terminal`` file, or /dev/null);
 - on SIGTERM or SIGINT sends SIGTERM to every process of the namespace (``kill(-1)`` from its init), and
   SIGKILL to those left after ``STOP_GRACE_S``; it then exits, and the kernel ends whatever remains
-  (the init of a PID namespace takes the namespace with it). This is how ``gpusnap stop`` ends a tree.
+  (the init of a PID namespace takes the namespace with it). This is how ``gpusnap stop`` ends a tree;
+- on SIGUSR2 (:data:`END_NOW`) sends SIGKILL to every process of the namespace at once: how gpusnapd kills a
+  tree (a standby dropped, a restore that failed after CRIU) so that what follows still runs;
+- for a tree that continues files in copies of its own (``--copies-fd=FD``: the copies' ledger, JSON,
+  ``gpusnap.daemon.drivers.filecopies``): once the tree has ended, however it ended, removes those copies,
+  each as the user who made it and only while its name still names that copy. A copy lives as long as the
+  tree that writes it (issue 27, item 4); only a SIGKILL of this init itself leaves them.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -26,6 +33,8 @@ import time
 
 STOP_GRACE_S = 10.0
 """Seconds a stopped tree has to exit on SIGTERM before its processes are killed."""
+END_NOW = signal.SIGUSR2
+"""Kill the tree at once (no grace), then exit as when it ends."""
 PR_SET_NAME = 15
 COMM = b"gpusnap-init"
 
@@ -34,6 +43,32 @@ def main(argv: list[str]) -> int:
     ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(COMM), 0, 0, 0)
     pump = next((a.removeprefix("--pump=") for a in argv if a.startswith("--pump=")), "")
     root = int(next((a.removeprefix("--root=") for a in argv if a.startswith("--root=")), "0"))
+    copies = _ledger(next((a.removeprefix("--copies-fd=") for a in argv if a.startswith("--copies-fd=")), ""))
+    try:
+        return _reap(root, pump)
+    finally:
+        if copies:
+            for sig in (signal.SIGTERM, signal.SIGINT, END_NOW):  # the tree is gone: nothing left to stop
+                signal.signal(sig, signal.SIG_IGN)
+            from gpusnap.daemon.drivers import filecopies
+
+            filecopies.remove(copies)
+
+
+def _ledger(fd: str) -> list[dict[str, object]]:
+    """The copies' ledger read from the inherited descriptor ``fd`` (closed); none when not given or unreadable."""
+    if not fd.isdigit():
+        return []
+    try:
+        with os.fdopen(int(fd), "rb") as fh:
+            doc = json.loads(fh.read())
+    except (OSError, ValueError):
+        return []
+    return [c for c in doc if isinstance(c, dict)] if isinstance(doc, list) else []
+
+
+def _reap(root: int, pump: str) -> int:
+    """Reap the tree until none of it is left (module docstring)."""
     if pump:
         master, out = (int(x) for x in pump.split(","))
         threading.Thread(target=_copy, args=(master, out), name="pty", daemon=True).start()
@@ -45,8 +80,14 @@ def main(argv: list[str]) -> int:
             _kill_all(signal.SIGTERM)
             raise _Stop  # out of a blocking waitpid (which PEP 475 would otherwise resume)
 
+    def end_now(_signum: int, _frame: object) -> None:
+        stopping.insert(0, time.monotonic() - STOP_GRACE_S)  # past the grace: SIGKILL now and on every round
+        _kill_all(signal.SIGKILL)
+        raise _Stop
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(END_NOW, end_now)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     while True:
         if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:

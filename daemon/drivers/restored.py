@@ -94,6 +94,35 @@ def stop(trees: Sequence[RestoredTree], grace_s: float = reaper.STOP_GRACE_S + S
             os.close(fd)
 
 
+END_WAIT_S = 5.0
+"""Seconds :func:`end_now` gives a tree's init to end it (and remove its file copies) before it is killed."""
+
+
+def end_now(init_pid: int) -> None:
+    """Kill the tree under namespace init ``init_pid`` at once, through the init once it is the tree's reaper
+    (SIGUSR2: it kills everything, then removes the tree's file copies and exits, ``reaper``), and return once
+    the init is gone (SIGKILL after :data:`END_WAIT_S`). An init that is not yet the reaper (CRIU still
+    restoring) gets SIGKILL: it has no handler, so nothing but SIGKILL reaches it from outside. The caller
+    checked that ``init_pid`` names the tree's init (its start time)."""
+    try:
+        fd = os.pidfd_open(init_pid)
+    except ProcessLookupError:
+        return
+    try:
+        try:
+            reaping = open(f"/proc/{init_pid}/comm", "rb").read().strip() == reaper.COMM
+        except OSError:
+            reaping = False
+        signal.pidfd_send_signal(fd, reaper.END_NOW if reaping else signal.SIGKILL)
+        if _wait([fd], time.monotonic() + END_WAIT_S):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            _wait([fd], time.monotonic() + STOP_MARGIN_S)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _wait(fds: list[int], deadline: float) -> list[int]:
     """The pidfds of ``fds`` whose process still runs at ``deadline`` (a pidfd reads ready once it exits)."""
     left = list(fds)

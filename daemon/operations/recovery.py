@@ -23,8 +23,6 @@ get the original outcome across the restart.
 
 from __future__ import annotations
 
-import os
-import signal
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ import structlog
 
 from gpusnap.daemon.api.errors import AbortedError, Code, GpusnapError, error_for_code
 from gpusnap.daemon.api.types import FileCopy, RestoreOptions, RestoreResult, Snapshot
-from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.drivers import proc, restored
 from gpusnap.daemon.drivers.cuda import ProcessState
 from gpusnap.daemon.operations import leftover_criu, workers
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState, PhaseRunner
@@ -375,10 +373,7 @@ START_SLACK_S = leftover_criu.START_SLACK_S
 
 def _kill(init_pid: int, pids: list[int]) -> None:
     if init_pid:
-        try:
-            os.kill(init_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        restored.end_now(init_pid)  # (the init removes the tree's file copies)
     proc.kill_tree(pids)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from gpusnap.daemon.api.errors import (
     NotFoundError,
 )
 from gpusnap.daemon.api.types import Creds, FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
-from gpusnap.daemon.drivers import criu_userpaths, devshm, proc
+from gpusnap.daemon.drivers import criu_userpaths, devshm, proc, restored
 from gpusnap.daemon.drivers.criu import RestoredTree
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.gpu.controller import GpuTreeController
@@ -522,13 +521,11 @@ def _host_root_pid(init_pid: int, ns_pid: int) -> int:
 
 
 def _kill_tree(init_pid: int, root: int) -> None:
-    """Kill a restored tree: its namespace init takes everything inside with it; without one (a restore
-    into gpusnapd's PID namespace) every process of the tree is killed."""
+    """Kill a restored tree: its namespace init takes everything inside with it (and removes the tree's file
+    copies, ``drivers.restored.end_now``); without one (a restore into gpusnapd's PID namespace) every process
+    of the tree is killed."""
     if init_pid:
-        try:
-            os.kill(init_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        restored.end_now(init_pid)
         return
     try:
         pids = proc.tree_pids(root)

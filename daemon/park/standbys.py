@@ -17,7 +17,6 @@ import base64
 import collections
 import dataclasses
 import os
-import signal
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.drivers import proc, restored
 from gpusnap.daemon.store import documents
 from gpusnap.daemon.store.documents import DocumentError
 
@@ -87,10 +86,7 @@ def kill(standby: Standby) -> None:
     """Kill a standby's tree: its namespace init takes every process inside with it. CUDA processes of a
     standby are CHECKPOINTED (they hold no GPU state), so no GPU release comes first (cuda-checkpoint#53)."""
     if _same(standby.init_pid, standby.init_start):
-        try:
-            os.kill(standby.init_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        restored.end_now(standby.init_pid)  # (its init removes the tree's file copies)
     if _same(standby.root, standby.root_start):
         proc.kill_tree(proc.tree_pids_or_empty(standby.root))
 

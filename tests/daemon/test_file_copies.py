@@ -167,3 +167,37 @@ def test_files_held_through_two_descriptors_restore_in_place_first_then_through_
             }
             assert Path(copies[str(work / "a.log")]).read_bytes() == b"Xtart\nY"
     assert (work / "a.log").read_bytes() == b"Xtart\nY", "a later copy wrote into the file itself"
+
+
+def test_a_copy_lives_as_long_as_the_tree_that_writes_it(
+    daemon: DaemonProc, workloads: Workloads, tmp_path: Path
+) -> None:
+    """Issue 27, item 4: every later restore of a vLLM snapshot left ``/var/lib/libuuid/clock.txt.gpusnap-op-…``
+    and nothing removed it. Now the tree's init removes its copies once the tree has ended: stopped
+    (``gpusnap stop``), its root ended, or (a standby) dropped by gpusnapd."""
+    log = tmp_path / "w.log"
+    writer = _writer(sys.executable, log, workloads)
+    daemon.cli("dump", str(writer.pid), "--name", "logger", "--leave-running", check=True)  # every restore copies
+
+    def restored_copy() -> tuple[int, Path]:
+        doc = json.loads(daemon.cli("-o", "json", "restore", "logger", check=True).stdout)
+        workloads.adopt(doc["pid"])
+        [made] = doc["replicas"][0]["file_copies"]
+        copy = Path(made["copy"])
+        _counts_on(copy, b"", 3)
+        return int(doc["pid"]), copy
+
+    def copies() -> list[str]:
+        return sorted(p.name for p in tmp_path.glob("w.log.gpusnap-*"))
+
+    pid, stopped = restored_copy()
+    daemon.cli("stop", str(pid), check=True)
+    wait_for(lambda: not stopped.exists(), 10, "gpusnap stop left the tree's copy")
+    pid, ended = restored_copy()
+    os.kill(pid, signal.SIGKILL)  # the root ends: its init ends the rest, then removes the copy
+    wait_for(lambda: not ended.exists(), 20, "the tree's end left its copy")
+    made = json.loads(daemon.cli("-o", "json", "standby", "logger", check=True).stdout)["standbys"][0]
+    wait_for(lambda: len(copies()) == 1, 10, "the standby has no copy of its own")
+    daemon.cli("drop", made["id"], check=True)
+    wait_for(lambda: copies() == [], 10, f"dropping the standby left its copy: {copies()}")
+    assert _lines(log)[-1] > 3, "the source still writes its log"
