@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-gpu bench-gpu-engine bench-gpu-vllm bench-gpu-buffers bench-gpu-fill bench-restore-candidates bench-gpu-arena bench-overhead bench-thp bench-remote bench-fanout bench-baseline bench-offload bench-gpu-offload perf-chart clean help
+.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-verify bench-gpu bench-gpu-engine bench-gpu-vllm bench-gpu-buffers bench-gpu-fill bench-restore-candidates bench-gpu-arena bench-overhead bench-thp bench-remote bench-fanout bench-baseline bench-offload bench-gpu-offload perf-chart clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -96,6 +96,9 @@ bench-baseline: ## export REV's gpusnap package (default main) into build/baseli
 
 bench-offload: venv criu ## issue 19 item 8: checkpoint offload into sealed memfds vs BASELINE=DIR (default build/baseline), CPU worker [MIB=2048 ROUNDS=5] -> bench/results/*.json
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) bench/offload_bench.py --baseline $(or $(BASELINE),build/baseline) --mib $(or $(MIB),2048) --rounds $(or $(ROUNDS),5) $(BENCH_ARGS)
+
+bench-verify: venv criu ## issue 25: verify and the /dev/shm copies on the restore path vs BASELINE=DIR (default build/baseline) [STORE=ram|disk ANON_MB=2048 SHM_MB=512 ROUNDS=3] -> bench/results/*.json
+	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) bench/verify_bench.py --baseline $(or $(BASELINE),build/baseline) --store $(or $(STORE),ram) --anon-mb $(or $(ANON_MB),2048) --shm-mb $(or $(SHM_MB),512) --rounds $(or $(ROUNDS),3) $(BENCH_ARGS)
 
 bench-gpu-offload: $(PKG_LINKS) ## the same on a GPU worker (256 MiB tensors) [MIB=16384 ROUNDS=3] -> bench/results/*.json
 	$(GPU_ENV) $(PYTHON) bench/offload_bench.py --device cuda --baseline $(or $(BASELINE),build/baseline) --mib $(or $(MIB),16384) --rounds $(or $(ROUNDS),3) $(BENCH_ARGS)

@@ -1,6 +1,7 @@
 """A process with large dirty private anonymous regions, as a Python/torch heap has (run as a script).
 
     python anon_regions.py WORKDIR [--regions N] [--mb M] [--sparse-mb S] [--hugepage none|before-fill|before-dump]
+                           [--shm-mb H --shm-name NAME]
 
 - maps N private anonymous regions of M MiB each (the VMA kind glibc gives large allocations), fills each
   with a per-region pattern; maps one more region of S MiB (default 64) and touches one 4 KiB page in each
@@ -9,6 +10,8 @@
 - ``--hugepage before-fill``: ``madvise(MADV_HUGEPAGE)`` every region before touching it (its pages are born
   2 MiB where THP allows); ``before-dump``: after (what an agent does right before a dump: the VMAs carry
   VM_HUGEPAGE, the pages stay 4 KiB);
+- ``--shm-mb H``: also a /dev/shm segment ``NAME`` of H MiB, filled and held open for writing, as vLLM's
+  queues are (``multiprocessing.shared_memory``), hashed with the regions;
 - on SIGUSR1 it re-hashes the regions into WORKDIR/sha_now.
 WORKDIR/ready appears once the regions are filled (and advised).
 """
@@ -32,12 +35,23 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--sparse-mb", type=int, default=64)
     ap.add_argument("--hugepage", choices=("none", "before-fill", "before-dump"), default="none")
+    ap.add_argument("--shm-mb", type=int, default=0)
+    ap.add_argument("--shm-name", default="")
     args = ap.parse_args()
     wd = args.workdir
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     regions = [mmap.mmap(-1, args.mb * MIB, flags=flags) for _ in range(args.regions)]
     sparse = mmap.mmap(-1, args.sparse_mb * MIB, flags=flags) if args.sparse_mb else None
     every = [*regions, *([sparse] if sparse is not None else [])]
+    shm = None
+    if args.shm_mb:
+        from multiprocessing import resource_tracker, shared_memory
+
+        shm = shared_memory.SharedMemory(name=args.shm_name, create=True, size=args.shm_mb * MIB)
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # one process tree
+        pattern = bytes(i % 253 for i in range(4096)) * 256
+        for off in range(0, shm.size, len(pattern)):
+            shm.buf[off : off + len(pattern)] = pattern
     if args.hugepage == "before-fill":
         for m in every:
             m.madvise(mmap.MADV_HUGEPAGE)
@@ -56,6 +70,8 @@ def main() -> None:
         h = hashlib.sha256()
         for buf in every:
             h.update(buf)
+        if shm is not None:
+            h.update(shm.buf)
         return h.hexdigest()
 
     with open(os.path.join(wd, "expected_sha"), "w") as fh:
