@@ -206,7 +206,9 @@ def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared
     the helper emits ``{"event": "notify", "script": …, "pid": …}`` (at ``post-dump`` also ``"image_bytes"``: PID →
     bytes of pages the images hold for it, :mod:`gpusnap.daemon.drivers.criu_pages`) and waits for a line
     ``{"ok": true|false}`` on stdin; ``false`` makes CRIU fail the dump and resume the tree, or kill the
-    restored tree (at ``post-restore``; at ``pre-resume`` CRIU only logs it, so the daemon kills the tree).
+    restored tree (at ``post-restore``; at ``pre-resume`` CRIU only logs it and resumes the tasks, so the
+    daemon kills the tree before it answers, and a namespace init whose daemon died there, end of input,
+    kills every task of its namespace itself: gpusnapd's checks of the images had not passed).
     pycriu answers one request with one response and has no notification loop, so this loop is
     written here on pycriu's own ``rpc_pb2`` messages and transport.
     """
@@ -252,6 +254,8 @@ def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared
                     _emit(sys.stdout, event)
                     answer = sys.stdin.readline()
                     ok = bool(answer) and bool(json.loads(answer).get("ok"))
+                    if not answer and resp.notify.script == "pre-resume" and os.getpid() == 1:
+                        os.kill(-1, signal.SIGKILL)  # gpusnapd died: CRIU would resume tasks it never checked
                 ack = rpc.criu_req()
                 ack.type = rpc.NOTIFY
                 ack.notify_success = ok

@@ -435,7 +435,7 @@ class _CriuHooks:
                     reason="RESTORE_INCOMPLETE",
                 ) from exc
         except BaseException:
-            _kill_tree(t.init_pid, found[0] if found else t.ns_pid)
+            _kill_before_it_runs(t.init_pid, found[0] if found else t.ns_pid)
             raise
 
 
@@ -532,6 +532,16 @@ def _kill_tree(init_pid: int, root: int) -> None:
     except NotFoundError:
         return
     proc.kill_tree(pids)
+
+
+def _kill_before_it_runs(init_pid: int, root: int) -> None:
+    """At CRIU's ``pre-resume`` (every task restored and stopped), refused: CRIU resumes the tasks whatever the
+    answer, so each is killed here, before the answer. Each process is sent SIGKILL itself (the namespace
+    init's and CRIU among them): once ``kill`` returns every thread of it has a fatal signal pending and
+    runs no instruction of its own again. Killing only the namespace init left that to the init's exit,
+    after the answer: a restored task then ran (wrote a line of its log) before it died."""
+    proc.kill_tree(proc.tree_pids_or_empty(init_pid or root))
+    _kill_tree(init_pid, root)
 
 
 def _put_back_link_remaps(run: PhaseRunner, shm_dir: Path) -> list[devshm.LinkRemap]:
