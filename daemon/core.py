@@ -113,6 +113,7 @@ class Daemon:
             caller,
             lambda run: run_checkpoint(run, self.deps, opts, caller.uid),
             request_id,
+            dry_run=opts.dry_run,
         )
 
     def restore(self, opts: RestoreOptions, caller: Caller, request_id: str = "") -> OperationRecord:
@@ -439,13 +440,20 @@ class Daemon:
         )
 
     def _start_on_tree(
-        self, kind: OperationKind, pid: int, caller: Caller, body: Callable[[PhaseRunner], object], request_id: str = ""
+        self,
+        kind: OperationKind,
+        pid: int,
+        caller: Caller,
+        body: Callable[[PhaseRunner], object],
+        request_id: str = "",
+        *,
+        dry_run: bool = False,
     ) -> OperationRecord:
         """Validate ``pid`` and the caller's right to it, then start ``body`` holding the whole tree."""
         callers.require_identified(caller)
         validate.pid(pid)
         tree = callers.check_may_checkpoint(pid, caller)
-        record = OperationRecord(kind, target_pid=pid, owner_uid=caller.uid, request_id=request_id)
+        record = OperationRecord(kind, target_pid=pid, owner_uid=caller.uid, request_id=request_id, dry_run=dry_run)
         return self.registry.start(record, tree, body)
 
     def _earlier(self, caller: Caller, kind: OperationKind, request_id: str) -> OperationRecord | None:

@@ -34,9 +34,14 @@ ERROR = {
         "reason": {"type": "string", "pattern": "^[A-Z][A-Z0-9_]*$", "description": "docs/errors.md"},
         "action": {"enum": ["retry", "fall_back", "fix"]},
         "message": {"type": "string"},
-        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+        "metadata": {
+            "type": "object",
+            "additionalProperties": {"type": "string"},
+            "minProperties": 1,
+            "description": "left out when the error has none",
+        },
     },
-    "required": ["code", "reason", "action", "message", "metadata"],
+    "required": ["code", "reason", "action", "message"],
     "additionalProperties": False,
 }
 

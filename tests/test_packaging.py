@@ -150,3 +150,14 @@ def test_gpusnap_install_criu_gives_the_criu_gpusnapd_runs_with(
         assert node["host"]["criu_version"] == (prefix / "VERSION").read_text().strip(), node["host"]
     finally:
         stop_daemon(d)
+
+
+def test_python_m_build_in_a_checkout_runs_pypas_build(tmp_path: Path) -> None:
+    """`make run` keeps its socket and store in the checkout's build/ directory; `python -m build` there still runs
+    pypa's build (the dev environment has it), not that directory."""
+    (tmp_path / "build" / "run").mkdir(parents=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "build", "--version"], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert res.returncode == 0 and res.stdout.startswith("build "), res
+    assert "site-packages" in res.stdout, res.stdout

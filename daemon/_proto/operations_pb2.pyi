@@ -372,6 +372,7 @@ class Operation(_message.Message):
     TARGET_PID_FIELD_NUMBER: _builtins.int
     TARGET_SNAPSHOT_FIELD_NUMBER: _builtins.int
     CANCEL_NOTE_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"op-" + 26 lowercase base32 characters"""
     kind: Global___OperationKind.ValueType
@@ -387,6 +388,8 @@ class Operation(_message.Message):
     now; or it cannot be interrupted, runs to its end and the operation rolls back then (and why); or it is too
     late (why). Empty while none was requested.
     """
+    dry_run: _builtins.bool
+    """a checkpoint that ran its preflight only (CheckpointRequest.dry_run): no snapshot"""
     @_builtins.property
     def started(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -433,10 +436,11 @@ class Operation(_message.Message):
         target_pid: _builtins.int = ...,
         target_snapshot: _builtins.str = ...,
         cancel_note: _builtins.str = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "standby", b"standby", "started", b"started", "suspend", b"suspend", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_note", b"cancel_note", "error", b"error", "finished", b"finished", "id", b"id", "kind", b"kind", "phase", b"phase", "phases", b"phases", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "standby", b"standby", "started", b"started", "state", b"state", "suspend", b"suspend", "target_pid", b"target_pid", "target_snapshot", b"target_snapshot", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_note", b"cancel_note", "dry_run", b"dry_run", "error", b"error", "finished", b"finished", "id", b"id", "kind", b"kind", "phase", b"phase", "phases", b"phases", "restore", b"restore", "result", b"result", "resume", b"resume", "snapshot", b"snapshot", "standby", b"standby", "started", b"started", "state", b"state", "suspend", b"suspend", "target_pid", b"target_pid", "target_snapshot", b"target_snapshot", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["snapshot", "restore", "suspend", "resume", "transfer", "standby"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015

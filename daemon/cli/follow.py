@@ -22,20 +22,28 @@ if TYPE_CHECKING:
 
 @contextmanager
 def phase_display(enabled: bool) -> Iterator[Callable[[OperationEvent], None]]:
-    """A live phase display on a terminal; a no-op elsewhere."""
+    """A live phase display on a terminal; a no-op elsewhere. A phase shows the seconds it has run, and once it
+    ended the seconds it took (as the operation recorded them: ``wait`` on an ended operation replays its phases
+    at once, and they show what they took, not how long the replay took)."""
     if not enabled:
         yield lambda event: None
         return
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn
+    from rich.text import Text
 
     from gpusnap.daemon.api.types import EventType as E
+
+    class Seconds(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            took = task.fields.get("took")
+            return Text(f"{took if took is not None else task.elapsed or 0.0:.2f}s", style="progress.elapsed")
 
     columns = (
         SpinnerColumn(),
         TextColumn("{task.description:<12}"),
         BarColumn(),
         TextColumn("{task.fields[moved]}"),
-        TimeElapsedColumn(),
+        Seconds(),
     )
     with Progress(*columns, console=console(stderr=True), transient=False) as progress:
         tasks: dict[str, Any] = {}
@@ -43,7 +51,7 @@ def phase_display(enabled: bool) -> Iterator[Callable[[OperationEvent], None]]:
         def show(event: OperationEvent) -> None:
             phase = event.phase or ""
             if event.type == E.PHASE_STARTED:
-                tasks[phase] = progress.add_task(phase, total=None, moved="")
+                tasks[phase] = progress.add_task(phase, total=None, moved="", took=None)
             elif event.type == E.PROGRESS and phase in tasks:
                 progress.update(
                     tasks[phase],
@@ -58,6 +66,7 @@ def phase_display(enabled: bool) -> Iterator[Callable[[OperationEvent], None]]:
                     description=phase + mark,
                     completed=1,
                     total=1,
+                    took=event.duration_seconds,
                     moved=moved(
                         event.bytes, event.bytes, event.bytes / event.duration_seconds if event.duration_seconds else 0
                     ),

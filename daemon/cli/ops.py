@@ -88,22 +88,23 @@ def list_operations(obj: Ctx) -> None:
 
 
 def operations_table(ops: list[Operation], wide: bool) -> Table:
-    """``ops``: one row per operation; narrower than ``WIDE``, each operation's target (a 31-character
-    snapshot id) goes under its id, so that ids, kinds, states and times stay whole within 80 columns."""
+    """``ops``: one row per operation (a dry run's kind is ``dry-run``); narrower than ``WIDE``, each operation's
+    target (a 31-character snapshot id) goes under its id and its phase under its state, so that every value
+    stays whole within 80 columns."""
     headers = (
         ("ID", "KIND", "STATE", "PHASE", "STARTED", "TARGET")
         if wide
-        else ("ID / TARGET", "KIND", "STATE", "PHASE", "STARTED")
+        else ("ID / TARGET", "KIND", "STATE / PHASE", "STARTED")
     )
     table = new_table(*headers)
-    for i in (0, 1, 2, 4):  # ID, KIND, STATE and STARTED stay on one line; phases (and targets) fold
-        table.columns[i].no_wrap = True
+    for column in table.columns:  # nothing is cut: ids, kinds, states, phases (resume-worker) stay whole
+        column.no_wrap = True
     for op in ops:
         started = op.started.astimezone().strftime("%H:%M:%S")
         target = op.target_snapshot or str(op.target_pid or "-")
-        cells = [op.id, op.kind.value, op.state.value, op.phase, started]
+        kind = "dry-run" if op.dry_run else op.kind.value  # a checkpoint's preflight only: no snapshot
         if wide:
-            add_row(table, *cells, target)
+            add_row(table, op.id, kind, op.state.value, op.phase, started, target)
         else:
-            add_row(table, (op.id, target), *cells[1:])
+            add_row(table, (op.id, target), kind, (op.state.value, op.phase), started)
     return table

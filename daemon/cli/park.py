@@ -20,6 +20,7 @@ from gpusnap.daemon.cli.output import (
     phase_summary,
     print_table,
     safe,
+    wide,
 )
 
 if TYPE_CHECKING:
@@ -104,12 +105,16 @@ def list_standbys(obj: Ctx, snapshot: str) -> None:
 
 
 def print_standbys(found: list[Standby]) -> None:
-    """The standbys table (``standbys``, and under ``ls`` when there are any)."""
-    table = new_table("STANDBY", "SNAPSHOT", "PID", "HOST MEMORY", "STATE")
-    for i in (0, 2, 3, 4):  # the standby id, PID, memory and state stay on one line; the snapshot id folds
-        table.columns[i].no_wrap = True
+    """The standbys table (``standbys``, and under ``ls`` when there are any); narrower than ``WIDE``, each
+    standby's snapshot goes under its id, so that no id is split over lines at 80 columns."""
+    is_wide = wide()
+    headers = ("STANDBY", "SNAPSHOT") if is_wide else ("STANDBY / SNAPSHOT",)
+    table = new_table(*headers, "PID", "HOST MEMORY", "STATE")
+    for column in table.columns:
+        column.no_wrap = True
     for s in found:
-        add_row(table, s.id, s.snapshot_id, str(s.pid), human_size(s.host_memory_bytes), s.state)
+        ids: tuple[str | tuple[str, ...], ...] = (s.id, s.snapshot_id) if is_wide else ((s.id, s.snapshot_id),)
+        add_row(table, *ids, str(s.pid), human_size(s.host_memory_bytes), s.state)
     print_table(table)
 
 
@@ -162,9 +167,11 @@ def _knob(value: int | None) -> str:
 
 
 def print_ladder(ladder: Ladder, events: bool = True) -> None:
-    """Workloads by rung, the budgets and (``events``) the latest moves (``park``; ``node`` without moves)."""
-    table = new_table("RUNG", "WORKLOAD", "ACTIVE/SUSP/STANDBY", "KEEP WARM", "PRIO", "HOST MEM")
-    table.columns[0].no_wrap = True
+    """Workloads by rung, the budgets and (``events``) the latest moves, one a line (``park``; ``node`` without
+    moves). A workload is named by its snapshot's name, else its id; no id is split over lines at 80 columns."""
+    table = new_table("RUNG", "WORKLOAD", "ACT/SUSP/SB", "WARM", "PRIO", "HOST MEM")
+    for column in table.columns:
+        column.no_wrap = True
     for w in ladder.workloads:
         add_row(
             table,
@@ -184,13 +191,15 @@ def print_ladder(ladder: Ladder, events: bool = True) -> None:
         add_row(budgets, b.name, human_size(b.used_bytes), human_size(b.budget_bytes) if b.budget_bytes else "-")
     print_table(budgets)
     if events and ladder.events:
-        moves = new_table("TIME", "WORKLOAD", "MOVE", "WHY")
+        names = {w.snapshot_id: w.name for w in ladder.workloads if w.name}
+        out = console()
+        out.print("MOVES (latest last)", highlight=False)
         for e in ladder.events[-10:]:
             when = e.time.astimezone(UTC).astimezone().strftime("%H:%M:%S")
             src = e.from_rung.value if e.from_rung else "new"
             dst = e.to_rung.value if e.to_rung else "deleted"
-            add_row(moves, when, e.snapshot_id, f"{src} -> {dst}", e.reason)
-        print_table(moves)
+            line = f"{when} {names.get(e.snapshot_id, e.snapshot_id)} {src} -> {dst}: {e.reason}"
+            out.print(safe(line), highlight=False, markup=False)
 
 
 def _selector(snapshot: str, labels: tuple[str, ...]) -> dict[str, Any]:

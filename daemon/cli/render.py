@@ -33,12 +33,13 @@ def render(doc: Any, omit: frozenset[str] = frozenset()) -> str:
 
 def error(err: GpusnapError) -> dict[str, Any]:
     """A domain error as the ``error`` object of docs/schemas/v1/cli.schema.json."""
+    metadata = {k: v for k, v in err.metadata.items() if k != "action"}
     return {
         "code": err.code.name,
         "reason": err.reason,
         "action": err.action.value,
         "message": err.message,
-        "metadata": {k: v for k, v in err.metadata.items() if k != "action"},
+        **({"metadata": metadata} if metadata else {}),  # a value that is not there is left out
     }
 
 

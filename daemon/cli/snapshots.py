@@ -48,7 +48,7 @@ def list_snapshots(obj: Ctx, labels: tuple[str, ...], remote: bool, running: boo
         table.columns[i].no_wrap = True
     for s in snaps:
         created = s.created.astimezone().strftime("%Y-%m-%d %H:%M")
-        cells = [s.id, s.name or "-", created, human_size(s.size_bytes)]
+        cells = [s.id, s.name or "-", created, human_size(s.size_bytes + s.buffer_bytes)]  # images and weights
         if wide:
             gpus = len({u for g in s.gpu_processes for u in g.gpu_uuids})
             cells += [f"{s.source.pid} {s.source.comm}", str(gpus)]

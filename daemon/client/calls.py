@@ -10,7 +10,9 @@ and :meth:`DaemonClient.wait`.
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -55,6 +57,52 @@ def _duration(seconds: float | None) -> duration_pb2.Duration | None:
     d = duration_pb2.Duration()
     d.FromMilliseconds(int(seconds * 1000))
     return d
+
+
+CHECKOUT_SOCKET = "build/run/gpusnapd.sock"
+"""Where ``make run`` serves, in its checkout."""
+
+
+def unreachable(path: str) -> str:
+    """Why no gpusnapd answers on the socket ``path``, in words, and how to reach one (gRPC's own text, "failed to
+    connect to all addresses; last error: UNKNOWN: unix:…", is left out)."""
+    try:
+        is_socket = stat.S_ISSOCK(os.stat(path).st_mode)
+        why = "nothing answers on it (a gpusnapd that stopped left it?)" if is_socket else "it is not a socket"
+    except FileNotFoundError:
+        why = "there is no socket there"
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    here = Path(CHECKOUT_SOCKET)
+    if here.is_socket() and here.resolve() != Path(path).resolve():
+        where = f"this checkout's `make run` serves {here}: pass --socket {here} (or set GPUSNAP_SOCKET)"
+    else:
+        where = (
+            "start it (`systemctl start gpusnapd`, or `sudo gpusnapd`), or name the one that runs with --socket "
+            f"(or GPUSNAP_SOCKET): `make run` serves {here} in its checkout"
+        )
+    return f"cannot reach gpusnapd at {path}: {why}; {where}"
+
+
+def socket_permission(path: str) -> str:
+    """What to do about a socket ``path`` the caller may not use: join the group it has (its name, as on this
+    host), or have one set up (``socket_group``) where it has only root's."""
+    st = os.stat(path)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    mode = f"mode {stat.S_IMODE(st.st_mode):04o}, group {group}"
+    if st.st_gid == 0:
+        return (
+            f"no permission to use {path} ({mode}): only root may; to let users in, an administrator sets "
+            "socket_group in gpusnapd.toml to a group of theirs (`make install-service` creates `gpusnap`) and "
+            "restarts gpusnapd"
+        )
+    return (
+        f"no permission to use {path} ({mode}); ask an administrator to add you to group {group} "
+        f"(`usermod -aG {group} $USER`, then log in again)"
+    )
 
 
 class DaemonClient:
@@ -110,19 +158,13 @@ class DaemonClient:
 
     def _error(self, exc: grpc.RpcError) -> GpusnapError:
         err = from_rpc_error(exc)
+        if err.code != Code.UNAVAILABLE or not self.target.startswith("unix:"):
+            return err
         path = self.target.removeprefix("unix:")
-        if err.code == Code.UNAVAILABLE and os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
-            return PermissionDeniedError(
-                f"no permission to use {path}; ask an administrator to add you to its group "
-                "(`usermod -aG gpusnap $USER`, then log in again)",
-                reason="SOCKET_PERMISSION",
-            )
-        if err.code == Code.UNAVAILABLE and err.reason in ("DAEMON_UNAVAILABLE", "UNAVAILABLE"):
-            return UnavailableError(
-                f"cannot reach gpusnapd at {self.target.removeprefix('unix:')} ({err.message}); is it running? "
-                "start it (`systemctl start gpusnapd`, `sudo gpusnapd`, or `make run` in a checkout), or pass --socket",
-                reason="DAEMON_UNAVAILABLE",
-            )
+        if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+            return PermissionDeniedError(socket_permission(path), reason="SOCKET_PERMISSION")
+        if err.reason in ("DAEMON_UNAVAILABLE", "UNAVAILABLE"):
+            return UnavailableError(unreachable(path), reason="DAEMON_UNAVAILABLE")
         return err
 
     def checkpoint(

@@ -240,6 +240,8 @@ class Operation:
     """restore, push, pull: the snapshot's id."""
     cancel_note: str | None
     """Once a cancel was requested: what it does (stops now; runs its phase to the end first, and why; too late)."""
+    dry_run: bool | None = None
+    """A checkpoint that ran its preflight only (``dump --dry-run``): it made no snapshot."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,8 +288,8 @@ class StoreTier:
     name: str
     path: str
     used_bytes: int
-    budget_bytes: int
-    """0: no budget (free space bounds it)."""
+    budget_bytes: int | None
+    """None: no budget (free space bounds it)."""
     free_bytes: int
     blobs: int
 
@@ -373,8 +375,8 @@ class Workload:
 class Budget:
     name: str
     used_bytes: int
-    budget_bytes: int
-    """0: none."""
+    budget_bytes: int | None
+    """None: no budget."""
 
 
 @dataclasses.dataclass(frozen=True)

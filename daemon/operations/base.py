@@ -96,8 +96,11 @@ class OperationRecord:
         owner_uid: int = 0,
         request_id: str = "",
         journal: Journal | None = None,
+        dry_run: bool = False,
     ):
         self.id = new_operation_id()
+        self.dry_run = dry_run
+        """A checkpoint that runs its preflight only (``dump --dry-run``)."""
         self.request_id = request_id
         self.journal = journal
         self.facts: dict[str, Any] = {}
@@ -197,6 +200,7 @@ class OperationRecord:
             "phase": self.phase,
             "target_pid": self.target_pid,
             "target_snapshot": self.target_snapshot,
+            "dry_run": self.dry_run,
             "facts": self.facts,
             "error": error,
             "result": result_json(self.result),

@@ -170,6 +170,7 @@ def _record(entry: dict[str, Any]) -> OperationRecord:
         target_snapshot=str(entry.get("target_snapshot", "")),
         owner_uid=int(entry["owner_uid"]),
         request_id=str(entry.get("request_id", "")),
+        dry_run=bool(entry.get("dry_run", False)),
     )
     record.id = entry["id"]
     record.started = datetime.fromisoformat(entry["started"])

@@ -223,6 +223,7 @@ def operation(r: OperationRecord) -> operations_pb2.Operation:
         target_pid=r.target_pid,
         target_snapshot=r.target_snapshot,
         cancel_note=r.cancel_note,
+        dry_run=r.dry_run,
     )
     if r.finished:
         msg.finished.CopyFrom(timestamp(r.finished))

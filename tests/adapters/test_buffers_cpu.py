@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.api.errors import GpusnapError
+from gpusnap.daemon.api.sizes import human_size
 from gpusnap.daemon.client.values import OperationState
 from tests.adapters import torch_venv
 from tests.conftest import DaemonProc, criu_killed, kill_tree, phase_seconds, start_daemon, stop_daemon, wait_for
@@ -74,6 +75,8 @@ def test_weights_leave_the_image_and_come_back(daemon: DaemonProc, tmp_path: Pat
     no_offload_image = WEIGHT_BYTES  # at least: the weights themselves are anonymous memory
     assert dumped["size_bytes"] < no_offload_image, f"image {dumped['size_bytes']} holds the weights"
     assert _blob_bytes(daemon) == WEIGHT_BYTES
+    row = next(line for line in daemon.cli("ls", check=True).stdout.splitlines() if snap["id"] in line)
+    assert human_size(dumped["size_bytes"] + dumped["buffer_bytes"]) in row, f"ls SIZE counts the weights: {row}"
 
     pids = []
     try:
@@ -84,6 +87,8 @@ def test_weights_leave_the_image_and_come_back(daemon: DaemonProc, tmp_path: Pat
         after = worker.generate()
         assert after == before, "identical tokens and weights from the restored worker"
         assert worker.events()[-2:] == [f"resume restored=True resident={WEIGHT_BYTES}", "warm_up"]
+        ops = daemon.cli("ops", check=True, env={"COLUMNS": ""}).stdout  # 80 columns, off a terminal
+        assert re.search(r"^ .*\bresume-worker\b", ops, re.M) and max(map(len, ops.splitlines())) <= 80, ops
     finally:
         kill_tree(*pids)
 

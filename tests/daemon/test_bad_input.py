@@ -10,7 +10,7 @@ import pytest
 
 from gpusnap.daemon.api.errors import DataLossError, GpusnapError, InvalidArgumentError, NotFoundError
 from gpusnap.daemon.store import checksum
-from tests.conftest import DaemonProc, Workloads
+from tests.conftest import DaemonProc, Workloads, _cli_env
 
 
 def _still_serving(daemon: DaemonProc) -> None:
@@ -211,16 +211,30 @@ def test_a_malformed_gpu_map_is_refused_on_a_node_without_gpus(daemon: DaemonPro
 
 
 def test_unreachable_daemon_exit_code(tmp_path: Path) -> None:
+    """No daemon: exit 7, the cause in words (not gRPC's "failed to connect to all addresses"), and, run in a
+    checkout whose `make run` serves build/run/gpusnapd.sock without --socket, that socket named."""
+    import socket
     import subprocess
     import sys
 
-    res = subprocess.run(
-        [sys.executable, "-m", "gpusnap.daemon.cli", "--socket", str(tmp_path / "none.sock"), "ls"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert res.returncode == 7 and "cannot reach gpusnapd" in res.stderr
+    def ls(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "gpusnap.daemon.cli", *args, "ls"]
+        env = {k: v for k, v in _cli_env().items() if k != "GPUSNAP_SOCKET"}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+
+    res = ls("--socket", str(tmp_path / "none.sock"))
+    assert res.returncode == 7, res
+    assert f"cannot reach gpusnapd at {tmp_path / 'none.sock'}: there is no socket there" in res.stderr, res.stderr
+    assert "failed to connect" not in res.stderr and "`make run` serves build/run/gpusnapd.sock" in res.stderr
+    (tmp_path / "build" / "run").mkdir(parents=True)
+    with socket.socket(socket.AF_UNIX) as served:  # a checkout's `make run` socket; --socket forgotten
+        served.bind(str(tmp_path / "build" / "run" / "gpusnapd.sock"))
+        served.listen()
+        res = ls("--socket", "/run/gpusnap-none/gpusnapd.sock")
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 7 and (
+        "this checkout's `make run` serves build/run/gpusnapd.sock: pass --socket build/run/gpusnapd.sock" in said
+    ), said
 
 
 def test_tree_in_a_user_namespace_is_refused(daemon: DaemonProc) -> None:

@@ -58,7 +58,9 @@ def test_tables_fit_80_columns_off_a_terminal(daemon: DaemonProc, workloads: Wor
     folded = "".join(line[start:end].strip() for line in lines[1 : 1 + (len(LONG_NAME) + 16) // 17])
     assert folded == LONG_NAME, f"the name is not intact:\n{narrow}"
     ops = daemon.cli("ops", check=True, env={"COLUMNS": ""}).stdout
-    assert any(line.strip() == snap["id"] for line in ops.splitlines()), f"the restore's target is split:\n{ops}"
+    assert any(line.split()[:2] == [snap["id"], "validate"] for line in ops.splitlines()), (
+        f"the target is split:\n{ops}"
+    )
     assert re.search(r"op-[a-z2-7]{26} +restore +succeeded", ops), f"an operation's row is split:\n{ops}"
     store = daemon.cli("store", check=True, env={"COLUMNS": ""}).stdout
     assert str(daemon.store) in store and "1 snapshot," in store, store
@@ -163,3 +165,35 @@ def test_a_missing_criu_names_the_installer_a_wheel_brings(tmp_path: Path) -> No
     assert proc.wait(timeout=60) == 3
     log = (tmp_path / "log").read_text()
     assert "`gpusnap-install-criu`" in log and flags(DEFAULT_PREFIX) in log, log
+
+
+def test_ops_store_errors_and_wait_as_a_person_sees_them(
+    daemon: DaemonProc, workloads: Workloads, tmp_path: Path
+) -> None:
+    """A dry run is listed as one, not as a succeeded checkpoint; `store -o json` leaves out a budget there is not,
+    and an error without facts its metadata; `wait` on an ended operation shows what each phase took, not the
+    0:00:00 of its replay (in a terminal)."""
+    from tests.pty_shell import Shell
+
+    w = workloads.start("--mem-mb", "64", "--no-listener", "--no-child")
+    dry = json.loads(daemon.cli("-o", "json", "dump", str(w.pid), "--dry-run", check=True).stdout)
+    assert dry["dry_run"] is True and dry["kind"] == "checkpoint", dry
+    op = json.loads(daemon.cli("-o", "json", "dump", str(w.pid), "--name", "big", check=True).stdout)["operation"]
+    ops = daemon.cli("ops", check=True, env={"COLUMNS": ""}).stdout
+    assert re.search(rf"^ {dry['id']} +dry-run +succeeded", ops, re.M), ops
+    assert re.search(rf"^ {op} +checkpoint +succeeded", ops, re.M), ops
+    tiers = json.loads(daemon.cli("-o", "json", "store", check=True).stdout)["tiers"]
+    assert tiers and all("budget_bytes" not in t for t in tiers), f"no budget is left out, not 0: {tiers}"
+    err = json.loads(daemon.cli("-o", "json", "wait", "op-" + "a" * 26).stdout)["error"]
+    assert err["reason"] == "OPERATION_NOT_FOUND" and "metadata" not in err, err
+
+    sh = Shell(tmp_path, {**_cli_env(), "GPUSNAP_SOCKET": str(daemon.socket)})
+    try:
+        shown = sh.run(f"{sys.executable} -m gpusnap.daemon.cli wait {op}")
+    finally:
+        sh.close()
+    took = {
+        p["phase"]: p["duration_seconds"] for p in json.loads(daemon.cli("-o", "json", "wait", op).stdout)["phases"]
+    }
+    assert "0:00:00" not in shown, shown
+    assert re.search(rf"dump .* {took['dump']:.2f}s", shown), f"the dump's own {took['dump']:.2f} s:\n{shown}"

@@ -133,8 +133,16 @@ def test_what_a_person_sees_of_standbys_and_the_ladder(tmp_path: Path, workloads
         events = _json(d, "park")["events"]  # type: ignore[index]
         assert not [e for e in events if dry["id"] in e["reason"]], "a dry run of another PID moved nothing"
         assert all(e["reason"] for e in events), events
-        text = d.cli("park", check=True).stdout
-        assert "unspecified" not in text and re.search(r"new -> disk", text), text
+        spare = _json(d, "standby", "web")["standbys"][0]  # type: ignore[index]
+        workloads.adopt(spare["pid"])
+        listed = d.cli("standbys", check=True, env={"COLUMNS": ""}).stdout  # 80 columns, off a terminal
+        words = listed.split()
+        assert spare["id"] in words and spare["snapshot_id"] in words, f"an id is split:\n{listed}"
+        assert max(map(len, listed.splitlines())) <= 80, listed
+        text = d.cli("park", check=True, env={"COLUMNS": ""}).stdout
+        assert max(map(len, text.splitlines())) <= 80, text
+        assert re.search(r"\bweb new -> disk: checkpoint op-[a-z2-7]{26}\b", " ".join(text.split())), text
+        assert "unspecified" not in text and re.search(r"^ active +web +3/0/1 ", text, re.M), text
         assert re.search(r"standby_ram\s+[\d.]+ (B|[KMG]iB)\s+114\.4 MiB", text), text
 
         refused = d.cli("park", "set", "web", "--keep-warm", "8")
