@@ -26,8 +26,8 @@ class ParkConfig:
     priority: int = 0
     standby_idle_s: float = 3600.0
     standby_ram_bytes: int = 0
-    """Host memory all standbys together may hold (their resident memory; reservations of standbys being
-    made included). 0: none."""
+    """Host memory all standbys together may hold (their resident memory measured live, their inits included;
+    reservations of standbys being made included). 0: none (``DaemonConfig.park`` fills in its default)."""
     gpu_bytes: int = 0
     """GPU memory the trees gpusnapd restored or activated may hold together (as captured: CUDA state plus
     buffers; reservations of restores in flight included). 0: none."""
@@ -112,6 +112,14 @@ class DaemonConfig:
     """WaitOperation/WatchOperation streams one uid may hold open (they hold no thread)."""
     max_connections_per_caller: int = 128
     """Connections to the API socket one non-root uid may hold open (three descriptors each); 0: no bound."""
+    max_trees_per_caller: int = 32
+    """Restored trees and standbys (each with a namespace init of root's) one non-root uid may hold at once,
+    counted live when a restore or standby starts (``operations.tree_bounds``); 0: no bound."""
+    max_tree_memory_per_caller: int = 0
+    """Host memory those trees of one non-root uid may hold together, measured live (resident, their inits
+    included), bytes; 0: a quarter of the host's physical memory."""
+    max_policies_per_caller: int = 64
+    """Park rules one non-root uid may hold (the node's 1024 are shared by all; root's are not counted there)."""
     remote: str = ""
     """Remote store for push and pull, ``s3://BUCKET/PREFIX``; empty = none. Credentials come from the AWS
     SDK's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance roles)."""
@@ -142,7 +150,8 @@ class DaemonConfig:
     park_standby_idle_s: float = 3600.0
     """``[park] standby_idle_s``: a standby beyond keep_warm unused this long is dropped; 0: never."""
     park_standby_ram_bytes: int = 0
-    """``[park] standby_ram_bytes``: host memory all standbys may hold together, bytes; 0: no budget."""
+    """``[park] standby_ram_bytes``: host memory all standbys may hold together (measured live), bytes; 0: half
+    of the host's physical memory."""
     park_gpu_bytes: int = 0
     """``[park] gpu_bytes``: GPU memory the trees gpusnapd restored may hold together, bytes; 0: no budget."""
     park_interval_s: float = 30.0
@@ -221,18 +230,27 @@ class DaemonConfig:
                 "must be positive",
                 reason="BAD_CONFIG",
             )
+        if min(self.max_trees_per_caller, self.max_tree_memory_per_caller, self.max_policies_per_caller) < 0:
+            raise InvalidArgumentError(
+                "max_trees_per_caller, max_tree_memory_per_caller and max_policies_per_caller must not be negative",
+                reason="BAD_CONFIG",
+            )
         if self.log_format not in ("auto", "json", "console"):
             raise InvalidArgumentError(
                 f"log_format must be auto, json or console, not {self.log_format!r}", reason="BAD_CONFIG"
             )
 
+    def tree_memory_per_caller(self) -> int:
+        """``max_tree_memory_per_caller``, its default (a quarter of the host's memory) filled in."""
+        return self.max_tree_memory_per_caller or physical_memory() // 4
+
     def park(self) -> ParkConfig:
-        """The ``[park]`` section."""
+        """The ``[park]`` section (``standby_ram_bytes``' default, half of the host's memory, filled in)."""
         return ParkConfig(
             keep_warm=self.park_keep_warm,
             priority=self.park_priority,
             standby_idle_s=self.park_standby_idle_s,
-            standby_ram_bytes=self.park_standby_ram_bytes,
+            standby_ram_bytes=self.park_standby_ram_bytes or physical_memory() // 2,
             gpu_bytes=self.park_gpu_bytes,
             interval_s=self.park_interval_s,
         )
@@ -265,6 +283,11 @@ def _coerce(name: str, typ: Any, value: Any) -> Any:
         return str(value)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"config {name}: {value!r} is not a valid {typ}", reason="BAD_CONFIG") from exc
+
+
+def physical_memory() -> int:
+    """The host's physical memory, bytes (``sysconf``)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

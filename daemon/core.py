@@ -33,7 +33,7 @@ from gpusnap.daemon.api.types import (
     RestoreResult,
     Snapshot,
 )
-from gpusnap.daemon.drivers import restored
+from gpusnap.daemon.drivers import proc, restored
 from gpusnap.daemon.drivers.nvml import GpuDevice
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.operations import remote as remote_ops
@@ -142,14 +142,16 @@ class Daemon:
             record = OperationRecord(
                 OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
             )
-            return self.registry.start(
+            admitted = self._admit(caller.uid, snapshot, opts.replicas, f"restoring {snapshot.id}")
+            return self._start_held(
                 record,
                 (),
                 lambda run: (
                     remote_ops.run_pull(run, self.deps, snapshot.id, caller),
                     run_restore(run, self.deps, here),
                 )[1],
-                opts.replicas,
+                admitted,
+                weight=opts.replicas,
             )
         callers.check_may_restore(snapshot, caller, lambda: self.deps.store.not_found(opts.snapshot))
         opts = dataclasses.replace(opts, snapshot=snapshot.id)  # validated: the operation checks it no more
@@ -160,14 +162,26 @@ class Daemon:
         standby = self._standby_for(snapshot.id, opts)
         if standby is not None:  # restored ahead: activate it instead (gpusnap.daemon.operations.standby)
             return self._start_activation(record, standby, opts, caller, release)
+        try:
+            admitted = self._admit(caller.uid, snapshot, opts.replicas, f"restoring {snapshot.id}")
+        except BaseException:
+            release()
+            raise
         skipped = self._standbys_skipped(snapshot.id, opts)
         return self._start_held(
             record,
             (),
             lambda run: dataclasses.replace(run_restore(run, self.deps, opts), standbys_skipped=skipped),
-            release,
+            _both(release, admitted),
             weight=opts.replicas,
         )
+
+    def _admit(self, uid: int, snapshot: Snapshot, copies: int, what: str) -> Callable[[], None]:
+        """``uid``'s admission of ``copies`` more trees of ``snapshot`` (``operations.tree_bounds``)."""
+        bounds = self.deps.tree_bounds
+        if bounds is None:
+            return _nothing
+        return bounds.admit(uid, copies, snapshot.source.rss_bytes or snapshot.size_bytes, what)
 
     def _start_held(
         self,
@@ -243,8 +257,20 @@ class Daemon:
             OperationKind.STANDBY, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
         )
         here = dataclasses.replace(opts, snapshot=snapshot.id)
-        release = self.ladder.reserve_standby(snapshot, opts.count) if self.ladder is not None else _nothing
-        return self._start_held(record, (), lambda run: run_standby(run, self.deps, here), release)
+        admitted = self._admit(
+            caller.uid,
+            snapshot,
+            opts.count,
+            f"making {opts.count} standby{'s' if opts.count > 1 else ''} of {snapshot.id}",
+        )
+        try:
+            release = self.ladder.reserve_standby(snapshot, opts.count) if self.ladder is not None else _nothing
+        except BaseException:
+            admitted()
+            raise
+        return self._start_held(
+            record, (), lambda run: run_standby(run, self.deps, here), _both(release, admitted), weight=opts.count
+        )
 
     def activate(
         self, standby_id: str, opts: RestoreOptions, caller: Caller, gpu: str = "", request_id: str = ""
@@ -311,7 +337,8 @@ class Daemon:
     def standbys(self, caller: Caller, snapshot: str = "") -> list[Standby]:
         """The caller's standbys (root: all), of ``snapshot`` when given, oldest first."""
         snapshot_id = self.snapshot(snapshot, caller).id if snapshot else ""
-        return registry(self.deps).list(callers.visible_uid(caller), snapshot_id)
+        table = proc.ProcessTable.now()  # their memory as it is now, one listing of the processes for all
+        return [s.now(table) for s in registry(self.deps).list(callers.visible_uid(caller), snapshot_id)]
 
     def drop_standby(self, standby_id: str, caller: Caller) -> str:
         """Kill a standby's tree and forget it.
@@ -661,6 +688,7 @@ class Daemon:
         uid = callers.visible_uid(caller)
         snapshots = self.deps.store.list(owner_uid=uid)
         standbys = self.deps.standbys.list(uid) if self.deps.standbys is not None else []
+        table = proc.ProcessTable.now()
         pulls, pull_bytes = self.deps.store.unfinished_pulls() if uid is None else (0, 0)
         return NodeInfo(
             host=host_facts(self.deps),
@@ -675,7 +703,7 @@ class Daemon:
             remote=str(self.deps.remote or ""),
             tiers=self._tiers(uid),
             standbys=len(standbys),
-            standby_host_memory_bytes=sum(s.host_memory_bytes for s in standbys),
+            standby_host_memory_bytes=sum(s.live_memory_bytes(table) for s in standbys),
             unfinished_pulls=pulls,
             unfinished_pull_bytes=pull_bytes,
         )
@@ -699,6 +727,18 @@ def operation_key(record: OperationRecord) -> paging.Key:
 
 def _nothing() -> None:
     """No reservation to release (no park ladder)."""
+
+
+def _both(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    """Release ``first``, then ``then`` (whatever the first raised)."""
+
+    def release() -> None:
+        try:
+            first()
+        finally:
+            then()
+
+    return release
 
 
 def _no_standby(standby_id: str) -> NotFoundError:

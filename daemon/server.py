@@ -24,9 +24,9 @@ from gpusnap.daemon._proto import (
     snapshots_pb2,
     snapshots_pb2_grpc,
 )
-from gpusnap.daemon.access import rundirs
+from gpusnap.daemon.access import callers, rundirs
 from gpusnap.daemon.api.errors import FailedPreconditionError
-from gpusnap.daemon.api.types import ROOT_CALLER, FinishedOperation
+from gpusnap.daemon.api.types import FinishedOperation
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
 from gpusnap.daemon.drivers import host
@@ -41,6 +41,7 @@ from gpusnap.daemon.operations.failpoints import NONE as NO_FAULTS
 from gpusnap.daemon.operations.failpoints import Failpoints
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.operations.standby import StandbyOptions
+from gpusnap.daemon.operations.tree_bounds import TreeBounds
 from gpusnap.daemon.park.ladder import Ladder, blob_rank
 from gpusnap.daemon.park.policy import FILE as POLICIES
 from gpusnap.daemon.park.policy import Policies
@@ -168,7 +169,7 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
         require_gpu_use=overrides.prefill_require_gpu_use,
     )
     undo.callback(prefill.close)
-    policies = Policies(config.store / POLICIES, config.park())
+    policies = Policies(config.store / POLICIES, config.park(), config.max_policies_per_caller)
     policies.load()
     store, journal = _storage(config, remote, prefill, policies, executor, undo)
     gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
@@ -189,6 +190,7 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
         remote=remote,
         prefill=prefill,
         standbys=standbys,
+        tree_bounds=TreeBounds(config.max_trees_per_caller, config.tree_memory_per_caller()),
     )
     metrics = _metrics(config, gpu, criu_version, lambda: daemon)
     ladder = Ladder(  # its own moves go through the same calls as a caller's (on the daemon built below)
@@ -197,7 +199,7 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
         policies,
         config.store,
         remote is not None,
-        make_standby=lambda snapshot_id: daemon.standby(StandbyOptions(snapshot_id), ROOT_CALLER),
+        make_standby=lambda snapshot: daemon.standby(StandbyOptions(snapshot.id), callers.owner_of(snapshot)),
         drop_standby=lambda standby_id: standby_ops.drop(deps, standby_id),
     )
     # each operation's end, published once by the registry, to the metrics, the park ladder and the prefill

@@ -21,6 +21,15 @@ def sees(caller: Caller, owner_uid: int) -> bool:
     return caller.is_root or owner_uid == caller.uid
 
 
+def owner_of(snapshot: Snapshot) -> Caller:
+    """The caller the daemon acts as for ``snapshot``'s owner (the park ladder's keep-warm standbys): the
+    owner's operation slots and tree bounds, not root's."""
+    if snapshot.owner_uid == 0:
+        return Caller(pid=0, uid=0, gid=0)
+    gid = snapshot.owner_creds.gid if snapshot.owner_creds else snapshot.source.gid
+    return Caller(pid=0, uid=snapshot.owner_uid, gid=gid)
+
+
 def visible_uid(caller: Caller) -> int | None:
     """The uid whose things ``caller`` sees in a listing; ``None`` (everyone's) for root."""
     return None if caller.is_root else caller.uid

@@ -32,18 +32,25 @@ STOP_MARGIN_S = 5.0
 
 def running() -> list[RestoredTree]:
     """The restored trees running now, oldest first (see the module docstring)."""
-    trees = []
-    for p in psutil.process_iter(["name"]):
-        if p.info["name"] != COMM:
-            continue
-        tree = _tree(p.pid)
+    return [t for t, _ in trees()]
+
+
+def trees(table: proc.ProcessTable | None = None) -> list[tuple[RestoredTree, list[int]]]:
+    """:func:`running`, each with every PID of its namespace (its init first), from one listing of the
+    processes (``table``, or one read now): listing N trees costs one pass over /proc, not N."""
+    table = table or proc.ProcessTable.now()
+    found = []
+    for init_pid in table.named(COMM):
+        pids = table.descendants(init_pid)
+        tree = _tree(init_pid, table.children.get(init_pid, []), len(pids) - 1)
         if tree is not None:
-            trees.append(tree)
-    return sorted(trees, key=lambda t: (t.started, t.pid))
+            found.append((tree, pids))
+    return sorted(found, key=lambda f: (f[0].started, f[0].pid))
 
 
-def _tree(init_pid: int) -> RestoredTree | None:
-    """The tree under ``init_pid`` if that is a restored tree's init whose root runs, else ``None``."""
+def _tree(init_pid: int, children: list[int], process_count: int) -> RestoredTree | None:
+    """The tree under ``init_pid`` (its ``children``; ``process_count`` processes under it) if that is a restored
+    tree's init whose root runs, else ``None``."""
     try:
         init = psutil.Process(init_pid)
         argv = init.cmdline()
@@ -51,7 +58,7 @@ def _tree(init_pid: int) -> RestoredTree | None:
             return None
         args = dict(a.lstrip("-").partition("=")[::2] for a in argv[3:] if "=" in a)
         ns_root = int(args.get("root", "0"))
-        root = next((c for c in proc.children(init_pid) if proc.namespace_pid(c) == ns_root), 0)
+        root = next((c for c in children if proc.namespace_pid(c) == ns_root), 0)
         if not ns_root or not root:
             return None
         process = psutil.Process(root)
@@ -63,7 +70,7 @@ def _tree(init_pid: int) -> RestoredTree | None:
             operation_id=args.get("operation", ""),
             uid=process.uids().real,
             started=datetime.fromtimestamp(process.create_time(), UTC),
-            process_count=max(len(proc.tree_pids_or_empty(init_pid)) - 1, 0),
+            process_count=max(process_count, 0),
         )
     except (psutil.Error, OSError, ValueError, LookupError):  # gone meanwhile, or not one of ours
         return None
@@ -78,7 +85,9 @@ def stop(trees: Sequence[RestoredTree], grace_s: float = reaper.STOP_GRACE_S + S
             fd = os.pidfd_open(tree.init_pid)
         except ProcessLookupError:
             continue
-        same = _tree(tree.init_pid)  # checked after the pidfd holds the process: no reused PID is signalled
+        same = _tree(
+            tree.init_pid, proc.children(tree.init_pid), 0
+        )  # checked once the pidfd holds it: never a reused PID
         if same is None or (same.operation_id, same.started) != (tree.operation_id, tree.started):
             os.close(fd)
             continue

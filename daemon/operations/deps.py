@@ -7,6 +7,7 @@ import dataclasses
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.gpu.support import GpuSupport
+from gpusnap.daemon.operations.tree_bounds import TreeBounds
 from gpusnap.daemon.park.standbys import StandbyRegistry
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.store import SnapshotStore
@@ -28,3 +29,5 @@ class Deps:
     """Device memory filled by gpusnapd at restore (``gpu_prefill``); None: off."""
     standbys: StandbyRegistry | None = None
     """The node's standbys (``gpusnap.daemon.park.standbys``); None: this daemon keeps none (embedders)."""
+    tree_bounds: TreeBounds | None = None
+    """Per-uid bounds on restored trees and standbys (``operations.tree_bounds``); None: none (embedders)."""

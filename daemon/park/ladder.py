@@ -166,8 +166,8 @@ class Ladder:
         policies: the node's park policies and ``[park]`` settings.
         state_dir: where the tracked trees are kept (``park-active.json``).
         remote: whether a remote store is configured (a blob missing locally is then on the remote rung).
-        make_standby: starts a standby operation of one copy of a snapshot, as root (``Daemon.standby``); the
-            ladder makes none without it.
+        make_standby: starts a standby operation of one copy of a snapshot, as the snapshot's owner
+            (``Daemon.standby``: the owner's operation slots and tree bounds); the ladder makes none without it.
         drop_standby: drops a standby by id (``operations.standby.drop``); the ladder drops none without it.
     """
 
@@ -179,7 +179,7 @@ class Ladder:
         state_dir: Path,
         remote: bool,
         *,
-        make_standby: Callable[[str], Started] | None = None,
+        make_standby: Callable[[Snapshot], Started] | None = None,
         drop_standby: Callable[[str], object] | None = None,
     ):
         self.store = store
@@ -190,7 +190,7 @@ class Ladder:
         self.events: collections.deque[Event] = collections.deque(maxlen=KEEP_EVENTS)
         self.moves: collections.Counter[tuple[str, str]] = collections.Counter()
         self.make_standby = make_standby
-        """Starts a standby operation of one copy of a snapshot, as root (``Daemon.standby``)."""
+        """Starts a standby operation of one copy of a snapshot, as its owner (``Daemon.standby``)."""
         self.drop_standby = drop_standby
         """Drops a standby by id (``operations.standby.drop``)."""
         self._active_path = state_dir / ACTIVE_FILE
@@ -379,7 +379,9 @@ class Ladder:
         return release
 
     def _standby_used(self) -> int:
-        ready = sum(s.host_memory_bytes for s in self.standbys.list())
+        """The standbys' memory now (measured live, inits included) plus what standbys being made reserved."""
+        table = proc.ProcessTable.now()
+        ready = sum(s.live_memory_bytes(table) for s in self.standbys.list())
         return ready + sum(self._reserved["standby_ram"].values())
 
     def _gpu_used(self) -> int:
@@ -472,7 +474,8 @@ class Ladder:
             return
         have = self._by_snapshot()
         wanted = []
-        for snapshot in self.store.list():
+        snapshots = {s.id: s for s in self.store.list()}
+        for snapshot in snapshots.values():
             policy = self.policies.effective(snapshot)
             if (policy.keep_warm or 0) > len(have.get(snapshot.id, [])):
                 wanted.append((-(policy.priority or 0), snapshot.created, snapshot.id, policy.keep_warm))
@@ -489,7 +492,7 @@ class Ladder:
             if time.monotonic() - self._failed_at.get(snapshot_id, -RETRY_S) < RETRY_S:
                 continue
             try:
-                self._making[snapshot_id] = self.make_standby(snapshot_id)
+                self._making[snapshot_id] = self.make_standby(snapshots[snapshot_id])
                 log.info("park.keep_warm", snapshot=snapshot_id, keep_warm=keep)
             except GpusnapError as exc:  # over budget, busy: try again at a later pass, and say why in the ladder
                 self._failed_at[snapshot_id] = time.monotonic()
@@ -521,6 +524,7 @@ class Ladder:
 
     def _workloads(self) -> list[Workload]:
         self._prune_tracked()
+        table = proc.ProcessTable.now()
         standbys = self._by_snapshot(ready_only=False)
         out = []
         for snapshot in self.store.list():
@@ -538,7 +542,7 @@ class Ladder:
                     suspended=len(suspended),
                     standbys=len(mine),
                     policy=self.policies.effective(snapshot),
-                    host_memory_bytes=sum(s.host_memory_bytes for s in mine)
+                    host_memory_bytes=sum(s.live_memory_bytes(table) for s in mine)
                     + sum(proc.rss_bytes(proc.tree_pids_or_empty(t.root)) for t in suspended),
                     gpu_memory_bytes=sum(t.gpu_bytes for t in active),
                     ram_tier_bytes=ram,
@@ -600,7 +604,7 @@ class Ladder:
         return {
             "rungs": {r.label: sum(1 for w in workloads if w.rung is r) for r in Rung},
             "standbys": len(self.standbys.list()),
-            "standby_bytes": sum(s.host_memory_bytes for s in self.standbys.list()),
+            "standby_bytes": self._standby_used() - sum(self._reserved["standby_ram"].values()),
             "moves": dict(self.moves),
         }
 

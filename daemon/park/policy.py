@@ -13,6 +13,16 @@ snapshot rule over its label rules (in the order they were set, later over earli
 
 A rule belongs to its setter: a label rule of a non-root user applies to that user's snapshots only, a
 snapshot rule needs the right to restore that snapshot. Rules live in ``<store>/park-policies.json``.
+
+Root's rules are the operator's: a user's rules apply under them (root's label and snapshot rules over the
+user's, whenever either was set), and a user's ``priority`` never ranks its workloads above the node's
+default priority (``[park] priority``) unless a rule of root's sets theirs: a user may order its own workloads
+by lowering some, not take the standby budget from everyone else's (issue 26, item 2: a user's priority of
+1000 dropped 3 of root's 4 standbys, and a user's rule set after root's on its snapshot replaced root's).
+A non-root uid holds at most ``max_policies_per_caller`` rules (64), and all non-root uids together at most
+:data:`MAX_RULES`; root's own rules count apart, so no user can keep root from setting one, and root may
+delete any user's rule (``DeletePolicy`` by root with a selector none of root's has removes the users' rules
+with that selector).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from pathlib import Path
 
 import structlog
 
-from gpusnap.daemon.api.errors import InvalidArgumentError
+from gpusnap.daemon.api.errors import InvalidArgumentError, ResourceExhaustedError
 from gpusnap.daemon.api.types import Policy, Snapshot
 from gpusnap.daemon.config import ParkConfig
 from gpusnap.daemon.store import documents
@@ -34,6 +44,9 @@ log = structlog.get_logger(__name__)
 
 FILE = "park-policies.json"
 MAX_RULES = 1024
+"""Rules of all non-root uids together (and, apart, root's)."""
+MAX_RULES_PER_USER = 64
+"""``max_policies_per_caller``'s default."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +77,10 @@ class Rule:
 class Policies:
     """The node's rules (module docstring), durable in ``path``. Thread-safe."""
 
-    def __init__(self, path: Path, config: ParkConfig):
+    def __init__(self, path: Path, config: ParkConfig, max_per_user: int = MAX_RULES_PER_USER):
         self.path = path
         self.config = config
+        self.max_per_user = max_per_user
         self._lock = threading.Lock()
         self._rules: list[Rule] = []
 
@@ -93,16 +107,35 @@ class Policies:
         rule.policy.check()
         with self._lock:
             rules = [r for r in self._rules if not r.same_selector(rule)] + [rule]
-            if len(rules) > MAX_RULES:
-                raise InvalidArgumentError(f"at most {MAX_RULES} park policies", reason="INVALID_POLICY")
+            mine = sum(1 for r in rules if r.owner_uid == rule.owner_uid)
+            users = sum(1 for r in rules if r.owner_uid != 0)
+            if rule.owner_uid != 0 and self.max_per_user and mine > self.max_per_user:
+                raise ResourceExhaustedError(
+                    f"uid {rule.owner_uid} has {mine - 1} park policies, the most max_policies_per_caller allows; "
+                    "delete one first (`gpusnap park` lists them, `gpusnap park unset` deletes one)",
+                    reason="TOO_MANY_POLICIES",
+                    metadata={"limit": str(self.max_per_user)},
+                )
+            if (mine if rule.owner_uid == 0 else users) > MAX_RULES:
+                raise ResourceExhaustedError(
+                    f"the node holds {MAX_RULES} park policies of {'root' if rule.owner_uid == 0 else 'its users'}, "
+                    "the most it keeps; delete one first (`gpusnap park unset`)",
+                    reason="TOO_MANY_POLICIES",
+                    metadata={"limit": str(MAX_RULES)},
+                )
             self._rules = rules
             documents.save_items(self.path, rules)
         return rule
 
     def delete(self, rule: Rule) -> bool:
-        """Remove the rule with ``rule``'s selector and owner; False when there was none."""
+        """Remove the rule with ``rule``'s selector and owner; for root with no such rule of its own, every
+        user's rule with that selector. False when there was none."""
         with self._lock:
             rules = [r for r in self._rules if not r.same_selector(rule)]
+            if len(rules) == len(self._rules) and rule.owner_uid == 0:
+                rules = [
+                    r for r in self._rules if (r.snapshot_id, dict(r.labels)) != (rule.snapshot_id, dict(rule.labels))
+                ]
             if len(rules) == len(self._rules):
                 return False
             self._rules = rules
@@ -115,12 +148,16 @@ class Policies:
             return [r for r in self._rules if owner_uid is None or r.owner_uid == owner_uid]
 
     def effective(self, snapshot: Snapshot) -> Policy:
-        """``snapshot``'s policy: its snapshot rules over its label rules over the defaults, every knob set."""
-        policy = self.config.defaults
-        rules = self.rules()
-        for rule in [r for r in rules if not r.snapshot_id] + [r for r in rules if r.snapshot_id]:
-            if rule.applies_to(snapshot):
-                policy = rule.policy.over(policy)
+        """``snapshot``'s policy, every knob set: root's snapshot rules over root's label rules over the owner's
+        snapshot rules over the owner's label rules over the defaults, with a priority of the owner's no higher
+        than the default's unless root's rules set one (module docstring)."""
+        defaults = self.config.defaults
+        applying = [r for r in self.rules() if r.applies_to(snapshot)]
+        policy = defaults
+        for rule in sorted(applying, key=lambda r: (r.owner_uid == 0, bool(r.snapshot_id))):  # (stable: set order)
+            policy = rule.policy.over(policy)
+        if not any(r.owner_uid == 0 and r.policy.priority is not None for r in applying):
+            policy = dataclasses.replace(policy, priority=min(policy.priority or 0, defaults.priority or 0))
         return policy
 
     def forget_snapshot(self, snapshot_id: str) -> None:

@@ -62,7 +62,7 @@ class Standby:
     cuda_pids: tuple[int, ...]
     private_network: bool
     host_memory_bytes: int
-    """Resident memory of its tree when it was made (bytes)."""
+    """Resident memory of its tree when it was made (bytes; :meth:`now` gives what it holds now)."""
     digests: tuple[str, ...] = ()
     """Its snapshot's buffer digests, pinned in the buffer store while it stands by."""
     buffer_uid: int = 0
@@ -72,9 +72,18 @@ class Standby:
         """Its namespace init and root are the processes it was made with (same start times)."""
         return _same(self.init_pid, self.init_start) and _same(self.root, self.root_start)
 
-    def live_memory_bytes(self) -> int:
-        """Resident memory of its tree now (bytes; 0 once it is gone)."""
-        return proc.rss_bytes(proc.tree_pids_or_empty(self.root)) if _same(self.root, self.root_start) else 0
+    def live_memory_bytes(self, table: proc.ProcessTable | None = None) -> int:
+        """Resident memory of its tree now, its namespace init included (bytes; 0 once it is gone): what the
+        standby budget and the owner's tree bounds count, however the tree changed since it was made (its
+        owner may continue its processes). ``table``: one listing of the processes for many standbys."""
+        table = table or proc.ProcessTable.now()
+        if _same(self.init_pid, self.init_start):
+            return proc.rss_bytes(table.descendants(self.init_pid))
+        return proc.rss_bytes(table.descendants(self.root)) if _same(self.root, self.root_start) else 0
+
+    def now(self, table: proc.ProcessTable | None = None) -> Standby:
+        """This standby with ``host_memory_bytes`` as its tree holds now (:meth:`live_memory_bytes`)."""
+        return dataclasses.replace(self, host_memory_bytes=self.live_memory_bytes(table))
 
 
 def _same(pid: int, start: float) -> bool:

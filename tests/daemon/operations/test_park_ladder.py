@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.daemon.access import callers
 from gpusnap.daemon.api.errors import InvalidArgumentError, ResourceExhaustedError
 from gpusnap.daemon.api.types import ROOT_CALLER, Policy, RestoreOptions, Snapshot
 from gpusnap.daemon.config import ParkConfig
@@ -72,7 +73,7 @@ def _park(node: GpuNode, tmp_path: Path, config: ParkConfig) -> Park:
         policies,
         tmp_path / "store",
         remote=False,
-        make_standby=lambda snapshot_id: daemon.standby(StandbyOptions(snapshot_id), ROOT_CALLER),
+        make_standby=lambda snapshot: daemon.standby(StandbyOptions(snapshot.id), callers.owner_of(snapshot)),
         drop_standby=lambda standby_id: standby_ops.drop(deps, standby_id),
     )
     registry = OperationRegistry(subscribers=[ladder.after_operation])
@@ -157,6 +158,7 @@ def test_the_standby_budget_takes_from_the_lowest_priority_first(park: Park, nod
     park.ladder.tick()
     [row] = [w for w in park.ladder.workloads() if w.snapshot.id == low.id]
     assert row.note.startswith(f"keep_warm 1 not met: standbys of {low.id} need ") and "budget" in row.note, row
+    park.ladder.config = park.ladder.policies.config = ParkConfig(standby_ram_bytes=2 * low.size_bytes - 1)
     with pytest.raises(InvalidArgumentError) as never:  # two can never fit: refused when set
         park.policy(low, keep_warm=2)
     assert never.value.reason == "INVALID_POLICY" and "could never be met" in never.value.message
