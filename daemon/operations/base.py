@@ -582,7 +582,10 @@ class PhaseProgress:
         """Emit a ``PROGRESS`` event: ``done`` of ``total`` bytes (0: not known), at ``rate`` bytes a second (default:
         measured over the reports of the last ``RATE_WINDOW_S``); ``message``: e.g. which process, how long."""
         now = time.monotonic()
-        self._samples = [(t, b) for t, b in self._samples if now - t <= RATE_WINDOW_S and b <= done]
+        earlier = [(t, b) for t, b in self._samples if b <= done]
+        recent = [(t, b) for t, b in earlier if now - t <= RATE_WINDOW_S]
+        # the window's samples, and the last before it: a report after a long gap still has a rate
+        self._samples = earlier[len(earlier) - len(recent) - 1 :] if len(earlier) > len(recent) else recent
         if rate is None:
             first_t, first_b = self._samples[0] if self._samples else (now, done)
             rate = (done - first_b) / (now - first_t) if now - first_t >= RATE_MIN_S else 0.0

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from gpusnap.daemon.client.values import EventType
 from tests.conftest import DaemonProc, Workloads
 
@@ -45,3 +47,22 @@ def test_dump_checksum_and_restore_report_bytes_and_rate(daemon: DaemonProc, wor
         r"^\d\d:\d\d:\d\d\.\d restore phase finished [\d.]+ MiB at [\d.]+ [KMG]iB/s in [\d.]+ s$", text, re.M
     )
     assert re.search(r"^\d\d:\d\d:\d\d\.\d operation finished$", text, re.M), text
+
+
+def test_the_rate_is_over_the_last_seconds_and_survives_a_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A phase measured from outside can go seconds without a new count (CRIU busy elsewhere); the report after the
+    gap still says a rate, over the bytes since the last report before it."""
+    from gpusnap.daemon.operations import base
+
+    clock = [100.0]
+    monkeypatch.setattr(base.time, "monotonic", lambda: clock[0])
+    record = base.OperationRecord(base.OperationKind.RESTORE)
+    progress = base.PhaseProgress(record, "restore")
+    tick = progress.ticks(total=4 << 30)
+    for at, done in ((100.5, 256 << 20), (101.0, 512 << 20), (104.0, 2 << 30), (104.5, 2 << 30)):
+        clock[0] = at
+        tick(done)
+    rates = [e.bytes_per_second for e in record.events if e.type is base.EventType.PROGRESS]
+    assert len(rates) == 3, "an unchanged count is not reported again"
+    assert rates[0] == pytest.approx((256 << 20) / 0.5) and rates[1] == pytest.approx((512 << 20) / 1.0)
+    assert rates[2] == pytest.approx(((2 << 30) - (512 << 20)) / 3.0), "after the gap: since the report before it"
