@@ -42,7 +42,14 @@ from gpusnap.daemon.operations.checkpoint import host_facts, run_checkpoint
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.operations.restore import run_restore
-from gpusnap.daemon.operations.standby import StandbyOptions, drop, registry, run_activate, run_standby
+from gpusnap.daemon.operations.standby import (
+    StandbyOptions,
+    drop,
+    drop_lost,
+    registry,
+    run_activate,
+    run_standby,
+)
 from gpusnap.daemon.operations.suspend import run_resume, run_suspend
 from gpusnap.daemon.park.ladder import Budget, Event, Ladder, Workload
 from gpusnap.daemon.park.policy import Rule
@@ -213,6 +220,7 @@ class Daemon:
         """A ready standby of ``snapshot_id`` that a restore with ``opts`` may take (claimed), if any."""
         if self.deps.standbys is None or opts.no_standby or opts.replicas != 1 or opts.host_pid_namespace:
             return None
+        drop_lost(self.deps, snapshot_id)  # a standby whose tree is gone is no standby
         return self.deps.standbys.claim_for(snapshot_id, opts.private_network)
 
     def _standbys_skipped(self, snapshot_id: str, opts: RestoreOptions) -> str:
@@ -301,6 +309,7 @@ class Daemon:
             gpu_map=_gpu_map(snapshot, gpu, opts.gpu_map),
             private_network=found.private_network,  # (a restore instead takes a standby made alike)
         )
+        drop_lost(self.deps, snapshot.id)  # a standby whose tree is gone is no standby
         claimed = standbys.claim(standby_id)
         if claimed is None:  # another activation has it, or it is gone: restore its snapshot
             return self.restore(opts, caller, request_id)
@@ -337,6 +346,7 @@ class Daemon:
     def standbys(self, caller: Caller, snapshot: str = "") -> list[Standby]:
         """The caller's standbys (root: all), of ``snapshot`` when given, oldest first."""
         snapshot_id = self.snapshot(snapshot, caller).id if snapshot else ""
+        drop_lost(self.deps, snapshot_id)  # (ended by their owner, or stopped, since the ladder's last pass)
         table = proc.ProcessTable.now()  # their memory as it is now, one listing of the processes for all
         return [s.now(table) for s in registry(self.deps).list(callers.visible_uid(caller), snapshot_id)]
 
@@ -679,6 +689,8 @@ class Daemon:
                 metadata={"operation_id": busy[0]},
             )
         restored.stop(chosen)
+        if self.deps.standbys is not None:
+            drop_lost(self.deps)  # a standby's tree stopped: the standby goes with it
         return chosen
 
     def node_info(self, caller: Caller) -> NodeInfo:

@@ -168,6 +168,16 @@ def drop(deps: Deps, standby_id: str) -> Standby | None:
     return sb
 
 
+def drop_lost(deps: Deps, snapshot_id: str = "") -> list[Standby]:
+    """Drop every ready standby (of ``snapshot_id``, when given) whose tree is gone: stopped (``gpusnap
+    stop``), killed, or ended by its owner, whose processes they are. Such a standby is never offered again:
+    a restore restores its snapshot from the images instead (issue 26, item 7: it stayed "ready", and the next
+    restore failed ``STANDBY_LOST``). Returns those dropped."""
+    standbys = registry(deps)
+    lost = [sb for sb in standbys.list(snapshot_id=snapshot_id) if not sb.tree_alive()]
+    return [sb for sb in lost if drop(deps, sb.id) is not None]
+
+
 def gpu_memory_held(deps: Deps, pids: Sequence[int]) -> dict[int, int]:
     """GPU memory that NVML sees ``pids`` hold (PID → bytes); empty for CHECKPOINTED processes, which hold none.
 

@@ -452,6 +452,9 @@ class Ladder:
         """One pass: idle standbys, the standby budget, keep_warm, the buffer tiers (module docstring)."""
         now = datetime.now(UTC)
         with self._lock:
+            for sb in self.standbys.list():
+                if sb.state == READY and not sb.tree_alive():  # stopped, or ended by its owner: no standby now
+                    self._drop(sb, "its tree ended")
             for snapshot_id, standbys in self._by_snapshot().items():
                 policy = self._policy_of(snapshot_id)
                 idle = policy.standby_idle_s or 0
