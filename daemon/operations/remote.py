@@ -6,7 +6,8 @@ the remote lacks; the chunks read must make up the recorded digests) → ``publi
 by a conditional put). Nothing is listed remotely before ``publish``; an interrupted push leaves chunks
 that the next push reuses and garbage collection removes after its grace period.
 
-Pull phases: ``preflight`` (manifest read and checked, caller allowed, compatibility gate, room) →
+Pull phases: ``preflight`` (manifest read and checked, caller allowed, compatibility gate, room; while another
+operation downloads the same snapshot, it waits for that download and takes its result: :func:`_own_pull`) →
 ``download`` (into ``<store>/pulls/<id>`` and the buffer store's ``pulling/<id>``, every chunk checked
 against its digest; chunks an interrupted pull already wrote are kept after the same check, unless it
 lay untouched for ``pull_grace``: ``SnapshotStore.expire_pulls``; a download that ran out of room removes
@@ -24,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpusnap.daemon.access import callers
-from gpusnap.daemon.api.errors import FailedPreconditionError, ResourceExhaustedError
+from gpusnap.daemon.api.errors import AbortedError, FailedPreconditionError, ResourceExhaustedError
 from gpusnap.daemon.api.types import Caller, TransferResult
 from gpusnap.daemon.operations import provenance
 from gpusnap.daemon.operations.base import Phase, PhaseRunner
@@ -33,7 +34,7 @@ from gpusnap.daemon.remote import evict
 from gpusnap.daemon.remote.layout import RemoteManifest
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.remote.transfer import Item, Tally, pull_chunks, push_chunks
-from gpusnap.daemon.store.store import IMAGES
+from gpusnap.daemon.store.store import IMAGES, SnapshotStore
 
 
 def require_remote(deps: Deps) -> RemoteStore:
@@ -117,12 +118,11 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
             snap = doc.snapshot
             run.record.target_snapshot = snap.id
             callers.check_may_restore(snap, caller, lambda: remote.not_found(ref))
-            if (store.snapshots_dir / snap.id).exists():
+            if not _own_pull(run, store, snap.id, stack):  # another operation's download brought it here
                 return TransferResult(snapshot_id=snap.id, remote=str(remote))
             provenance.check(deps, snap.id, doc.provenance)
             if snap.name:
                 store.check_name_free(snap.name, snap.owner_uid)
-            stack.enter_context(store.pulling(snap.id))  # a second pull of it waits for this one
             store.expire_pulls()  # what other pulls left, past the grace period
             work = store.pulls_dir / snap.id
             blob_work = store.buffers.pulling / snap.id
@@ -152,6 +152,35 @@ def run_pull(run: PhaseRunner, deps: Deps, ref: str, caller: Caller) -> Transfer
             if blobs:
                 store.buffers.schedule_budgets()
     return _result(snap.id, remote, tally)
+
+
+WAIT_POLL_S = 0.5
+"""How often a pull waiting for another operation's download of the same snapshot checks for a cancel."""
+
+
+def _own_pull(run: PhaseRunner, store: SnapshotStore, snapshot_id: str, stack: contextlib.ExitStack) -> bool:
+    """Take the pull of ``snapshot_id`` (held on ``stack``), or find it in the store: True when this operation
+    downloads it, False when it is here already. While another operation downloads it, this one waits for that
+    download (its work slot free meanwhile) and takes what it published, as concurrent pulls of one container
+    image do: two restores of one remote-only snapshot fetch it once (issue 26, item 8). If that download
+    fails, this one pulls, resuming from what it left.
+
+    Raises:
+        CancelledError: cancelled while it waited.
+    """
+    while True:
+        if (store.snapshots_dir / snapshot_id).exists():
+            return False
+        try:
+            stack.enter_context(store.pulling(snapshot_id))
+            return True
+        except AbortedError as busy:
+            if busy.reason != "SNAPSHOT_BUSY":
+                raise
+        run.log.info("pull.waiting_for_another", snapshot_id=snapshot_id)
+        with run.waiting():
+            while not store.wait_pulled(snapshot_id, WAIT_POLL_S):
+                run.check_cancelled(during=True)
 
 
 @contextlib.contextmanager

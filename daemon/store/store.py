@@ -149,6 +149,7 @@ class SnapshotStore:
         self.staging_dir = root / "staging"
         self.pulls_dir = root / "pulls"
         self._lock = threading.Lock()
+        self._pull_ended = threading.Condition(self._lock)
         self._reserved_names: dict[tuple[int, str], str] = {}
         """(owner uid, name) -> id of the snapshot being written under that name."""
         self._lock_fd: int | None = None
@@ -308,8 +309,14 @@ class SnapshotStore:
         try:
             yield
         finally:
-            with self._lock:
+            with self._pull_ended:
                 self._pulls.discard(work)
+                self._pull_ended.notify_all()
+
+    def wait_pulled(self, work: str, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until no operation pulls ``work`` (:meth:`pulling`); True once none does."""
+        with self._pull_ended:
+            return self._pull_ended.wait_for(lambda: work not in self._pulls, timeout_s)
 
     def expire_pulls(self) -> list[str]:
         """Remove what unfinished pulls left (``pulls/<id>``, the buffer store's ``pulling/<id>``): at once

@@ -83,3 +83,23 @@ def test_without_a_remote_push_says_how_to_configure_one(daemon, workloads: Work
     assert res.returncode == 4 and "--remote s3://BUCKET/PREFIX" in res.stderr, res.stderr
     res = daemon.cli("ls", "--remote")
     assert res.returncode == 4 and "no remote store" in res.stderr, res.stderr
+
+
+def test_two_restores_of_a_remote_only_snapshot_share_one_download(fleet: Fleet, workloads: Workloads) -> None:
+    """Issue 26, item 8: the second of two concurrent restores of a snapshot only the remote store holds was
+    refused at once ("is being pulled by another operation"). Now it waits for the first's download, as
+    concurrent pulls of one container image do, and restores: both succeed and the snapshot is fetched once."""
+    a, b = fleet.node("a"), fleet.node("b")
+    w = workloads.start("--mem-mb", "64", "--no-listener", "--no-child")
+    dumped = cli_json(a, "dump", str(w.pid), "--push")
+    a.cli("wait", dumped["push_operation"], check=True)
+    client = b.client()
+    started = [client.restore(dumped["id"], private_network=True) for _ in range(2)]
+    done = [op.wait(timeout_s=300) for op in started]
+    for op in done:
+        assert op.error is None, op.error
+        assert op.restore is not None
+        workloads.adopt(op.restore.pid)
+    downloads = [sum(p.bytes for p in op.phases if p.phase == "download") for op in done]
+    assert sorted(d > 0 for d in downloads) == [False, True], f"fetched {downloads} bytes: once, by one of them"
+    assert sum(downloads) >= 64 << 20
