@@ -7,8 +7,10 @@ guide: ``gpusnap_`` prefix, base units (seconds, bytes), ``_total`` for counters
 
 from __future__ import annotations
 
+import io
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +28,11 @@ MAX_SCRAPE_CONNECTIONS = 8
 """Scrapes served at once; further connections are closed as they are accepted (any local user can reach
 the endpoint: 1000 half-sent requests once held 1014 threads and 1074 descriptors)."""
 SCRAPE_READ_TIMEOUT_S = 5.0
-"""A scrape's request must arrive within this, or its connection is closed."""
+"""A scrape's whole request must arrive within this of its connection, or the connection is closed: a
+deadline for the request, not a timeout per read (8 connections sending one byte every 4 s once held every
+slot for as long as they went on: issue 26, item 9)."""
+SCRAPE_TOTAL_S = 15.0
+"""A scrape's connection is closed this long after it was accepted, whatever it still sends or reads."""
 
 # Phases last from milliseconds (publish) to minutes (a GPU dump of a large model).
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -158,8 +164,53 @@ class Metrics:
             self._server = None
 
 
+class _DeadlineReader(io.RawIOBase):
+    """The connection's reading side, every read bounded by what is left of one deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock = sock
+        self.deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the scrape's request did not arrive in time")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buf)
+
+
 class _TimedHandler(_SilentHandler):
+    """The request must arrive within ``SCRAPE_READ_TIMEOUT_S`` of the accept, however it trickles in, and the
+    answer goes out within ``SCRAPE_TOTAL_S`` of it (a scraper that does not read it is cut off)."""
+
     timeout = SCRAPE_READ_TIMEOUT_S  # StreamRequestHandler sets it on the connection before reading
+
+    def setup(self) -> None:
+        super().setup()
+        start = time.monotonic()
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, start + SCRAPE_READ_TIMEOUT_S))
+        self._total = start + SCRAPE_TOTAL_S
+
+    def parse_request(self) -> bool:
+        ok = bool(super().parse_request())  # the request line and headers are in: the answer's time begins
+        self.connection.settimeout(max(self._total - time.monotonic(), 0.001))
+        return ok
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (TimeoutError, OSError):  # the deadline passed, or the scraper went away: the connection closes
+            pass
+
+    def finish(self) -> None:
+        self.connection.settimeout(max(self._total - time.monotonic(), 0.001))
+        try:
+            super().finish()
+        except OSError:
+            pass
 
 
 class _BoundedServer(ThreadingWSGIServer):

@@ -169,3 +169,40 @@ def test_half_sent_scrapes_neither_pile_up_threads_nor_stop_real_ones(metered: t
     assert value(scrape(url), "gpusnap_snapshots") == 0
     for s in held:
         s.close()
+
+
+def test_a_slowloris_holds_no_scrape_slot_past_the_request_deadline(metered: tuple[DaemonProc, str]) -> None:
+    """Issue 26, item 9: 8 connections sending one byte every 4 s held all scrape slots (the 5 s timeout was
+    per read). The whole request must now arrive within ``SCRAPE_READ_TIMEOUT_S``: once that passes, a real
+    scrape is served while they still trickle."""
+    import socket
+    import threading
+    import time
+
+    from gpusnap.daemon.metrics import MAX_SCRAPE_CONNECTIONS, SCRAPE_READ_TIMEOUT_S
+
+    _d, url = metered
+    host, port = url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+    stop = threading.Event()
+    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+
+    def trickle() -> None:
+        with socket.create_connection((host, int(port))) as s:
+            for byte in request:
+                try:
+                    s.sendall(bytes([byte]))
+                except OSError:  # closed by the daemon: what should happen
+                    return
+                if stop.wait(4):
+                    return
+
+    slow = [threading.Thread(target=trickle) for _ in range(MAX_SCRAPE_CONNECTIONS)]
+    for t in slow:
+        t.start()
+    try:
+        time.sleep(SCRAPE_READ_TIMEOUT_S + 2)
+        assert value(scrape(url), "gpusnap_snapshots") == 0
+    finally:
+        stop.set()
+        for t in slow:
+            t.join()
