@@ -7,9 +7,10 @@ bad request fails its RPC at once; the work itself runs as a background operatio
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 
 import structlog
 
@@ -413,6 +414,7 @@ class Daemon:
         """A page of the snapshots published in the remote store that the caller may use, oldest first: the
         caller's part of the name index is listed, and only the page's entries are read (all of them with a
         label selector)."""
+        validate.label_selector(label_selector)
         index = remote_ops.require_remote(self.deps).index
         entries = index.entries(callers.visible_uid(caller))
         size = paging.page_size(page_size)
@@ -530,7 +532,9 @@ class Daemon:
         self, caller: Caller, label_selector: Mapping[str, str], page_size: int = 0, page_token: str = ""
     ) -> paging.Page[Snapshot]:
         """A page of the caller's snapshots (root: all) matching ``label_selector``, oldest first; the index
-        is filtered by owner before anything else (raises as :func:`paging.paginate`)."""
+        is filtered by owner before anything else (raises as :func:`paging.paginate`, and ``INVALID_LABEL`` for a
+        selector no label set could match: ``validate.label_selector``)."""
+        validate.label_selector(label_selector)
         snaps = self.deps.store.list(label_selector, owner_uid=callers.visible_uid(caller))
         return paging.paginate(snaps, snapshot_key, paging.page_size(page_size), page_token)
 
@@ -571,7 +575,12 @@ class Daemon:
 
     def ladder_view(self, caller: Caller) -> tuple[list[Workload], list[Budget], list[Event]]:
         """The caller's workloads (root: all) with their rungs, the node's budgets, and the latest moves of
-        the caller's workloads."""
+        the caller's workloads.
+
+        Raises:
+            PermissionDeniedError: an anonymous caller (``ANONYMOUS``): the budgets are the node's use.
+        """
+        callers.require_identified(caller, "read the park ladder", "a listed client certificate")
         ladder = self._ladder()
         mine = [w for w in ladder.workloads() if callers.sees(caller, w.snapshot.owner_uid)]
         ids = {w.snapshot.id for w in mine}
@@ -617,24 +626,26 @@ class Daemon:
         self._ladder().poke()
 
     def restored_trees(self, caller: Caller) -> list[RestoredTree]:
-        """The restored trees running now whose root runs as the caller (root: all), oldest first.
+        """The restored trees running now whose root runs as the caller (root: all), oldest first: those of this
+        gpusnapd's store only (``drivers.restored``; another gpusnapd on the host lists and stops its own).
 
         Raises:
             PermissionDeniedError: an anonymous caller (reason ``ANONYMOUS``).
         """
         callers.require_identified(caller)
-        activated = self._activations()
+        trees = restored.running(self.deps.store.instance)
+        activated = self._activations(trees)
         return [
             dataclasses.replace(t, operation_id=activated.get((t.pid, t.started), t.operation_id))
-            for t in restored.running()
+            for t in trees
             if callers.sees(caller, t.uid)
         ]
 
-    def _activations(self) -> dict[tuple[int, datetime], str]:
+    def _activations(self, running: list[RestoredTree]) -> dict[tuple[int, datetime], str]:
         """(root PID, start) of each tree an activation brought up -> that operation: its init names the standby
         operation that restored it, but what a person saw printed, and stops it by, is the activation's."""
         found: dict[tuple[int, datetime], str] = {}
-        trees = {t.pid: t.started for t in restored.running()}
+        trees = {t.pid: t.started for t in running}
         for record in self.registry.list():
             result = record.result
             if record.state is not OperationState.SUCCEEDED or not isinstance(result, RestoreResult):
@@ -647,9 +658,28 @@ class Daemon:
                     found[(copy.pid, started)] = record.id
         return found
 
+    def _just_restored(self, caller: Caller, pid: int, operation_id: str) -> bool:
+        """Whether a restore or activation of the caller's that ended within :data:`JUST_RESTORED_S` brought up
+        tree ``pid`` (or is ``operation_id``): its namespace init may not yet run as the tree's reaper, which
+        is how :func:`restored.running` finds it (it execs the reaper once CRIU is done)."""
+        now = datetime.now(UTC)
+        for record in self.registry.list():
+            result = record.result
+            if record.state is not OperationState.SUCCEEDED or not isinstance(result, RestoreResult):
+                continue
+            if record.finished is None or (now - record.finished).total_seconds() > JUST_RESTORED_S:
+                continue
+            if not callers.sees(caller, record.owner_uid):
+                continue
+            if record.id == operation_id or (pid and pid in {c.pid for c in result.replicas or (result,)}):
+                return True
+        return False
+
     def stop_restored_trees(self, caller: Caller, pid: int = 0, operation_id: str = "") -> list[RestoredTree]:
         """Stop the caller's restored tree whose root (or namespace init) is host PID ``pid``, or every tree of
-        restore ``operation_id``; returns them, as listed, once they are gone (``drivers.restored.stop``).
+        restore ``operation_id``; returns them, as listed, once they are gone (``drivers.restored.stop``). A tree
+        a restore has just brought up is waited for (at most :data:`JUST_RESTORED_S`) until its init runs as its
+        reaper.
 
         Raises:
             InvalidArgumentError: neither or both named (reason ``INVALID_ARGUMENT``).
@@ -664,16 +694,26 @@ class Daemon:
             )
         if operation_id:
             validate.operation_id(operation_id)
-        activated = self._activations()
-        chosen = [
-            t
-            for t in restored.running()
-            if callers.sees(caller, t.uid)
-            and (
-                (pid and pid in (t.pid, t.init_pid))
-                or (operation_id and operation_id in (t.operation_id, activated.get((t.pid, t.started))))
-            )
-        ]
+
+        def chosen_now() -> list[RestoredTree]:
+            trees = restored.running(self.deps.store.instance)
+            activated = self._activations(trees)
+            return [
+                t
+                for t in trees
+                if callers.sees(caller, t.uid)
+                and (
+                    (pid and pid in (t.pid, t.init_pid))
+                    or (operation_id and operation_id in (t.operation_id, activated.get((t.pid, t.started))))
+                )
+            ]
+
+        chosen = chosen_now()
+        if not chosen and self._just_restored(caller, pid, operation_id):
+            deadline = time.monotonic() + JUST_RESTORED_S
+            while not chosen and time.monotonic() < deadline:
+                time.sleep(0.05)
+                chosen = chosen_now()
         if not chosen:
             raise NotFoundError(
                 f"no restored tree {pid or operation_id} of yours is running; `gpusnap ls --running` lists them",
@@ -735,6 +775,11 @@ def snapshot_key(snapshot: Snapshot) -> paging.Key:
 
 def operation_key(record: OperationRecord) -> paging.Key:
     return paging.key(record.started, record.id)
+
+
+JUST_RESTORED_S = 5.0
+"""How long after a restore its tree may not yet be listed (its init starts the reaper), and how long a ``stop``
+of it waits for that."""
 
 
 def _nothing() -> None:

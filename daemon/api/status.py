@@ -16,6 +16,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from gpusnap.daemon.api.errors import Code, GpusnapError, error_for_code
+from gpusnap.daemon.api.text import cut
 
 DOMAIN = "gpusnap.dev"
 MAX_MESSAGE = 1024
@@ -26,7 +27,7 @@ otherwise reach the caller as RESOURCE_EXHAUSTED ("Stream removed") instead of i
 
 
 def _cap(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return cut(text, limit)
 
 
 def to_status_proto(err: GpusnapError) -> status_pb2.Status:

@@ -128,6 +128,23 @@ def labels(value: Mapping[str, str]) -> dict[str, str]:
     return dict(value)
 
 
+def label_selector(value: Mapping[str, str]) -> dict[str, str]:
+    """Return a copy of ``value``, a label selector (``ListSnapshots``), if it is one a label set could match:
+    at most ``MAX_LABELS`` pairs of keys and values within the labels' sizes (gpusnap's own keys allowed).
+    A 10,000-pair selector was accepted, and matched against every snapshot (issue 26, item 9).
+
+    Raises:
+        InvalidArgumentError: reason ``INVALID_LABEL``.
+    """
+    if len(value) > MAX_LABELS:
+        raise InvalidArgumentError(
+            f"a label selector of {len(value)} pairs can match no snapshot: labels have at most {MAX_LABELS}",
+            reason="INVALID_LABEL",
+        )
+    labels({k.removeprefix(RESERVED_LABEL_PREFIX) or k: v for k, v in value.items()})
+    return dict(value)
+
+
 def restore_context(env: Mapping[str, str], unset_env: Sequence[str], values: Mapping[str, str]) -> None:
     """Check a restore context before anything is restored (the worker applies it only at resume, after
     CRIU and the GPU restore, where a name ``os.environ`` refuses would fail the whole restore).

@@ -47,6 +47,7 @@ from gpusnap.daemon.api.errors import (
     InternalError,
     PermissionDeniedError,
 )
+from gpusnap.daemon.api.text import cut
 from gpusnap.daemon.api.types import Creds, FileCopy, TcpMode
 from gpusnap.daemon.defaults import INSTALL_CRIU
 
@@ -608,10 +609,11 @@ class CriuDriver:
             if private_log:
                 headline = hint or "see the log"
                 details = f"(the log, {log_path.name}, is kept for root)"
+            retry = next((r for phrase, r in RETRY_PHRASES.items() if any(phrase in ln for ln in lines)), "")
             raise CriuError(
                 f"CRIU {action} failed: {headline}. {details}",
-                code_cls=AbortedError if died else FailedPreconditionError,
-                reason="CRIU_DIED" if died else f"CRIU_{action.upper()}_FAILED",
+                code_cls=AbortedError if died or retry else FailedPreconditionError,
+                reason="CRIU_DIED" if died else retry or f"CRIU_{action.upper()}_FAILED",
                 log_lines=lines,
             )
         return events
@@ -808,6 +810,7 @@ ERRNO_HINTS = {
 """CRIU's ``cr_errno`` answers whose cause gpusnap can name, by action, with the fix (CRIU sets ``EEXIST``
 when a PID it must give a restored task is taken)."""
 
+PTY_TAKEN = "Unable to open dev/ptmx with specified index"
 LOG_HINTS = (
     (
         "has bad size",
@@ -816,8 +819,16 @@ LOG_HINTS = (
         "dump, or dump the worker again",
     ),
     ("Address already in use", "a restored socket's address is taken: restore with --private-net, or stop its owner"),
+    (
+        PTY_TAKEN,
+        "a pseudo-terminal the tree held has a number that another process of the host holds now (ptys are "
+        "numbered host-wide, and CRIU must give the tree the same one); restore again: it works once that pty "
+        "is free, often at once",
+    ),
 )
 """CRIU log phrases whose cause gpusnap can name, with the fix (causes CRIU reports with no ``cr_errno``)."""
+RETRY_PHRASES = {PTY_TAKEN: "PTY_INDEX_TAKEN"}
+"""Log phrases of failures a retry gets past (reason ``ABORTED``, action ``retry``), by their reason."""
 
 
 def failure_hint(action: str, cr_errno: int, lines: list[str]) -> str:
@@ -854,5 +865,14 @@ caps a message at 1024 characters, and the path must survive that."""
 
 
 def _joined(lines: list[str], limit: int = 0) -> str:
+    """``lines`` as one quote of CRIU's log; with ``limit``, the lines that fit whole (the first one cut at a
+    word if even it does not), never a line cut mid-word."""
     text = ("CRIU log: " + " | ".join(lines)) if lines else ""
-    return text[: limit - 1] + "…" if limit and len(text) > limit else text
+    if not limit or len(text) <= limit:
+        return text
+    whole = "CRIU log: " + lines[0]
+    for line in lines[1:]:
+        if len(whole) + len(" | ") + len(line) + len(" | …") > limit:
+            break
+        whole += " | " + line
+    return whole + " | …" if len(whole) + len(" | …") <= limit else cut(whole, limit)

@@ -446,7 +446,15 @@ def _terminal(req: dict[str, Any]) -> tuple[int, int, int]:
     if not spec or not spec.get("keys"):
         return -1, -1, -1
     if spec.get("path"):
-        out = _open_as_owner(spec["path"], int(spec["uid"]), int(spec["gid"]), [int(g) for g in spec["groups"]])
+        try:
+            out = _open_as_owner(spec["path"], int(spec["uid"]), int(spec["gid"]), [int(g) for g in spec["groups"]])
+        except OSError as exc:  # said as it is (the owner could find it out alone); CRIU never ran: no log
+            raise criu_userpaths.Refused(
+                f"the restore's --terminal file {spec['path']} cannot be opened for appending by uid {spec['uid']} "
+                f"({os.strerror(exc.errno) if exc.errno else exc}); name a file that uid may create or append to",
+                reason="TERMINAL",
+                code="FAILED_PRECONDITION",
+            ) from None
     else:
         out = os.open(os.devnull, os.O_WRONLY)
     master, slave = os.openpty()
@@ -522,6 +530,8 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
                 raise failed
             assert swrk is not None
             result = _restore(req, swrk, command, stdin=slave)
+        except criu_userpaths.Refused as exc:  # refused before CRIU ran: the daemon's own message and reason
+            result = _refused(exc)
         except BaseException as exc:  # report anything, never hang the daemon
             result = {
                 "event": "result",

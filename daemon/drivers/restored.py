@@ -30,33 +30,37 @@ STOP_MARGIN_S = 5.0
 """Seconds past the init's own grace before it is killed."""
 
 
-def running() -> list[RestoredTree]:
-    """The restored trees running now, oldest first (see the module docstring)."""
-    return [t for t, _ in trees()]
+def running(daemon: str = "") -> list[RestoredTree]:
+    """The restored trees running now, oldest first (see the module docstring); with ``daemon`` (a store's
+    :attr:`~gpusnap.daemon.store.SnapshotStore.instance`), only those that gpusnapd restored."""
+    return [t for t, _ in trees(daemon=daemon)]
 
 
-def trees(table: proc.ProcessTable | None = None) -> list[tuple[RestoredTree, list[int]]]:
+def trees(table: proc.ProcessTable | None = None, daemon: str = "") -> list[tuple[RestoredTree, list[int]]]:
     """:func:`running`, each with every PID of its namespace (its init first), from one listing of the
     processes (``table``, or one read now): listing N trees costs one pass over /proc, not N."""
     table = table or proc.ProcessTable.now()
     found = []
     for init_pid in table.named(COMM):
         pids = table.descendants(init_pid)
-        tree = _tree(init_pid, table.children.get(init_pid, []), len(pids) - 1)
+        tree = _tree(init_pid, table.children.get(init_pid, []), len(pids) - 1, daemon)
         if tree is not None:
             found.append((tree, pids))
     return sorted(found, key=lambda f: (f[0].started, f[0].pid))
 
 
-def _tree(init_pid: int, children: list[int], process_count: int) -> RestoredTree | None:
+def _tree(init_pid: int, children: list[int], process_count: int, daemon: str = "") -> RestoredTree | None:
     """The tree under ``init_pid`` (its ``children``; ``process_count`` processes under it) if that is a restored
-    tree's init whose root runs, else ``None``."""
+    tree's init whose root runs (and, with ``daemon``, that this gpusnapd restored: its init's ``gpusnapd=``
+    names it, or names none, as before gpusnapd named itself), else ``None``."""
     try:
         init = psutil.Process(init_pid)
         argv = init.cmdline()
         if init.uids().real != 0 or argv[1:3] != ["-m", REAPER] or proc.namespace_pid(init_pid) != 1:
             return None
         args = dict(a.lstrip("-").partition("=")[::2] for a in argv[3:] if "=" in a)
+        if daemon and args.get("gpusnapd", daemon) != daemon:
+            return None
         ns_root = int(args.get("root", "0"))
         root = next((c for c in children if proc.namespace_pid(c) == ns_root), 0)
         if not ns_root or not root:

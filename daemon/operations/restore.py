@@ -290,7 +290,12 @@ class Restore:
                     private_log=snapshot.owner_uid != 0,
                     before_criu=hooks.before_criu,
                     terminals=_terminal_stand_in(snapshot, opts),
-                    title=(f"snapshot={snapshot.id}", f"name={snapshot.name or '-'}", f"operation={run.record.id}"),
+                    title=(
+                        f"snapshot={snapshot.id}",
+                        f"name={snapshot.name or '-'}",
+                        f"operation={run.record.id}",
+                        f"gpusnapd={store.instance}",  # which gpusnapd's tree: ls --running and stop see their own
+                    ),
                     owner=tree_rights.of(snapshot).user,
                     scratch_dir=hooks.scratch,
                     leave_stopped=leave_stopped,

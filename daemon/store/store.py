@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import fcntl
+import hashlib
 import os
 import shutil
 import threading
@@ -208,6 +209,12 @@ class SnapshotStore:
         self.expire_pulls()
         self.collect_buffers()
         self.buffers.enforce_budgets()
+
+    @property
+    def instance(self) -> str:
+        """Names the gpusnapd that serves this store, across its restarts (its restored trees' inits carry it):
+        the first 12 hex digits of the SHA-256 of the store's path."""
+        return hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:12]
 
     def remove_staging(self, snapshot_id: str) -> None:
         """Remove a staging directory :meth:`open` kept (its CRIU has ended)."""

@@ -69,6 +69,7 @@ def test_a_daemon_killed_mid_dump_waits_for_its_criu_before_reporting_the_source
     w = workloads.start("--mem-mb", "1024", "--no-child", "--no-listener")
     d = start_daemon(tmp_path)
     d2 = None
+    criu: psutil.Process | None = None
     try:
         op = d.client().checkpoint(w.pid, name="big", leave_running=True)
         criu = _serving_criu(d.proc.pid)
@@ -113,6 +114,8 @@ def test_a_daemon_killed_mid_dump_waits_for_its_criu_before_reporting_the_source
             "answered"
         )
     finally:
+        if criu is not None and criu.is_running():  # a failed assertion must not leave it paused
+            criu.resume()
         if d2 is not None:
             stop_daemon(d2)
         stop_daemon(d)

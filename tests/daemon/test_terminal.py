@@ -125,6 +125,12 @@ def test_a_job_with_its_output_on_the_terminal_restores_with_a_file(
 
     res = daemon.cli("restore", "on-tty", "--host-pidns")
     assert res.returncode == 4 and "without --host-pidns" in res.stderr, res.stderr
+    # Issue 26, item 9: a --terminal the owner cannot open names itself and why, and no log CRIU never wrote.
+    res = daemon.cli("-o", "json", "restore", "on-tty", "--terminal", str(tmp_path / "no-such-dir" / "out"))
+    error = json.loads(res.stdout)["error"]
+    assert res.returncode == 4 and error["reason"] == "TERMINAL", res.stderr
+    assert "no-such-dir/out" in error["message"] and "No such file or directory" in error["message"], error
+    assert "log" not in error["message"], error
     log = tmp_path / "worker.out"
     restored = json.loads(daemon.cli("-o", "json", "restore", "on-tty", "--terminal", str(log), check=True).stdout)
     wait_for(lambda: log.exists() and len(log.read_text().split()) >= 2, 30, "no output reached --terminal's file")

@@ -151,6 +151,9 @@ def test_tls_without_client_certificates_is_anonymous(tmp_path: Path) -> None:
             with pytest.raises(PermissionDeniedError) as err:  # issue 19: it answered with the node's facts
                 client.node_info()
             assert err.value.reason == "ANONYMOUS"
+            with pytest.raises(PermissionDeniedError) as err:  # issue 26 item 9: the node's budget use
+                client.ladder()
+            assert err.value.reason == "ANONYMOUS"
     finally:
         sleeper.kill()
         sleeper.wait()

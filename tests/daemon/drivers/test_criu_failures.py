@@ -71,3 +71,26 @@ def test_the_helper_reports_a_criu_that_ends_without_answering_as_gone(
     swrk = criu_exec.Swrk(["true"])
     result = criu_exec._run_criu({"action": "dump", "images_dir": str(tmp_path), "work_dir": str(tmp_path)}, swrk)
     assert not result["ok"] and result["errno"] in CRIU_GONE_ERRNOS, result
+
+
+def test_a_quoted_criu_log_is_never_cut_mid_word() -> None:
+    """Issue 26, item 9: the quote of CRIU's log in an error was cut at 500 characters, mid-word (and the
+    whole message at 1024 in the RPC's status). Now whole lines that fit, then "…"; a line too long for the
+    room alone is cut after its last whole word; so is a message at the status's limit."""
+    from gpusnap.daemon.api.errors import FailedPreconditionError
+    from gpusnap.daemon.api.status import MAX_MESSAGE, from_status_proto, to_status_proto
+    from gpusnap.daemon.drivers.criu import LOG_EXCERPT_CHARS, _joined
+
+    lines = [
+        f"({n:02}.000001) Error (criu/files-reg.c:2123): File home/user/worker/logs/w{n}.log has bad size"
+        for n in range(20)
+    ]
+    quoted = _joined(lines, LOG_EXCERPT_CHARS)
+    assert len(quoted) <= LOG_EXCERPT_CHARS and quoted.endswith(" | …"), quoted
+    assert all(part in lines for part in quoted.removeprefix("CRIU log: ").removesuffix(" | …").split(" | "))
+    one = _joined(["word " * 200], 100)
+    assert len(one) <= 100 and one.endswith("word…"), one
+    message = "and then some words " * 60 + "/home/user/models/" + "weights-" * 200
+    shown = from_status_proto(to_status_proto(FailedPreconditionError(message, reason="X"))).message
+    assert len(shown) <= MAX_MESSAGE and shown.endswith("…") and message.startswith(shown[:-1]), shown[-40:]
+    assert shown[:-1].endswith(("words", "some", "then", "and")), shown[-40:]

@@ -79,6 +79,17 @@ def test_invalid_requests_are_invalid_argument(
     assert daemon.alive()
 
 
+def test_a_label_selector_no_label_set_could_match_is_refused(daemon: DaemonProc) -> None:
+    """Issue 26, item 9: a 10,000-pair label selector was accepted (and matched against every snapshot)."""
+    from gpusnap.daemon.api.errors import InvalidArgumentError
+
+    client = daemon.client()
+    with pytest.raises(InvalidArgumentError) as err:
+        client.list_snapshots({f"k{i}": "v" for i in range(10_000)})
+    assert err.value.reason == "INVALID_LABEL" and "at most 64" in err.value.message
+    assert client.list_snapshots({"gpusnap.dev/tcp": "established", "team": "search"}) == []
+
+
 def test_cuda_errors_carry_the_code_a_client_can_act_on() -> None:
     assert CudaError("cuCheckpointProcessLock", 1, CudaResult.CUDA_ERROR_TIMEOUT).code is Code.DEADLINE_EXCEEDED
     assert CudaError("cuCheckpointProcessLock", 1, CudaResult.CUDA_ERROR_ILLEGAL_STATE).code is Code.FAILED_PRECONDITION
