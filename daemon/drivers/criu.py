@@ -512,12 +512,18 @@ class CriuDriver:
         assert proc.stdin and proc.stdout and proc.stderr
         events: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout_s
+        overdue = False  # a dump past its deadline: never killed (its parasite may be in a task), stopped at post-dump
         buf = b""
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         try:
             while True:
                 remaining = deadline - time.monotonic()
+                if remaining <= 0 and action == "dump":
+                    # A CRIU killed while its parasite runs in a task leaves it there (its blob mapped in the
+                    # source): let it reach post-dump, answer no there (it cures and resumes the tree), then fail.
+                    log.warning("criu.dump_overdue", timeout_s=timeout_s, helper=proc.pid)
+                    overdue, deadline, remaining = True, float("inf"), POLL_S
                 if remaining <= 0:
                     self._kill(proc, events)
                     raise DeadlineExceededError(
@@ -556,7 +562,10 @@ class CriuDriver:
                     if event.get("event") == "notify":
                         if event["script"] == "post-dump":
                             progress = None  # the images are complete: what follows is the caller's phases
-                        ok = on_notify.handle(event, events) if on_notify else True
+                        if overdue and event["script"] == "post-dump":
+                            ok = False  # past its deadline: nothing is published, CRIU resumes the tree
+                        else:
+                            ok = on_notify.handle(event, events) if on_notify else True
                         _answer(proc, ok)
                         if ok and event["script"] == "post-dump":
                             # The snapshot is published and CRIU now ends the source: killing CRIU for
@@ -569,6 +578,15 @@ class CriuDriver:
         finally:
             sel.close()
             proc.stdin.close()
+        if overdue:
+            proc.wait()
+            raise DeadlineExceededError(
+                f"CRIU {action} did not finish within {timeout_s:g} s; it was stopped where it could be safely (at "
+                f"the end of its dump: the source resumed, nothing published), never killed in the middle, which "
+                f"would leave its parasite in the source ({self._keep_log(log_path)}); raise the operation timeout "
+                "(`dump --timeout`) if the tree is large",
+                reason="CRIU_TIMEOUT",
+            )
         result = events[-1] if events and events[-1].get("event") == "result" else None
         if result and result["ok"] and start_error is None and not (on_notify and on_notify.error):
             # Answered: the helper has reaped CRIU and only exits now; reap it off this request's path.

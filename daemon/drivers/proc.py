@@ -72,6 +72,15 @@ class ProcessTable:
         return out
 
 
+def maps_name(pid: int, name: str) -> bool:
+    """Whether ``pid`` maps a file whose name starts with ``name`` (``/proc/<pid>/maps``); False once gone."""
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            return any(line.split(maxsplit=5)[5:6] and line.split(maxsplit=5)[5].startswith(name) for line in fh)
+    except OSError:
+        return False
+
+
 def tree_pids_or_empty(pid: int) -> list[int]:
     """:func:`tree_pids`, or ``[]`` when the root is gone."""
     try:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 from datetime import UTC, datetime
 
+import structlog
+
 from gpusnap.daemon.access import callers, file_rights
 from gpusnap.daemon.api.types import (
     CheckpointOptions,
@@ -47,6 +49,8 @@ from gpusnap.daemon.preflight import gpu as gpu_preflight
 from gpusnap.daemon.store.manifest import TCP_LABEL
 from gpusnap.daemon.store.store import DEV_SHM, IN_PLACE, StagingDir
 from gpusnap.daemon.weights import capture as weights
+
+log = structlog.get_logger(__name__)
 
 
 def host_facts(deps: Deps) -> HostFacts:
@@ -297,6 +301,16 @@ def _labels(opts: CheckpointOptions) -> dict[str, str]:
 
 def _resume_source(pids: list[int]) -> None:
     """Make sure no process of the source tree is left stopped (e.g. by a CRIU that was killed), and that
-    no link remap of a CRIU killed mid-dump is left beside the files the tree holds."""
+    no link remap of a CRIU killed mid-dump is left beside the files the tree holds. A CRIU killed from
+    outside while its parasite ran in a task leaves the parasite's blob mapped there (gpusnapd never kills a
+    dump's CRIU: ``drivers.criu``); that is logged, naming the processes, since nothing but their restart
+    removes it."""
     proc.ensure_no_frozen(pids)
     devshm.remove_link_remaps(devshm.link_remaps(devshm.files(pids)))
+    left = [p for p in pids if proc.maps_name(p, PARASITE_BLOB)]
+    if left:
+        log.warning("checkpoint.parasite_left", pids=left, mapping=PARASITE_BLOB, why="CRIU was killed mid-dump")
+
+
+PARASITE_BLOB = "/memfd:CRIUMFD"
+"""The mapping of CRIU's parasite blob in a task it infects (compel's ``MEMFD_FNAME``)."""

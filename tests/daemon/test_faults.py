@@ -38,6 +38,21 @@ def test_criu_killed_in_the_middle_of_a_dump(daemon: DaemonProc, workloads: Work
     daemon.cli("dump", str(w.pid), "--name", "after-kill", check=True)
 
 
+def test_a_dump_past_its_timeout_is_stopped_safely_never_killed_mid_dump(daemon: DaemonProc, workloads: Workloads) -> None:
+    """Issue 26, item 4: a CRIU killed in the middle of a dump leaves its parasite in the source (the blob
+    ``/memfd:CRIUMFD`` stays mapped in it). gpusnapd killed CRIU when a dump outran its timeout; now CRIU runs to
+    its post-dump, is told no there (it cures and resumes the tree), and the dump fails ``CRIU_TIMEOUT``."""
+    w = workloads.start("--mem-mb", "1500", "--no-child", "--no-listener")
+    res = daemon.cli("-o", "json", "dump", str(w.pid), "--timeout", "0.5")
+    assert res.returncode == 8 and json.loads(res.stdout)["error"]["reason"] == "CRIU_TIMEOUT", res.stderr
+    assert "CRIUMFD" not in Path(f"/proc/{w.pid}/maps").read_text(), "CRIU's parasite is left in the source"
+    assert "never killed in the middle" in res.stderr, res.stderr
+    assert psutil.Process(w.pid).status() not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    before = w.last("parent.log")
+    wait_for(lambda: w.last("parent.log") > before + 3, 10, "the source does not run after the failed dump")
+    assert json.loads(daemon.cli("-o", "json", "ls", check=True).stdout) == [], "nothing published"
+
+
 def test_two_checkpoints_of_different_trees(daemon: DaemonProc, workloads: Workloads) -> None:
     a = workloads.start("--mem-mb", "50", "--no-listener")
     b = workloads.start("--mem-mb", "50", "--no-listener")
