@@ -38,7 +38,9 @@ def test_criu_killed_in_the_middle_of_a_dump(daemon: DaemonProc, workloads: Work
     daemon.cli("dump", str(w.pid), "--name", "after-kill", check=True)
 
 
-def test_a_dump_past_its_timeout_is_stopped_safely_never_killed_mid_dump(daemon: DaemonProc, workloads: Workloads) -> None:
+def test_a_dump_past_its_timeout_is_stopped_safely_never_killed_mid_dump(
+    daemon: DaemonProc, workloads: Workloads
+) -> None:
     """Issue 26, item 4: a CRIU killed in the middle of a dump leaves its parasite in the source (the blob
     ``/memfd:CRIUMFD`` stays mapped in it). gpusnapd killed CRIU when a dump outran its timeout; now CRIU runs to
     its post-dump, is told no there (it cures and resumes the tree), and the dump fails ``CRIU_TIMEOUT``."""
