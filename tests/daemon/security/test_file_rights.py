@@ -191,3 +191,60 @@ def test_what_a_restored_tree_holds_is_checked_as_its_owner(tmp_path: Path, host
     finally:
         kill_tree(*(p.pid for p in procs))
         subprocess.run(["rm", "-rf", str(base)])
+
+
+def test_each_file_is_checked_with_the_rights_of_the_process_that_held_it(
+    tmp_path: Path, hostile: tuple[User, User]
+) -> None:
+    """Issue 26, item 1: in root's snapshot of a tree whose processes ran as A and as B, each held path is
+    checked as its holder ran: A's file is A's to open, B's is B's; the same files held the other way round
+    are refused (B may not open A's 0600 file), and a process that ran as root is not checked."""
+    import dataclasses
+
+    from gpusnap.daemon.api.types import HeldFile, ProcessCreds
+
+    a, b = hostile
+    base = short_dir("gpusnap-rights-")
+    try:
+        files = {}
+        for user in (a, b):
+            path = base / f"of-{user.name}"
+            path.write_bytes(HARMLESS)
+            os.chmod(path, 0o600)
+            os.chown(path, user.uid, user.gid)
+            files[user.uid] = path
+        secret = base / "secret"
+        secret.write_bytes(SECRET)
+        os.chmod(secret, 0o600)
+        os.chmod(base, 0o755)
+
+        def held(pid: int, path: Path) -> HeldFile:
+            st = os.stat(path)
+            return HeldFile(pid=pid, what="fd 3", path=str(path), dev=st.st_dev, ino=st.st_ino, access=os.R_OK)
+
+        snapshot = Snapshot(
+            id="snap-test",
+            name="",
+            created=datetime.now(UTC),
+            labels={},
+            source=ProcessFacts(pid=1, comm="", cmdline=(), uid=0, gid=0, tree_pids=(1, 2, 3), rss_bytes=0, cwd="/"),
+            host=HostFacts(
+                hostname="", kernel="", machine="", criu_version="", gpusnap_version="", cpu_model="", cpu_flags=()
+            ),
+            files=(),
+            phases=(),
+            owner_uid=0,
+            tree_creds=(ProcessCreds(1, 0, 0), ProcessCreds(2, a.uid, a.gid), ProcessCreds(3, b.uid, b.gid)),
+            held_files=(held(1, secret), held(2, files[a.uid]), held(3, files[b.uid])),
+        )
+        file_rights.check_before_restore(snapshot, private_shm=False)  # each its holder's; root's unchecked
+        swapped = dataclasses.replace(snapshot, held_files=(held(2, files[b.uid]), held(3, files[a.uid])))
+        with pytest.raises(PermissionDeniedError) as err:
+            file_rights.check_before_restore(swapped, private_shm=False)
+        assert f"{files[b.uid]} (fd 3 of PID 2) is not one uid {a.uid} may open" in err.value.message
+        assert f"{files[a.uid]} (fd 3 of PID 3) is not one uid {b.uid} may open" in err.value.message
+        as_a = dataclasses.replace(snapshot, held_files=(held(2, secret),))
+        with pytest.raises(PermissionDeniedError):  # root's file, held by A's process: refused
+            file_rights.check_before_restore(as_a, private_shm=False)
+    finally:
+        subprocess.run(["rm", "-rf", str(base)])
