@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import psutil
 import pytest
 
 from tests.conftest import DaemonProc, Workloads, _cli_env, start_daemon, stop_daemon, wait_for
+from tests.daemon.security.root_service import root_service
 from tests.reown import SYSTEM_PYTHON, dumped_by_root, reown
 from tests.shortdirs import short_dir
 from tests.users import User
@@ -165,38 +165,19 @@ def test_a_restore_cannot_replace_roots_socket_with_the_users_listener(
     ``api.sock``; the user's restore must leave root's socket in place, root's, and answering."""
     s = reowned
     service_dir = _root_dir(s, "service")
-    path = service_dir / "api.sock"
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(str(path))
-    server.listen(4)
-    os.chmod(path, 0o600)
-    before = _fingerprint(path)
-    answered = threading.Event()
-
-    def serve() -> None:
-        conn, _ = server.accept()
-        conn.sendall(b"root\n")
-        conn.close()
-        answered.set()
-
-    threading.Thread(target=serve, daemon=True).start()
-    _as(s.user, "mv", "-T", str(s.home / "s"), str(s.home / "s.real"))
-    _as(s.user, "ln", "-s", str(service_dir), str(s.home / "s"))
-    try:
-        res = _restore_as(user_daemon, s.user)
-        if res.returncode == 0:
-            workloads.adopt(json.loads(res.stdout)["pid"])
-        assert _fingerprint(path) == before, "root's socket was replaced or re-owned"
-        assert res.returncode != 0, "the restore bound its socket in root's directory"
-        assert "api.sock" in res.stderr, res.stderr
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
-            c.connect(str(path))
-            assert c.recv(16) == b"root\n"
-        assert answered.wait(5)
-    finally:
-        server.close()
-        _as(s.user, "rm", str(s.home / "s"))
-        _as(s.user, "mv", "-T", str(s.home / "s.real"), str(s.home / "s"))
+    with root_service(service_dir / "api.sock") as intact:
+        _as(s.user, "mv", "-T", str(s.home / "s"), str(s.home / "s.real"))
+        _as(s.user, "ln", "-s", str(service_dir), str(s.home / "s"))
+        try:
+            res = _restore_as(user_daemon, s.user)
+            if res.returncode == 0:
+                workloads.adopt(json.loads(res.stdout)["pid"])
+            intact()
+            assert res.returncode != 0, "the restore bound its socket in root's directory"
+            assert "api.sock" in res.stderr, res.stderr
+        finally:
+            _as(s.user, "rm", str(s.home / "s"))
+            _as(s.user, "mv", "-T", str(s.home / "s.real"), str(s.home / "s"))
 
     # Put back as it was: the owner restores it, and the restored tree listens on its own path again.
     res = _restore_as(user_daemon, s.user)

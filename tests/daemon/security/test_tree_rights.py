@@ -17,9 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,7 @@ import psutil
 import pytest
 
 from tests.conftest import DaemonProc, Workloads, start_daemon, stop_daemon, wait_for
+from tests.daemon.security.root_service import root_service
 from tests.reown import dumped_by_root, reown
 from tests.shortdirs import short_dir
 from tests.users import User
@@ -125,38 +124,16 @@ def test_roots_restore_of_a_users_tree_acts_with_the_users_rights(
         # 2. ~/s swapped for a link to a directory where root's service listens on api.sock: root's socket
         # stays root's and answers; the restore is refused (A may not bind there).
         service = _root_dir(s, "service")
-        path = service / "api.sock"
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(str(path))
-        server.listen(4)
-        os.chmod(path, 0o600)
-        before = os.lstat(path)
-        answered = threading.Event()
-
-        def serve() -> None:
-            conn, _ = server.accept()
-            conn.sendall(b"root\n")
-            conn.close()
-            answered.set()
-
-        threading.Thread(target=serve, daemon=True).start()
-        _as(s.user, "mv", "-T", str(s.home / "s"), str(s.home / "s.real"))
-        _as(s.user, "ln", "-s", str(service), str(s.home / "s"))
-        try:
-            res, doc = _restore(d, workloads)
-            after = os.lstat(path)
-            assert (after.st_ino, after.st_uid, after.st_mode) == (before.st_ino, before.st_uid, before.st_mode), (
-                "root's socket was replaced by the restored tree's"
-            )
-            assert res.returncode != 0 and "api.sock" in res.stderr, (res.returncode, res.stderr)
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
-                c.connect(str(path))
-                assert c.recv(16) == b"root\n"
-            assert answered.wait(5)
-        finally:
-            server.close()
-            _as(s.user, "rm", str(s.home / "s"))
-            _as(s.user, "mv", "-T", str(s.home / "s.real"), str(s.home / "s"))
+        with root_service(service / "api.sock") as intact:
+            _as(s.user, "mv", "-T", str(s.home / "s"), str(s.home / "s.real"))
+            _as(s.user, "ln", "-s", str(service), str(s.home / "s"))
+            try:
+                res, doc = _restore(d, workloads)
+                intact()
+                assert res.returncode != 0 and "api.sock" in res.stderr, (res.returncode, res.stderr)
+            finally:
+                _as(s.user, "rm", str(s.home / "s"))
+                _as(s.user, "mv", "-T", str(s.home / "s.real"), str(s.home / "s"))
 
         # 3. Put back, with the log grown meanwhile: root's restore succeeds, the tree runs as A, reads A's
         # file, listens on A's path, and continues a copy of the log that A made.

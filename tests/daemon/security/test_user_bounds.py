@@ -73,6 +73,11 @@ def _reason(res: subprocess.CompletedProcess[str]) -> str:
     return str(json.loads(res.stdout)["error"]["reason"]) if res.stdout.strip().startswith("{") else res.stderr
 
 
+def _refused(res: subprocess.CompletedProcess[str], reason: str) -> None:
+    """``res`` failed RESOURCE_EXHAUSTED (exit 9) for ``reason``."""
+    assert (res.returncode, _reason(res)) == (9, reason), res.stderr
+
+
 def _json(res: subprocess.CompletedProcess[str]) -> Any:
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
@@ -106,7 +111,7 @@ def test_a_users_priority_takes_no_standby_room_from_roots_and_roots_rule_stands
     try:
         assert _as_a(d, s, "park", "set", "a-worker", "--priority", "1000").returncode == 0
         res = _as_a(d, s, "standby", "a-worker")
-        assert (res.returncode, _reason(res)) == (9, "PARK_BUDGET"), res.stderr
+        _refused(res, "PARK_BUDGET")
         assert len(_json(d.cli("-o", "json", "standbys"))) == 4, "A's priority dropped root's standbys"
 
         # Root's rule on A's snapshot stands over A's, whenever A sets its own.
@@ -131,13 +136,13 @@ def test_a_users_trees_are_bounded_by_count_and_by_live_memory(snapshots: Setup)
     d = _daemon(s, max_trees_per_caller=3)
     try:
         res = _as_a(d, s, "standby", "a-worker", "--count", "4")
-        assert (res.returncode, _reason(res)) == (9, "TOO_MANY_TREES"), res.stderr
+        _refused(res, "TOO_MANY_TREES")
         _json(_as_a(d, s, "standby", "a-worker", "--count", "2"))
         res = _as_a(d, s, "restore", "a-worker", "--replicas", "2", "--no-standby")
-        assert (res.returncode, _reason(res)) == (9, "TOO_MANY_TREES"), res.stderr
+        _refused(res, "TOO_MANY_TREES")
         grower = _json(_as_a(d, s, "restore", "a-worker", "--no-standby"))["pid"]
         res = _as_a(d, s, "restore", "a-worker", "--no-standby")
-        assert (res.returncode, _reason(res)) == (9, "TOO_MANY_TREES"), res.stderr
+        _refused(res, "TOO_MANY_TREES")
         assert f"uid {s.user.uid}" in res.stderr and "gpusnap stop" in res.stderr, res.stderr
         roots = _json(d.cli("-o", "json", "restore", f"{s.user.uid}/a-worker", "--no-standby"))["pid"]  # root: no bound
         _json(_as_a(d, s, "drop", *[sb["id"] for sb in _json(_as_a(d, s, "standbys"))]))
@@ -153,7 +158,7 @@ def test_a_users_trees_are_bounded_by_count_and_by_live_memory(snapshots: Setup)
         second = _json(_as_a(d, s, "restore", "a-worker", "--no-standby"))["pid"]
         _grow(second)
         res = _as_a(d, s, "restore", "a-worker", "--no-standby")
-        assert (res.returncode, _reason(res)) == (9, "TREE_MEMORY_LIMIT"), res.stderr
+        _refused(res, "TREE_MEMORY_LIMIT")
         doc = json.loads(res.stdout)["error"]
         assert int(doc["metadata"]["used_bytes"]) > 128 * MIB, doc  # both grown trees, measured now
     finally:
@@ -182,7 +187,7 @@ def test_one_user_cannot_fill_the_nodes_park_rules_and_root_may_delete_theirs(sn
         for n in range(8 - had):
             assert _as_a(d, s, "park", "set", "--label", f"k{n}=v", "--priority", "-1").returncode == 0
         res = _as_a(d, s, "park", "set", "--label", "k8=v", "--priority", "-1")
-        assert (res.returncode, _reason(res)) == (9, "TOO_MANY_POLICIES"), res.stderr
+        _refused(res, "TOO_MANY_POLICIES")
         assert d.cli("park", "set", "--label", "k8=v", "--priority", "-1").returncode == 0, "root may still set"
         assert d.cli("park", "unset", "--label", "k0=v").returncode == 0, "root may delete A's rule"
         rules = _json(_as_a(d, s, "park"))["policies"]
