@@ -12,7 +12,7 @@ lists itself (a test checks the graph has no cycle). Today:
 ====================  ======================  ===========================================================
 lane                  may wait on             runs
 ====================  ======================  ===========================================================
-``rpc``               every other lane        the gRPC server's unary calls (``service/aio.py``)
+``rpc``               every other lane        the gRPC server's unary calls (``service/servicers.py``)
 ``buffer_jobs``       ``buffer_io``           a capture's digest job, a restore's read-ahead and verify, the
                                               budget pass (``store/buffers.py``)
 ``buffer_io``         --                      memfd copies into staged buffers, buffer chunk digests

@@ -52,7 +52,7 @@ from gpusnap.daemon.remote.evict import RemoteEvictor
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.remote.transfer import TransferLimits
 from gpusnap.daemon.service import reflection
-from gpusnap.daemon.service.aio import AioServer, AsyncServicer, OperationStreams, streams_per_connection
+from gpusnap.daemon.service.aio import AioServer, streams_per_connection
 from gpusnap.daemon.service.limits import CallerLimits
 from gpusnap.daemon.service.peercred import PeerCredProxy
 from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, ParkServicer, SnapshotServicer
@@ -347,18 +347,16 @@ def _api(
         unsent_per_connection=UNSENT_PER_CONNECTION,
         unsent_per_caller=UNSENT_PER_CALLER,
     )
-    server = AioServer(executor.rpc, max_streams=streams_per_connection(limits))
-    ops = OperationServicer(daemon, proxy)
+    server = AioServer(max_streams=streams_per_connection(limits))
     health_servicer = health.aio.HealthServicer()
 
     async def setup() -> None:  # on the server's loop
         aio = server.server
-        streams = OperationStreams(ops, limits).handlers()
-        operations_pb2_grpc.add_OperationServiceServicer_to_server(AsyncServicer(ops, server, limits, streams), aio)  # type: ignore[arg-type]
-        snapshots = AsyncServicer(SnapshotServicer(daemon, proxy), server, limits)
-        snapshots_pb2_grpc.add_SnapshotServiceServicer_to_server(snapshots, aio)  # type: ignore[arg-type]
-        node_pb2_grpc.add_NodeServiceServicer_to_server(AsyncServicer(NodeServicer(daemon, proxy), server, limits), aio)  # type: ignore[arg-type]
-        park_pb2_grpc.add_ParkServiceServicer_to_server(AsyncServicer(ParkServicer(daemon, proxy), server, limits), aio)  # type: ignore[arg-type]
+        edge = (daemon, proxy, executor.rpc, limits)
+        operations_pb2_grpc.add_OperationServiceServicer_to_server(OperationServicer(*edge), aio)
+        snapshots_pb2_grpc.add_SnapshotServiceServicer_to_server(SnapshotServicer(*edge), aio)
+        node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(*edge), aio)
+        park_pb2_grpc.add_ParkServiceServicer_to_server(ParkServicer(*edge), aio)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, aio)
         reflection.enable((*SERVICE_NAMES, health.SERVICE_NAME), aio)
         aio.add_insecure_port(f"unix:{private}")

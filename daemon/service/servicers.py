@@ -1,13 +1,26 @@
-"""gRPC servicers: decode the request, call one Daemon method, encode the answer. Nothing else."""
+"""gRPC servicers, on the ``grpc.aio`` server's loop (``gpusnap.daemon.service.aio``): each RPC decodes the
+request, calls one Daemon method and encodes the answer. Nothing else.
+
+Every servicer is asynchronous. A unary RPC runs its work (decode, the Daemon call, encode) on the daemon's
+``rpc`` lane (:meth:`_Servicer.unary`), at most ``max_calls_per_caller`` of one caller at a time
+(:class:`CallerLimits`): further calls of that caller wait without a thread, and an answer the caller does
+not read counts against its connection and its caller until sent (:meth:`CallerLimits.room`).
+``WaitOperation`` and ``WatchOperation`` are coroutines woken by the operation's events
+(:meth:`OperationRecord.subscribe`); they hold no thread, and a caller may hold ``max_streams_per_caller``
+of them.
+"""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import structlog
+from google.protobuf.message import Message
+from grpc_status import rpc_status
 
 from gpusnap.daemon._proto import (
     node_pb2,
@@ -21,33 +34,17 @@ from gpusnap.daemon._proto import (
 )
 from gpusnap.daemon.api import paging
 from gpusnap.daemon.api.errors import GpusnapError, InternalError
+from gpusnap.daemon.api.status import to_status_proto
 from gpusnap.daemon.api.types import ANONYMOUS_CALLER, ROOT_CALLER, Caller
 from gpusnap.daemon.core import Daemon, operation_key, snapshot_key
+from gpusnap.daemon.operations.base import EventType, OperationRecord
 from gpusnap.daemon.service import convert, convert_park
-from gpusnap.daemon.service.errors import abort
+from gpusnap.daemon.service.limits import CallerLimits
 from gpusnap.daemon.service.peercred import PeerCredProxy
 
-F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R", bound=Message)
+Context = grpc.aio.ServicerContext[Any, Any]
 log = structlog.get_logger(__name__)
-
-
-def _rpc(method: F) -> F:
-    """Turn domain errors into gRPC statuses; unexpected exceptions become INTERNAL."""
-
-    @functools.wraps(method)
-    def wrapper(self: _Base, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except GpusnapError as err:
-            abort(context, err)
-        except Exception as exc:  # a bug; keep serving
-            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortedError":
-                raise
-            log.exception("rpc.crashed", method=method.__name__)
-            abort(context, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
-        return None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def common_names(subject: bytes) -> int:
@@ -73,12 +70,36 @@ def _values(found: bytes | Iterable[bytes] | None) -> list[bytes]:
     return [found] if isinstance(found, bytes) else list(found or [])
 
 
-class _Base:
-    def __init__(self, daemon: Daemon, proxy: PeerCredProxy):
-        self.daemon = daemon
-        self.proxy = proxy
+def caller_key(caller: Caller) -> int:
+    """The key limits count a caller under: its uid (anonymous TCP callers share one key)."""
+    return caller.uid
 
-    def caller(self, context: grpc.ServicerContext) -> Caller:
+
+async def _abort(context: Context, err: GpusnapError) -> NoReturn:
+    """End the RPC with ``err``'s status (``gpusnap.daemon.api.status``)."""
+    await context.abort_with_status(rpc_status.to_status(to_status_proto(err)))
+    raise AssertionError("unreachable")  # abort_with_status raises
+
+
+class _Servicer:
+    """What every servicer shares: the caller of a call, and the one way a unary RPC runs.
+
+    Args:
+        daemon: the domain API the RPCs call.
+        proxy: the peer-credential proxy, which knows the caller behind a connection to the public socket.
+        lane: the daemon's ``rpc`` lane (``gpusnap.daemon.executor``), where unary RPCs do their work.
+        limits: the per-caller bounds on calls, streams and unsent answers.
+    """
+
+    def __init__(self, daemon: Daemon, proxy: PeerCredProxy, lane: ThreadPoolExecutor, limits: CallerLimits):
+        self.daemon, self.proxy, self.lane, self.limits = daemon, proxy, lane, limits
+
+    def caller(self, context: Context) -> Caller:
+        """Who makes the call (runs on the loop: it reads only the context and the proxy's table).
+
+        Raises:
+            UnauthenticatedError: a proxied connection that is no longer known (reason ``PEER_UNKNOWN``).
+        """
         peer = context.peer()
         if peer.startswith(("ipv4:", "ipv6:")):
             # TCP listener: a client certificate verified against tls_client_ca (mutual TLS) gets the uid its
@@ -94,195 +115,291 @@ class _Base:
             return ROOT_CALLER if uid == 0 else Caller(pid=0, uid=uid, gid=uid)
         return self.proxy.caller_for(peer)
 
+    async def unary(self, context: Context, work: Callable[[Caller], R]) -> R:
+        """Run ``work(caller)`` (decode, one Daemon call, encode) on the ``rpc`` lane within the caller's
+        limits, and answer with what it returns. A domain error ends the RPC with its status; any other
+        exception is a bug, logged, and ends it ``INTERNAL``."""
+        peer = context.peer()
+        try:
+            caller = self.caller(context)
+            key = caller_key(caller)
+            async with self.limits.call(key):
+                await self.limits.room(key, peer)  # the caller's earlier answers read first
+                response = await asyncio.get_running_loop().run_in_executor(self.lane, work, caller)
+        except GpusnapError as err:
+            await _abort(context, err)
+        except Exception as exc:  # a bug; keep serving
+            log.exception("rpc.crashed", method=getattr(work, "__qualname__", "?"))
+            await _abort(context, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+        sent = self.limits.unsent(key, peer, response.ByteSize())
+        context.add_done_callback(lambda _call: sent())  # type: ignore[arg-type]  # sent, or the call ended
+        return response
 
-class OperationServicer(_Base, operations_pb2_grpc.OperationServiceServicer):
-    @_rpc
-    def Checkpoint(
-        self, request: operations_pb2.CheckpointRequest, context: grpc.ServicerContext
+
+class OperationServicer(_Servicer, operations_pb2_grpc.OperationServiceServicer):
+    async def Checkpoint(
+        self, request: operations_pb2.CheckpointRequest, context: Context
     ) -> operations_pb2.CheckpointResponse:
-        record = self.daemon.checkpoint(convert.checkpoint_options(request), self.caller(context), request.request_id)
-        return operations_pb2.CheckpointResponse(operation=convert.operation(record))
+        def answer(caller: Caller) -> operations_pb2.CheckpointResponse:
+            record = self.daemon.checkpoint(convert.checkpoint_options(request), caller, request.request_id)
+            return operations_pb2.CheckpointResponse(operation=convert.operation(record))
 
-    @_rpc
-    def Restore(
-        self, request: operations_pb2.RestoreRequest, context: grpc.ServicerContext
-    ) -> operations_pb2.RestoreResponse:
-        record = self.daemon.restore(convert.restore_options(request), self.caller(context), request.request_id)
-        return operations_pb2.RestoreResponse(operation=convert.operation(record))
+        return await self.unary(context, answer)
 
-    @_rpc
-    def Suspend(
-        self, request: operations_pb2.SuspendRequest, context: grpc.ServicerContext
-    ) -> operations_pb2.SuspendResponse:
-        timeout = (
-            convert.seconds("gpu_lock_timeout", request.gpu_lock_timeout)
-            if request.HasField("gpu_lock_timeout")
-            else None
-        )
-        record = self.daemon.suspend(request.pid, self.caller(context), timeout, request.request_id)
-        return operations_pb2.SuspendResponse(operation=convert.operation(record))
+    async def Restore(self, request: operations_pb2.RestoreRequest, context: Context) -> operations_pb2.RestoreResponse:
+        def answer(caller: Caller) -> operations_pb2.RestoreResponse:
+            record = self.daemon.restore(convert.restore_options(request), caller, request.request_id)
+            return operations_pb2.RestoreResponse(operation=convert.operation(record))
 
-    @_rpc
-    def Resume(
-        self, request: operations_pb2.ResumeRequest, context: grpc.ServicerContext
-    ) -> operations_pb2.ResumeResponse:
-        record = self.daemon.resume(request.pid, dict(request.gpu_map), self.caller(context), request.request_id)
-        return operations_pb2.ResumeResponse(operation=convert.operation(record))
+        return await self.unary(context, answer)
 
-    @_rpc
-    def Push(self, request: operations_pb2.PushRequest, context: grpc.ServicerContext) -> operations_pb2.PushResponse:
-        record = self.daemon.push(request.snapshot, self.caller(context), request.request_id)
-        return operations_pb2.PushResponse(operation=convert.operation(record))
+    async def Suspend(self, request: operations_pb2.SuspendRequest, context: Context) -> operations_pb2.SuspendResponse:
+        def answer(caller: Caller) -> operations_pb2.SuspendResponse:
+            timeout = (
+                convert.seconds("gpu_lock_timeout", request.gpu_lock_timeout)
+                if request.HasField("gpu_lock_timeout")
+                else None
+            )
+            record = self.daemon.suspend(request.pid, caller, timeout, request.request_id)
+            return operations_pb2.SuspendResponse(operation=convert.operation(record))
 
-    @_rpc
-    def Pull(self, request: operations_pb2.PullRequest, context: grpc.ServicerContext) -> operations_pb2.PullResponse:
-        record = self.daemon.pull(request.snapshot, self.caller(context), request.request_id)
-        return operations_pb2.PullResponse(operation=convert.operation(record))
+        return await self.unary(context, answer)
 
-    @_rpc
-    def GetOperation(
-        self, request: operations_pb2.GetOperationRequest, context: grpc.ServicerContext
+    async def Resume(self, request: operations_pb2.ResumeRequest, context: Context) -> operations_pb2.ResumeResponse:
+        def answer(caller: Caller) -> operations_pb2.ResumeResponse:
+            record = self.daemon.resume(request.pid, dict(request.gpu_map), caller, request.request_id)
+            return operations_pb2.ResumeResponse(operation=convert.operation(record))
+
+        return await self.unary(context, answer)
+
+    async def Push(self, request: operations_pb2.PushRequest, context: Context) -> operations_pb2.PushResponse:
+        def answer(caller: Caller) -> operations_pb2.PushResponse:
+            record = self.daemon.push(request.snapshot, caller, request.request_id)
+            return operations_pb2.PushResponse(operation=convert.operation(record))
+
+        return await self.unary(context, answer)
+
+    async def Pull(self, request: operations_pb2.PullRequest, context: Context) -> operations_pb2.PullResponse:
+        def answer(caller: Caller) -> operations_pb2.PullResponse:
+            record = self.daemon.pull(request.snapshot, caller, request.request_id)
+            return operations_pb2.PullResponse(operation=convert.operation(record))
+
+        return await self.unary(context, answer)
+
+    async def GetOperation(
+        self, request: operations_pb2.GetOperationRequest, context: Context
     ) -> operations_pb2.GetOperationResponse:
-        record = self.daemon.operation(request.id, self.caller(context))
-        return operations_pb2.GetOperationResponse(operation=convert.operation(record))
+        def answer(caller: Caller) -> operations_pb2.GetOperationResponse:
+            return operations_pb2.GetOperationResponse(
+                operation=convert.operation(self.daemon.operation(request.id, caller))
+            )
 
-    # WaitOperation and WatchOperation are served by coroutines (gpusnap.daemon.service.aio.OperationStreams),
-    # which hold no thread while they wait; the server never routes them here.
-    def WaitOperation(self, request: Any, context: grpc.ServicerContext) -> Any:
-        raise NotImplementedError("served by gpusnap.daemon.service.aio.OperationStreams")
+        return await self.unary(context, answer)
 
-    def WatchOperation(self, request: Any, context: grpc.ServicerContext) -> Any:
-        raise NotImplementedError("served by gpusnap.daemon.service.aio.OperationStreams")
+    async def WaitOperation(
+        self, request: operations_pb2.WaitOperationRequest, context: Context
+    ) -> operations_pb2.WaitOperationResponse:
+        try:
+            caller = self.caller(context)
+            record = self.daemon.operation(request.id, caller)
+            with self.limits.stream(caller_key(caller)):
+                async for _ in _events(record):
+                    pass
+        except GpusnapError as err:
+            await _abort(context, err)
+        return operations_pb2.WaitOperationResponse(operation=convert.operation(record))
 
-    @_rpc
-    def CancelOperation(
-        self, request: operations_pb2.CancelOperationRequest, context: grpc.ServicerContext
+    async def WatchOperation(
+        self, request: operations_pb2.WatchOperationRequest, context: Context
+    ) -> AsyncIterator[operations_pb2.WatchOperationResponse]:
+        try:
+            caller = self.caller(context)
+            record = self.daemon.operation(request.id, caller)
+            with self.limits.stream(caller_key(caller)):
+                async for event in _events(record):
+                    yield operations_pb2.WatchOperationResponse(event=convert.event(record, event))
+        except GpusnapError as err:
+            await _abort(context, err)
+
+    async def CancelOperation(
+        self, request: operations_pb2.CancelOperationRequest, context: Context
     ) -> operations_pb2.CancelOperationResponse:
-        record = self.daemon.cancel(request.id, self.caller(context))
-        return operations_pb2.CancelOperationResponse(operation=convert.operation(record))
+        def answer(caller: Caller) -> operations_pb2.CancelOperationResponse:
+            record = self.daemon.cancel(request.id, caller)
+            return operations_pb2.CancelOperationResponse(operation=convert.operation(record))
 
-    @_rpc
-    def Standby(
-        self, request: operations_pb2.StandbyRequest, context: grpc.ServicerContext
-    ) -> operations_pb2.StandbyResponse:
-        opts = convert_park.standby_options(request)
-        record = self.daemon.standby(opts, self.caller(context), request.request_id)
-        return operations_pb2.StandbyResponse(operation=convert.operation(record))
+        return await self.unary(context, answer)
 
-    @_rpc
-    def Activate(
-        self, request: operations_pb2.ActivateRequest, context: grpc.ServicerContext
+    async def Standby(self, request: operations_pb2.StandbyRequest, context: Context) -> operations_pb2.StandbyResponse:
+        def answer(caller: Caller) -> operations_pb2.StandbyResponse:
+            record = self.daemon.standby(convert_park.standby_options(request), caller, request.request_id)
+            return operations_pb2.StandbyResponse(operation=convert.operation(record))
+
+        return await self.unary(context, answer)
+
+    async def Activate(
+        self, request: operations_pb2.ActivateRequest, context: Context
     ) -> operations_pb2.ActivateResponse:
-        opts = convert_park.activate_options(request)
-        record = self.daemon.activate(request.standby, opts, self.caller(context), request.gpu, request.request_id)
-        return operations_pb2.ActivateResponse(operation=convert.operation(record))
+        def answer(caller: Caller) -> operations_pb2.ActivateResponse:
+            opts = convert_park.activate_options(request)
+            record = self.daemon.activate(request.standby, opts, caller, request.gpu, request.request_id)
+            return operations_pb2.ActivateResponse(operation=convert.operation(record))
 
-    @_rpc
-    def ListOperations(
-        self, request: operations_pb2.ListOperationsRequest, context: grpc.ServicerContext
+        return await self.unary(context, answer)
+
+    async def ListOperations(
+        self, request: operations_pb2.ListOperationsRequest, context: Context
     ) -> operations_pb2.ListOperationsResponse:
-        page = self.daemon.operations(self.caller(context), request.page_size, request.page_token)
-        ops = [convert.operation(r) for r in page.items]
-        page = paging.fit(page, [m.ByteSize() for m in ops], operation_key)
-        return operations_pb2.ListOperationsResponse(operations=ops[: len(page.items)], next_page_token=page.next_token)
+        def answer(caller: Caller) -> operations_pb2.ListOperationsResponse:
+            page = self.daemon.operations(caller, request.page_size, request.page_token)
+            ops = [convert.operation(r) for r in page.items]
+            page = paging.fit(page, [m.ByteSize() for m in ops], operation_key)
+            return operations_pb2.ListOperationsResponse(
+                operations=ops[: len(page.items)], next_page_token=page.next_token
+            )
+
+        return await self.unary(context, answer)
 
 
-class SnapshotServicer(_Base, snapshots_pb2_grpc.SnapshotServiceServicer):
-    @_rpc
-    def ListSnapshots(
-        self, request: snapshots_pb2.ListSnapshotsRequest, context: grpc.ServicerContext
+class SnapshotServicer(_Servicer, snapshots_pb2_grpc.SnapshotServiceServicer):
+    async def ListSnapshots(
+        self, request: snapshots_pb2.ListSnapshotsRequest, context: Context
     ) -> snapshots_pb2.ListSnapshotsResponse:
-        list_fn = self.daemon.remote_snapshots if request.remote else self.daemon.snapshots
-        page = list_fn(self.caller(context), dict(request.label_selector), request.page_size, request.page_token)
-        snaps = [convert.snapshot(s) for s in page.items]
-        page = paging.fit(page, [m.ByteSize() for m in snaps], snapshot_key)
-        return snapshots_pb2.ListSnapshotsResponse(snapshots=snaps[: len(page.items)], next_page_token=page.next_token)
+        def answer(caller: Caller) -> snapshots_pb2.ListSnapshotsResponse:
+            list_fn = self.daemon.remote_snapshots if request.remote else self.daemon.snapshots
+            page = list_fn(caller, dict(request.label_selector), request.page_size, request.page_token)
+            snaps = [convert.snapshot(s) for s in page.items]
+            page = paging.fit(page, [m.ByteSize() for m in snaps], snapshot_key)
+            return snapshots_pb2.ListSnapshotsResponse(
+                snapshots=snaps[: len(page.items)], next_page_token=page.next_token
+            )
 
-    @_rpc
-    def GetSnapshot(
-        self, request: snapshots_pb2.GetSnapshotRequest, context: grpc.ServicerContext
+        return await self.unary(context, answer)
+
+    async def GetSnapshot(
+        self, request: snapshots_pb2.GetSnapshotRequest, context: Context
     ) -> snapshots_pb2.GetSnapshotResponse:
-        snap = self.daemon.snapshot(request.snapshot, self.caller(context))
-        return snapshots_pb2.GetSnapshotResponse(snapshot=convert.snapshot(snap))
+        def answer(caller: Caller) -> snapshots_pb2.GetSnapshotResponse:
+            return snapshots_pb2.GetSnapshotResponse(
+                snapshot=convert.snapshot(self.daemon.snapshot(request.snapshot, caller))
+            )
 
-    @_rpc
-    def DeleteSnapshot(
-        self, request: snapshots_pb2.DeleteSnapshotRequest, context: grpc.ServicerContext
+        return await self.unary(context, answer)
+
+    async def DeleteSnapshot(
+        self, request: snapshots_pb2.DeleteSnapshotRequest, context: Context
     ) -> snapshots_pb2.DeleteSnapshotResponse:
-        delete = self.daemon.delete_remote_snapshot if request.remote else self.daemon.delete_snapshot
-        return snapshots_pb2.DeleteSnapshotResponse(id=delete(request.snapshot, self.caller(context)))
+        def answer(caller: Caller) -> snapshots_pb2.DeleteSnapshotResponse:
+            delete = self.daemon.delete_remote_snapshot if request.remote else self.daemon.delete_snapshot
+            return snapshots_pb2.DeleteSnapshotResponse(id=delete(request.snapshot, caller))
 
-    @_rpc
-    def ListRestoredTrees(
-        self, request: snapshots_pb2.ListRestoredTreesRequest, context: grpc.ServicerContext
+        return await self.unary(context, answer)
+
+    async def ListRestoredTrees(
+        self, request: snapshots_pb2.ListRestoredTreesRequest, context: Context
     ) -> snapshots_pb2.ListRestoredTreesResponse:
-        trees = self.daemon.restored_trees(self.caller(context))
-        return snapshots_pb2.ListRestoredTreesResponse(trees=[convert.restored_tree(t) for t in trees])
+        def answer(caller: Caller) -> snapshots_pb2.ListRestoredTreesResponse:
+            trees = self.daemon.restored_trees(caller)
+            return snapshots_pb2.ListRestoredTreesResponse(trees=[convert.restored_tree(t) for t in trees])
 
-    @_rpc
-    def StopRestoredTree(
-        self, request: snapshots_pb2.StopRestoredTreeRequest, context: grpc.ServicerContext
+        return await self.unary(context, answer)
+
+    async def StopRestoredTree(
+        self, request: snapshots_pb2.StopRestoredTreeRequest, context: Context
     ) -> snapshots_pb2.StopRestoredTreeResponse:
-        stopped = self.daemon.stop_restored_trees(self.caller(context), request.pid, request.operation_id)
-        return snapshots_pb2.StopRestoredTreeResponse(stopped=[convert.restored_tree(t) for t in stopped])
+        def answer(caller: Caller) -> snapshots_pb2.StopRestoredTreeResponse:
+            stopped = self.daemon.stop_restored_trees(caller, request.pid, request.operation_id)
+            return snapshots_pb2.StopRestoredTreeResponse(stopped=[convert.restored_tree(t) for t in stopped])
+
+        return await self.unary(context, answer)
 
 
-class NodeServicer(_Base, node_pb2_grpc.NodeServiceServicer):
-    @_rpc
-    def GetNodeInfo(
-        self, request: node_pb2.GetNodeInfoRequest, context: grpc.ServicerContext
-    ) -> node_pb2.GetNodeInfoResponse:
-        return node_pb2.GetNodeInfoResponse(node=convert.node_info(self.daemon.node_info(self.caller(context))))
+class NodeServicer(_Servicer, node_pb2_grpc.NodeServiceServicer):
+    async def GetNodeInfo(self, request: node_pb2.GetNodeInfoRequest, context: Context) -> node_pb2.GetNodeInfoResponse:
+        def answer(caller: Caller) -> node_pb2.GetNodeInfoResponse:
+            return node_pb2.GetNodeInfoResponse(node=convert.node_info(self.daemon.node_info(caller)))
+
+        return await self.unary(context, answer)
 
 
-class ParkServicer(_Base, park_pb2_grpc.ParkServiceServicer):
-    @_rpc
-    def ListStandbys(
-        self, request: park_pb2.ListStandbysRequest, context: grpc.ServicerContext
+class ParkServicer(_Servicer, park_pb2_grpc.ParkServiceServicer):
+    async def ListStandbys(
+        self, request: park_pb2.ListStandbysRequest, context: Context
     ) -> park_pb2.ListStandbysResponse:
-        found = self.daemon.standbys(self.caller(context), request.snapshot)
-        return park_pb2.ListStandbysResponse(standbys=[convert.standby(s) for s in found])
+        def answer(caller: Caller) -> park_pb2.ListStandbysResponse:
+            found = self.daemon.standbys(caller, request.snapshot)
+            return park_pb2.ListStandbysResponse(standbys=[convert.standby(s) for s in found])
 
-    @_rpc
-    def DropStandby(
-        self, request: park_pb2.DropStandbyRequest, context: grpc.ServicerContext
-    ) -> park_pb2.DropStandbyResponse:
-        return park_pb2.DropStandbyResponse(id=self.daemon.drop_standby(request.standby, self.caller(context)))
+        return await self.unary(context, answer)
 
-    @_rpc
-    def GetLadder(
-        self, request: park_pb2.GetLadderRequest, context: grpc.ServicerContext
-    ) -> park_pb2.GetLadderResponse:
-        workloads, budgets, events = self.daemon.ladder_view(self.caller(context))
-        return park_pb2.GetLadderResponse(
-            workloads=[convert_park.workload(w) for w in workloads],
-            budgets=[convert_park.budget(b) for b in budgets],
-            events=[convert_park.event(e) for e in events],
-        )
+    async def DropStandby(self, request: park_pb2.DropStandbyRequest, context: Context) -> park_pb2.DropStandbyResponse:
+        def answer(caller: Caller) -> park_pb2.DropStandbyResponse:
+            return park_pb2.DropStandbyResponse(id=self.daemon.drop_standby(request.standby, caller))
 
-    @_rpc
-    def SetPolicy(
-        self, request: park_pb2.SetPolicyRequest, context: grpc.ServicerContext
-    ) -> park_pb2.SetPolicyResponse:
-        rule = self.daemon.set_policy(
-            request.selector.snapshot,
-            dict(request.selector.labels),
-            convert_park.policy_of(request.policy),
-            self.caller(context),
-        )
-        return park_pb2.SetPolicyResponse(rule=convert_park.rule(rule))
+        return await self.unary(context, answer)
 
-    @_rpc
-    def ListPolicies(
-        self, request: park_pb2.ListPoliciesRequest, context: grpc.ServicerContext
+    async def GetLadder(self, request: park_pb2.GetLadderRequest, context: Context) -> park_pb2.GetLadderResponse:
+        def answer(caller: Caller) -> park_pb2.GetLadderResponse:
+            workloads, budgets, events = self.daemon.ladder_view(caller)
+            return park_pb2.GetLadderResponse(
+                workloads=[convert_park.workload(w) for w in workloads],
+                budgets=[convert_park.budget(b) for b in budgets],
+                events=[convert_park.event(e) for e in events],
+            )
+
+        return await self.unary(context, answer)
+
+    async def SetPolicy(self, request: park_pb2.SetPolicyRequest, context: Context) -> park_pb2.SetPolicyResponse:
+        def answer(caller: Caller) -> park_pb2.SetPolicyResponse:
+            rule = self.daemon.set_policy(
+                request.selector.snapshot,
+                dict(request.selector.labels),
+                convert_park.policy_of(request.policy),
+                caller,
+            )
+            return park_pb2.SetPolicyResponse(rule=convert_park.rule(rule))
+
+        return await self.unary(context, answer)
+
+    async def ListPolicies(
+        self, request: park_pb2.ListPoliciesRequest, context: Context
     ) -> park_pb2.ListPoliciesResponse:
-        return park_pb2.ListPoliciesResponse(
-            rules=[convert_park.rule(r) for r in self.daemon.policies(self.caller(context))]
-        )
+        def answer(caller: Caller) -> park_pb2.ListPoliciesResponse:
+            return park_pb2.ListPoliciesResponse(rules=[convert_park.rule(r) for r in self.daemon.policies(caller)])
 
-    @_rpc
-    def DeletePolicy(
-        self, request: park_pb2.DeletePolicyRequest, context: grpc.ServicerContext
+        return await self.unary(context, answer)
+
+    async def DeletePolicy(
+        self, request: park_pb2.DeletePolicyRequest, context: Context
     ) -> park_pb2.DeletePolicyResponse:
-        self.daemon.delete_policy(request.selector.snapshot, dict(request.selector.labels), self.caller(context))
-        return park_pb2.DeletePolicyResponse()
+        def answer(caller: Caller) -> park_pb2.DeletePolicyResponse:
+            self.daemon.delete_policy(request.selector.snapshot, dict(request.selector.labels), caller)
+            return park_pb2.DeletePolicyResponse()
+
+        return await self.unary(context, answer)
+
+
+async def _events(record: OperationRecord) -> AsyncIterator[Any]:
+    """The operation's events from its start, as they come, until its final event."""
+    loop = asyncio.get_running_loop()
+    changed = asyncio.Event()
+
+    def wake() -> None:
+        try:
+            loop.call_soon_threadsafe(changed.set)
+        except RuntimeError:  # the loop closed (daemon stopping)
+            pass
+
+    record.subscribe(wake)
+    try:
+        last = -1
+        while True:
+            changed.clear()
+            for event in record.events_after(last, timeout=0):
+                last = event.sequence
+                yield event
+                if event.type is EventType.OPERATION_FINISHED:
+                    return
+            await changed.wait()
+    finally:
+        record.unsubscribe(wake)
