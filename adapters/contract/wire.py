@@ -29,6 +29,11 @@ class ChannelClosed(ConnectionError):
     """The peer closed the channel (or sent a malformed frame)."""
 
 
+class BadFrame(ChannelClosed):
+    """The peer sent a frame the channel refuses: oversized, with too many descriptors, or one that does not
+    parse."""
+
+
 def send(sock: socket.socket, message: Message, fds: Sequence[int] = ()) -> None:
     """Write one framed message; ``fds`` (at most ``MAX_FDS``) travel with its first byte (SCM_RIGHTS)."""
     if len(fds) > MAX_FDS:
@@ -41,6 +46,72 @@ def send(sock: socket.socket, message: Message, fds: Sequence[int] = ()) -> None
     sent = socket.send_fds(sock, [frame], list(fds))
     if sent < len(frame):
         sock.sendall(frame[sent:])
+
+
+class FrameReader:
+    """One frame as it arrives: the channel's one reader, for blocking sockets (:func:`recv_with_fds` reads
+    until the frame is whole) and non-blocking ones (the daemon's agent socket feeds each connection's
+    reader what its socket holds, one thread for all of them).
+
+    Args:
+        max_frame: the largest body, bytes; a larger announced size is refused before the body is read.
+        take_fds: receive the descriptors sent with the frame (at most ``MAX_FDS`` per frame; :attr:`fds`,
+            opened close-on-exec, the caller's to close); when false the kernel drops any.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME, take_fds: bool = True):
+        self.max_frame = max_frame
+        self.take_fds = take_fds
+        self.fds: list[int] = []
+        self._buf = bytearray()
+        self._size: int | None = None
+
+    def _need(self) -> int:
+        return 4 - len(self._buf) if self._size is None else 4 + self._size - len(self._buf)
+
+    def read(self, sock: socket.socket) -> bool:
+        """Read what the socket holds of the frame (one receive); True once the frame is whole.
+
+        Raises:
+            ChannelClosed: end of stream.
+            BadFrame: an oversized frame, or more than ``MAX_FDS`` descriptors with it.
+            OSError: the socket's own errors (``BlockingIOError``: a non-blocking socket holds nothing yet).
+        """
+        if self.take_fds:
+            chunk, received, flags, _ = socket.recv_fds(sock, self._need(), MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+            self.fds.extend(received)
+            # the limit is per frame, not per read: a peer that trickles a frame in 1-byte pieces, 200
+            # descriptors each, would otherwise fill the daemon's descriptor table from one connection
+            if flags & socket.MSG_CTRUNC or len(self.fds) > MAX_FDS:
+                raise BadFrame(f"more than {MAX_FDS} descriptors in one frame")
+        else:
+            chunk = sock.recv(self._need())
+        if not chunk:
+            raise ChannelClosed("peer closed the channel")
+        self._buf += chunk
+        if self._size is None and len(self._buf) == 4:
+            (self._size,) = struct.unpack(">I", self._buf)
+            if self._size > self.max_frame:
+                raise BadFrame(f"frame of {self._size} bytes exceeds {self.max_frame}")
+        return self._size is not None and len(self._buf) == 4 + self._size
+
+    def message(self, message: M) -> M:
+        """Parse the whole frame into ``message`` and return it.
+
+        Raises:
+            BadFrame: bytes that do not parse.
+        """
+        try:
+            message.ParseFromString(bytes(self._buf[4:]))
+        except Exception as exc:  # protobuf's DecodeError and friends
+            raise BadFrame(f"malformed frame: {exc}") from exc
+        return message
+
+    def close_fds(self) -> None:
+        """Close the descriptors received with the frame."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
 
 
 def recv(sock: socket.socket, message: M, max_frame: int = MAX_FRAME) -> M:
@@ -57,39 +128,17 @@ def recv(sock: socket.socket, message: M, max_frame: int = MAX_FRAME) -> M:
 
 
 def recv_with_fds(sock: socket.socket, message: M, max_frame: int = MAX_FRAME) -> tuple[M, list[int]]:
-    """Read one framed message into ``message``; returns it and the descriptors that came with it (the
-    caller owns them, opened close-on-exec).
+    """Read one framed message from a blocking socket into ``message``; returns it and the descriptors that
+    came with it (the caller owns them, opened close-on-exec).
 
     Raises:
         ChannelClosed: end of stream, an oversized frame or bytes that do not parse.
     """
-    fds: list[int] = []
+    reader = FrameReader(max_frame)
     try:
-        (size,) = struct.unpack(">I", _read_exactly(sock, 4, fds))
-        if size > max_frame:
-            raise ChannelClosed(f"frame of {size} bytes exceeds {max_frame}")
-        body = _read_exactly(sock, size, fds)
-        try:
-            message.ParseFromString(body)
-        except Exception as exc:  # protobuf's DecodeError and friends
-            raise ChannelClosed(f"malformed frame: {exc}") from exc
+        while not reader.read(sock):
+            pass
+        return reader.message(message), reader.fds
     except BaseException:
-        for fd in fds:
-            os.close(fd)
+        reader.close_fds()
         raise
-    return message, fds
-
-
-def _read_exactly(sock: socket.socket, n: int, fds: list[int]) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk, received, flags, _ = socket.recv_fds(sock, n - len(buf), MAX_FDS, socket.MSG_CMSG_CLOEXEC)
-        fds.extend(received)
-        # the limit is per frame, not per read: a peer that trickles a frame in 1-byte pieces, 200
-        # descriptors each, would otherwise fill the daemon's descriptor table from one connection
-        if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
-            raise ChannelClosed(f"more than {MAX_FDS} descriptors in one frame")
-        if not chunk:
-            raise ChannelClosed("peer closed the channel")
-        buf += chunk
-    return bytes(buf)

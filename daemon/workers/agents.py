@@ -371,30 +371,24 @@ class AgentRegistry:
         self, conn: socket.socket, p: _Pending, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]
     ) -> None:
         try:
-            chunk = conn.recv(p.need())
+            whole = p.frame.read(conn)
         except BlockingIOError:
             return
-        except OSError:
-            chunk = b""
-        if not chunk:
+        except wire.BadFrame as exc:
+            self._refused(p.uid, p.pid, f"hello: {exc}")
             self._drop(conn, sel, pending)
             return
-        p.buf += chunk
-        if len(p.buf) >= 4 and p.size is None:
-            (p.size,) = struct.unpack(">I", p.buf[:4])
-            if p.size > HELLO_MAX_FRAME:
-                self._refused(p.uid, p.pid, f"hello of {p.size} bytes exceeds {HELLO_MAX_FRAME}")
-                self._drop(conn, sel, pending)
-                return
-        if p.size is None or len(p.buf) < 4 + p.size:
+        except (wire.ChannelClosed, OSError):
+            self._drop(conn, sel, pending)
+            return
+        if not whole:
             return
         sel.unregister(conn)
         pending.pop(conn, None)
-        msg = agent_pb2.AgentMessage()
         try:
-            msg.ParseFromString(bytes(p.buf[4:]))
-        except Exception:  # protobuf's DecodeError
-            msg = agent_pb2.AgentMessage()
+            msg = p.frame.message(agent_pb2.AgentMessage())
+        except wire.BadFrame:
+            msg = agent_pb2.AgentMessage()  # not a hello: refused as one
         conn.setblocking(True)
         self._hello(conn, p.pid, p.uid, msg, p.start)
 
@@ -438,8 +432,6 @@ class _Pending:
     deadline: float
     start: float
     """The connecting process's start time (``proc.start_time``)."""
-    buf: bytearray = dataclasses.field(default_factory=bytearray)
-    size: int | None = None
-
-    def need(self) -> int:
-        return 4 - len(self.buf) if self.size is None else 4 + self.size - len(self.buf)
+    frame: wire.FrameReader = dataclasses.field(
+        default_factory=lambda: wire.FrameReader(HELLO_MAX_FRAME, take_fds=False)
+    )
