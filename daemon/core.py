@@ -137,31 +137,7 @@ class Daemon:
         gpumap.check_form(opts.gpu_map)
         check_replicas(opts)
         validate.restore_context(opts.env, opts.unset_env, opts.values)
-        try:
-            snapshot = self.deps.store.get(opts.snapshot, caller.uid)
-        except NotFoundError:
-            if self.deps.remote is None:
-                raise
-            # Only in the remote store: pull it first, in the same operation (pull phases, then restore's).
-            remote = remote_ops.require_remote(self.deps)
-            snapshot = remote.find(opts.snapshot, caller.uid).snapshot
-            callers.check_may_restore(snapshot, caller, lambda: remote.not_found(opts.snapshot))
-            here = dataclasses.replace(opts, snapshot=snapshot.id)
-            record = OperationRecord(
-                OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
-            )
-            admitted = self._admit(caller.uid, snapshot, opts.replicas, f"restoring {snapshot.id}")
-            return self._start_held(
-                record,
-                (),
-                lambda run: (
-                    remote_ops.run_pull(run, self.deps, snapshot.id, caller),
-                    run_restore(run, self.deps, here),
-                )[1],
-                admitted,
-                weight=opts.replicas,
-            )
-        callers.check_may_restore(snapshot, caller, lambda: self.deps.store.not_found(opts.snapshot))
+        snapshot, pull = self._restorable(opts.snapshot, caller)
         opts = dataclasses.replace(opts, snapshot=snapshot.id)  # validated: the operation checks it no more
         record = OperationRecord(
             OperationKind.RESTORE, target_snapshot=snapshot.id, owner_uid=caller.uid, request_id=request_id
@@ -169,20 +145,40 @@ class Daemon:
         release = self.ladder.reserve_gpu(snapshot) if self.ladder is not None else _nothing
         standby = self._standby_for(snapshot.id, opts)
         if standby is not None:  # restored ahead: activate it instead (gpusnap.daemon.operations.standby)
-            return self._start_activation(record, standby, opts, caller, release)
+            return self._start_activation(record, standby, snapshot, opts, caller, release)
         try:
             admitted = self._admit(caller.uid, snapshot, opts.replicas, f"restoring {snapshot.id}")
         except BaseException:
             release()
             raise
         skipped = self._standbys_skipped(snapshot.id, opts)
-        return self._start_held(
-            record,
-            (),
-            lambda run: dataclasses.replace(run_restore(run, self.deps, opts), standbys_skipped=skipped),
-            _both(release, admitted),
-            weight=opts.replicas,
-        )
+
+        def body(run: PhaseRunner) -> RestoreResult:
+            if pull:  # only in the remote store: pulled first, in the same operation (pull phases, then restore's)
+                remote_ops.run_pull(run, self.deps, snapshot.id, caller)
+            return dataclasses.replace(run_restore(run, self.deps, opts, snapshot), standbys_skipped=skipped)
+
+        return self._start_held(record, (), body, _both(release, admitted), snapshot, weight=opts.replicas)
+
+    def _restorable(self, ref: str, caller: Caller) -> tuple[Snapshot, bool]:
+        """The snapshot ``ref`` names, which the caller may restore, read once: from the store, or (with a
+        remote store) from the remote one when only it has it; and whether it must be pulled first.
+
+        Raises:
+            InvalidArgumentError, NotFoundError, PermissionDeniedError, DataLossError (manifest), UnavailableError
+            (remote unreachable).
+        """
+        try:
+            snapshot = self.deps.store.get(ref, caller.uid)
+        except NotFoundError:
+            if self.deps.remote is None:
+                raise
+            remote = remote_ops.require_remote(self.deps)
+            snapshot = remote.find(ref, caller.uid).snapshot
+            callers.check_may_restore(snapshot, caller, lambda: remote.not_found(ref))
+            return snapshot, True
+        callers.check_may_restore(snapshot, caller, lambda: self.deps.store.not_found(ref))
+        return snapshot, False
 
     def _admit(self, uid: int, snapshot: Snapshot, copies: int, what: str) -> Callable[[], None]:
         """``uid``'s admission of ``copies`` more trees of ``snapshot`` (``operations.tree_bounds``)."""
@@ -197,16 +193,18 @@ class Daemon:
         pids: Iterable[int],
         body: Callable[[PhaseRunner], object],
         release: Callable[[], None],
+        snapshot: Snapshot | None = None,
         weight: int = 1,
     ) -> OperationRecord:
         """Start ``body`` (``weight``: its share of the caller's operations, as ``OperationRegistry.start``);
-        ``release`` (a park budget reservation) runs when it ends, or now if it never starts."""
+        ``release`` (a park budget reservation) runs when it ends, or now if it never starts. A tree it brings
+        up (a restore's or an activation's, of ``snapshot``) is on its park rung before the operation ends."""
 
         def held(run: PhaseRunner) -> object:
             try:
                 result = body(run)
                 if self.ladder is not None and isinstance(result, RestoreResult):
-                    self.ladder.track(result)  # on its rung before the operation is seen to end
+                    self.ladder.track(result, snapshot)  # on its rung before the operation is seen to end
                 return result
             finally:
                 release()
@@ -278,7 +276,11 @@ class Daemon:
             admitted()
             raise
         return self._start_held(
-            record, (), lambda run: run_standby(run, self.deps, here), _both(release, admitted), weight=opts.count
+            record,
+            (),
+            lambda run: run_standby(run, self.deps, here, snapshot),
+            _both(release, admitted),
+            weight=opts.count,
         )
 
     def activate(
@@ -322,23 +324,27 @@ class Daemon:
         except BaseException:
             standbys.unclaim(standby_id)
             raise
-        return self._start_activation(record, claimed, opts, caller, release)
+        return self._start_activation(record, claimed, snapshot, opts, caller, release)
 
     def _start_activation(
         self,
         record: OperationRecord,
         standby: Standby,
+        snapshot: Snapshot,
         opts: RestoreOptions,
         caller: Caller,
         release: Callable[[], None],
     ) -> OperationRecord:
-        """Run the activation of the claimed ``standby``; a refused start gives the standby back."""
+        """Run the activation of the claimed ``standby`` of ``snapshot``; a refused start gives the standby back."""
         try:
             return self._start_held(
                 record,
                 standby.pids,
-                lambda run: dataclasses.replace(run_activate(run, self.deps, standby, opts), standby_id=standby.id),
+                lambda run: dataclasses.replace(
+                    run_activate(run, self.deps, standby, opts, snapshot), standby_id=standby.id
+                ),
                 release,
+                snapshot,
             )
         except BaseException:
             registry(self.deps).unclaim(standby.id)

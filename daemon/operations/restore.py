@@ -82,20 +82,24 @@ class CpuSide:
     """The ``kill-restored`` undo step (a standby, once registered, drops it: its drop kills the tree)."""
 
 
-def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions) -> RestoreResult:
+def run_restore(run: PhaseRunner, deps: Deps, opts: RestoreOptions, snapshot: Snapshot) -> RestoreResult:
     """The body of a restore operation (see the module docstring); ``opts`` as ``Daemon.restore`` validated
-    them: ``opts.snapshot`` the id of a snapshot the caller may restore, the replica count within bounds."""
-    return Restore(run, deps, opts).run_all()
+    them: ``opts.snapshot`` the id of ``snapshot``, which the caller may restore (its manifest as
+    ``Daemon.restore`` read it: a restore reads it once), the replica count within bounds."""
+    return Restore(run, deps, opts, snapshot).run_all()
 
 
 class Restore:
-    """The phases of a restore of ``opts.snapshot`` (module docstring), for one operation: ``run_all`` runs them
-    in order; a standby and an activation (``operations.standby``) run some of them."""
+    """The phases of a restore of ``snapshot`` (module docstring), for one operation: ``run_all`` runs them in
+    order; a standby and an activation (``operations.standby``) run some of them. ``snapshot`` is the published
+    snapshot ``opts.snapshot`` names, as the operation's starter read it (a manifest never changes once
+    published)."""
 
-    def __init__(self, run: PhaseRunner, deps: Deps, opts: RestoreOptions):
+    def __init__(self, run: PhaseRunner, deps: Deps, opts: RestoreOptions, snapshot: Snapshot):
         self.run = run
         self.deps = deps
         self.opts = opts
+        self.snapshot = snapshot
         self.timeout = opts.timeout_s or deps.config.restore_timeout
         self._prefill: tuple[weights_prefill.Prefill, Undo] | None = None
         self._images: ImageCheck | None = None
@@ -135,7 +139,8 @@ class Restore:
         """
         run, deps, opts = self.run, self.deps, self.opts
         with run.phase(Phase.PREFLIGHT):
-            snapshot = deps.store.get(opts.snapshot)
+            snapshot = self.snapshot
+            deps.store.path_of(snapshot.id)  # still here (deleted before the operation held it: NOT_FOUND)
             run.record.target_snapshot = snapshot.id
             restore_preflight.check_host_compatible(snapshot)
             provenance.check_pulled(deps, snapshot.id)

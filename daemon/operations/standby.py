@@ -65,17 +65,17 @@ def registry(deps: Deps) -> StandbyRegistry:
     return deps.standbys
 
 
-def run_standby(run: PhaseRunner, deps: Deps, opts: StandbyOptions) -> tuple[Standby, ...]:
+def run_standby(run: PhaseRunner, deps: Deps, opts: StandbyOptions, snapshot: Snapshot) -> tuple[Standby, ...]:
     """The body of a standby operation (module docstring); returns the standbys made. ``opts`` as
-    ``Daemon.standby`` validated them: ``opts.snapshot`` the id of a snapshot the caller may restore."""
+    ``Daemon.standby`` validated them: ``opts.snapshot`` the id of ``snapshot``, which the caller may restore
+    (as ``Daemon.standby`` read it)."""
     standbys = registry(deps)
     private = opts.private_network or opts.count > 1
     ropts = RestoreOptions(
         snapshot=opts.snapshot, timeout_s=opts.timeout_s, private_network=private, replicas=opts.count
     )
-    plan = restore.Restore(run, deps, ropts)
+    plan = restore.Restore(run, deps, ropts, snapshot)
     prepared = plan.prepare(resolve_gpus=False)
-    snapshot = prepared.snapshot
     if snapshot.gpu_processes:  # its activation needs the driver: refuse now rather than then
         deps.gpu.require(f"a standby of snapshot {snapshot.id} (it holds GPU state)")
     with run.phase(Phase.VERIFY) as progress:
@@ -226,9 +226,10 @@ def _unpin(deps: Deps, sb: Standby) -> None:
         deps.store.buffers.unpin(sb.buffer_uid, sb.digests)
 
 
-def run_activate(run: PhaseRunner, deps: Deps, sb: Standby, opts: RestoreOptions) -> RestoreResult:
+def run_activate(run: PhaseRunner, deps: Deps, sb: Standby, opts: RestoreOptions, snapshot: Snapshot) -> RestoreResult:
     """The body of an activation of the claimed standby ``sb`` (module docstring); ``opts`` as ``Daemon.activate``
-    validated them (``opts.snapshot``: the standby's snapshot, which the caller may restore)."""
+    validated them (``opts.snapshot``: the id of the standby's ``snapshot``, which the caller may restore, as
+    the operation's starter read it)."""
     standbys = registry(deps)
     with run.phase(Phase.PREFLIGHT):
         run.record.note(
@@ -250,7 +251,6 @@ def run_activate(run: PhaseRunner, deps: Deps, sb: Standby, opts: RestoreOptions
         forget = run.on_failure("forget-standby", lambda: _forget(standbys, sb))  # (claimed: shown until it is up)
         run.on_failure("kill-restored", lambda: kill(sb))
         unpin = run.on_failure("unpin-buffers", lambda: _unpin(deps, sb))
-        snapshot = deps.store.get(sb.snapshot_id)
         run.record.target_snapshot = snapshot.id
         if not sb.tree_alive():
             raise FailedPreconditionError(
@@ -269,7 +269,7 @@ def run_activate(run: PhaseRunner, deps: Deps, sb: Standby, opts: RestoreOptions
         if checked is not None:
             deps.store.raise_damaged(snapshot, checked.result())
 
-    plan = restore.Restore(run, deps, opts)
+    plan = restore.Restore(run, deps, opts, snapshot)
     plan.start_prefill(snapshot, gpu_map)  # while the GPU restores
     with run.phase(Phase.WAKE):
         for pid in proc.tree_pids(sb.root):

@@ -280,16 +280,17 @@ class Ladder:
             about.add(tracked.snapshot_id)
         return about
 
-    def track(self, result: RestoreResult) -> None:
-        """Count the tree(s) a restore or activation brought up as active (idempotent: the operation's thread
-        tracks them before its GPU reservation ends, and the operation's end finds them tracked, so
-        ``park-active.json`` is written once)."""
+    def track(self, result: RestoreResult, snapshot: Snapshot | None = None) -> None:
+        """Count the tree(s) a restore or activation of ``snapshot`` brought up as active (idempotent: the
+        operation's thread tracks them, with the snapshot it read, before its GPU reservation ends, and the
+        operation's end finds them tracked, so ``park-active.json`` is written once and the manifest not read
+        again; ``None``: read here)."""
         with self._lock:
             copies = [c for c in result.replicas or (result,) if c.pid not in self._tracked]
         if not copies:
             return
         try:
-            snapshot = self.store.get(result.snapshot_id)
+            snapshot = snapshot or self.store.get(result.snapshot_id)
         except GpusnapError:
             return
         with self._lock:

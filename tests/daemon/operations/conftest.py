@@ -194,7 +194,9 @@ class GpuNode:
 
     def restore(self, snapshot: str, **opts: Any) -> OperationRecord:
         options = RestoreOptions(snapshot=snapshot, **opts)
-        record = self.run(OperationKind.RESTORE, lambda run: run_restore(run, self.deps, options))
+        record = self.run(
+            OperationKind.RESTORE, lambda run: run_restore(run, self.deps, options, self.deps.store.get(snapshot))
+        )
         if record.result is not None:
             self.workloads.adopt(record.result.pid)
         return record

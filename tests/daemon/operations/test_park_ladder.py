@@ -24,6 +24,7 @@ from gpusnap.daemon.operations.standby import StandbyOptions
 from gpusnap.daemon.park.ladder import Ladder, Rung
 from gpusnap.daemon.park.policy import Policies
 from gpusnap.daemon.park.standbys import StandbyRegistry
+from gpusnap.daemon.store import manifest
 from tests.conftest import wait_for
 from tests.daemon.operations.conftest import GPU_BYTES, MIB, GpuNode
 
@@ -113,6 +114,20 @@ def test_keep_warm_makes_standbys_and_a_new_one_after_a_restore_took_one(park: P
     rungs = [m[1] for m in park.moves() if m[0] == snap.id]
     assert rungs == ["disk", "standby", "active"], park.moves()
     assert park.ladder.workloads()[0].standbys == 1 and park.ladder.workloads()[0].rung is Rung.ACTIVE
+
+
+def test_a_restore_reads_its_manifest_once(park: Park, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28: a restore parsed the snapshot's manifest four times (the request's checks, the preflight, the
+    ladder's tracking twice). Now the request's read is handed on; the preflight only sees that it is still
+    there."""
+    snap = park.snapshot(cuda=True)
+    reads: list[str] = []
+    original = manifest.read
+    monkeypatch.setattr(manifest, "read", lambda path: (reads.append(path.name), original(path))[1])
+    restored = park.done(park.daemon.restore(RestoreOptions(snapshot=snap.id), ROOT_CALLER))
+    assert restored.error is None, restored.error
+    assert reads == [snap.id], reads
+    assert park.ladder.budgets()[0].used_bytes == GPU_BYTES, "tracked with the snapshot the restore read"
 
 
 def test_an_idle_standby_beyond_keep_warm_is_dropped(park: Park) -> None:

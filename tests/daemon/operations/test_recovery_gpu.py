@@ -117,7 +117,7 @@ def test_restore_crash_after_gpu_phases(node: GpuNode, phase: str) -> None:
     tree = node.start(cuda=("root",), child=False)
     snap = node.checkpoint_ok(tree.root)
     opts = RestoreOptions(snapshot=snap.id)
-    journal = _crashed(node, OperationKind.RESTORE, phase, lambda run: run_restore(run, node.deps, opts))
+    journal = _crashed(node, OperationKind.RESTORE, phase, lambda run: run_restore(run, node.deps, opts, snap))
     restored = node.criu.restored[-1]
     assert psutil.pid_exists(restored.init_pid)
     [record] = recovery.recover(node.deps, journal, OperationRegistry(journal=journal))

@@ -37,7 +37,9 @@ def checkpointed(node: GpuNode, tree: Tree) -> Snapshot:
 
 
 def stand_by(node: GpuNode, deps: Deps, snap: Snapshot, count: int = 1) -> list[Standby]:
-    record = node.run(OperationKind.STANDBY, lambda run: run_standby(run, deps, StandbyOptions(snap.id, count=count)))
+    record = node.run(
+        OperationKind.STANDBY, lambda run: run_standby(run, deps, StandbyOptions(snap.id, count=count), snap)
+    )
     assert record.error is None, record.error
     for sb in record.result:
         node.workloads.adopt(sb.root)
@@ -49,7 +51,8 @@ def activate(node: GpuNode, deps: Deps, sb: Standby, **opts: object) -> Operatio
     claimed = deps.standbys.claim(sb.id)
     assert claimed is not None
     options = RestoreOptions(snapshot=sb.snapshot_id, **opts)  # type: ignore[arg-type]
-    return node.run(OperationKind.ACTIVATE, lambda run: run_activate(run, deps, claimed, options))
+    snapshot = deps.store.get(sb.snapshot_id)
+    return node.run(OperationKind.ACTIVATE, lambda run: run_activate(run, deps, claimed, options, snapshot))
 
 
 def test_standby_holds_no_gpu_and_activation_brings_the_tree_back_on_the_chosen_gpu(node: GpuNode, deps: Deps) -> None:

@@ -3,7 +3,9 @@ tree, node B pulls and restores it, and the tree carries on with its memory inta
 
 from __future__ import annotations
 
-from gpusnap.daemon.api.errors import GpusnapError
+import pytest
+
+from gpusnap.daemon.api.errors import GpusnapError, ResourceExhaustedError
 from gpusnap.daemon.client.values import OperationKind
 from tests.conftest import Workloads, phase_seconds, wait_for
 from tests.daemon.remote.fleet import Fleet, cli_json
@@ -75,6 +77,26 @@ def test_restore_of_a_remote_only_snapshot_pulls_it_first(fleet: Fleet, workload
     assert "restore" in phase_seconds(restored)
     frozen = w.last("parent.log")
     wait_for(lambda: w.last("parent.log") > frozen, 10, "the tree did not carry on on node B")
+
+
+def test_a_remote_only_restore_takes_the_park_gpu_budget(fleet: Fleet, workloads: Workloads) -> None:
+    """Issue 28: a restore of a snapshot only the remote store holds started on a path of its own and skipped the
+    park GPU budget. Now it starts as a local one does: a snapshot whose GPU use is over node B's budget is
+    refused at once (PARK_BUDGET), before anything is downloaded. (The tree here is a CPU one; its remote
+    manifest is given a CUDA process of 64 MiB, as a GPU worker's would have.)"""
+    a, b = fleet.node("a"), fleet.node("b", GPUSNAP_PARK_GPU_BYTES=str(32 << 20))
+    w = workloads.start("--mem-mb", "4", "--no-listener", "--no-child")
+    dumped = cli_json(a, "dump", str(w.pid), "--push")
+    a.cli("wait", dumped["push_operation"], check=True)
+    doc = fleet.manifest(dumped["id"])
+    doc["snapshot"]["gpu_processes"] = [{"pid": w.pid, "gpu_uuids": ["GPU-0"], "gpu_memory_bytes": 64 << 20}]
+    fleet.put_manifest(dumped["id"], doc)
+    with pytest.raises(ResourceExhaustedError) as refused:
+        b.client().restore(dumped["id"])
+    assert refused.value.reason == "PARK_BUDGET" and "gpu_bytes" in refused.value.message, refused.value
+    assert not list((b.store / "snapshots").iterdir()) and not b.client().list_operations(), (
+        "nothing pulled, nothing ran"
+    )
 
 
 def test_without_a_remote_push_says_how_to_configure_one(daemon, workloads: Workloads) -> None:  # type: ignore[no-untyped-def]
