@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
@@ -19,7 +20,9 @@ from gpusnap.daemon.cli.output import (
     terminal_lines,
 )
 from gpusnap.daemon.cli.output import wide as output_wide
-from gpusnap.daemon.client.values import Snapshot
+
+if TYPE_CHECKING:
+    from gpusnap.daemon.client.values import Snapshot
 
 
 @main.command("ls")
