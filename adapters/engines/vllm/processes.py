@@ -25,6 +25,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from gpusnap.adapters import zeroed
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
 from gpusnap.adapters.engine_process import MemoryPlan, model_weights, process_title
 from gpusnap.adapters.engines.vllm.adapter import Release, VllmAdapter
@@ -188,7 +189,9 @@ class WorkerPart:
     def release_kv(self) -> int:
         """Free the KV cache's memory (its contents are discardable: the front end's pause aborted every
         request and reset the prefix cache); returns the bytes freed. Arenas are released with their
-        addresses kept; plain storages are resized to 0 bytes."""
+        addresses kept; host memory is discarded in place (:func:`gpusnap.adapters.zeroed.discard`: it then
+        reads as zero, as vLLM allocated it, without being written again); other storages are resized to 0
+        bytes."""
         if self.kv_arenas:
             _synchronize(self._device_type())
             for arena in self.kv_arenas:
@@ -197,14 +200,21 @@ class WorkerPart:
             _empty_cache(self._device_type())
             return sum(a.size for a in self.kv_arenas)
         storages = _storages(getattr(self.worker.model_runner, "kv_caches", []))
+        if storages and all(s.device.type == "cpu" for s in storages):
+            try:
+                return zeroed.discard([(s.data_ptr(), s.nbytes()) for s in storages])
+            except zeroed.NotAnonymous as exc:
+                log.warning("gpusnap: the KV cache is freed, and zeroed again at resume: %s", exc)
         self._kv = [(s, s.nbytes()) for s in storages]
         for storage, _ in self._kv:
             storage.resize_(0)
         return sum(n for _, n in self._kv)
 
     def recreate_kv(self) -> None:
-        """Back the KV cache with memory again, zero-filled: the same arenas at the same addresses, or the
-        same storages (new addresses)."""
+        """Back the KV cache with memory again, zero-filled: the same arenas at the same addresses (zeroed
+        on the device: fresh device memory holds any bytes), or the same storages (new addresses). A
+        discarded host KV cache needs nothing: its pages come back zero-filled when first touched
+        (docs/engines.md, "The KV cache at resume")."""
         import torch
 
         if self._kv_released:
