@@ -9,6 +9,8 @@ load drifts hit both alike:
 - gpusnap through its Python client (request sent → operation finished): a checkpoint of a fresh
   tree, a restore with ``host_pid_namespace`` (what plain CRIU does) and a default restore (into a
   fresh PID namespace); each restored tree is checked to be running, then killed;
+- gpusnap through its CLI (``gpusnap -o json restore SNAPSHOT``: the interpreter's start, the imports, the
+  calls, the output; a fresh PID namespace), as ``cli_restore``;
 - CRIU's self-time: the last timestamp of each CRIU log (CRIU's own clock, from its start
   to its last line), for both paths.
 
@@ -18,13 +20,13 @@ before). Each timed operation starts ``--gap`` seconds (default 1) after the pre
 gpusnap's alike: gpusnapd keeps a spare CRIU helper started ahead, which needs about 0.3 s to become
 ready; ``--gap 0`` shows back-to-back requests, which pay part of that start.
 
-It also times the CLI: ``gpusnap ls`` against an empty store, beside fresh interpreters that only import
+It also times the CLI: ``gpusnap ls`` against an empty store and ``gpusnap --version``, beside fresh interpreters that only import
 what it loads, step by step (``CLI_IMPORTS``: nothing, click, the generated protobuf messages, grpc, the
 client, the CLI and client), so the floor each library sets is in the same file.
 
 ``--baseline DIR`` (a directory holding another gpusnap package, e.g. an older commit's ``build/pkg``)
 runs a second gpusnapd on that code, its rounds interleaved with this checkout's, as ``baseline_gpusnap_*``
-and ``baseline_ls_empty_store``: an A/B under one load. ``--variant NAME=DIR`` (repeatable) adds further
+and ``baseline_ls_empty_store`` (its CLI runs that package too): an A/B under one load. ``--variant NAME=DIR`` (repeatable) adds further
 daemons the same way, as ``NAME_gpusnap_*`` and ``NAME_ls_empty_store``: e.g. the baseline plus one
 change alone, so each change of a set is measured in the same run. Results: bench/results/overhead-<label>-<date>.json
 with every sample, min and median, and the targets of issue 12 (gpusnap ≤ CRIU + 50 ms; ``ls`` ≤ 0.3 s)
@@ -157,7 +159,8 @@ def _phases(op: Any) -> dict[str, float]:
 
 
 def gpusnap_round(daemon: DaemonProc, kind: str, tmp: Path, i: int) -> dict[str, Any]:
-    """One checkpoint and two restores (host PID namespace, fresh one) through the client."""
+    """One checkpoint and two restores (host PID namespace, fresh one) through the client, then a restore
+    through the CLI as a person types it (``gpusnap restore SNAPSHOT``: a fresh PID namespace)."""
     client = daemon.client()
     pid = _start(kind, tmp / f"gs-{kind}-{i}")
     pids = _tree(pid)
@@ -180,6 +183,14 @@ def gpusnap_round(daemon: DaemonProc, kind: str, tmp: Path, i: int) -> dict[str,
         out[f"{key}_s"] = seconds
         out[f"{key}_log_s"] = plain_criu.log_seconds(snap_dir / f"restore-{rop.id}.log")
         out[f"{key}_phases"] = _phases(rop)
+    seconds, res = _timed(functools.partial(daemon.cli, "-o", "json", "restore", snap, check=True))
+    doc = json.loads(res.stdout)
+    restored = _tree(int(doc["pid"]))
+    kill_tree(int(doc["pid"]))
+    _reap(restored)
+    out["cli_restore_s"] = seconds
+    out["cli_restore_log_s"] = plain_criu.log_seconds(snap_dir / f"restore-{doc['operation']}.log")
+    out["cli_restore_phases"] = {p["phase"]: p["duration_seconds"] for p in doc["phases"]}
     client.delete_snapshot(snap)
     return out
 
@@ -209,12 +220,13 @@ CLI_IMPORTS = {
 
 
 def cli_times(daemon: DaemonProc, runs: int, others: dict[str, tuple[DaemonProc, str]]) -> dict[str, Any]:
-    """``gpusnap ls`` wall time (the store is empty) and, in the same rounds, a fresh interpreter running each
-    of ``CLI_IMPORTS`` (and each of ``others``' ``ls``: name -> its daemon and its package's path, put first),
-    ``runs`` times each."""
+    """``gpusnap ls`` wall time (the store is empty) and ``gpusnap --version``'s and, in the same rounds, a fresh
+    interpreter running each of ``CLI_IMPORTS`` (and each of ``others``' ``ls`` and ``--version``: name -> its
+    daemon and its package's path, put first), ``runs`` times each."""
     env = _cli_env()
     ls_s: list[float] = []
     other_s: dict[str, list[float]] = {name: [] for name in others}
+    version_s: dict[str, list[float]] = {name: [] for name in ["", *others]}
     steps: dict[str, list[float]] = {k: [] for k in CLI_IMPORTS}
 
     def ls(d: DaemonProc, e: dict[str, str]) -> float:
@@ -228,12 +240,18 @@ def cli_times(daemon: DaemonProc, runs: int, others: dict[str, tuple[DaemonProc,
         start = i % len(clis)  # rotated, as the operations' rounds
         for samples, d, e in clis[start:] + clis[:start]:
             samples.append(ls(d, e))
+        for name in version_s:
+            e = env if not name else {**env, "PYTHONPATH": others[name][1]}
+            run = functools.partial(subprocess.run, [sys.executable, "-m", "gpusnap.daemon.cli", "--version"], env=e)
+            version_s[name].append(_timed(functools.partial(run, check=True, capture_output=True))[0])
         for key, code in CLI_IMPORTS.items():
             run = functools.partial(subprocess.run, [sys.executable, "-c", code], env=env, check=True)
             steps[key].append(_timed(run)[0])
     out = {"ls_empty_store": _stats(ls_s), **{k: _stats(v) for k, v in steps.items()}}
     for name, samples in other_s.items():
         out[f"{name}_ls_empty_store"] = _stats(samples)
+    for name, samples in version_s.items():
+        out[f"{name + '_' if name else ''}version"] = _stats(samples)
     return out
 
 
@@ -293,7 +311,9 @@ def main() -> int:
     others: dict[str, tuple[DaemonProc, str]] = {}
     for name, directory in packages:
         path = os.pathsep.join([str(Path(directory).resolve()), _cli_env()["PYTHONPATH"]])
-        others[name] = (start_daemon(tmp / name, extra_env={"PYTHONPATH": path}), path)
+        other = start_daemon(tmp / name, extra_env={"PYTHONPATH": path})
+        other.env = {**_cli_env(), "PYTHONPATH": path}  # its CLI too is that package's
+        others[name] = (other, path)
     result: dict[str, Any] = {
         "host": {"loadavg_start": os.getloadavg()[0]},
         "runs": args.runs,
@@ -318,7 +338,10 @@ def main() -> int:
                     else:
                         rounds[key].append(gpusnap_round(d, kind, tmp, offset + i))
             w: dict[str, Any] = {}
-            for action, ours_keys in (("dump", ("dump",)), ("restore", ("restore_host_pidns", "restore"))):
+            for action, ours_keys in (
+                ("dump", ("dump",)),
+                ("restore", ("restore_host_pidns", "restore", "cli_restore")),
+            ):
                 w[f"criu_{action}"] = _stats([r[f"{action}_s"] for r in plain])
                 w[f"criu_{action}_log"] = _stats([r[f"{action}_log_s"] for r in plain])
                 for k in ours_keys:

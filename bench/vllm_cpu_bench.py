@@ -293,11 +293,12 @@ def main() -> int:
         target = install_gpusnap(torch_venv.PYTHON, tmp / "install")
         model = make_tiny_llama(tmp / "m", **CPU_MODEL)
         for i in range(args.rounds):  # plain CRIU first in even rounds, gpusnap first in odd ones
-            steps = [lambda i=i: ours.append(gpusnap_round(daemon, tmp, target, model, args.kv_bytes, i))]
-            if not args.no_criu:
-                steps.append(lambda i=i: plain.append(plain_round(tmp, target, model, args.kv_bytes, i)))
-            for step in steps[:: 1 if i % 2 else -1]:
-                step()
+            order = ["criu", "gpusnap"] if i % 2 == 0 else ["gpusnap", "criu"]
+            for step in order:
+                if step == "gpusnap":
+                    ours.append(gpusnap_round(daemon, tmp, target, model, args.kv_bytes, i))
+                elif not args.no_criu:
+                    plain.append(plain_round(tmp, target, model, args.kv_bytes, i))
             print(json.dumps({"round": i, "gpusnap": ours[-1], "criu": plain[-1] if plain else None}), flush=True)
         node = json.loads(daemon.cli("-o", "json", "node", check=True).stdout)
     finally:
