@@ -213,8 +213,8 @@ CLI_IMPORTS = {
     "import_click": "import click",
     "import_protobuf_messages": "import gpusnap.daemon._proto.snapshots_pb2, gpusnap.daemon._proto.operations_pb2",
     "import_grpc": "import grpc",
-    "import_client": "import gpusnap.daemon.client",
-    "import_cli_and_client": "import gpusnap.daemon.cli, gpusnap.daemon.client",
+    "import_client": "import gpusnap.daemon.client.calls",
+    "import_cli_and_client": "import gpusnap.daemon.cli, gpusnap.daemon.client.calls",
 }
 """What ``gpusnap ls`` loads, step by step (each a fresh ``python -c``): the floor under the CLI's start."""
 

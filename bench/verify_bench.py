@@ -22,6 +22,7 @@ and ``ratio`` (this checkout's median over the baseline's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -38,7 +39,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import results_file  # noqa: E402
+from bench import results_file, tmpfs  # noqa: E402
 from tests.conftest import DaemonProc, _cli_env, kill_tree, start_daemon, stop_daemon, wait_for  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "daemon" / "workloads" / "anon_regions.py"
@@ -103,17 +104,13 @@ def main() -> int:
     daemons: dict[str, DaemonProc] = {}
     snaps: dict[str, tuple[str, str]] = {}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in packages}
-    mounts = []
+    mounts = contextlib.ExitStack()
     try:
         for name, package in packages.items():
             where = tmp / name
             where.mkdir()
             if a.store == "ram":
-                size = 2 * (a.anon_mb + a.shm_mb) + 512
-                subprocess.run(
-                    ["mount", "-t", "tmpfs", "-o", f"size={size}m,mode=0700", "tmpfs", str(where)], check=True
-                )
-                mounts.append(where)
+                mounts.enter_context(tmpfs.mounted(where, 2 * (a.anon_mb + a.shm_mb) + 512))
             path = os.pathsep.join([str(package), _cli_env()["PYTHONPATH"]]) if package else None
             daemons[name] = start_daemon(where, extra_env={"PYTHONPATH": path} if path else None)
             if path:
@@ -128,8 +125,7 @@ def main() -> int:
     finally:
         for d in daemons.values():
             stop_daemon(d)
-        for m in mounts:
-            subprocess.run(["umount", "-l", str(m)], check=False)
+        mounts.close()
         shutil.rmtree(tmp, ignore_errors=True)
     medians = {name: {k: statistics.median(r[k] for r in rs) for k in KEYS} for name, rs in runs.items()}
     ratio = {k: medians["gpusnap"][k] / medians["baseline"][k] for k in KEYS if medians["baseline"][k]}

