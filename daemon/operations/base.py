@@ -31,7 +31,7 @@ from gpusnap.daemon.api.types import OperationState as OperationState
 from gpusnap.daemon.operations.failpoints import NONE as NO_FAULTS
 from gpusnap.daemon.operations.failpoints import Failpoints
 from gpusnap.daemon.park.standbys import Standby
-from gpusnap.daemon.store.journal import Journal
+from gpusnap.daemon.store.journal import Entry, EntryError, EntryResult, Journal
 
 
 class Phase(enum.StrEnum):
@@ -184,27 +184,27 @@ class OperationRecord:
         if self.journal is not None:
             self.journal.write_phase(self.id, self.phase)
 
-    def to_entry(self) -> dict[str, Any]:
+    def to_entry(self) -> Entry:
         """The journal entry of this operation."""
         error = None
         if self.error is not None:
-            error = {"code": int(self.error.code), "reason": self.error.reason, "message": self.error.message}
-        return {
-            "id": self.id,
-            "kind": self.kind.value,
-            "owner_uid": self.owner_uid,
-            "request_id": self.request_id,
-            "started": self.started.isoformat(),
-            "finished": self.finished.isoformat() if self.finished else "",
-            "state": self.state.value,
-            "phase": self.phase,
-            "target_pid": self.target_pid,
-            "target_snapshot": self.target_snapshot,
-            "dry_run": self.dry_run,
-            "facts": self.facts,
-            "error": error,
-            "result": result_json(self.result),
-        }
+            error = EntryError(code=int(self.error.code), reason=self.error.reason, message=self.error.message)
+        return Entry(
+            id=self.id,
+            kind=self.kind,
+            owner_uid=self.owner_uid,
+            request_id=self.request_id,
+            started=self.started,
+            finished=self.finished.isoformat() if self.finished else "",
+            state=self.state,
+            phase=self.phase,
+            target_pid=self.target_pid,
+            target_snapshot=self.target_snapshot,
+            dry_run=self.dry_run,
+            facts=self.facts,
+            error=error,
+            result=entry_result(self.result),
+        )
 
     def finish(self, *, result: Any = None, error: GpusnapError | None = None) -> None:
         """Record the outcome (durably, when journaled) and emit the final event."""
@@ -277,17 +277,17 @@ def _cancel_note(record: OperationRecord) -> str:
     return f"{why}; the {what} stops when {phase} ends and rolls back" + (f": {then}" if then else "")
 
 
-def result_json(result: Any) -> dict[str, Any] | None:
-    """An operation's result as journal JSON: a snapshot by id, a restore's PIDs, a resume's GPU map, a
-    standby operation's standbys by id."""
+def entry_result(result: Any) -> EntryResult | None:
+    """An operation's result as its journal entry keeps it: a snapshot by id, a restore's trees, a resume's GPU
+    map, a standby operation's standbys by id; None for the others (a suspend's, a transfer's)."""
     if isinstance(result, tuple) and result and all(isinstance(r, Standby) for r in result):
-        return {"standbys": [r.id for r in result]}
+        return EntryResult(standbys=tuple(r.id for r in result))
     if isinstance(result, Snapshot):
-        return {"snapshot_id": result.id}
+        return EntryResult(snapshot_id=result.id)
     if isinstance(result, RestoreResult):
-        return {"restore": {**dataclasses.asdict(result), "pids": list(result.pids)}}
+        return EntryResult(restore=result)
     if isinstance(result, dict):
-        return {"gpu_map": dict(result)}
+        return EntryResult(gpu_map=dict(result))
     return None
 
 

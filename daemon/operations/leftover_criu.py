@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.store.journal import Entry
 
 START_SLACK_S = 0.02
 """Start times are in clock ticks (10 ms): a process started right after the helper may read as a tick before."""
@@ -41,14 +42,10 @@ def running(facts: dict[str, Any]) -> list[int]:
     return proc.group_members(helper, since - START_SLACK_S)
 
 
-def busy_staging(entries: Iterable[dict[str, Any]]) -> list[str]:
+def busy_staging(entries: Iterable[Entry]) -> list[str]:
     """The staging directories (snapshot ids) of unfinished journal ``entries`` whose dump CRIU still runs:
     the store must keep them (``SnapshotStore.open``) until :func:`wait` returns."""
-    return [
-        str(e["facts"]["staging"])
-        for e in entries
-        if e.get("state") == "running" and e.get("facts", {}).get("staging") and running(e["facts"])
-    ]
+    return [str(e.facts["staging"]) for e in entries if e.running and e.facts.get("staging") and running(e.facts)]
 
 
 def wait(facts: dict[str, Any], report: Callable[[list[int], float], None]) -> float:

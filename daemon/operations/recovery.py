@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from gpusnap.daemon.api.errors import AbortedError, Code, GpusnapError, error_for_code
-from gpusnap.daemon.api.types import FileCopy, RestoreOptions, RestoreResult, Snapshot
+from gpusnap.daemon.api.types import RestoreOptions, RestoreResult, Snapshot
 from gpusnap.daemon.drivers import proc, restored
 from gpusnap.daemon.drivers.cuda import ProcessState
 from gpusnap.daemon.operations import leftover_criu, workers
@@ -38,7 +38,7 @@ from gpusnap.daemon.operations.base import OperationKind, OperationRecord, Opera
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.store.buffers import HeldFiles
-from gpusnap.daemon.store.journal import Journal
+from gpusnap.daemon.store.journal import Entry, Journal
 from gpusnap.daemon.workers import controldir
 from gpusnap.daemon.workers.agents import AgentInfo
 
@@ -52,13 +52,9 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
     stray_cuda: set[int] = set()
     kept: tuple[list[Path], list[str]] = ([], [])
     for entry in journal.entries():
-        try:
-            kind = OperationKind(entry["kind"])
-            record = _record(entry)
-        except (KeyError, TypeError, ValueError) as exc:  # an entry this daemon cannot read: say so, go on
-            log.error("recovery.entry_unreadable", operation_id=entry.get("id"), error=str(exc))
-            continue
-        if entry.get("state") != "running":
+        kind = entry.kind
+        record = _record(entry)
+        if not entry.running:
             _restore_result(deps, record, entry)
             registry.adopt(record)
             if kind is OperationKind.SUSPEND and record.state is OperationState.SUCCEEDED:
@@ -71,7 +67,7 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
         log.warning("recovery.operation", operation_id=record.id, kind=kind.value, phase=record.phase)
         if kind is OperationKind.CHECKPOINT and leftover_criu.running(facts):
             _after_leftover_criu(deps, registry, record)  # its CUDA processes and buffers are its own
-            staged_paths, staged_keys = _staged(entry)
+            staged_paths, staged_keys = _staged(facts)
             kept[0].extend(staged_paths)
             kept[1].extend(staged_keys)
             recovered.append(record)
@@ -127,18 +123,18 @@ def held_buffers(journal: Journal) -> tuple[list[Path], list[str]]:
     paths: list[Path] = []
     keys: list[str] = []
     for entry in journal.entries():
-        if entry.get("state") == "running":
-            entry_paths, entry_keys = _staged(entry)
+        if entry.running:
+            entry_paths, entry_keys = _staged(entry.facts)
             paths += entry_paths
             keys += entry_keys
     return paths, keys
 
 
-def _staged(entry: dict[str, Any]) -> tuple[list[Path], list[str]]:
+def _staged(facts: dict[str, Any]) -> tuple[list[Path], list[str]]:
     """One journal entry's staged buffer files and committed blob keys (:func:`held_buffers`)."""
     paths: list[Path] = []
     keys: list[str] = []
-    for staged in entry.get("facts", {}).get("staged", []):
+    for staged in facts.get("staged", []):
         paths += [Path(p) for p in staged.get("paths", [])]
         keys += [f"{int(staged['uid'])}/{d}" for d in staged.get("digests", [])]
     return paths, keys
@@ -163,48 +159,41 @@ def _held_files(deps: Deps, facts: dict[str, Any], instance_id: str) -> HeldFile
     return None
 
 
-def _record(entry: dict[str, Any]) -> OperationRecord:
+def _record(entry: Entry) -> OperationRecord:
     record = OperationRecord(
-        OperationKind(entry["kind"]),
-        target_pid=int(entry.get("target_pid", 0)),
-        target_snapshot=str(entry.get("target_snapshot", "")),
-        owner_uid=int(entry["owner_uid"]),
-        request_id=str(entry.get("request_id", "")),
-        dry_run=bool(entry.get("dry_run", False)),
+        entry.kind,
+        target_pid=entry.target_pid,
+        target_snapshot=entry.target_snapshot,
+        owner_uid=entry.owner_uid,
+        request_id=entry.request_id,
+        dry_run=entry.dry_run,
     )
-    record.id = entry["id"]
-    record.started = datetime.fromisoformat(entry["started"])
-    record.phase = str(entry.get("phase", ""))
-    record.facts = dict(entry.get("facts", {}))
-    if entry.get("state") != "running":
-        record.state = OperationState(entry["state"])
-        record.finished = datetime.fromisoformat(entry["finished"]) if entry.get("finished") else datetime.now(UTC)
-        err = entry.get("error")
-        if err:
-            record.error = error_for_code(Code(int(err["code"])), str(err["message"]), reason=str(err["reason"]))
+    record.id = entry.id
+    record.started = entry.started
+    record.phase = entry.phase
+    record.facts = dict(entry.facts)
+    if not entry.running:
+        record.state = entry.state
+        record.finished = datetime.fromisoformat(entry.finished) if entry.finished else datetime.now(UTC)
+        err = entry.error
+        if err is not None:
+            record.error = error_for_code(Code(err.code), err.message, reason=err.reason)
     return record
 
 
-def _restore_result(deps: Deps, record: OperationRecord, entry: dict[str, Any]) -> None:
-    result = entry.get("result") or {}
-    if "snapshot_id" in result:
+def _restore_result(deps: Deps, record: OperationRecord, entry: Entry) -> None:
+    result = entry.result
+    if result is None:
+        return
+    if result.snapshot_id:
         try:
-            record.result = deps.store.get(result["snapshot_id"])
+            record.result = deps.store.get(result.snapshot_id)
         except GpusnapError:
             record.result = None  # deleted since
-    elif "restore" in result:
-        r = result["restore"]
-        record.result = RestoreResult(
-            pid=r["pid"],
-            pids=tuple(r["pids"]),
-            snapshot_id=r["snapshot_id"],
-            namespace_pid=r["namespace_pid"],
-            file_copies=tuple(FileCopy(**f) for f in r.get("file_copies", [])),
-            standby_id=r.get("standby_id", ""),
-            standbys_skipped=r.get("standbys_skipped", ""),
-        )
-    elif "gpu_map" in result:
-        record.result = dict(result["gpu_map"])
+    elif result.restore is not None:
+        record.result = result.restore
+    elif result.gpu_map is not None:
+        record.result = dict(result.gpu_map)
 
 
 def _restarted(message: str) -> AbortedError:
@@ -247,7 +236,7 @@ def _after_leftover_criu(deps: Deps, registry: OperationRegistry, record: Operat
         try:
             return _capture_outcome(deps, record, facts, f"its CRIU ended {waited:.1f} s after gpusnapd restarted")
         finally:
-            deps.store.buffers.release_held(only=_staged({"facts": facts}))
+            deps.store.buffers.release_held(only=_staged(facts))
 
     registry.resume(record, tree, rest)
 

@@ -1,8 +1,10 @@
-"""One codec for the documents gpusnapd saves: the park policies, the standbys, the park ladder's tracked
-trees, a snapshot's remote record and its provenance (what the compatibility gate compares).
+"""One codec for the documents gpusnapd saves: a snapshot's manifest, the operation journal's entries, the park
+policies, the standbys, the park ladder's tracked trees, a snapshot's remote record and its provenance (what
+the compatibility gate compares).
 
 Each document is a frozen dataclass with a field ``schema_version`` (its default is the version this release
-writes); :func:`encode` and :func:`decode` turn any of them into JSON and back through one library,
+writes; the manifest keeps the ``manifest_version`` it had before, which other nodes read:
+``gpusnap.daemon.store.manifest``); :func:`encode` and :func:`decode` turn any of them into JSON and back through one library,
 msgspec, which checks every field's type on the way in, so a document is read as its type or not at all. A
 document that a newer gpusnapd wrote (a higher ``schema_version``) is refused, naming the file. One written
 by the release before versions (the same fields, without ``schema_version``) is read as version 1; a
@@ -38,9 +40,11 @@ class DocumentError(ValueError):
     gpusnapd wrote."""
 
 
-def encode(doc: object) -> bytes:
-    """``doc`` (a document dataclass) as JSON, keys sorted."""
-    return msgspec.json.encode(doc, order="sorted")
+def encode(doc: object, indent: int = 0) -> bytes:
+    """``doc`` (a document dataclass) as JSON, keys sorted (``indent``: spaces per level, for a document people
+    read: a snapshot's manifest)."""
+    data = msgspec.json.encode(doc, order="sorted")
+    return msgspec.json.format(data, indent=indent) if indent else data
 
 
 def decode(data: bytes, into: type[T], previous: tuple[Any, Callable[[Any], T]] | None = None) -> T:
@@ -61,9 +65,11 @@ def decode(data: bytes, into: type[T], previous: tuple[Any, Callable[[Any], T]] 
     except msgspec.MsgspecError as exc:
         raise DocumentError(str(exc)) from exc
     version = getattr(doc, "schema_version", None)
+    if version is None:  # a document versioned by a field of its own (a manifest's ``manifest_version``)
+        return doc
     kind: Any = typing.get_origin(into) or into
     written = kind.__dataclass_fields__["schema_version"].default
-    if version is not None and version > written:
+    if version > written:
         raise DocumentError(f"schema_version {version} is newer than this gpusnapd reads ({written}): upgrade gpusnapd")
     return doc
 

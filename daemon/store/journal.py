@@ -16,23 +16,27 @@ their idempotency key and ``GetOperation`` across a restart. Finished entries ar
 says (the same rule as the daemon's own list): the newest ``KEEP_FINISHED``, and every caller's own keyed
 ones for ``REQUEST_ID_KEEP_S``.
 
-Entry fields: ``id``, ``kind``, ``owner_uid``, ``request_id``, ``started`` (ISO 8601), ``state``
-(``running``/``succeeded``/``failed``), ``phase``, ``facts`` (what recovery needs, by operation kind),
-``error`` (``{"code", "reason", "message"}``) and ``result`` (JSON of the operation's result).
+An entry is an :class:`Entry`, encoded and decoded by the saved documents' one codec
+(``gpusnap.daemon.store.documents``); a line that is JSON but not an entry (a newer gpusnapd's, a foreign one)
+is logged and left alone.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import structlog
+from msgspec import Meta
 
 from gpusnap.daemon.api import validate
+from gpusnap.daemon.api.types import OperationKind, OperationState, RestoreResult
+from gpusnap.daemon.store import documents
+from gpusnap.daemon.store.documents import DocumentError
 from gpusnap.daemon.store.durable import fsync_dir
 
 log = structlog.get_logger(__name__)
@@ -50,6 +54,55 @@ _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
 MAX_PHASE_BYTES = 256
 
 
+@dataclasses.dataclass(frozen=True)
+class EntryError:
+    """How a failed or cancelled operation ended (``GpusnapError``'s code, reason and message)."""
+
+    code: int
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryResult:
+    """An operation's result as the journal keeps it, one field set: a checkpoint's or pull's snapshot by id,
+    a restore's or activation's trees, a resume's GPU map (old UUID -> new), a standby operation's standbys by
+    id."""
+
+    snapshot_id: str = ""
+    restore: RestoreResult | None = None
+    gpu_map: dict[str, str] | None = None
+    standbys: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One version of an operation's journal entry (the module docstring)."""
+
+    id: str
+    kind: OperationKind
+    owner_uid: int
+    started: Annotated[datetime, Meta(tz=True)]
+    state: OperationState
+    request_id: str = ""
+    finished: str = ""
+    """When it ended (ISO 8601); empty while it runs."""
+    phase: str = ""
+    target_pid: int = 0
+    target_snapshot: str = ""
+    dry_run: bool = False
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What recovery needs, by operation kind (``gpusnap.daemon.operations.recovery``)."""
+    error: EntryError | None = None
+    result: EntryResult | None = None
+    schema_version: int = 1
+
+    @property
+    def running(self) -> bool:
+        """Not ended: recovery finishes it."""
+        return self.state is OperationState.RUNNING
+
+
 class Journal:
     """Operation entries in ``directory`` (created mode 0700)."""
 
@@ -62,13 +115,13 @@ class Journal:
     def open(self) -> None:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
-    def write(self, entry: dict[str, Any]) -> None:
+    def write(self, entry: Entry) -> None:
         """Persist ``entry`` (replacing the operation's previous one) before returning; an entry equal to
         the last one written for its operation is already durable and is not written again."""
-        path = self.dir / f"{entry['id']}.json"
-        data = json.dumps(entry, sort_keys=True).encode()
+        path = self.dir / f"{entry.id}.json"
+        data = documents.encode(entry)
         with self._lock:
-            if self._last.get(entry["id"]) == data:
+            if self._last.get(entry.id) == data:
                 return
             try:
                 fd = os.open(path, _APPEND | os.O_CREAT | os.O_EXCL, 0o600)
@@ -83,11 +136,11 @@ class Journal:
                 os.close(fd)
             if created:
                 fsync_dir(self.dir)
-            (self.dir / f"{entry['id']}{PHASE_SUFFIX}").unlink(missing_ok=True)  # the entry names the phase now
-            if entry.get("state") == "running":
-                self._last[entry["id"]] = data
+            (self.dir / f"{entry.id}{PHASE_SUFFIX}").unlink(missing_ok=True)  # the entry names the phase now
+            if entry.running:
+                self._last[entry.id] = data
             else:
-                self._last.pop(entry["id"], None)
+                self._last.pop(entry.id, None)
 
     def write_phase(self, op_id: str, phase: str) -> None:
         """Record that operation ``op_id`` entered ``phase``, without ``fsync`` (see the module docstring)."""
@@ -99,25 +152,31 @@ class Journal:
             finally:
                 os.close(fd)
 
-    def entries(self) -> list[dict[str, Any]]:
-        """Every readable entry, oldest first; unreadable ones are logged and removed.
+    def entries(self) -> list[Entry]:
+        """Every readable entry, oldest first; unreadable ones are logged and removed, and ones that are no
+        entry of this release (a newer gpusnapd's) are logged and kept.
 
         Read under the writers' lock: trims run while operations write, and a file just created holds no
         whole line until its first write returns."""
         with self._lock:
             return self._entries()
 
-    def _entries(self) -> list[dict[str, Any]]:
+    def _entries(self) -> list[Entry]:
         out = []
         for path in self.dir.glob("op-*.json"):
             try:
-                entry = _last_entry(path.read_bytes())
-                validate.operation_id(entry["id"])
-                if path.name != f"{entry['id']}.json":
+                found = _last_entry(path.read_bytes())
+                try:
+                    entry = documents.convert(found, Entry)
+                except DocumentError as exc:  # not an entry of this release: kept for the gpusnapd that wrote it
+                    log.error("journal.entry_unknown", path=str(path), error=str(exc))
+                    continue
+                validate.operation_id(entry.id)
+                if path.name != f"{entry.id}.json":
                     raise ValueError("entry named after another operation")
                 phase = _read_phase(path.with_suffix(PHASE_SUFFIX))
-                if phase and entry.get("state") == "running":
-                    entry["phase"] = phase
+                if phase and entry.running:
+                    entry = dataclasses.replace(entry, phase=phase)
                 out.append(entry)
             except Exception as exc:  # a torn or foreign file: it cannot be recovered from
                 log.warning("journal.entry_unreadable", path=str(path), error=str(exc))
@@ -127,23 +186,17 @@ class Journal:
         for stale in self.dir.glob(f"op-*{PHASE_SUFFIX}"):
             if not stale.with_suffix(".json").exists():
                 stale.unlink(missing_ok=True)
-        return sorted(out, key=lambda e: (e.get("started", ""), e["id"]))
+        return sorted(out, key=lambda e: (e.started, e.id))
 
     def trim(self) -> None:
         """Remove the finished entries :func:`kept` does not keep."""
-        finished = [e for e in self.entries() if e.get("state") != "running"]
-        keep = kept(
-            [
-                (e["id"], int(e.get("owner_uid", 0)), str(e.get("request_id") or ""), _started(e.get("started")))
-                for e in finished
-            ],
-            datetime.now(UTC),
-        )
+        finished = [e for e in self.entries() if not e.running]
+        keep = kept([(e.id, e.owner_uid, e.request_id, e.started) for e in finished], datetime.now(UTC))
         for entry in finished:
-            if entry["id"] in keep:
+            if entry.id in keep:
                 continue
-            (self.dir / f"{entry['id']}.json").unlink(missing_ok=True)
-            (self.dir / f"{entry['id']}{PHASE_SUFFIX}").unlink(missing_ok=True)
+            (self.dir / f"{entry.id}.json").unlink(missing_ok=True)
+            (self.dir / f"{entry.id}{PHASE_SUFFIX}").unlink(missing_ok=True)
 
 
 def kept(finished: list[tuple[str, int, str, datetime]], now: datetime) -> set[str]:
@@ -159,13 +212,6 @@ def kept(finished: list[tuple[str, int, str, datetime]], now: datetime) -> set[s
             if per_caller[uid] <= REQUEST_IDS_PER_CALLER:
                 keep.add(op_id)
     return keep
-
-
-def _started(text: object) -> datetime:
-    try:
-        return datetime.fromisoformat(str(text))
-    except ValueError:
-        return datetime.fromtimestamp(0, UTC)
 
 
 def _read_phase(path: Path) -> str:
@@ -196,9 +242,7 @@ def _last_entry(data: bytes) -> dict[str, Any]:
     """
     for line in reversed(data.splitlines()):
         try:
-            entry = json.loads(line)
-        except ValueError:
+            return documents.decode(line, dict[str, Any])
+        except DocumentError:
             continue
-        if isinstance(entry, dict):
-            return entry
     raise ValueError("no complete entry")

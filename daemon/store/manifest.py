@@ -48,35 +48,26 @@ likewise version 3 for ``agents`` (an engine's other processes, each woken and r
 
 ``files[].sha256`` is computed with ``digest_algorithm`` (see ``gpusnap.daemon.store.checksum``).
 Readers refuse versions and digest algorithms they do not know instead of guessing.
+
+The document is :class:`Manifest`: the snapshot's fields, with ``manifest_version`` and ``digest_algorithm``,
+encoded and decoded by the saved documents' one codec (``gpusnap.daemon.store.documents``), which checks every
+field's type on the way in. Its version field keeps the name it had before that codec (not ``schema_version``):
+manifests travel between nodes through the remote store, and a gpusnapd of an earlier release reads it by that
+name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.api.errors import DataLossError
-from gpusnap.daemon.api.types import (
-    ArenaLayout,
-    BufferRef,
-    Creds,
-    GpuProcess,
-    HeldFile,
-    HostFacts,
-    ImageFile,
-    PhaseTiming,
-    ProcessCreds,
-    ProcessFacts,
-    ProcessImage,
-    Snapshot,
-    Terminal,
-    WorkerInfo,
-)
+from gpusnap.daemon.api.types import Snapshot
+from gpusnap.daemon.store import documents
 from gpusnap.daemon.store.checksum import DIGEST_ALGORITHM
+from gpusnap.daemon.store.documents import DocumentError
 
 MANIFEST_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -85,145 +76,86 @@ TCP_LABEL = "gpusnap.dev/tcp"
 """Label recording the checkpoint's TCP mode when it is not the default; restore uses the same."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Manifest(Snapshot):
+    """The manifest document: a snapshot's fields, with the version of the format and the algorithm of its
+    files' digests (the module docstring)."""
+
+    manifest_version: int = MANIFEST_VERSION
+    digest_algorithm: str = DIGEST_ALGORITHM
+
+    @staticmethod
+    def of(snapshot: Snapshot) -> Manifest:
+        """The manifest this release writes for ``snapshot``."""
+        return Manifest(**_snapshot_fields(snapshot))
+
+    def snapshot(self) -> Snapshot:
+        """The snapshot it describes."""
+        return Snapshot(**_snapshot_fields(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Header:
+    """What a manifest of any version holds: its version and digest algorithm (read only to say why a
+    manifest of another version does not decode)."""
+
+    manifest_version: Any = None
+    digest_algorithm: Any = None
+
+
+def _snapshot_fields(snapshot: Snapshot) -> dict[str, Any]:
+    return {f.name: getattr(snapshot, f.name) for f in dataclasses.fields(Snapshot)}
+
+
 def to_json(snapshot: Snapshot) -> dict[str, Any]:
-    """The manifest document for ``snapshot``."""
-    return {
-        "manifest_version": MANIFEST_VERSION,
-        "id": snapshot.id,
-        "name": snapshot.name,
-        "created": snapshot.created.isoformat(),
-        "labels": dict(snapshot.labels),
-        "owner_uid": snapshot.owner_uid,
-        "source": _fields(snapshot.source),
-        "host": _fields(snapshot.host),
-        "digest_algorithm": DIGEST_ALGORITHM,
-        "files": [_fields(f) for f in snapshot.files],
-        "phases": [_fields(p) for p in snapshot.phases],
-        "gpu_processes": [_fields(g) for g in snapshot.gpu_processes],
-        "worker": _fields(snapshot.worker) if snapshot.worker else None,
-        "agents": [_fields(w) for w in snapshot.agents],
-        "buffers": [_fields(b) for b in snapshot.buffers],
-        "held_files": [_fields(h) for h in snapshot.held_files],
-        "owner_creds": _fields(snapshot.owner_creds) if snapshot.owner_creds else None,
-        "tree_creds": [_fields(c) for c in snapshot.tree_creds],
-        "process_images": [_fields(i) for i in snapshot.process_images],
-        "terminals": [_fields(t) for t in snapshot.terminals],
-    }
+    """The manifest document for ``snapshot``, as JSON's types (for a document that carries it: the remote
+    manifest, the remote index)."""
+    return documents.to_builtins(Manifest.of(snapshot))  # type: ignore[no-any-return]
 
 
-def from_json(doc: dict[str, Any]) -> Snapshot:
-    """Parse a manifest document.
+def from_json(doc: Any) -> Snapshot:
+    """The snapshot of a manifest document given as JSON's types (:func:`to_json`).
 
     Raises:
-        DataLossError: unknown version or malformed document (reason ``MANIFEST_CORRUPT``).
+        DataLossError: unknown version or digest algorithm (reason ``MANIFEST_VERSION``), or a malformed
+            document (reason ``MANIFEST_CORRUPT``).
     """
-    version = doc.get("manifest_version")
+    try:
+        manifest = documents.convert(doc, Manifest)
+    except DocumentError as exc:
+        _check_version(documents.convert(doc, _Header) if isinstance(doc, dict) else _Header())
+        raise _malformed(exc) from exc
+    _check_version(manifest)
+    return manifest.snapshot()
+
+
+def _check_version(header: Manifest | _Header) -> None:
+    """Raises DataLossError (``MANIFEST_VERSION``) for a version or digest algorithm this release does not
+    read."""
+    version = header.manifest_version
     if version not in READABLE_VERSIONS:
         raise DataLossError(
             f"manifest version {version!r} is not supported by this gpusnap (knows {', '.join(map(str, READABLE_VERSIONS))}); "
             "upgrade gpusnap or delete the snapshot",
             reason="MANIFEST_VERSION",
         )
-    if doc.get("digest_algorithm") != DIGEST_ALGORITHM:
+    if header.digest_algorithm != DIGEST_ALGORITHM:
         raise DataLossError(
-            f"manifest digest algorithm {doc.get('digest_algorithm')!r} is not supported (knows {DIGEST_ALGORITHM}); "
+            f"manifest digest algorithm {header.digest_algorithm!r} is not supported (knows {DIGEST_ALGORITHM}); "
             "upgrade gpusnap or delete the snapshot",
             reason="MANIFEST_VERSION",
         )
-    try:
-        source = doc["source"]
-        host = doc["host"]
-        return Snapshot(
-            id=str(doc["id"]),
-            name=str(doc["name"]),
-            created=datetime.fromisoformat(doc["created"]),
-            labels={str(k): str(v) for k, v in doc["labels"].items()},
-            owner_uid=int(doc["owner_uid"]),
-            source=ProcessFacts(
-                pid=int(source["pid"]),
-                comm=str(source["comm"]),
-                cmdline=tuple(source["cmdline"]),
-                uid=int(source["uid"]),
-                gid=int(source["gid"]),
-                tree_pids=tuple(int(p) for p in source["tree_pids"]),
-                rss_bytes=int(source["rss_bytes"]),
-                cwd=str(source["cwd"]),
-                listening=tuple(source.get("listening", ())),
-            ),
-            host=HostFacts(**{**host, "cpu_flags": tuple(host["cpu_flags"])}),
-            files=tuple(ImageFile(**f) for f in doc["files"]),
-            phases=tuple(PhaseTiming(**p) for p in doc["phases"]),
-            gpu_processes=tuple(
-                GpuProcess(
-                    pid=int(g["pid"]),
-                    gpu_uuids=tuple(g["gpu_uuids"]),
-                    gpu_memory_bytes=int(g["gpu_memory_bytes"]),
-                    visible_gpu_uuids=tuple(g.get("visible_gpu_uuids", ())),
-                )
-                for g in doc.get("gpu_processes", [])
-            ),
-            worker=_worker(doc["worker"]) if doc.get("worker") else None,
-            agents=tuple(_worker(w) for w in doc.get("agents", [])),
-            buffers=tuple(
-                BufferRef(
-                    name=str(b["name"]),
-                    size_bytes=int(b["size_bytes"]),
-                    sha256=str(b["sha256"]),
-                    agent=str(b.get("agent", "")),
-                    arena=int(b.get("arena", 0)),
-                    arena_offset=int(b.get("arena_offset", 0)),
-                )
-                for b in doc.get("buffers", [])
-            ),
-            held_files=tuple(HeldFile(**h) for h in doc.get("held_files", [])),
-            owner_creds=(
-                Creds(**{**doc["owner_creds"], "groups": tuple(doc["owner_creds"]["groups"])})
-                if doc.get("owner_creds")
-                else None
-            ),
-            tree_creds=tuple(
-                ProcessCreds(
-                    pid=int(c["pid"]), uid=int(c["uid"]), gid=int(c["gid"]), groups=tuple(int(g) for g in c["groups"])
-                )
-                for c in doc.get("tree_creds", [])
-            ),
-            process_images=tuple(
-                ProcessImage(pid=int(i["pid"]), image_bytes=int(i["image_bytes"]))
-                for i in doc.get("process_images", [])
-            ),
-            terminals=tuple(
-                Terminal(
-                    path=str(t["path"]),
-                    key=str(t["key"]),
-                    fds=tuple(str(f) for f in t.get("fds", [])),
-                    controlling=bool(t.get("controlling", False)),
-                )
-                for t in doc.get("terminals", [])
-            ),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise DataLossError(f"manifest is malformed ({type(exc).__name__}: {exc})", reason="MANIFEST_CORRUPT") from exc
 
 
-def _worker(doc: dict[str, Any]) -> WorkerInfo:
-    arenas = tuple(
-        ArenaLayout(
-            gpu_uuid=str(a["gpu_uuid"]),
-            size_bytes=int(a["size_bytes"]),
-            granularity=int(a["granularity"]),
-            chunk_bytes=tuple(int(c) for c in a["chunk_bytes"]),
-            storages=int(a["storages"]),
-        )
-        for a in doc.get("arenas", ())
-    )
-    return WorkerInfo(**{**doc, "arenas": arenas})
+def _malformed(exc: DocumentError) -> DataLossError:
+    return DataLossError(f"manifest is malformed ({exc})", reason="MANIFEST_CORRUPT")
 
 
 def write(directory: Path, snapshot: Snapshot, *, sync: bool = True) -> None:
     """Write ``directory/manifest.json``; fsync it unless ``sync`` is false (the caller syncs it with
     the rest of the directory)."""
     path = directory / MANIFEST_NAME
-    data = json.dumps(to_json(snapshot), indent=2, sort_keys=True).encode()
+    data = documents.encode(Manifest.of(snapshot), indent=2)
     with open(path, "wb") as fh:
         fh.write(data)
         fh.flush()
@@ -235,26 +167,30 @@ def read(directory: Path) -> Snapshot:
     """Read ``directory/manifest.json``.
 
     Raises:
-        DataLossError: missing, unreadable or malformed manifest (reason ``MANIFEST_CORRUPT``).
+        DataLossError: missing, unreadable or malformed manifest (reason ``MANIFEST_CORRUPT``), or one of a
+            version this release does not read (``MANIFEST_VERSION``).
     """
     path = directory / MANIFEST_NAME
-    try:
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise DataLossError(
-            f"manifest {path} cannot be read ({exc}); the snapshot is damaged: delete it with `gpusnap rm`",
-            reason="MANIFEST_CORRUPT",
-            metadata={"snapshot": directory.name, "file": MANIFEST_NAME},
-        ) from exc
-    if not isinstance(doc, dict):
-        raise DataLossError(
-            f"manifest {path} is not a JSON object",
+
+    def corrupt(why: object) -> DataLossError:
+        return DataLossError(
+            f"manifest {path} cannot be read ({why}); the snapshot is damaged: delete it with `gpusnap rm`",
             reason="MANIFEST_CORRUPT",
             metadata={"snapshot": directory.name, "file": MANIFEST_NAME},
         )
-    return from_json(doc)
 
-
-def _fields(obj: object) -> dict[str, Any]:
-    out = dataclasses.asdict(obj)  # type: ignore[call-overload]
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise corrupt(exc) from exc
+    try:
+        manifest = documents.decode(data, Manifest)
+    except DocumentError as exc:
+        try:
+            header = documents.decode(data, _Header)
+        except DocumentError:
+            raise corrupt(exc) from exc  # not JSON, or not an object
+        _check_version(header)
+        raise _malformed(exc) from exc
+    _check_version(manifest)
+    return manifest.snapshot()

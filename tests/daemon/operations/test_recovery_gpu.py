@@ -75,7 +75,7 @@ def test_capture_crash_after_gpu_phases(node: GpuNode, phase: str) -> None:
     assert {node.cuda.get_state(p) for p in (tree.root, tree.child)} == {ProcessState.RUNNING}
     tree.assert_progressing()
     assert node.listed() == []
-    assert journal.entries()[0]["state"] == "failed", "the outcome is durable"
+    assert journal.entries()[0].state is OperationState.FAILED, "the outcome is durable"
 
 
 def test_capture_crash_with_the_gpu_locked_waits_for_a_criu_still_dumping(node: GpuNode) -> None:
@@ -94,7 +94,7 @@ def test_capture_crash_with_the_gpu_locked_waits_for_a_criu_still_dumping(node: 
     criu = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
         [entry] = journal.entries()
-        entry["facts"].update(criu_helper=criu.pid, criu_helper_start=proc.start_time(criu.pid))
+        entry.facts.update(criu_helper=criu.pid, criu_helper_start=proc.start_time(criu.pid))
         journal.write(entry)
         registry = OperationRegistry(journal=journal)
         [record] = recovery.recover(node.deps, journal, registry)

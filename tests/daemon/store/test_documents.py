@@ -1,5 +1,6 @@
 """The saved documents' one codec (gpusnap.daemon.store.documents): what the previous release wrote still
-loads (tests/daemon/store/previous/: written by its own code, at main 0.1.0 before the codec), what this
+loads (tests/daemon/store/previous/: written by its own code, at main 0.1.0 before the codec; the manifest
+and the journal by main at fee9775, before they moved to it), what this
 release writes reads back as the same value, and a document of a newer gpusnapd or of the wrong types is
 refused, naming the field."""
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.api.types import Policy
+from gpusnap.daemon.api.types import Creds, OperationKind, OperationState, Policy
 from gpusnap.daemon.config import ParkConfig
 from gpusnap.daemon.operations import provenance
 from gpusnap.daemon.park.ladder import Tracked
@@ -20,8 +21,9 @@ from gpusnap.daemon.park.policy import Policies, Rule
 from gpusnap.daemon.park.standbys import Standby
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.remote.layout import Provenance
-from gpusnap.daemon.store import documents
+from gpusnap.daemon.store import documents, manifest
 from gpusnap.daemon.store.documents import DocumentError
+from gpusnap.daemon.store.journal import Entry, EntryResult, Journal
 
 PREVIOUS = Path(__file__).parent / "previous"
 
@@ -99,3 +101,63 @@ def test_a_newer_or_mistyped_document_is_refused_naming_the_field(tmp_path: Path
     with pytest.raises(DocumentError, match=r"remote.json: Expected `str`, got `int` - at `\$.buffers\[...\]\[0\]`"):
         documents.load(tmp_path / "remote.json", evict.Record)
     assert evict.read_record(tmp_path) is None, "an unreadable record evicts nothing"
+
+
+def test_the_previous_release_s_manifest_loads_and_is_written_back_alike(tmp_path: Path) -> None:
+    """A manifest the previous release wrote (every field set) reads as this release's Snapshot, and this release
+    writes the same document back: other nodes' gpusnapd, of that release, read it by the same names."""
+    snap = manifest.read(PREVIOUS / "manifest")
+    assert snap.id == "snap-previousreleaseaaaaaaaaaaa" and snap.owner_uid == 1000
+    assert snap.created == datetime(2026, 12, 3, 19, 11, 29, 123456, tzinfo=UTC)
+    assert snap.source.listening == ("127.0.0.1:8000",) and snap.host.cpu_flags == ("avx2", "sse4_2")
+    assert snap.worker is not None and snap.worker.arenas[0].chunk_bytes == (2 << 20, 2 << 20)
+    assert snap.worker.released_bytes == 1 << 30 and snap.agents[0].role == "core"
+    assert snap.buffers[0].arena == 1 and snap.buffers[1].agent == ""
+    assert snap.held_files[0].flags == 32769 and snap.held_files[1].size == -1
+    assert snap.owner_creds == Creds(1000, 1000, (1000, 27)) and snap.tree_creds[1].groups == ()
+    assert snap.terminals[0].fds == ("4101/0", "4101/1") and snap.terminals[0].controlling
+    assert snap.gpu_processes[0].visible_gpu_uuids[1] == "GPU-aa" and snap.process_images[1].image_bytes == 0
+    manifest.write(tmp_path, snap)
+    old = json.loads((PREVIOUS / "manifest" / manifest.MANIFEST_NAME).read_bytes())
+    new = json.loads((tmp_path / manifest.MANIFEST_NAME).read_bytes())
+    assert new == {**old, "created": "2026-12-03T19:11:29.123456Z"}, "the same document (UTC written as Z)"
+    assert datetime.fromisoformat(new["created"]) == datetime.fromisoformat(old["created"])
+    assert manifest.read(tmp_path) == snap
+
+
+def test_the_previous_release_s_journal_loads(tmp_path: Path) -> None:
+    """Entries the previous release journaled, running and finished, read as this release's entries: their facts
+    as written, the running one's phase from its phase file, every result and error; and each reads back the
+    same once this release writes it."""
+    shutil.copytree(PREVIOUS / "journal", tmp_path / "journal")
+    entries = {e.id.removeprefix("op-").rstrip("a"): e for e in Journal(tmp_path / "journal").entries()}
+    assert sorted(entries) == [
+        "activaterunning",
+        "checkpointdone",
+        "checkpointrunning",
+        "pushfailed",
+        "restoredone",
+        "restorerunning",
+        "resumedone",
+        "standbydone",
+        "standbyrunning",
+        "suspendcancelled",
+    ]
+    running = entries["checkpointrunning"]
+    last = json.loads((tmp_path / "journal" / f"{running.id}.json").read_bytes().splitlines()[-1])
+    assert running.running and running.kind is OperationKind.CHECKPOINT and running.facts == last["facts"]
+    assert running.phase == "publish" and running.request_id == "req-1" and running.finished == ""
+    assert running.started == datetime(2026, 12, 3, 19, 11, 29, 123456, tzinfo=UTC)
+    assert entries["restorerunning"].facts["earlier_trees"][0]["validated"] is True
+    restore = entries["restoredone"].result
+    assert restore is not None and restore.restore is not None
+    assert restore.restore.pids == (4802, 4803) and restore.restore.standby_id.startswith("sb-bbbb")
+    assert restore.restore.file_copies[0].copy == "/home/u/log.gpusnap-1"
+    assert entries["checkpointdone"].result == EntryResult(snapshot_id="snap-previousreleaseaaaaaaaaaaa")
+    assert entries["resumedone"].result == EntryResult(gpu_map={"GPU-a": "GPU-b"})
+    assert entries["standbydone"].result == EntryResult(standbys=("sb-" + "c" * 26,))
+    failed = entries["pushfailed"]
+    assert failed.state is OperationState.FAILED and failed.error is not None and failed.error.reason == "REMOTE_DENIED"
+    assert entries["suspendcancelled"].state is OperationState.CANCELLED
+    for entry in entries.values():
+        assert documents.decode(documents.encode(entry), Entry) == entry

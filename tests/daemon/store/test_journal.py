@@ -5,22 +5,26 @@ from __future__ import annotations
 
 import os
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from gpusnap.daemon.api.types import OperationKind, OperationState
 from gpusnap.daemon.store import journal
-from gpusnap.daemon.store.journal import Journal
+from gpusnap.daemon.store.journal import Entry, Journal
 
 
-def _entry(state: str = "running", phase: str = "", **facts: object) -> dict[str, object]:
-    return {
-        "id": "op-abcdefghijklmnopqrstuvwxyz",
-        "state": state,
-        "phase": phase,
-        "started": "2026-12-01T00:00:00",
-        "facts": facts,
-    }
+def _entry(state: str = "running", phase: str = "", **facts: object) -> Entry:
+    return Entry(
+        id="op-abcdefghijklmnopqrstuvwxyz",
+        kind=OperationKind.CHECKPOINT,
+        owner_uid=0,
+        state=OperationState(state),
+        phase=phase,
+        started=datetime(2026, 12, 1, tzinfo=UTC),
+        facts=facts,
+    )
 
 
 def test_last_whole_line_wins_and_a_torn_line_is_skipped(tmp_path: Path) -> None:
@@ -32,10 +36,10 @@ def test_last_whole_line_wins_and_a_torn_line_is_skipped(tmp_path: Path) -> None
     with open(path, "ab") as fh:  # a host crash mid-append: half a line
         fh.write(b'\n{"id": "op-abcdefghijklmnopqrstuvwxyz", "state": "succ')
     (entry,) = j.entries()
-    assert entry["facts"] == {"tree_pids": [1, 2], "staging": "s"} and entry["phase"] == "dump"
+    assert entry.facts == {"tree_pids": [1, 2], "staging": "s"} and entry.phase == "dump"
     j.write(_entry(state="failed", phase="dump", tree_pids=[1, 2], staging="s"))  # a recovered op's next version
     (entry,) = Journal(tmp_path / "journal").entries()
-    assert entry["state"] == "failed"
+    assert entry.state is OperationState.FAILED
 
 
 def test_unchanged_entry_is_not_appended(tmp_path: Path) -> None:
@@ -55,14 +59,14 @@ def test_phase_file_overlays_running_entries_only(tmp_path: Path) -> None:
     j.open()
     j.write(_entry(phase="preflight"))
     j.write_phase("op-abcdefghijklmnopqrstuvwxyz", "checksum")
-    assert Journal(tmp_path / "journal").entries()[0]["phase"] == "checksum"
+    assert Journal(tmp_path / "journal").entries()[0].phase == "checksum"
     torn = tmp_path / "journal" / "op-abcdefghijklmnopqrstuvwxyz.phase"
     torn.write_bytes(b"../\x00bad")  # torn or foreign: ignored
-    assert j.entries()[0]["phase"] == "preflight"
+    assert j.entries()[0].phase == "preflight"
     j.write_phase("op-abcdefghijklmnopqrstuvwxyz", "publish")
     j.write(_entry(state="succeeded", phase="finish"))  # a durable version supersedes the phase file
     assert not (tmp_path / "journal" / "op-abcdefghijklmnopqrstuvwxyz.phase").exists()
-    assert j.entries()[0]["phase"] == "finish"
+    assert j.entries()[0].phase == "finish"
 
 
 def test_unreadable_entry_is_removed(tmp_path: Path) -> None:
@@ -101,4 +105,4 @@ def test_trim_while_a_new_entry_is_being_written_keeps_it(tmp_path: Path, monkey
     trimmer.join(10)
     monkeypatch.setattr(journal.os, "write", real_write)
     (entry,) = Journal(tmp_path / "journal").entries()
-    assert entry["facts"] == {"tree_pids": [7]}
+    assert entry.facts == {"tree_pids": [7]}
