@@ -15,8 +15,10 @@ import pytest
 
 from gpusnap.daemon.drivers import devshm
 from tests.adapters import torch_venv
-from tests.adapters.test_vllm_serve import MODEL, PROMPT, _server
+from tests.adapters.test_vllm_serve import _server
 from tests.adapters.vllm_model import make_tiny_llama
+from tests.adapters.vllm_server import CPU_MODEL as MODEL
+from tests.adapters.vllm_server import PROMPT
 from tests.conftest import DaemonProc, kill_tree
 
 pytestmark = [torch_venv.needs_venv, pytest.mark.slow, pytest.mark.timeout(1800)]
