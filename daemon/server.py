@@ -118,9 +118,10 @@ class Overrides:
     fill_driver: Any = None
     """The CUDA driver the device fill (``gpu_prefill``) calls: ``cuda.bindings.driver`` when ``None``, or a fake
     with its calls (tests/fakes/cuda_vmm.py, as tests/daemon/prefill_daemon.py runs gpusnapd)."""
-    prefill_require_gpu_use: bool = True
-    """Fill an arena only on a GPU its process used at capture (``weights.prefill.plan``); tests whose CPU
-    workers' snapshots record no GPU use turn it off."""
+    gpu: GpuSupport | None = None
+    """The node's GPUs (the CUDA checkpoint driver and NVML): probed when ``None``, or fakes of both
+    (tests/daemon/prefill_daemon.py: a worker holding the fake device memory of ``fill_driver`` is a CUDA
+    process on its GPU)."""
 
 
 def check_config(config: DaemonConfig) -> None:
@@ -162,17 +163,14 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     criu.keep_spare_helper()
     undo.callback(criu.close)
     remote = _remote(config)
-    prefill = PrefillSupport.probe(
-        config.gpu_prefill,
-        overrides.fill_driver,
-        jobs=executor.prefill,
-        require_gpu_use=overrides.prefill_require_gpu_use,
-    )
+    prefill = PrefillSupport.probe(config.gpu_prefill, overrides.fill_driver, jobs=executor.prefill)
     undo.callback(prefill.close)
     policies = Policies(config.store / POLICIES, config.park(), config.max_policies_per_caller)
     policies.load()
     store, journal = _storage(config, remote, prefill, policies, executor, undo)
-    gpu = GpuSupport.probe(call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes)
+    gpu = overrides.gpu or GpuSupport.probe(
+        call_timeout_s=config.gpu_call_timeout, host_memory_bytes=config.host_memory_bytes
+    )
     if prefill.filler is not None:
         prefill.warm(store.buffers, store.list)  # contexts and registrations, in the background
     agents = _agents(config, undo)

@@ -81,8 +81,6 @@ class PrefillSupport:
         jobs: where the registrations ahead run, in the order queued: gpusnapd's ``prefill`` lane (one thread,
             ``gpusnap.daemon.executor``); its owner shuts it down; after :meth:`close` nothing more is queued
             and what was queued is skipped.
-        require_gpu_use: fill an arena only on a GPU its worker's process held memory on at capture (:func:`plan`);
-            ``False`` only for tests whose CPU workers' snapshots record no GPU use (tests/daemon/prefill_daemon.py).
     """
 
     def __init__(
@@ -93,10 +91,8 @@ class PrefillSupport:
         reason: str = "",
         *,
         jobs: Executor,
-        require_gpu_use: bool = True,
     ):
         self.mode = mode
-        self.require_gpu_use = require_gpu_use
         self.filler = filler
         self.gpus = dict(gpus or {})
         self.reason = reason if filler is None else ""
@@ -110,24 +106,24 @@ class PrefillSupport:
         self._stop = threading.Event()
 
     @classmethod
-    def probe(cls, mode: str, driver: Any = None, *, jobs: Executor, require_gpu_use: bool = True) -> PrefillSupport:
+    def probe(cls, mode: str, driver: Any = None, *, jobs: Executor) -> PrefillSupport:
         """Probe the driver (``driver``: ``cuda.bindings.driver`` when ``None``, or a fake with its calls) when
         ``mode`` is ``auto`` (cuda.bindings importable, ``cuInit``, VMM and POSIX descriptor handles per GPU);
         never raises: a failed probe leaves prefill off with its reason. ``jobs``: see the class."""
         if mode != "auto":
-            return cls(mode, reason="off (gpu_prefill = off)", jobs=jobs, require_gpu_use=require_gpu_use)
+            return cls(mode, reason="off (gpu_prefill = off)", jobs=jobs)
         filler = DeviceFiller(driver)
         try:
             gpus = filler.probe()
         except Exception as exc:  # noqa: BLE001 (never fails the daemon's start: prefill stays off)
             log.warning("gpu.prefill_unavailable", reason=str(exc))
-            return cls(mode, reason=f"probe failed: {exc}", jobs=jobs, require_gpu_use=require_gpu_use)
+            return cls(mode, reason=f"probe failed: {exc}", jobs=jobs)
         if not any(v == "" for v in gpus.values()):
             why = "; ".join(f"{u}: {v}" for u, v in gpus.items()) or "no GPU"
             log.warning("gpu.prefill_unavailable", reason=why)
-            return cls(mode, reason=f"no GPU supports it ({why})", jobs=jobs, require_gpu_use=require_gpu_use)
+            return cls(mode, reason=f"no GPU supports it ({why})", jobs=jobs)
         log.info("gpu.prefill", gpus={u: v or "ok" for u, v in gpus.items()})
-        return cls(mode, filler, gpus, jobs=jobs, require_gpu_use=require_gpu_use)
+        return cls(mode, filler, gpus, jobs=jobs)
 
     @property
     def enabled(self) -> bool:
@@ -225,7 +221,7 @@ class PrefillSupport:
         assert store is not None and filler is not None
         found: dict[Path, tuple[int, str]] = {}
         for snapshot in snapshots:
-            for p in plan(snapshot, None, require_gpu_use=self.require_gpu_use)[0]:
+            for p in plan(snapshot, None)[0]:
                 if self.gpus.get(p.target, "a GPU gpusnapd does not see"):
                     continue
                 for r in p.refs:
@@ -296,13 +292,11 @@ def check_layout(layout: ArenaLayout, refs: Sequence[BufferRef]) -> str:
     return ""
 
 
-def plan(
-    snapshot: Snapshot, gpu_map: Mapping[str, str] | None, *, require_gpu_use: bool = True
-) -> tuple[list[Planned], dict[str, list[str]]]:
+def plan(snapshot: Snapshot, gpu_map: Mapping[str, str] | None) -> tuple[list[Planned], dict[str, list[str]]]:
     """The arenas of ``snapshot`` to fill, and per agent (instance id) why its other buffers are not.
 
     An arena's GPU is the worker's word: it is filled only where the worker's process held device memory at
-    capture (unless ``require_gpu_use`` is off: tests only), on the GPU ``gpu_map`` sends that one to, so a worker cannot have
+    capture, on the GPU ``gpu_map`` sends that one to, so a worker cannot have
     gpusnapd allocate on a GPU outside its tree's (another tenant's)."""
     plans: list[Planned] = []
     skipped: dict[str, list[str]] = {}
@@ -331,7 +325,7 @@ def plan(
             except GpusnapError:
                 why = why or f"GPU {layout.gpu_uuid!r}"
                 source = ""
-            if not why and require_gpu_use and source not in used.get(worker.pid, ()):
+            if not why and source not in used.get(worker.pid, ()):
                 why = f"GPU {layout.gpu_uuid}, " + (
                     "a GPU its process did not use at capture"
                     if snapshot.gpu_processes
@@ -488,7 +482,7 @@ def start(
     without GPU state: the GPUs they were on); ``None`` when prefill is off or the snapshot has no buffers."""
     if support is None or not support.enabled or not snapshot.buffers:
         return None
-    plans, skipped = plan(snapshot, gpu_map, require_gpu_use=support.require_gpu_use)
+    plans, skipped = plan(snapshot, gpu_map)
     return Prefill(support, store, snapshot.buffer_uid, plans, skipped).start()
 
 

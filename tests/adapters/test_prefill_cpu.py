@@ -19,8 +19,11 @@ from gpusnap.daemon.api.errors import DataLossError
 from tests.adapters import torch_venv
 from tests.adapters.test_buffers_cpu import WEIGHT_BYTES, Worker
 from tests.conftest import REPO, DaemonProc, kill_tree, phase_seconds, start_daemon, stop_daemon, wait_for
+from tests.daemon.operations.fakes_nvml import fake_uuid
 
 LAUNCHER = REPO / "tests" / "daemon" / "prefill_daemon.py"
+GPU = fake_uuid(0)
+"""prefill_daemon.py's one GPU."""
 CHUNK_MIB = 64  # the 256 MiB arena in four chunks: four descriptors, copies split at chunk boundaries
 
 pytestmark = torch_venv.needs_venv
@@ -49,6 +52,8 @@ def _roundtrip(
     before = w.generate()
     dumped = json.loads(d.cli("-o", "json", "dump", str(w.proc.pid), check=True).stdout)
     assert dumped["buffer_bytes"] == WEIGHT_BYTES
+    used = {u for g in d.client().get_snapshot(dumped["id"]).gpu_processes for u in g.gpu_uuids}
+    assert used == {GPU}, "the worker's process used the arena's GPU at capture: the fill's security check passes"
     assert w.proc.wait(timeout=30) == -9
     op = d.client().restore(dumped["id"])
     done = d.client().wait(op.id, timeout_s=300)
