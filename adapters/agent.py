@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpusnap.adapters import buffers, reach, vmm
+from gpusnap.adapters import buffers, memory_report, reach, vmm
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
 from gpusnap.adapters.contract import capture_settings, wire
 from gpusnap.adapters.contract._proto import agent_pb2
@@ -197,9 +197,12 @@ class WorkerAgent:
             finally:
                 for fd in fds:
                     os.close(fd)
+            closing = result.ok and ((kind == "quiesce" and not result.buffers) or (kind == "free" and msg.free.last))
+            if closing:  # what the CUDA checkpoint will carry (a diagnostic, if asked), before the daemon locks it
+                memory_report.write_if_requested()
             result.duration_seconds = time.monotonic() - start
             wire.send(sock, agent_pb2.AgentMessage(result=result))
-            if result.ok and ((kind == "quiesce" and not result.buffers) or (kind == "free" and msg.free.last)):
+            if closing:
                 return  # close the channel before the dump
 
     def _quiesce(self, offload: bool) -> list[agent_pb2.BufferInfo]:

@@ -439,6 +439,25 @@ class Arena:
         self._spans[self.ptr + start] = nbytes
         return self.ptr + start
 
+    @property
+    def used(self) -> int:
+        """Bytes from the arena's start to the end of the last storage placed."""
+        return self._used
+
+    def seal(self) -> int:
+        """Count everything placed so far as one storage, at the arena's start, so that the arena is written
+        out and read back (or prefilled) as one buffer instead of one per storage placed; returns its bytes
+        (:attr:`used`). Storages placed later are storages of their own again.
+
+        Raises:
+            RuntimeError: a storage of the arena is written out (sealing would lose track of it).
+        """
+        if self._out:
+            raise RuntimeError("an arena with storages written out cannot be sealed")
+        if self._used:
+            self._spans = {self.ptr: self._used}
+        return self._used
+
     def mark_out(self, address: int) -> bool:
         """Note that the storage at ``address`` was written out; True once every storage placed in the
         arena is (then the arena may be released without losing data)."""

@@ -9,6 +9,17 @@ restored by gpusnap two ways in the same run, each to its first token.
   cache is released, and the restore (gpusnapd with ``--gpu-prefill auto``, buffer store on tmpfs) fills the
   weights' device memory while CRIU restores the process; restored twice.
 
+- **breakdown** (unless ``--no-breakdown``): one more default capture, ``--leave-running``, before the timed one,
+  during which the workers report what GPU memory they still hold and who holds it
+  (bench/memory_breakdown.py: torch's pools, the blocks by holder, arenas, the rest, and the floor of a CUDA
+  context measured apart), so that the report's cost stays out of the timed capture;
+- ``--pools``: the server runs with ``GPUSNAP_VLLM_POOLS=1`` (the CUDA graph pool, persistent buffers and
+  workspaces in arenas too: docs/engines.md).
+
+The JSON records, for the fast path: the checkpoint's phases, the image and buffer bytes, the GPU memory at
+capture, each restore's phases and its page fill (the restore's ``pages filled: … GB by N threads in … s``), and
+whether every restored server gave the source's greedy tokens.
+
 Each restore is timed from the gRPC Restore call (an orchestrator's; the CLI adds its own start-up) to the
 restored server's answer of one token, then asked for 16 tokens to compare with the source's. The model is a
 Llama ``config.json`` of the chosen size (``--size 8b``: Llama-3-8B's shapes) with dummy bf16 weights; the
@@ -35,7 +46,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import results_file  # noqa: E402
+from bench import memory_breakdown, results_file  # noqa: E402
 from bench.gpu_bench import wait_registered_ahead  # noqa: E402
 from bench.vllm_runs import activate_to_first_token, make_standby, restore_to_first_token, timed_dump  # noqa: E402
 from tests.adapters.vllm_model import make_tiny_llama  # noqa: E402
@@ -133,6 +144,8 @@ def main() -> int:
     ap.add_argument(
         "--standby", action="store_true", help="also a standby of the fast snapshot, activated: to first token"
     )
+    ap.add_argument("--pools", action="store_true", help="GPUSNAP_VLLM_POOLS=1: graph pool and buffers in arenas")
+    ap.add_argument("--no-breakdown", action="store_true", help="leave out the capture that reports GPU memory")
     results_file.add_arguments(ap)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gpusnap-vllm-bench-"))
@@ -142,10 +155,20 @@ def main() -> int:
     model = make_tiny_llama(tmp / "m", **SIZES[args.size])
     engine = ["--dtype", "bfloat16", "--max-model-len", "2048", "--gpu-memory-utilization", args.gpu_memory_utilization]
     pids: list[int] = []
-    result: dict[str, Any] = {"vllm_version": engine_version(), "cuda_graphs": True, "model": {"size": args.size}}
+    result: dict[str, Any] = {
+        "vllm_version": engine_version(),
+        "cuda_graphs": True,
+        "model": {"size": args.size},
+        "pools": args.pools,
+    }
+    reports = tmp / "memory-reports"
+    env = memory_breakdown.env_for(reports)
+    if args.pools:
+        env["GPUSNAP_VLLM_POOLS"] = "1"
+    breakdown = None
     try:
         t_launch = time.time()
-        server = start_server(tmp, daemon, target, model, "serve", *engine)
+        server = start_server(tmp, daemon, target, model, "serve", *engine, env=env)
         pids.append(server.proc.pid)
         server.wait_up(1500)
         first = request(server.port, PROMPT, 1)
@@ -156,6 +179,14 @@ def main() -> int:
         if not args.no_stock:
             stock_dump, stock_s = timed_dump(daemon, server.proc.pid, "stock", "--no-offload", "--leave-running")
             assert request(server.port, PROMPT, 16)["token_ids"] == before, "serving again after the stock capture"
+        if not args.no_breakdown:
+            memory_breakdown.request(reports)
+            timed_dump(daemon, server.proc.pid, "breakdown", "--leave-running")
+            memory_breakdown.withdraw(reports)
+            assert request(server.port, PROMPT, 16)["token_ids"] == before, "serving again after the breakdown"
+            floor = memory_breakdown.context_floor(memory_breakdown.engine_env(ENGINE_SITE))
+            shown = json.loads(daemon.cli("-o", "json", "inspect", "breakdown", check=True).stdout)
+            breakdown = memory_breakdown.combine(memory_breakdown.reports(reports), shown, floor)
         fast_dump, fast_s = timed_dump(daemon, server.proc.pid, "fast")
         server.proc.wait(timeout=120)
         registered = wait_registered_ahead(daemon)
@@ -206,6 +237,9 @@ def main() -> int:
             "checkpoint_phases": phase_seconds(fast_dump),
             "restore_phases": fast[0]["phases"],
             "restore_again_phases": fast[1]["phases"],
+            "restore_page_fill": [r["page_fill"] for r in fast],
+            "restore_messages": fast[0]["messages"],
+            "memory_breakdown": breakdown,
             "restore_call_s": [r["restore_call_s"] for r in fast],
             "processes": snap.get("processes", []),
             "stock": None
@@ -225,11 +259,19 @@ def main() -> int:
                 "cold_over_activation": cold / standby["activation_to_first_token_s"],
                 "restore_over_activation": best / standby["activation_to_first_token_s"],
             },
-            "targets": {"restore_to_first_token_s": 1.5, "speedup": 50, "checkpoint_s": 5, "activation_s": 0.4},
+            "targets": {
+                "restore_to_first_token_s": 1.5,
+                "speedup": 50,
+                "checkpoint_s": 5,
+                "activation_s": 0.4,
+                "gpu_memory_at_capture_bytes": 600_000_000,
+                "image_bytes": 2_500_000_000,
+            },
         }
     )
     print(json.dumps(result, indent=2))
-    results_file.write(result, "gpu-vllm", args.out, args.label or f"h200-{args.size}")
+    label = args.label or f"h200-{args.size}" + ("-pools" if args.pools else "")
+    results_file.write(result, "gpu-vllm", args.out, label)
     return 0 if same else 1
 
 

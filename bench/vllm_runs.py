@@ -9,6 +9,7 @@ Each restore is timed from the call that starts it to the restored server's answ
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -18,6 +19,28 @@ from tests.adapters.vllm_server import request
 from tests.conftest import DaemonProc
 
 ANSWER_TOKENS = 16
+PAGES_FILLED = re.compile(r"pages filled: ([\d.]+) GB by (\d+) threads in ([\d.]+) s")
+"""The restore's PROGRESS message of its page fill (daemon/operations/restore.py, ``_page_fill_message``)."""
+
+
+def messages(daemon: DaemonProc, op_id: str) -> dict[str, list[str]]:
+    """An operation's progress messages, by phase (what ``gpusnap watch`` prints)."""
+    out: dict[str, list[str]] = {}
+    for e in daemon.client().watch(op_id):
+        if e.message:
+            out.setdefault(e.phase or "", []).append(e.message)
+    return out
+
+
+def page_fill(said: dict[str, list[str]]) -> dict[str, Any] | None:
+    """The page fill a restore reported (``pages filled: 4.29 GB by 2 threads in 1.10 s``): bytes, threads,
+    seconds; ``None`` where the restore filled no pages itself (CRIU read them)."""
+    for text in (m for ms in said.values() for m in ms):
+        found = PAGES_FILLED.search(text)
+        if found:
+            gb, threads, seconds = float(found.group(1)), int(found.group(2)), float(found.group(3))
+            return {"bytes": int(gb * 1e9), "threads": threads, "seconds": seconds}
+    return None
 
 
 def timed_dump(daemon: DaemonProc, pid: int, name: str, *args: str) -> tuple[dict[str, Any], float]:
@@ -44,18 +67,22 @@ def served(done: Operation, what: str, port: int, t0: float, prompt: list[int]) 
 def restore_to_first_token(daemon: DaemonProc, snapshot: str, port: int, prompt: list[int]) -> dict[str, Any]:
     """Restore ``snapshot`` (gRPC ``Restore``, then wait); time the call → the restored server's first token;
     then its greedy tokens for ``prompt``. Keys: ``pid``, ``restore_call_s`` (the call → the operation
-    done), ``restore_to_first_token_s``, ``phases``, ``answer``."""
+    done), ``restore_to_first_token_s``, ``phases``, ``answer``, ``messages`` (progress, by phase) and
+    ``page_fill`` (:func:`page_fill`)."""
     client = daemon.client()
     t0 = time.time()
     done = client.wait(client.restore(snapshot).id, timeout_s=1800)
     restored_at = time.time()
     pid, first_token_s, answer = served(done, f"restore of {snapshot}", port, t0, prompt)
+    said = messages(daemon, done.id)
     return {
         "pid": pid,
         "restore_call_s": restored_at - t0,
         "restore_to_first_token_s": first_token_s,
         "phases": phases(done),
         "answer": answer,
+        "messages": said,
+        "page_fill": page_fill(said),
     }
 
 

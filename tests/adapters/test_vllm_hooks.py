@@ -91,3 +91,51 @@ def test_a_tcp_rendezvous_at_world_size_one_becomes_a_file_store(tmp_path: Path)
     uni, external = res.stdout.strip().split(") (")
     assert uni.startswith("('file://") and "gpusnap_dist_" in uni and uni.endswith("', 0, 0"), res.stdout
     assert external == "'env://', 3, 1)", "a launcher's env:// rendezvous is left alone"
+
+
+PLATFORM = """
+class Platform:
+    _global_graph_pool = None
+
+    def is_cuda(self):
+        return False
+
+    def get_global_graph_pool(self):
+        return ("vllm's", 1)
+"""
+
+GRAPH_POOL = """
+from gpusnap.adapters.engines.vllm import plugin
+plugin.register()
+from vllm.platforms import interface
+print(getattr(interface.Platform.__dict__["get_global_graph_pool"], "_gpusnap", False), interface.Platform().get_global_graph_pool())
+"""
+
+
+def _graph_pool(tmp: Path, platform: str, **env: str) -> subprocess.CompletedProcess[str]:
+    _fake_vllm(tmp / "v", "class WorkerWrapperBase:\n    pass\n")
+    (tmp / "v" / "vllm" / "platforms").mkdir()
+    (tmp / "v" / "vllm" / "platforms" / "__init__.py").write_text("")
+    (tmp / "v" / "vllm" / "platforms" / "interface.py").write_text(platform)
+    run_env = {
+        **{k: v for k, v in os.environ.items() if k != "GPUSNAP_VLLM_POOLS"},
+        "PYTHONPATH": os.pathsep.join([str(tmp / "v"), *sys.path]),
+        "GPUSNAP_AGENT_SOCKET": str(tmp / "agent.sock"),
+        **env,
+    }
+    return subprocess.run([sys.executable, "-c", GRAPH_POOL], env=run_env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_graph_pool_is_vllms_own_unless_pools_are_asked_for(tmp_path: Path) -> None:
+    """``GPUSNAP_VLLM_POOLS`` unset (the default): vLLM's graph pool method is not even wrapped. Set: it is, and
+    on a platform that is not CUDA it still hands out vLLM's own pool."""
+    res = _graph_pool(tmp_path / "off", PLATFORM)
+    assert res.returncode == 0 and res.stdout.split("\n")[0] == 'False ("vllm\'s", 1)', res.stdout + res.stderr
+    res = _graph_pool(tmp_path / "on", PLATFORM, GPUSNAP_VLLM_POOLS="1")
+    assert res.returncode == 0 and res.stdout.split("\n")[0] == 'True ("vllm\'s", 1)', res.stdout + res.stderr
+
+
+def test_pools_asked_for_on_a_release_without_the_graph_pool_method_stop_at_start_up(tmp_path: Path) -> None:
+    res = _graph_pool(tmp_path, "class Platform:\n    pass\n", GPUSNAP_VLLM_POOLS="1")
+    assert res.returncode != 0 and "HookMissing" in res.stderr, res.stdout + res.stderr
+    assert "vllm.platforms.interface.Platform.get_global_graph_pool" in res.stderr, res.stderr

@@ -22,6 +22,8 @@ Semantics modelled on the CUDA Driver API ("Virtual Memory Management"):
   handles hold), streams (each of the context current at ``cuStreamCreate``), ``cuMemHostRegister``/
   ``cuMemHostUnregister`` (tracked in ``registered``) and ``cuMemcpyAsync`` (a ``memmove`` from host memory
   into mapped, accessible memory, on a stream of the current context: ``CUDA_ERROR_INVALID_CONTEXT`` else).
+* Stream capture: ``cuThreadExchangeStreamCaptureMode`` swaps the calling thread's capture mode (tracked in
+  ``capture_mode``; global by default); ``cuCtxSynchronize`` is recorded and returns at once (no work runs).
 
 :meth:`FakeVmmDriver.fail` makes the Nth call of a function return an error; :attr:`FakeVmmDriver.calls`
 records every call in order.
@@ -122,6 +124,9 @@ class FakeVmmDriver:
     CUmemAllocationGranularity_flags = types.SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
     CUmemAccess_flags = types.SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
     CUmemAllocationHandleType = types.SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=POSIX_FD)
+    CUstreamCaptureMode = types.SimpleNamespace(
+        CU_STREAM_CAPTURE_MODE_GLOBAL=0, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1, CU_STREAM_CAPTURE_MODE_RELAXED=2
+    )
     CUdevice_attribute = types.SimpleNamespace(
         CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED=VMM_ATTRIBUTE,
         CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED=POSIX_FD_ATTRIBUTE,
@@ -139,6 +144,7 @@ class FakeVmmDriver:
         self.mappings: dict[int, tuple[int, int]] = {}  # start -> (size, handle)
         self.accessible: set[int] = set()  # mapping starts with access set
         self.context = 0
+        self.capture_mode = 0  # CU_STREAM_CAPTURE_MODE_GLOBAL (per thread on the GPU; one thread here)
         self._next_handle = 1
         self._faults: dict[str, list[tuple[int, CUresult]]] = {}
         self._counts: dict[str, int] = {}
@@ -183,6 +189,16 @@ class FakeVmmDriver:
 
     def cuCtxGetCurrent(self) -> tuple[CUresult, int]:  # noqa: N802
         return (self._enter("cuCtxGetCurrent") or OK, self.context)
+
+    def cuCtxSynchronize(self) -> tuple[CUresult]:  # noqa: N802
+        return (self._enter("cuCtxSynchronize") or OK,)
+
+    def cuThreadExchangeStreamCaptureMode(self, mode: int) -> tuple[CUresult, int]:  # noqa: N802
+        err = self._enter("cuThreadExchangeStreamCaptureMode", mode)
+        if err is not None:
+            return (err, mode)
+        old, self.capture_mode = self.capture_mode, mode
+        return (OK, old)
 
     def cuDeviceGet(self, ordinal: int) -> tuple[CUresult, int]:  # noqa: N802
         return (self._enter("cuDeviceGet", ordinal) or OK, ordinal)

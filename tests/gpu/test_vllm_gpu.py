@@ -16,6 +16,11 @@ One server, in turn:
   prompt as the source did;
 - a second snapshot of the same model (the restored server, captured again) adds no blob bytes;
 - a restore onto the GPU through ``--gpu-map`` and in a private network namespace serves the same tokens.
+
+A second server runs with ``GPUSNAP_VLLM_POOLS=1`` (issue 29: the CUDA graph pool, persistent buffers and
+workspaces in arenas too) and ``GPUSNAP_SCRATCH_POISON``: ``inspect`` names the regions in arenas, its GPU
+memory at capture is printed beside the first server's (``MEASURED``), and the restored server, its scratch memory
+poisoned before the canary, gives the same greedy tokens for both prompts, twice.
 """
 
 from __future__ import annotations
@@ -75,8 +80,11 @@ def serve_args(kv_bytes: int = 512 << 20) -> list[str]:
     ]
 
 
-def start_server(tmp: Path, daemon: DaemonProc, target: Path, model: Path, name: str, *args: str) -> VllmServer:
-    """``vllm serve MODEL`` (the ``vllm`` command's own module) with gpusnap installed at ``target``."""
+def start_server(
+    tmp: Path, daemon: DaemonProc, target: Path, model: Path, name: str, *args: str, env: dict[str, str] | None = None
+) -> VllmServer:
+    """``vllm serve MODEL`` (the ``vllm`` command's own module) with gpusnap installed at ``target``; ``env``:
+    more of the server's environment (``GPUSNAP_VLLM_POOLS``…)."""
     env = engine_env(
         dict(os.environ),
         daemon.agent_socket,
@@ -84,6 +92,7 @@ def start_server(tmp: Path, daemon: DaemonProc, target: Path, model: Path, name:
         tmp / "rpc",
         PYTHONPATH=pythonpath(target, ENGINE_SITE),
         VLLM_USE_FLASHINFER_SAMPLER="0",  # flashinfer is not in the device bundle
+        **(env or {}),
     )
     argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
     return VllmServer(argv, model, tmp / f"{name}.log", env, *args)
@@ -172,6 +181,39 @@ def test_stock_vllm_serve_with_cuda_graphs(tmp_path: Path) -> None:
         pids.append(copy["pid"])
         assert server.complete(PROMPT, netns_of=copy["pid"]) == before, "the private copy serves the same tokens"
         print(f"MEASURED vllm gpu: dump {phase_seconds(dumped)} restore {phase_seconds(restored)}")
+    finally:
+        kill_tree(*pids)
+        stop_daemon(daemon)
+
+
+def test_vllm_serve_with_graph_pool_and_buffers_in_arenas(tmp_path: Path) -> None:
+    buffers = short_dir("gpusnap-vllm-", 0o700, "/dev/shm")
+    daemon = start_daemon(tmp_path / "d", extra_env={"GPUSNAP_GPU_PREFILL": "auto", "GPUSNAP_BUFFER_DIR": str(buffers)})
+    target = install_gpusnap(sys.executable, tmp_path / "install")
+    model = make_tiny_llama(tmp_path / "m", **MODEL)
+    pools = {"GPUSNAP_VLLM_POOLS": "1", "GPUSNAP_SCRATCH_POISON": "0xA5"}
+    server = start_server(tmp_path, daemon, target, model, "pools", *serve_args(), env=pools)
+    pids: list[int] = [server.proc.pid]
+    try:
+        server.wait_up(900)
+        before, other = server.complete(PROMPT), server.complete(OTHER_PROMPT)
+        dumped = dump(daemon, server.proc.pid, "pools")
+        snap = inspect(daemon, "pools")
+        workers = [snap["worker"], *snap.get("agents", [])]
+        engine = next(w for w in workers if w["process"].startswith("VLLM::EngineCore"))
+        assert "also in arenas: " in engine["weights"] and "graphs" in engine["weights"], engine
+        at_capture = sum(int(g["gpu_memory_bytes"]) for g in snap["gpu_processes"])
+        assert server.proc.wait(timeout=60) == -9
+        for _ in range(2):
+            restored = json.loads(daemon.cli("-o", "json", "restore", "pools", check=True, timeout=900).stdout)
+            pids.append(restored["pid"])
+            assert server.complete(PROMPT) == before, "the graphs replay over their pool, filled back"
+            assert server.complete(OTHER_PROMPT) == other
+            kill_tree(restored["pid"])
+        print(
+            f"\nMEASURED vllm gpu pools: GPU memory at capture {at_capture} B, images {dumped['size_bytes']} B, "
+            f"buffers {dumped['buffer_bytes']} B; {engine['weights']}"
+        )
     finally:
         kill_tree(*pids)
         stop_daemon(daemon)

@@ -5,6 +5,14 @@ released before the capture, stays reserved through an in-place ``gpusnap suspen
 ``gpusnap dump --no-quiesce``/``restore``; ``cuMemCreate`` + ``cuMemMap`` at the same address work after
 each; memory kept mapped through the capture comes back intact. The LLM whose CUDA graph reads
 address-stable weights is in test_gpu_engine.py.
+
+Then the rest of device memory in arenas (``gpusnap.adapters.vmm_pool``, issue 29): a CUDA graph captured into a
+``torch.cuda.MemPool`` whose segments are gpusnap arenas, reading persistent buffers moved into an arena and
+writing a workspace in a scratch arena (tests/adapters/arena_pool_worker.py ``--cuda``), goes through ``gpusnap
+dump``/``restore``: every arena back at its address, the pool's bytes filled back, the workspace mapped again
+unsaved and poisoned, the same tokens; the same pool released unsaved fails the restored worker's canary (the
+replays read garbage: sgl-project/sglang PR #32718). The CPU run of the same worker is
+tests/adapters/test_vmm_pool.py.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gpusnap.daemon.api.errors import FailedPreconditionError
+from tests.adapters.arena_pools import POISON, PoolWorker
 from tests.conftest import DaemonProc, kill_tree, wait_for
 from tests.gpu.test_gpu import _gpu_memory_of
 
@@ -91,3 +101,35 @@ def test_reserved_range_survives_suspend_and_dump(daemon: DaemonProc, tmp_path: 
         )
     finally:
         kill_tree(proc.pid, restored_pid)
+
+
+POOL_N = 16384
+"""The pool worker's size on the GPU: a 1 GiB weight matrix (float32), so memory left at capture is telling."""
+
+
+def test_graph_pool_and_buffers_in_arenas_survive_dump_and_restore(daemon: DaemonProc, tmp_path: Path) -> None:
+    w = PoolWorker(daemon, tmp_path, "pool", "--poison", str(POISON), "--n", str(POOL_N), gpu=True)
+    try:
+        before, dumped, after, messages = w.round_trip(daemon)
+        snap = json.loads(daemon.cli("-o", "json", "inspect", dumped["id"], check=True).stdout)
+        at_capture = int(snap["gpu_processes"][0]["gpu_memory_bytes"])
+        assert dumped["buffer_bytes"] == w.layout["weight_bytes"] + w.layout["keep_bytes"]
+        assert at_capture < GIB, f"{at_capture} bytes at capture: the arenas were captured"
+        assert after["addresses"] == before["addresses"], "every arena and tensor at the same address"
+        assert after["tokens"] == before["tokens"], "the graph's replays give the same tokens"
+        assert after["ws_poisoned"], "the workspace held only the poison byte before the canary's replays"
+        print(f"\nMEASURED graph pool in arenas: {w.layout['regions']}; at capture {at_capture} B; {messages}")
+    finally:
+        w.kill()
+
+
+def test_a_graph_pool_released_unsaved_fails_the_canary(daemon: DaemonProc, tmp_path: Path) -> None:
+    w = PoolWorker(daemon, tmp_path, "pool", "--poison", str(POISON), "--graphs-as-scratch", gpu=True)
+    try:
+        w.generate()
+        dumped = json.loads(daemon.cli("-o", "json", "dump", str(w.proc.pid), check=True).stdout)
+        assert w.proc.wait(timeout=60) == -9
+        with pytest.raises(FailedPreconditionError, match=r"canary gave tokens .* at capture"):
+            daemon.client().wait(daemon.client().restore(dumped["id"]).id, timeout_s=600)
+    finally:
+        w.kill()

@@ -26,7 +26,9 @@ once and changes nothing. With it set, it:
    (``WorkerWrapperBase.initialize_from_config``: the weights once vLLM has profiled its memory, the KV cache
    as soon as the model runner's ``initialize_kv_cache`` allocated it), before vLLM captures its CUDA graphs,
    so a capture can take both out of the image and bring them back at the same addresses
-   (:class:`~gpusnap.adapters.engines.vllm.processes.WorkerPart`);
+   (:class:`~gpusnap.adapters.engines.vllm.processes.WorkerPart`); with ``GPUSNAP_VLLM_POOLS=1`` (off by
+   default) the CUDA graph pool, persistent buffers and workspaces too (:mod:`~gpusnap.adapters.engines.vllm.pools`:
+   ``Platform.get_global_graph_pool`` and the model runner's ``capture_model``);
 5. gives the uniprocess executor (one GPU, the model inside ``VLLM::EngineCore``) a ``file://`` rendezvous
    where the release would make a ``tcp://`` one to the node's own address (vLLM ≤ 0.31; later releases do
    the same themselves): torch.distributed then holds no TCP connection a capture would have to carry, so
@@ -75,6 +77,10 @@ def register() -> None:
     _when_imported("vllm.v1.executor.multiproc_executor", _patch_worker_proc)
     _when_imported("vllm.v1.worker.worker_base", _patch_worker_wrapper)
     _when_imported("vllm.v1.executor.uniproc_executor", _patch_uniproc)
+    from gpusnap.adapters.engines.vllm import pools
+
+    if pools.enabled():
+        _when_imported("vllm.platforms.interface", _patch_platform)
 
 
 # -- the process's agent ----------------------------------------------------------------------------
@@ -212,9 +218,22 @@ def _initialize_from_config(original: Any, wrapper: Any, *args: Any, **kwargs: A
 
     runner.initialize_kv_cache = initialize_kv_cache  # this call only: the instance attribute shadows the method
     try:
-        return original(wrapper, *args, **kwargs)
+        result = original(wrapper, *args, **kwargs)
     finally:
         del runner.initialize_kv_cache
+    from gpusnap.adapters.engines.vllm import pools
+
+    if pools.enabled() and part.stable:
+        pools.wrap_capture(runner, part)
+    return result
+
+
+def _patch_platform(module: ModuleType) -> None:
+    """``GPUSNAP_VLLM_POOLS=1``: vLLM's one CUDA graph pool comes from gpusnap's arenas (``pools.graph_pool``)."""
+    from gpusnap.adapters.engines.vllm import pools
+
+    _require(module.Platform, "get_global_graph_pool", _engine())
+    _around(module.Platform, "get_global_graph_pool", pools.graph_pool)
 
 
 def _patch_uniproc(module: ModuleType) -> None:

@@ -29,6 +29,7 @@ from gpusnap.adapters import zeroed
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
 from gpusnap.adapters.engine_process import MemoryPlan, model_weights, process_title
 from gpusnap.adapters.engines.vllm.adapter import Release, VllmAdapter
+from gpusnap.adapters.vmm_pool import Policy, Regions
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,9 @@ class WorkerPart:
         self.kv_arenas: list[Any] = []
         """VMM arenas the KV cache was moved into at start (:meth:`stabilize_kv`); empty: not moved."""
         self._kv_released = False
+        self.regions = Regions()
+        """The rest of its device memory in arenas, with ``GPUSNAP_VLLM_POOLS=1`` (``pools.py``): the CUDA graph
+        pool, persistent buffers, workspaces."""
 
     @property
     def rank(self) -> int:
@@ -131,7 +135,38 @@ class WorkerPart:
         return bool(self.weights_arenas) and bool(self.kv_arenas)
 
     def plan(self) -> MemoryPlan:
-        return memory_plan(getattr(self.worker, "vllm_config", None), self._device_type(), stable=self.stable)
+        plan = memory_plan(getattr(self.worker, "vllm_config", None), self._device_type(), stable=self.stable)
+        held = [r.name for r in self.pools() if r.arenas()]
+        if self.stable and held:
+            return MemoryPlan(plan.offload_weights, plan.release_kv, f"{plan.why}; also in arenas: {', '.join(held)}")
+        return plan
+
+    def pools(self) -> Regions:
+        """:attr:`regions`, with the process's graph pool once vLLM asked for it (``pools.graph_pool``)."""
+        from gpusnap.adapters.engines.vllm import pools
+
+        graphs = pools.graphs()
+        if graphs is not None and "graphs" not in {r.name for r in self.regions}:
+            self.regions.add("graphs", Policy.KEEP, graphs)
+        return self.regions
+
+    def pool_buffers(self) -> dict[str, Any]:
+        """The KEEP arenas (graph pool segments, persistent buffers) as buffers, one each; only where the
+        weights and KV cache are address-stable too (otherwise the CUDA checkpoint carries it all)."""
+        return self.pools().buffers(f"rank{self.rank}") if self.stable else {}
+
+    def release_scratch(self) -> int:
+        """Release the SCRATCH arenas (workspaces; bytes not saved); returns the bytes released."""
+        if not self.regions.scratch():
+            return 0
+        _synchronize(self._device_type())
+        return self.regions.release_scratch()
+
+    def remap_scratch(self) -> None:
+        """Map the released SCRATCH arenas again (``GPUSNAP_SCRATCH_POISON``: filled with that byte)."""
+        from gpusnap.adapters.engines.vllm import pools
+
+        self.regions.remap_scratch(pools.poison())
 
     def _device_type(self) -> str:
         device = getattr(self.worker, "device", None)
@@ -330,8 +365,14 @@ class VllmProcessAdapter(EngineAdapter):
                 if part.plan().release_kv:
                     freed = part.release_kv()
                     self._released_kv.append(part)
-                    self._released_bytes += freed
-                    log.info("gpusnap: worker rank %d released %d bytes of KV cache", part.rank, freed)
+                    scratch = part.release_scratch()
+                    self._released_bytes += freed + scratch
+                    log.info(
+                        "gpusnap: worker rank %d released %d bytes of KV cache, %d of scratch",
+                        part.rank,
+                        freed,
+                        scratch,
+                    )
         except BaseException:
             self._recreate_kv()
             if self.front:
@@ -343,6 +384,7 @@ class VllmProcessAdapter(EngineAdapter):
         for part in self.workers:
             if part.plan().offload_weights:
                 named.update(part.weights())
+                named.update(part.pool_buffers())
         return named
 
     async def resume(self, context: RestoreContext | None) -> None:
@@ -358,7 +400,9 @@ class VllmProcessAdapter(EngineAdapter):
 
     def _recreate_kv(self) -> None:
         while self._released_kv:
-            self._released_kv.pop().recreate_kv()
+            part = self._released_kv.pop()
+            part.remap_scratch()
+            part.recreate_kv()
 
 
 def _check_idle(core: Any) -> None:
