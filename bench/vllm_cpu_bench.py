@@ -293,7 +293,10 @@ def main() -> int:
     ap.add_argument("--kv-bytes", type=int, default=1 << 30, help="the server's --kv-cache-memory-bytes")
     ap.add_argument("--no-criu", action="store_true", help="leave the plain-CRIU baseline out")
     ap.add_argument(
-        "--buffer-dir", default="", help="gpusnapd --buffer-dir (e.g. a tmpfs: a RAM tier); default its store's"
+        "--store",
+        choices=("ram", "disk"),
+        default="ram",
+        help="gpusnapd's store (snapshots and buffers) on a tmpfs of its own (a RAM store), or on this disk",
     )
     ap.add_argument("--settle", type=float, default=1.0, help="seconds of pause before each timed restore")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (gpusnapd's and the servers' logs)")
