@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpusnap.adapters.agent import WorkerAgent, start_agent
-    from gpusnap.adapters.base import EngineAdapter, RestoreContext
+    from gpusnap.adapters.base import EngineAdapter, HelloFacts, RestoreContext
     from gpusnap.adapters.env import configure_capture_env
 
-__all__ = ["EngineAdapter", "RestoreContext", "WorkerAgent", "configure_capture_env", "start_agent"]
+__all__ = ["EngineAdapter", "HelloFacts", "RestoreContext", "WorkerAgent", "configure_capture_env", "start_agent"]
 
 _FROM = {
     "EngineAdapter": "gpusnap.adapters.base",
+    "HelloFacts": "gpusnap.adapters.base",
     "RestoreContext": "gpusnap.adapters.base",
     "WorkerAgent": "gpusnap.adapters.agent",
     "configure_capture_env": "gpusnap.adapters.env",

@@ -137,13 +137,19 @@ class WorkerAgent:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.socket_path)
+            facts = self.adapter.info()
             hello = agent_pb2.AgentHello(
                 protocol_version=wire.PROTOCOL_VERSION,
                 engine=self.adapter.engine,
                 instance_id=self.instance_id,
                 resumed=self.quiesced,
                 wake_dir=str(self.wake_dir),
-                info={**self.adapter.info(), **capture_settings.report(os.environ)},
+                info=dict(facts.info),
+                role=facts.role,
+                process=facts.process,
+                expect_pids=list(facts.expect_pids),
+                weights=facts.weights,
+                capture_env=capture_settings.report(os.environ),
             )
             wire.send(sock, agent_pb2.AgentMessage(hello=hello))
         except OSError as exc:
@@ -172,23 +178,23 @@ class WorkerAgent:
             result = agent_pb2.CommandResult(command_id=msg.command_id, ok=True)
             try:
                 if kind == "warm_up":
-                    result.details["tokens"] = _tokens(self._call(self.adapter.warm_up()))
+                    result.tokens.extend(self._call(self.adapter.warm_up()))
                 elif kind == "health":
-                    result.details["tokens"] = _tokens(self._call(self.adapter.health()))
+                    result.tokens.extend(self._call(self.adapter.health()))
                 elif kind == "quiesce":
                     result.buffers.extend(self._quiesce(msg.quiesce.offload))
                     result.arenas.extend(self._arena_infos())
-                    result.details["released_bytes"] = str(self.adapter.released_bytes())
+                    result.released_bytes = self.adapter.released_bytes()
                 elif kind == "map_arenas":
-                    result.details.update(self._map_arenas(msg.map_arenas, fds))
+                    result.arenas_mapped = self._map_arenas(msg.map_arenas, fds, result.timings)
                 elif kind == "offload":
-                    result.details.update(self._offload(list(msg.offload.names), fds))
+                    self._offload(list(msg.offload.names), fds, result.timings)
                 elif kind == "free":
-                    result.details.update(self._free(list(msg.free.names), last=msg.free.last))
+                    self._free(list(msg.free.names), result.timings, last=msg.free.last)
                 elif kind == "reload":
-                    result.details.update(self._reload(list(msg.reload.names), fds))
+                    self._reload(list(msg.reload.names), fds, result.timings)
                 elif kind == "resume":
-                    result.details.update(self._resume(msg.resume))
+                    result.tokens.extend(self._resume(msg.resume, result.timings))
                 else:
                     raise ValueError(f"unknown command {kind!r}")
             except Exception as exc:  # reported to the daemon, never fatal to the worker
@@ -246,9 +252,10 @@ class WorkerAgent:
             for a in layouts
         ]
 
-    def _map_arenas(self, msg: agent_pb2.MapArenas, fds: list[int]) -> dict[str, str]:
+    def _map_arenas(self, msg: agent_pb2.MapArenas, fds: list[int], timings: agent_pb2.Timings) -> int:
         """Adopt the daemon's filled memory as the named arenas (one descriptor per chunk, in order); their
-        buffers count as read back. On failure the arenas adopted by this command are released again."""
+        buffers count as read back; returns how many arenas. On failure the arenas adopted by this command are
+        released again."""
         plan: list[tuple[vmm.Arena, list[buffers.Buffer]]] = []
         for m in msg.arenas:
             if not 1 <= m.arena <= len(self._arenas):
@@ -279,7 +286,8 @@ class WorkerAgent:
         for _, held in plan:
             buffers.back_in(held)
             self._out.difference_update(b.name for b in held)
-        return {"map_s": f"{time.monotonic() - start:.4f}", "arenas": str(len(plan))}
+        timings.map = time.monotonic() - start
+        return len(plan)
 
     def _check(self, names: list[str], fds: list[int]) -> None:
         if len(names) != len(fds):
@@ -288,17 +296,16 @@ class WorkerAgent:
         if unknown:
             raise ValueError(f"unknown buffers {unknown[:3]}")
 
-    def _offload(self, names: list[str], fds: list[int]) -> dict[str, str]:
+    def _offload(self, names: list[str], fds: list[int], timings: agent_pb2.Timings) -> None:
         """Write the named buffers into the daemon's sealed memfds; they stay in memory until ``Free``."""
         self._check(names, fds)
         out = [n for n in names if n in self._out]
         if out:
             raise ValueError(f"buffers {out[:3]} are out already")
-        timings = buffers.write([self._buffers[n] for n in names], fds)
+        timings.copy = buffers.write([self._buffers[n] for n in names], fds)
         self._written.update(names)
-        return {k: f"{v:.3f}" for k, v in timings.items()}
 
-    def _free(self, names: list[str], *, last: bool) -> dict[str, str]:
+    def _free(self, names: list[str], timings: agent_pb2.Timings, *, last: bool) -> None:
         """Free the named buffers, which ``Offload`` wrote and the daemon has copied into its store."""
         unwritten = [n for n in names if n not in self._written]
         if unwritten:
@@ -320,18 +327,18 @@ class WorkerAgent:
                 len(self._out),
                 sum(self._buffers[n].nbytes for n in self._out),
             )
-        return {"free_s": f"{time.monotonic() - start:.3f}"}
+        timings.free = time.monotonic() - start
 
-    def _reload(self, names: list[str], fds: list[int]) -> dict[str, str]:
+    def _reload(self, names: list[str], fds: list[int], timings: agent_pb2.Timings) -> None:
         """Read back the named buffers that are out (a rollback may name some that never left)."""
         self._check(names, fds)
         wanted = [(self._buffers[n], fd) for n, fd in zip(names, fds, strict=True) if n in self._out]
-        timings = buffers.read([b for b, _ in wanted], [fd for _, fd in wanted])
+        timings.alloc, timings.copy = buffers.read([b for b, _ in wanted], [fd for _, fd in wanted])
         self._out.difference_update(names)
-        return {k: f"{v:.3f}" for k, v in timings.items()}
 
-    def _resume(self, msg: agent_pb2.Resume) -> dict[str, str]:
-        """Resume the engine, then run its canary: ``tokens`` (the canary's), ``resume_s`` and ``canary_s``."""
+    def _resume(self, msg: agent_pb2.Resume, timings: agent_pb2.Timings) -> list[int]:
+        """Resume the engine, then run its canary; returns its tokens (``timings``: the resume's and the
+        canary's seconds)."""
         if self._out:
             raise RuntimeError(f"{len(self._out)} buffers were not reloaded (e.g. {sorted(self._out)[0]!r})")
         context = None
@@ -349,11 +356,8 @@ class WorkerAgent:
         self.quiesced = False
         self.resumed_count += 1
         tokens = self._call(self.adapter.health())
-        return {
-            "tokens": _tokens(tokens),
-            "resume_s": f"{resumed - start:.4f}",
-            "canary_s": f"{time.monotonic() - resumed:.4f}",
-        }
+        timings.resume, timings.canary = resumed - start, time.monotonic() - resumed
+        return tokens
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if self.loop is not None:
@@ -374,10 +378,6 @@ def _name_thread(name: str) -> None:
         libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError) as exc:  # no libc to call: the daemon then cannot tell it is here
         log.warning("gpusnap agent: cannot name its thread %r (%s)", name, exc)
-
-
-def _tokens(tokens: list[int]) -> str:
-    return ",".join(str(t) for t in tokens)
 
 
 _current: WorkerAgent | None = None

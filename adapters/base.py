@@ -41,6 +41,22 @@ class RestoreContext:
         os.environ.update(self.env)
 
 
+@dataclasses.dataclass(frozen=True)
+class HelloFacts:
+    """What an engine process says of itself in its agent's hello (``AgentHello`` in agent.proto)."""
+
+    role: str = ""
+    """``frontend``, ``core``, ``worker``, or empty for a single-process worker (a front end)."""
+    process: str = ""
+    """The process's title (``VLLM::Worker``…), for messages."""
+    expect_pids: tuple[int, ...] = ()
+    """Engine processes this one started (PIDs in its namespace), each of which needs an agent."""
+    weights: str = ""
+    """Where the process's weights go, and why (``offloaded: …`` or ``in image: …``)."""
+    info: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Engine facts for people (API, data-parallel size…); gpusnapd only logs them."""
+
+
 WARMUP_PROMPT_TOKEN_IDS = (1, 5, 6, 7)
 """Token-only warm-up prompt: needs no tokenizer or chat template (docs/engines.md, "The warm-up request")."""
 WARMUP_MAX_TOKENS = 2
@@ -52,9 +68,9 @@ class EngineAdapter(abc.ABC):
 
     engine: str = "unknown"
 
-    def info(self) -> dict[str, str]:
-        """Engine facts for the daemon (model, parallel sizes…)."""
-        return {}
+    def info(self) -> HelloFacts:
+        """What this process says of itself in its agent's hello."""
+        return HelloFacts()
 
     @abc.abstractmethod
     async def warm_up(self) -> list[int]:

@@ -213,11 +213,11 @@ def release_host_cache(devices: Iterable[Any] = ()) -> None:
             empty()
 
 
-def write(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = None) -> dict[str, float]:
+def write(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = None) -> float:
     """Write each buffer's bytes to the matching file descriptor, from offset 0.
 
     Returns:
-        Seconds spent: ``copy_s`` (copies and writes). The pinned slots stay in torch's host cache for
+        Seconds spent in the copies and writes. The pinned slots stay in torch's host cache for
         the next batch: call :func:`release_host_cache` before the process is captured.
 
     Raises:
@@ -240,7 +240,7 @@ def write(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = N
         torch.cuda.synchronize(device)  # the engine's last kernels wrote these tensors
     t0 = time.monotonic()
     _run_parallel(_steps(buffers, fds), work, threads or _default_threads())
-    return {"copy_s": time.monotonic() - t0}
+    return time.monotonic() - t0
 
 
 def trim_heap() -> None:
@@ -280,11 +280,11 @@ def free(buffers: Sequence[Buffer]) -> None:
         torch.cuda.empty_cache()
 
 
-def read(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = None) -> dict[str, float]:
+def read(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = None) -> tuple[float, float]:
     """Allocate each buffer's storage again (``nbytes``) and fill it from the matching descriptor.
 
     Returns:
-        Seconds spent: ``alloc_s`` (storages), ``copy_s`` (reads and copies). The pinned slots stay in
+        Seconds spent allocating the storages, then reading and copying. The pinned slots stay in
         torch's host cache for the next batch: see :func:`release_host_cache`.
 
     Arena-backed buffers get their arena re-mapped at the same addresses (:meth:`~gpusnap.adapters.vmm.Arena.remap`;
@@ -318,7 +318,7 @@ def read(buffers: Sequence[Buffer], fds: Sequence[int], threads: int | None = No
 
     _run_parallel(_steps(buffers, fds), work, threads or _default_threads())
     back_in(buffers)
-    return {"alloc_s": t1 - t0, "copy_s": time.monotonic() - t1}
+    return t1 - t0, time.monotonic() - t1
 
 
 def back_in(buffers: Iterable[Buffer]) -> None:

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gpusnap.adapters.base import EngineAdapter, RestoreContext
+from gpusnap.adapters.base import EngineAdapter, HelloFacts, RestoreContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +97,8 @@ class ModelProcessAdapter(EngineAdapter):
         device = str(param.device.type) if param is not None else "cpu"
         return graph_plan(device, self.graphs(), self.remedy)
 
-    def info(self) -> dict[str, str]:
-        return {"role": "worker", "process": process_title(), "rank": self.rank, "weights": self.plan().why}
+    def info(self) -> HelloFacts:
+        return HelloFacts(role="worker", process=process_title(), weights=self.plan().why, info={"rank": self.rank})
 
     async def warm_up(self) -> list[int]:
         return []

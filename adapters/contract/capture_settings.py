@@ -34,7 +34,6 @@ from gpusnap.adapters.contract.settings import CaptureSetting, Kind, Scope
 __all__ = [
     "CAPTURE_SETTINGS",
     "COMMON_SETTINGS",
-    "REPORT_PREFIX",
     "CaptureSetting",
     "Kind",
     "Scope",
@@ -199,12 +198,9 @@ def missing_engine_args(argv: Iterable[str], scopes: Iterable[Scope], *, engine:
     ]
 
 
-#: Prefix of the agent-hello ``info`` keys that carry a process's capture settings (:func:`report`).
-REPORT_PREFIX = "capture_env."
-
-
 def report(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment rows of the table that ``environ`` sets, keyed ``capture_env.NAME``, for the agent's hello.
+    """The environment rows of the table that ``environ`` sets (``NAME → value``), for the agent's hello
+    (``AgentHello.capture_env``).
 
     ``/proc/<pid>/environ`` shows a process's environment as it was at exec, so variables that
     :func:`~gpusnap.adapters.env.configure_capture_env` set inside the process (which NCCL, reading
@@ -212,16 +208,9 @@ def report(environ: Mapping[str, str]) -> dict[str, str]:
     are reported.
     """
     names = {s.name for s in CAPTURE_SETTINGS if s.kind is Kind.ENV}
-    return {REPORT_PREFIX + k: v for k, v in environ.items() if k in names}
+    return {k: v for k, v in environ.items() if k in names}
 
 
-def reported(info: Mapping[str, str]) -> dict[str, str]:
-    """The inverse of :func:`report`: ``NAME → value`` for the table's names found in an agent's ``info``
-    (anything else in ``info`` is ignored)."""
-    names = {s.name for s in CAPTURE_SETTINGS if s.kind is Kind.ENV}
-    out = {}
-    for key, value in info.items():
-        name = key.removeprefix(REPORT_PREFIX)
-        if key.startswith(REPORT_PREFIX) and name in names:
-            out[name] = value
-    return out
+def reported(env: Mapping[str, str]) -> dict[str, str]:
+    """What the daemon takes of an agent's :func:`report`: the table's names only (the agent is not trusted)."""
+    return report(env)

@@ -16,8 +16,9 @@ from google.protobuf.message import Message
 M = TypeVar("M", bound=Message)
 
 MAX_FRAME = 16 << 20
-PROTOCOL_VERSION = 2
-"""2: Offload writes into sealed memfds and keeps the buffers; Free releases them (agent.proto)."""
+PROTOCOL_VERSION = 3
+"""3: what an agent says of its process and what a command reports travel in fields of their own, not in string
+maps (agent.proto's header). 2: Offload writes into sealed memfds and keeps the buffers; Free releases them."""
 MAX_FDS = 200
 """Descriptors per frame (the kernel's SCM_MAX_FD is 253)."""
 AGENT_THREAD = "gpusnap-agent"

@@ -59,8 +59,8 @@ class AgentCapture(weights.AgentWeights):
             uid=i.uid,
             pid=i.pid,
             role=i.role,
-            process=i.info.get("process", ""),
-            weights=i.info.get("weights", ""),
+            process=i.process,
+            weights=i.weights,
             arenas=self.client.arenas if self.announced else (),
             released_bytes=self.client.released_bytes,
         )

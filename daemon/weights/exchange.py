@@ -164,7 +164,7 @@ def offload(
             buffers=len(batch),
             worker_s=round(done.seconds, 3),
             bytes=nbytes,
-            **dict(done.details),
+            **{f"{step}_s": round(seconds, 3) for step, seconds in done.timings.items()},
         )
     start = time.monotonic()
     staged.wait_copies()
@@ -191,7 +191,7 @@ def reload(agent: AgentClient, names: Sequence[str], fds: Sequence[int], timeout
                 pid=agent.info.pid,
                 buffers=len(batch),
                 worker_s=round(done.seconds, 3),
-                **dict(done.details),
+                **{f"{step}_s": round(seconds, 3) for step, seconds in done.timings.items()},
             )
     finally:
         for fd in fds:

@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import structlog
@@ -32,9 +32,14 @@ from gpusnap.daemon.logthrottle import Throttle
 log = structlog.get_logger(__name__)
 
 
+PROTOCOLS = (2, wire.PROTOCOL_VERSION)
+"""The agent protocols gpusnapd reads: 3, and 2 (its agents said the same in string maps: agent.proto's header)
+for the agents inside snapshots taken before 3 and for workers with an older gpusnap installed."""
+
+
 @dataclasses.dataclass(frozen=True)
 class AgentInfo:
-    """What the agent said in its hello, and who it is."""
+    """What the agent said in its hello (``AgentHello``), and who it is."""
 
     pid: int
     uid: int
@@ -42,26 +47,76 @@ class AgentInfo:
     instance_id: str
     wake_dir: str
     resumed: bool
-    info: dict[str, str]
+    role: str = ""
+    """``frontend``, ``core``, ``worker``, or empty (a single-process worker, treated as a front end)."""
+    process: str = ""
+    """The process's title, for messages."""
+    expect_pids: tuple[int, ...] = ()
+    """Engine processes this one started (PIDs in its own namespace), each of which needs an agent."""
+    weights: str = ""
+    """Where the process's weights go, and why, as its adapter said."""
+    capture_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The capture settings' environment variables as the process has them now (the table's names only)."""
+    info: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Engine facts for people (logged)."""
+    protocol: int = wire.PROTOCOL_VERSION
+    """The protocol the agent speaks (:data:`PROTOCOLS`): how its command results are read (``workers.client``)."""
     start_time: float = 0.0
     """When the agent's process started (``proc.start_time``), read as it connected: with the PID it names
     that one process, so a session never passes for the agent of a later process given the same PID."""
 
     @property
-    def role(self) -> str:
-        """``frontend``, ``core``, ``worker``, or empty (a single-process worker, treated as a front end)."""
-        return self.info.get("role", "")
-
-    @property
     def label(self) -> str:
         """The agent's process for messages: engine, title and PID."""
-        title = self.info.get("process", "")
-        return f"{self.engine} {'process ' + title if title else 'worker'} (PID {self.pid})"
+        return f"{self.engine} {'process ' + self.process if self.process else 'worker'} (PID {self.pid})"
 
-    @property
-    def expect_pids(self) -> list[int]:
-        """Engine processes this one started (PIDs in its own namespace), each of which needs an agent."""
-        return [int(p) for p in self.info.get("expect_pids", "").split(",") if p.strip().isdigit()]
+
+def agent_info(hello: agent_pb2.AgentHello, pid: int, uid: int, start_time: float) -> AgentInfo:
+    """The agent of process ``pid`` (of ``uid``, started at ``start_time``) as its ``hello`` describes it
+    (protocol 3's fields, or protocol 2's ``info`` map: :func:`with_v2_info`). The agent is not trusted: only
+    positive PIDs and the capture settings' names are taken."""
+    agent = AgentInfo(
+        pid=pid,
+        uid=uid,
+        engine=hello.engine,
+        instance_id=hello.instance_id,
+        wake_dir=hello.wake_dir,
+        resumed=hello.resumed,
+        start_time=start_time,
+    )
+    if hello.protocol_version == 2:
+        return with_v2_info(agent, hello.info)
+    return dataclasses.replace(
+        agent,
+        role=hello.role,
+        process=hello.process,
+        expect_pids=tuple(p for p in hello.expect_pids if p > 0),
+        weights=hello.weights,
+        capture_env=capture_settings.reported(hello.capture_env),
+        info=dict(hello.info),
+    )
+
+
+V2_ENV_PREFIX = "capture_env."
+"""Protocol 2: the prefix of the ``info`` keys that carried the capture settings."""
+V2_KEYS = ("role", "process", "expect_pids", "weights")
+"""Protocol 2: the ``info`` keys that carried what protocol 3 has fields for."""
+
+
+def with_v2_info(agent: AgentInfo, info: Mapping[str, str]) -> AgentInfo:
+    """``agent`` with what a protocol-2 agent said in its hello's ``info`` (agent.proto's header); also how the
+    previous release journaled an agent (``info`` beside the fields of its hello)."""
+    env = {k.removeprefix(V2_ENV_PREFIX): v for k, v in info.items() if k.startswith(V2_ENV_PREFIX)}
+    return dataclasses.replace(
+        agent,
+        role=info.get("role", ""),
+        process=info.get("process", ""),
+        expect_pids=tuple(int(p) for p in info.get("expect_pids", "").split(",") if p.strip().isdigit()),
+        weights=info.get("weights", ""),
+        capture_env=capture_settings.reported(env),
+        info={k: v for k, v in info.items() if k not in V2_KEYS and not k.startswith(V2_ENV_PREFIX)},
+        protocol=2,
+    )
 
 
 class AgentSession:
@@ -249,7 +304,7 @@ class AgentRegistry:
         it is now, which ``/proc/<pid>/environ`` does not show; ``capture_settings.report``), by PID."""
         with self._cond:
             sessions = [self._sessions.get(p) for p in pids]
-        return {s.info.pid: capture_settings.reported(s.info.info) for s in sessions if s is not None and s.live()}
+        return {s.info.pid: dict(s.info.capture_env) for s in sessions if s is not None and s.live()}
 
     def wait_for(self, pids: Collection[int], instance_id: str, timeout_s: float) -> AgentSession:
         """Wait for the agent ``instance_id`` to reconnect (after Quiesce) from one of ``pids``.
@@ -393,8 +448,8 @@ class AgentRegistry:
         self._hello(conn, p.pid, p.uid, msg, p.start)
 
     def _hello(self, conn: socket.socket, pid: int, uid: int, msg: agent_pb2.AgentMessage, start: float) -> None:
-        if msg.WhichOneof("message") != "hello" or msg.hello.protocol_version != wire.PROTOCOL_VERSION:
-            self._refused(uid, pid, f"not a protocol-{wire.PROTOCOL_VERSION} hello")
+        if msg.WhichOneof("message") != "hello" or msg.hello.protocol_version not in PROTOCOLS:
+            self._refused(uid, pid, f"not a hello of protocol {' or '.join(map(str, PROTOCOLS))}")
             conn.close()
             return
         h = msg.hello
@@ -402,16 +457,7 @@ class AgentRegistry:
             self._refused(uid, pid, "malformed instance id or wake directory")
             conn.close()
             return
-        info = AgentInfo(
-            pid=pid,
-            uid=uid,
-            engine=h.engine,
-            instance_id=h.instance_id,
-            wake_dir=h.wake_dir,
-            resumed=h.resumed,
-            info=dict(h.info),
-            start_time=start,
-        )
+        info = agent_info(h, pid, uid, start)
         with self._cond:
             for stale in [p for p, s in self._sessions.items() if not s.live()]:
                 self._sessions.pop(stale).close()

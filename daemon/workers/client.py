@@ -31,10 +31,11 @@ class Announced:
 
 @dataclasses.dataclass(frozen=True)
 class Moved:
-    """The worker's report on one Offload or Reload batch: seconds it took, and its own timings."""
+    """The worker's report on one Offload, Free, Reload or MapArenas: seconds it took, and its own timings of the
+    command's steps (``copy``, ``alloc``, ``free``, ``map``: seconds)."""
 
     seconds: float
-    details: Mapping[str, str]
+    timings: Mapping[str, float]
 
 
 class AgentClient:
@@ -62,7 +63,7 @@ class AgentClient:
     def warm_up(self, timeout_s: float) -> str:
         """Run the warm-up; returns the canary's token ids, comma separated."""
         done = self.session.call(agent_pb2.DaemonMessage(warm_up=agent_pb2.WarmUp()), timeout_s, "warm up")
-        return done.details.get("tokens", "")
+        return self._tokens(done)
 
     def quiesce(self, offload: bool, timeout_s: float) -> list[Announced]:
         """Stop the worker; with ``offload`` it announces the buffers it can move (none: the channel closes)."""
@@ -72,26 +73,26 @@ class AgentClient:
         self.arenas = tuple(
             ArenaLayout(a.gpu_uuid, a.size_bytes, a.granularity, tuple(a.chunk_bytes), a.storages) for a in done.arenas
         )
-        self.released_bytes = _count(done.details.get("released_bytes", ""))
+        self.released_bytes = self._released_bytes(done)
         return [Announced(b.name, b.size_bytes, b.arena, b.arena_offset) for b in done.buffers]
 
     def offload(self, names: Sequence[str], fds: Sequence[int], timeout_s: float) -> Moved:
         """Have the worker write the named buffers to ``fds`` (sealed memfds), keeping them in memory."""
         msg = agent_pb2.DaemonMessage(offload=agent_pb2.Offload(names=list(names)))
         done = self.session.call(msg, timeout_s, "write its buffers out", fds=fds)
-        return Moved(done.duration_seconds, dict(done.details))
+        return Moved(done.duration_seconds, self._timings(done))
 
     def free(self, names: Sequence[str], last: bool, timeout_s: float) -> Moved:
         """Have the worker free the named buffers, written by :meth:`offload` (``last``: the channel closes)."""
         msg = agent_pb2.DaemonMessage(free=agent_pb2.Free(names=list(names), last=last))
         done = self.session.call(msg, timeout_s, "free its buffers")
-        return Moved(done.duration_seconds, dict(done.details))
+        return Moved(done.duration_seconds, self._timings(done))
 
     def reload(self, names: Sequence[str], fds: Sequence[int], timeout_s: float) -> Moved:
         """Have the worker read the named buffers back from ``fds`` (read-only)."""
         msg = agent_pb2.DaemonMessage(reload=agent_pb2.Reload(names=list(names)))
         done = self.session.call(msg, timeout_s, "read its buffers back", fds=fds)
-        return Moved(done.duration_seconds, dict(done.details))
+        return Moved(done.duration_seconds, self._timings(done))
 
     def map_arenas(self, arenas: Sequence[tuple[int, Sequence[str]]], fds: Sequence[int], timeout_s: float) -> Moved:
         """Have the worker import and map the daemon-filled memory of ``arenas`` ((1-based index, the names of
@@ -102,7 +103,7 @@ class AgentClient:
             )
         )
         done = self.session.call(msg, timeout_s, "map its prefilled arenas", fds=fds)
-        return Moved(done.duration_seconds, dict(done.details))
+        return Moved(done.duration_seconds, self._timings(done))
 
     def resume(
         self,
@@ -121,17 +122,50 @@ class AgentClient:
                 agent_pb2.RestoreContext(env=dict(env or {}), unset_env=list(unset_env), values=dict(values or {}))
             )
         done = self.session.call(agent_pb2.DaemonMessage(resume=resume), timeout_s, "resume")
+        timings = self._timings(done)
         log.info(
             "agent.resumed",
             pid=self.info.pid,
-            role=self.info.info.get("role", ""),
+            role=self.info.role,
             seconds=round(done.duration_seconds, 4),
-            resume_s=done.details.get("resume_s", "")[:12],
-            canary_s=done.details.get("canary_s", "")[:12],
+            resume_s=round(timings.get("resume", 0.0), 4),
+            canary_s=round(timings.get("canary", 0.0), 4),
         )
-        return done.details.get("tokens", "")
+        return self._tokens(done)
+
+    # What a command result reports: protocol 3's fields, or protocol 2's ``details`` (agent.proto's header).
+    # The agent is not trusted: counts and seconds outside their range read as 0.
+
+    def _tokens(self, done: agent_pb2.CommandResult) -> str:
+        """The canary's token ids, comma separated (as a snapshot's ``canary_tokens``)."""
+        if self.info.protocol == 2:
+            return done.details.get("tokens", "")
+        return ",".join(str(t) for t in done.tokens)
+
+    def _released_bytes(self, done: agent_pb2.CommandResult) -> int:
+        if self.info.protocol == 2:
+            text = done.details.get("released_bytes", "")
+            return int(text) if text.isdigit() and len(text) < 19 else 0
+        return done.released_bytes if done.released_bytes < 1 << 63 else 0
+
+    def _timings(self, done: agent_pb2.CommandResult) -> dict[str, float]:
+        """The worker's own timings of the command's steps that it reported (seconds, by step)."""
+        if self.info.protocol == 2:
+            found = {step: _seconds(done.details.get(f"{step}_s", "")) for step in STEPS}
+        else:
+            found = {step: getattr(done.timings, step) for step in STEPS}
+        return {step: s for step, s in found.items() if 0 < s < MAX_SECONDS}
 
 
-def _count(text: str) -> int:
-    """A byte count an agent reported: a decimal between 0 and 2**63 - 1, else 0 (the agent is not trusted)."""
-    return int(text) if text.isdigit() and len(text) < 19 else 0
+STEPS = ("copy", "alloc", "free", "map", "resume", "canary")
+"""The steps of a command a worker times (``Timings`` in agent.proto)."""
+MAX_SECONDS = 1e6
+"""Timings above this (or not finite) are not believed."""
+
+
+def _seconds(text: str) -> float:
+    """A protocol-2 timing: a decimal number of seconds, else 0."""
+    try:
+        return float(text[:24])
+    except ValueError:
+        return 0.0

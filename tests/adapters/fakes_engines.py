@@ -644,9 +644,8 @@ class Exchange:
 
 
 def tokens(result: agent_pb2.CommandResult) -> list[int]:
-    """The canary tokens of a CommandResult (``details["tokens"]`` is ``"1,2"``)."""
-    text = result.details["tokens"]
-    return [int(t) for t in text.split(",")] if text else []
+    """The canary tokens of a CommandResult."""
+    return list(result.tokens)
 
 
 def capture_roundtrip(

@@ -11,7 +11,7 @@ from unittest.mock import ANY, call
 
 import pytest
 
-from gpusnap.adapters.base import RestoreContext
+from gpusnap.adapters.base import HelloFacts, RestoreContext
 from gpusnap.adapters.engines.sglang.adapter import SglangAdapter
 from tests.adapters.fakes_engines import (
     ContinueGenerationReqInput,
@@ -253,7 +253,9 @@ def test_arguments_are_checked() -> None:
         SglangAdapter(FakeSglangEngine(), dp_size=0)
     with pytest.raises(TypeError):
         SglangAdapter(FakeSglangEngine(), release_tags="kv_cache")
-    assert SglangAdapter(FakeSglangEngine(dp_size=2), dp_size=2).info() == {"dp_size": "2", "release_tags": "kv_cache"}
+    assert SglangAdapter(FakeSglangEngine(dp_size=2), dp_size=2).info() == HelloFacts(
+        info={"dp_size": "2", "release_tags": "kv_cache"}
+    )
 
 
 # -- through the real WorkerAgent ------------------------------------------------------------------

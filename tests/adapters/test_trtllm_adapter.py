@@ -10,7 +10,7 @@ from unittest.mock import call
 
 import pytest
 
-from gpusnap.adapters.base import RestoreContext
+from gpusnap.adapters.base import HelloFacts, RestoreContext
 from gpusnap.adapters.engines.trtllm.adapter import TrtLlmAdapter
 from tests.adapters.fakes_engines import (
     EngineLoop,
@@ -309,11 +309,9 @@ def test_quiesce_twice_and_resume_without_quiesce_are_no_ops() -> None:
 
 
 def test_info() -> None:
-    assert TrtLlmAdapter(FakeTrtLlm(), end_id=EOS).info() == {
-        "release_tags": "kv_cache",
-        "memory_api": "collective_rpc",
-        "end_id": "2",
-    }
+    assert TrtLlmAdapter(FakeTrtLlm(), end_id=EOS).info() == HelloFacts(
+        info={"release_tags": "kv_cache", "memory_api": "collective_rpc", "end_id": "2"}
+    )
 
 
 # -- through the real WorkerAgent ------------------------------------------------------------------
@@ -357,5 +355,5 @@ def test_agent_failed_resume_is_reported(engine_loop: EngineLoop) -> None:
 
     ex = capture_roundtrip(TrtLlmAdapter(llm, end_id=EOS), engine_loop, during_capture=capture)
     assert ex.resume is not None and not ex.resume.ok and "out of memory (injected)" in ex.resume.error
-    assert "tokens" not in ex.resume.details, "no canary ran"
+    assert not ex.resume.tokens, "no canary ran"
     assert llm.calls.mock_calls == [WARMUP, SLEEP, WAKEUP]

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from gpusnap.adapters import EngineAdapter, RestoreContext, start_agent
+from gpusnap.adapters import EngineAdapter, HelloFacts, RestoreContext, start_agent
 
 
 class ToyEngine:
@@ -54,8 +54,8 @@ class ToyAdapter(EngineAdapter):
         self.fail_quiesce = fail_quiesce
         self.slow_quiesce = slow_quiesce
 
-    def info(self) -> dict[str, str]:
-        return {"expect_pids": ",".join(map(str, self.expect_pids))} if self.expect_pids else {}
+    def info(self) -> HelloFacts:
+        return HelloFacts(expect_pids=tuple(self.expect_pids))
 
     def log(self, what: str) -> None:
         with open(os.path.join(self.workdir, "events"), "a") as fh:

@@ -57,8 +57,8 @@ def main(tmp: str) -> None:
         raise AssertionError("a failed re-map must raise")
     assert not drv.handles and not drv.mappings and all(b.out for b in bufs), "nothing half-mapped"
 
-    timings = buffers.read(bufs, fds)
-    assert set(timings) == {"alloc_s", "copy_s"}
+    alloc_s, copy_s = buffers.read(bufs, fds)
+    assert alloc_s >= 0 and copy_s >= 0
     assert not any(b.out for b in bufs) and arena.mapped
     assert {k: v.data_ptr() for k, v in named.items()} == ptrs, "same addresses after reload"
     assert all(torch.equal(named[k], expect[k]) for k in named), "same contents after reload"

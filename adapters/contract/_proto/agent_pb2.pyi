@@ -39,6 +39,14 @@ itself, fill it from the blobs, and send MapArenas before Reload with one export
 MapArenas.arenas and then of each arena's chunks; the worker imports and maps them at the arena's
 reserved addresses and its buffers there count as read back. A failed MapArenas leaves the arenas
 unmapped (the worker gives back what it imported) and the daemon falls back to Reload.
+
+Protocol versions: 3 carries what an agent says of its process and what a command reports in fields of
+their own (AgentHello.role … capture_env, CommandResult.tokens … timings). Protocol 2 carried them as strings
+in AgentHello.info (keys role, process, expect_pids as comma-separated PIDs, weights, and capture_env.NAME
+per capture setting) and CommandResult.details (tokens as comma-separated ids, released_bytes, and the
+timings as copy_s, alloc_s, free_s, map_s, arenas, resume_s, canary_s); gpusnapd still reads those, for the
+agents inside snapshots taken before protocol 3 and for workers with an older gpusnap installed. An agent of
+protocol 3 needs a gpusnapd that reads it.
 """
 
 from collections import abc as _abc
@@ -80,14 +88,39 @@ class AgentHello(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class CaptureEnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     ENGINE_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
     WAKE_DIR_FIELD_NUMBER: _builtins.int
     INFO_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
+    EXPECT_PIDS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
+    CAPTURE_ENV_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
-    """2 (the daemon refuses any other)"""
+    """3 (the daemon reads 2 and 3, see the header, and refuses any other)"""
     engine: _builtins.str
     """"vllm", "trtllm", "sglang", "torch", …"""
     instance_id: _builtins.str
@@ -96,9 +129,23 @@ class AgentHello(_message.Message):
     """reconnecting after Quiesce"""
     wake_dir: _builtins.str
     """where the agent waits for its wake file"""
+    role: _builtins.str
+    """"frontend", "core", "worker", or "" for a single-process worker (a front end)"""
+    process: _builtins.str
+    """the process's title ("VLLM::Worker", …), for messages"""
+    weights: _builtins.str
+    """where the process's weights go, and why ("offloaded: …", "in image: …")"""
     @_builtins.property
     def info(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """engine facts (model, data-parallel size, …)"""
+        """engine facts for people (API, data-parallel size, …); gpusnapd only logs them"""
+
+    @_builtins.property
+    def expect_pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """engine processes this one started (PIDs in its namespace), each needing an agent"""
+
+    @_builtins.property
+    def capture_env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """the capture settings' environment variables as the process has"""
 
     def __init__(
         self,
@@ -109,10 +156,15 @@ class AgentHello(_message.Message):
         resumed: _builtins.bool = ...,
         wake_dir: _builtins.str = ...,
         info: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        role: _builtins.str = ...,
+        process: _builtins.str = ...,
+        expect_pids: _abc.Iterable[_builtins.int] | None = ...,
+        weights: _builtins.str = ...,
+        capture_env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "info", b"info", "instance_id", b"instance_id", "protocol_version", b"protocol_version", "resumed", b"resumed", "wake_dir", b"wake_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capture_env", b"capture_env", "engine", b"engine", "expect_pids", b"expect_pids", "info", b"info", "instance_id", b"instance_id", "process", b"process", "protocol_version", b"protocol_version", "resumed", b"resumed", "role", b"role", "wake_dir", b"wake_dir", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -149,14 +201,22 @@ class CommandResult(_message.Message):
     DURATION_SECONDS_FIELD_NUMBER: _builtins.int
     BUFFERS_FIELD_NUMBER: _builtins.int
     ARENAS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    RELEASED_BYTES_FIELD_NUMBER: _builtins.int
+    TIMINGS_FIELD_NUMBER: _builtins.int
+    ARENAS_MAPPED_FIELD_NUMBER: _builtins.int
     command_id: _builtins.int
     ok: _builtins.bool
     error: _builtins.str
     """one line naming the cause, when not ok"""
     duration_seconds: _builtins.float
+    released_bytes: _builtins.int
+    """Quiesce: memory freed without saving it (a KV cache)"""
+    arenas_mapped: _builtins.int
+    """MapArenas: the arenas adopted"""
     @_builtins.property
     def details(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """e.g. {"tokens": "[1, 7]"} for a canary"""
+        """protocol 2 only (see the header)"""
 
     @_builtins.property
     def buffers(self) -> _containers.RepeatedCompositeFieldContainer[Global___BufferInfo]:
@@ -165,6 +225,14 @@ class CommandResult(_message.Message):
     @_builtins.property
     def arenas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ArenaInfo]:
         """Quiesce (with buffers): the address-stable arenas they lie in"""
+
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """WarmUp, Health, Resume: the canary's token ids"""
+
+    @_builtins.property
+    def timings(self) -> Global___Timings:
+        """the worker's own timings of the command's steps"""
 
     def __init__(
         self,
@@ -176,14 +244,60 @@ class CommandResult(_message.Message):
         duration_seconds: _builtins.float = ...,
         buffers: _abc.Iterable[Global___BufferInfo] | None = ...,
         arenas: _abc.Iterable[Global___ArenaInfo] | None = ...,
+        tokens: _abc.Iterable[_builtins.int] | None = ...,
+        released_bytes: _builtins.int = ...,
+        timings: Global___Timings | None = ...,
+        arenas_mapped: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arenas", b"arenas", "buffers", b"buffers", "command_id", b"command_id", "details", b"details", "duration_seconds", b"duration_seconds", "error", b"error", "ok", b"ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arenas", b"arenas", "arenas_mapped", b"arenas_mapped", "buffers", b"buffers", "command_id", b"command_id", "details", b"details", "duration_seconds", b"duration_seconds", "error", b"error", "ok", b"ok", "released_bytes", b"released_bytes", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommandResult: _TypeAlias = CommandResult  # noqa: Y015
+
+@_typing.final
+class Timings(_message.Message):
+    """Seconds the worker spent in a command's steps (0: not a step of that command)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COPY_FIELD_NUMBER: _builtins.int
+    ALLOC_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
+    MAP_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
+    CANARY_FIELD_NUMBER: _builtins.int
+    copy: _builtins.float
+    """Offload, Reload: copying the buffers"""
+    alloc: _builtins.float
+    """Reload: allocating them again"""
+    free: _builtins.float
+    """Free"""
+    map: _builtins.float
+    """MapArenas: importing and mapping the handles"""
+    resume: _builtins.float
+    """Resume: the engine's resume"""
+    canary: _builtins.float
+    """Resume: the canary after it"""
+    def __init__(
+        self,
+        *,
+        copy: _builtins.float = ...,
+        alloc: _builtins.float = ...,
+        free: _builtins.float = ...,
+        map: _builtins.float = ...,
+        resume: _builtins.float = ...,
+        canary: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc", b"alloc", "canary", b"canary", "copy", b"copy", "free", b"free", "map", b"map", "resume", b"resume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Timings: _TypeAlias = Timings  # noqa: Y015
 
 @_typing.final
 class ArenaInfo(_message.Message):

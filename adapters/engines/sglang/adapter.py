@@ -45,7 +45,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from gpusnap.adapters.base import WARMUP_MAX_TOKENS, EngineAdapter, RestoreContext
+from gpusnap.adapters.base import WARMUP_MAX_TOKENS, EngineAdapter, HelloFacts, RestoreContext
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,8 @@ class SglangAdapter(EngineAdapter):
         """True between a successful :meth:`quiesce` and the :meth:`resume` that undoes it."""
         return self._paused or self._released
 
-    def info(self) -> dict[str, str]:
-        return {"dp_size": str(self.dp_size), "release_tags": ",".join(self.release_tags)}
+    def info(self) -> HelloFacts:
+        return HelloFacts(info={"dp_size": str(self.dp_size), "release_tags": ",".join(self.release_tags)})
 
     async def warm_up(self) -> list[int]:
         """One greedy request per DP rank (2 tokens, EOS ignored), then a cache flush; rank 0's tokens."""

@@ -19,9 +19,11 @@ schedulers hold the model and its KV cache; the detokenizer and the controller h
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
+from gpusnap.adapters.base import HelloFacts
 from gpusnap.adapters.engine_process import ModelProcessAdapter, process_title, titled
 from gpusnap.adapters.engines.sglang.adapter import SglangAdapter
 
@@ -68,13 +70,11 @@ class SglangFrontEnd(SglangAdapter):
         dp = int(getattr(tokenizer_manager.server_args, "dp_size", 1) or 1)
         super().__init__(TokenizerFrontEnd(tokenizer_manager), dp_size=dp)
 
-    def info(self) -> dict[str, str]:
-        info = super().info()
-        info.update(role="frontend", process=process_title())
+    def info(self) -> HelloFacts:
         schedulers = titled(descendants(os.getpid()), SCHEDULER_TITLE)
-        if schedulers:
-            info["expect_pids"] = ",".join(map(str, schedulers))
-        return info
+        return dataclasses.replace(
+            super().info(), role="frontend", process=process_title(), expect_pids=tuple(schedulers)
+        )
 
 
 class SglangSchedulerAdapter(ModelProcessAdapter):

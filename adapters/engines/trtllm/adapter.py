@@ -49,7 +49,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from gpusnap.adapters.base import WARMUP_MAX_TOKENS, WARMUP_PROMPT_TOKEN_IDS, EngineAdapter, RestoreContext
+from gpusnap.adapters.base import WARMUP_MAX_TOKENS, WARMUP_PROMPT_TOKEN_IDS, EngineAdapter, HelloFacts, RestoreContext
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +119,11 @@ class TrtLlmAdapter(EngineAdapter):
         """True between a successful :meth:`quiesce` and the :meth:`resume` that undoes it."""
         return self._released or self._paused
 
-    def info(self) -> dict[str, str]:
+    def info(self) -> HelloFacts:
         facts = {"release_tags": ",".join(self.release_tags), "memory_api": self.api}
         if self.end_id is not None:
             facts["end_id"] = str(self.end_id)
-        return facts
+        return HelloFacts(info=facts)
 
     async def warm_up(self) -> list[int]:
         """One greedy token-only request: 2 tokens (a prefill and a decode step), EOS ignored."""

@@ -20,9 +20,11 @@ that holds the model and its KV cache. Requests and results travel over ZMQ IPC 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from gpusnap.adapters.base import HelloFacts
 from gpusnap.adapters.engine_process import ModelProcessAdapter, process_title
 from gpusnap.adapters.engines.trtllm.adapter import TrtLlmAdapter
 
@@ -42,12 +44,10 @@ class TrtLlmFrontEnd(TrtLlmAdapter):
         super().__init__(llm, **kwargs)
         self.worker_pids = sorted(set(worker_pids))
 
-    def info(self) -> dict[str, str]:
-        info = super().info()
-        info.update(role="frontend", process=process_title())
-        if self.worker_pids:
-            info["expect_pids"] = ",".join(map(str, self.worker_pids))
-        return info
+    def info(self) -> HelloFacts:
+        return dataclasses.replace(
+            super().info(), role="frontend", process=process_title(), expect_pids=tuple(self.worker_pids)
+        )
 
 
 def worker_pids(llm: Any) -> list[int]:

@@ -23,7 +23,7 @@ import inspect
 import uuid
 from typing import Any, Literal
 
-from gpusnap.adapters.base import WARMUP_MAX_TOKENS, WARMUP_PROMPT_TOKEN_IDS, EngineAdapter, RestoreContext
+from gpusnap.adapters.base import WARMUP_MAX_TOKENS, WARMUP_PROMPT_TOKEN_IDS, EngineAdapter, HelloFacts, RestoreContext
 
 Release = Literal["kv", "sleep1", "sleep2", "none"]
 
@@ -53,8 +53,10 @@ class VllmAdapter(EngineAdapter):
         self._released = False
         self._prepared = False
 
-    def info(self) -> dict[str, str]:
-        return {"api": "AsyncLLM" if self.is_async else "LLM", "release": self.release, "dp": str(self.dp_size)}
+    def info(self) -> HelloFacts:
+        return HelloFacts(
+            info={"api": "AsyncLLM" if self.is_async else "LLM", "release": self.release, "dp": str(self.dp_size)}
+        )
 
     def _sampling(self) -> Any:
         from vllm import SamplingParams

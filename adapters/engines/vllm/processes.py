@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gpusnap.adapters import zeroed
-from gpusnap.adapters.base import EngineAdapter, RestoreContext
+from gpusnap.adapters.base import EngineAdapter, HelloFacts, RestoreContext
 from gpusnap.adapters.engine_process import MemoryPlan, model_weights, process_title
 from gpusnap.adapters.engines.vllm.adapter import Release, VllmAdapter
 from gpusnap.adapters.vmm_pool import Policy, Regions
@@ -339,15 +339,14 @@ class VllmProcessAdapter(EngineAdapter):
     def role(self) -> str:
         return "frontend" if self.front else "core" if self.core is not None else "worker"
 
-    def info(self) -> dict[str, str]:
-        info = dict(self.front.info()) if self.front else {}
-        info["role"] = self.role
-        info["process"] = _title()
-        if self.expect_pids:
-            info["expect_pids"] = ",".join(str(p) for p in sorted(set(self.expect_pids)))
-        if self.workers:
-            info["weights"] = "; ".join(sorted({w.plan().why for w in self.workers}))
-        return info
+    def info(self) -> HelloFacts:
+        return HelloFacts(
+            role=self.role,
+            process=_title(),
+            expect_pids=tuple(sorted(set(self.expect_pids))),
+            weights="; ".join(sorted({w.plan().why for w in self.workers})),
+            info=self.front.info().info if self.front else {},
+        )
 
     # -- EngineAdapter ----------------------------------------------------------------------------
 

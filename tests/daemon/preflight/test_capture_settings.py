@@ -149,5 +149,5 @@ def test_vllm_tensor_parallel(tmp_path: Path) -> None:
 
 def test_report_carries_only_table_names() -> None:
     hello = cs.report({"NCCL_P2P_DISABLE": "1", "AWS_SECRET_ACCESS_KEY": "x", "PATH": "/bin"})
-    assert hello == {"capture_env.NCCL_P2P_DISABLE": "1"}
-    assert cs.reported({**hello, "capture_env.LD_PRELOAD": "/x.so", "model": "m"}) == {"NCCL_P2P_DISABLE": "1"}
+    assert hello == {"NCCL_P2P_DISABLE": "1"}
+    assert cs.reported({**hello, "LD_PRELOAD": "/x.so", "model": "m"}) == {"NCCL_P2P_DISABLE": "1"}

@@ -34,7 +34,7 @@ while True:
     kind = msg.WhichOneof("command")
     result = agent_pb2.CommandResult(command_id=msg.command_id, ok=True)
     if kind == "warm_up":
-        result.details["tokens"] = "1,2"
+        result.tokens.extend([1, 2])
     elif kind == "quiesce":
         result.buffers.append(agent_pb2.BufferInfo(name="w", size_bytes=size))
     elif kind == "offload":

@@ -19,7 +19,7 @@ CALL_TIMEOUT_S = 60.0
 
 def test_peer_open_during_a_call_answers_at_once() -> None:
     ours, agent = socket.socketpair()
-    info = AgentInfo(pid=1, uid=0, engine="test", instance_id="0" * 32, wake_dir="/", resumed=True, info={})
+    info = AgentInfo(pid=1, uid=0, engine="test", instance_id="0" * 32, wake_dir="/", resumed=True)
     session = AgentSession(ours, info)
     errors: list[BaseException] = []
 
@@ -48,7 +48,7 @@ def test_peer_open_during_a_call_answers_at_once() -> None:
 @pytest.mark.parametrize("closed", [False, True])
 def test_peer_open_idle(closed: bool) -> None:
     ours, agent = socket.socketpair()
-    info = AgentInfo(pid=1, uid=0, engine="test", instance_id="0" * 32, wake_dir="/", resumed=True, info={})
+    info = AgentInfo(pid=1, uid=0, engine="test", instance_id="0" * 32, wake_dir="/", resumed=True)
     session = AgentSession(ours, info)
     if closed:
         agent.close()
