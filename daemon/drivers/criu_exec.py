@@ -29,8 +29,11 @@ Request (one JSON object)::
                                                # path-named unix sockets are made as that user (criu_userpaths)
      "scratch_dir": "…",                       # where the images CRIU reads are linked when it must read
                                                # rewritten ones (the owner's, or external file copies)
-     "file_copies": null | {…}}                # restore: copies of files the tree continues writing, made as
+     "file_copies": null | {…},                # restore: copies of files the tree continues writing, made as
                                                # their owner and inherited by CRIU (``filecopies``)
+     "page_fill": null | {"threads": 2,        # restore: the tree's private pages filled by this many threads
+                          "timeout_s": 900}}   # (``pagefill``; CRIU restores with lazy pages, ``work_dir`` must
+                                               # be private to the request)
 
 Replies, one JSON object per line::
 
@@ -38,7 +41,8 @@ Replies, one JSON object per line::
     {"event": "start", "helper": <this helper's PID>, "init": <the init's PID, or 0>}   # restore: CRIU
                                               # gets its request only once the daemon answers {"ok": true}
     {"event": "result", "ok": true, "pid": <restored root PID, as CRIU sees it>,
-     "file_copies": [{"path": "…", "copy": "…", "size_bytes": 0}]}   # restore: the copies made, if any
+     "file_copies": [{"path": "…", "copy": "…", "size_bytes": 0}],   # restore: the copies made, if any
+     "page_fill": {"bytes": …, "seconds": …, "threads": …, "processes": …, "faults": …}}  # with page_fill
     {"event": "result", "ok": false, "error": "…", "errno": 0}   # errno: CRIU's own ``cr_errno`` when CRIU
                                               # answered (0, ESRCH, EEXIST or EBADRQC: criu/include/cr-errno.h);
                                               # EPIPE or ECONNRESET when CRIU went away without answering
@@ -70,6 +74,7 @@ from typing import Any
 
 from gpusnap.daemon.defaults import INSTALL_CRIU
 from gpusnap.daemon.drivers import criu_userpaths, filecopies
+from gpusnap.daemon.drivers.pagefill import PageFill, PageFillError
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
@@ -204,18 +209,20 @@ def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared
     still frozen), ``post-restore`` (tree restored; ``pid`` is the root's PID as CRIU sees it) and
     ``pre-resume`` (every task restored with its credentials and stopped before its first instruction)
     the helper emits ``{"event": "notify", "script": …, "pid": …}`` (at ``post-dump`` also ``"image_bytes"``: PID →
-    bytes of pages the images hold for it, :mod:`gpusnap.daemon.drivers.criu_pages`) and waits for a line
+    bytes of pages the images hold for it, :mod:`gpusnap.daemon.drivers.criu_pages`; at ``pre-resume`` with a
+    page fill also ``"page_fill"``, its :class:`~gpusnap.daemon.drivers.pagefill.Stats`) and waits for a line
     ``{"ok": true|false}`` on stdin; ``false`` makes CRIU fail the dump and resume the tree, or kill the
-    restored tree (at ``post-restore``; at ``pre-resume`` CRIU only logs it and resumes the tasks, so the
-    daemon kills the tree before it answers, and a namespace init whose daemon died there, end of input,
-    kills every task of its namespace itself: gpusnapd's checks of the images had not passed).
-    pycriu answers one request with one response and has no notification loop, so this loop is
-    written here on pycriu's own ``rpc_pb2`` messages and transport.
+    restored tree (at ``post-restore``). At ``pre-resume`` CRIU only logs a refusal and would go on to resume
+    the tasks, so this helper kills them first: on ``false``, on end of input (gpusnapd died) and when the page
+    fill failed (then without asking gpusnapd). pycriu answers one request with one response and has no
+    notification loop, so this loop is written here on pycriu's own ``rpc_pb2`` messages and transport.
     """
     criu_class, rpc = _pycriu()
     c = criu_class()
     images_fd = os.open(prepared.images_dir if prepared else req["images_dir"], os.O_DIRECTORY)
     work_fd = os.open(req["work_dir"], os.O_DIRECTORY)
+    fill: PageFill | None = None
+    failure = ""
     try:
         c.opts.images_dir_fd = images_fd
         c.opts.work_dir_fd = work_fd
@@ -229,6 +236,9 @@ def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared
             inherited = c.opts.inherit_fd.add()
             inherited.key, inherited.fd = key, fd
         c.opts.notify_scripts = True
+        if req["action"] == "restore" and req.get("page_fill"):
+            fill = PageFill(images_fd, work_fd, int(req["page_fill"]["threads"]))
+            c.opts.lazy_pages = True
         msg = rpc.criu_req()
         msg.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[req["action"]]
         msg.opts.MergeFrom(c.opts)
@@ -238,7 +248,7 @@ def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared
             sk.send(msg.SerializeToString())
             while True:
                 resp = rpc.criu_resp()
-                size, reaped = _next_size(sk, swrk.pid)
+                size, reaped = _next_size(sk, swrk.pid, fill)
                 if size == 0:  # end of stream: criu is gone (killed or crashed) without answering
                     raise ConnectionResetError(
                         errno.ECONNRESET, "criu closed the connection without answering (killed?)"
@@ -247,38 +257,99 @@ def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared
                 if resp.type != rpc.NOTIFY:
                     break
                 ok = True
-                if resp.notify.script in ASKED_SCRIPTS:
-                    event = {"event": "notify", "script": resp.notify.script, "pid": resp.notify.pid}
-                    if resp.notify.script == "post-dump":
+                script = resp.notify.script
+                if script in ASKED_SCRIPTS:
+                    event: dict[str, Any] = {"event": "notify", "script": script, "pid": resp.notify.pid}
+                    if script == "post-dump":
                         event["image_bytes"] = _image_bytes(images_fd)
-                    _emit(sys.stdout, event)
-                    answer = sys.stdin.readline()
-                    ok = bool(answer) and bool(json.loads(answer).get("ok"))
-                    if not answer and resp.notify.script == "pre-resume" and os.getpid() == 1:
-                        os.kill(-1, signal.SIGKILL)  # gpusnapd died: CRIU would resume tasks it never checked
+                    if fill is not None and script == "post-restore":
+                        fill.start()  # every task forked and mapped: see pagefill, step 4
+                    if fill is not None and script == "pre-resume":
+                        try:
+                            event["page_fill"] = fill.finish(float(req["page_fill"].get("timeout_s", 900))).as_dict()
+                        except PageFillError as exc:
+                            failure = f"filling the restored tree's pages failed: {exc}"
+                    if not failure:
+                        _emit(sys.stdout, event)
+                        answer = sys.stdin.readline()
+                        ok = bool(answer) and bool(json.loads(answer).get("ok"))
+                    if script == "pre-resume" and (failure or not ok):
+                        _kill_restored(swrk.pid)  # before CRIU, which only logs the refusal, resumes them
+                        ok = False
                 ack = rpc.criu_req()
                 ack.type = rpc.NOTIFY
                 ack.notify_success = ok
                 sk.send(ack.SerializeToString())
+        except PageFillError as exc:  # a fault could not be served, or CRIU broke the lazy-pages protocol
+            failure = f"filling the restored tree's pages failed: {exc}"
+            _kill_restored(swrk.pid)
         finally:
             swrk.reaped = swrk.reaped or reaped
             swrk.close()
+        if failure:
+            return {"event": "result", "ok": False, "error": failure, "errno": 0}
         if not resp.success:
             err = resp.cr_errmsg or os.strerror(resp.cr_errno) if resp.cr_errno else resp.cr_errmsg
             return {"event": "result", "ok": False, "error": err or "CRIU reported failure", "errno": resp.cr_errno}
-        pid = int(resp.restore.pid) if req["action"] == "restore" else 0
-        return {"event": "result", "ok": True, "pid": pid}
+        result: dict[str, Any] = {"event": "result", "ok": True, "pid": 0}
+        if req["action"] == "restore":
+            result["pid"] = int(resp.restore.pid)
+        return result
     except Exception as exc:  # transport errors, a killed criu, OSError, …
+        if fill is not None:
+            _kill_restored(swrk.pid)  # nothing restored may run with pages left out
         return {
             "event": "result",
             "ok": False,
-            "error": f"{type(exc).__name__}: {exc}",
+            "error": failure or f"{type(exc).__name__}: {exc}",
             "errno": getattr(exc, "errno", 0) or 0,
         }
     finally:
         swrk.close()
+        if fill is not None:
+            fill.close()
         os.close(images_fd)
         os.close(work_fd)
+
+
+def _kill_restored(criu_pid: int) -> None:
+    """Kill every process CRIU restored, none of which has run yet (they are stopped until CRIU resumes them).
+
+    A namespace init (PID 1 of the restore's fresh PID namespace) kills everything else in it, CRIU included;
+    a helper in gpusnapd's namespace kills CRIU's descendants (the restored tasks are CRIU's children).
+    """
+    if os.getpid() == 1:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+    for pid in _descendants(criu_pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (from ``/proc/<pid>/stat``'s parent PIDs)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _image_bytes(images_fd: int) -> dict[str, int]:
@@ -292,17 +363,28 @@ def _image_bytes(images_fd: int) -> dict[str, int]:
         return {}
 
 
-def _next_size(sk: socket.socket, criu_pid: int) -> tuple[int, bool]:
-    """Size of CRIU's next message, 0 once CRIU is gone; and whether CRIU was reaped here.
+def _next_size(sk: socket.socket, criu_pid: int, fill: PageFill | None = None) -> tuple[int, bool]:
+    """Size of CRIU's next message, 0 once CRIU is gone; and whether CRIU was reaped here. Meanwhile ``fill``
+    (a restore's page fill) takes CRIU's lazy-pages messages and serves page faults.
 
     A CRIU killed mid-restore can leave a task it forked (stopped, holding its copy of the socket), so the
     socket never reaches end of stream: CRIU's exit is watched as well. CRIU answers and exits at once, so
     an answer may land between a poll that timed out and the exit check: the socket is looked at once more.
+
+    Raises:
+        PageFillError: from ``fill``.
     """
     while True:
-        ready, _, _ = select.select([sk], [], [], CRIU_POLL_S)
-        if ready:
+        watched = [sk.fileno(), *(fill.selectables() if fill is not None else ())]
+        ready, _, _ = select.select(watched, [], [], CRIU_POLL_S)
+        if fill is not None:
+            for fd in ready:
+                if fd != sk.fileno():
+                    fill.handle(fd)
+        if sk.fileno() in ready:
             return len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK)), False
+        if ready:
+            continue
         try:
             pid, _ = os.waitpid(criu_pid, os.WNOHANG)
         except ChildProcessError:  # reaped elsewhere: gone all the same
@@ -415,21 +497,73 @@ def _loopback_up() -> None:
         fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
 
 
-def _private_dev_shm(saved: str) -> None:
+def _private_dev_shm(saved: str, store: str) -> str:
     """Mount a fresh tmpfs on /dev/shm (in this mount namespace only) holding the files saved at dump.
 
     CRIU keeps only the path and size of a linked tmpfs file that a process maps or holds open, so
     named POSIX shared memory (vLLM's ``psm_*`` message queues, its ``*-cpushm_*`` TP buffers, spawn-
     context semaphores) must be brought back around it; a private copy per restore keeps two restored
     trees (or a restored tree and its still-running source) from sharing one segment.
+
+    A store under /dev/shm (a RAM store: ``store``, the directory holding the request's images and work
+    directories) would be hidden by that tmpfs: it is carried over, a bind mount of it at the same path in the
+    fresh tmpfs, so that CRIU and this helper find every path they were given (:func:`_drop_carried` removes it
+    once CRIU is done, before the tree could look). Returns the path carried over ("" when none was).
     """
     import subprocess
 
+    carried = _clone_mount(store) if _under(store, "/dev/shm") else -1
     _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV)
     os.chmod("/dev/shm", 0o1777)
+    if carried >= 0:
+        os.makedirs(store, 0o700, exist_ok=True)
+        _move_mount(carried, store)
     names = sorted(os.path.join(saved, n) for n in os.listdir(saved))
     if names:  # one cp keeps hard links (CRIU's link_remap.N beside the name it stands for) and holes
         subprocess.run(["cp", "-a", "--sparse=always", "--", *names, "/dev/shm/"], check=True)
+    return store if carried >= 0 else ""
+
+
+def _under(path: str, top: str) -> bool:
+    real = os.path.realpath(path)
+    return real == top or real.startswith(top + "/")
+
+
+SYS_OPEN_TREE, SYS_MOVE_MOUNT = 428, 429
+"""The new mount API's system calls (the same numbers on every architecture since Linux 5.2)."""
+OPEN_TREE_CLONE, AT_RECURSIVE, MOVE_MOUNT_F_EMPTY_PATH, MNT_DETACH = 1, 0x8000, 0x4, 2
+AT_FDCWD = -100
+
+
+def _clone_mount(path: str) -> int:
+    """A detached bind mount of ``path`` (with what is mounted below it), as a descriptor."""
+    fd = _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(path), OPEN_TREE_CLONE | AT_RECURSIVE)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"open_tree({path}): {os.strerror(err)}")
+    return int(fd)
+
+
+def _move_mount(fd: int, path: str) -> None:
+    """Attach the detached mount ``fd`` at ``path``."""
+    _check(
+        _libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, os.fsencode(path), MOVE_MOUNT_F_EMPTY_PATH),
+        f"move_mount({path})",
+    )
+    os.close(fd)
+
+
+def _drop_carried(path: str) -> None:
+    """Unmount what :func:`_private_dev_shm` carried over at ``path`` and remove the directories made for it."""
+    if not path:
+        return
+    _check(_libc.umount2(os.fsencode(path), MNT_DETACH), f"umount({path})")
+    while path not in ("/dev/shm", "/"):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+        path = os.path.dirname(path)
 
 
 def _terminal(req: dict[str, Any]) -> tuple[int, int, int]:
@@ -497,6 +631,14 @@ def _open_as_owner(path: str, uid: int, gid: int, groups: list[int]) -> int:
     return fds[0]
 
 
+def _common_dir(req: dict[str, Any]) -> str:
+    """The directory that holds every path of the store a restore request names (the store's root)."""
+    paths = [req["images_dir"], req["work_dir"], req.get("shm_dir") or req["images_dir"]]
+    if req.get("scratch_dir"):
+        paths.append(req["scratch_dir"])
+    return str(os.path.commonpath([os.path.realpath(p) for p in paths]))
+
+
 def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> int:
     _unshare(CLONE_NEWPID | CLONE_NEWNS | (CLONE_NEWNET if req.get("new_netns") else 0))
     if req.get("new_netns"):
@@ -510,12 +652,13 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
         swrk: Swrk | None = None
         failed: BaseException | None = None
         slave = master = term_out = -1
+        carried = ""
         try:  # while the daemon journals this init: nothing here is seen outside the new namespaces
             os.setsid()
             _mount(None, "/", None, MS_REC | MS_SLAVE)
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             if req.get("shm_dir"):
-                _private_dev_shm(req["shm_dir"])
+                carried = _private_dev_shm(req["shm_dir"], _common_dir(req))
             slave, master, term_out = _terminal(req)
             swrk = Swrk(command, stdin=slave)  # on the fresh /proc: CRIU keeps the /proc it first opens
             if req.get("owner"):
@@ -539,6 +682,12 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
                 "error": f"namespace init: {exc}",
                 "errno": getattr(exc, "errno", 0) or 0,
             }
+        if result["ok"]:
+            try:
+                _drop_carried(carried)  # CRIU is done: the tree's /dev/shm holds only its own files
+            except OSError as exc:
+                _kill_restored(0)
+                result = {"event": "result", "ok": False, "error": f"namespace init: {exc}", "errno": exc.errno or 0}
         copies = _ledger_fd(result.pop(LEDGER, []))
         os.write(w, (json.dumps(result) + "\n").encode())
         os.close(w)
