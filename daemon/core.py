@@ -84,6 +84,8 @@ class NodeInfo:
     """Resident memory of those standbys (the caller's; root: all), bytes."""
     unfinished_pulls: int = 0
     unfinished_pull_bytes: int = 0
+    page_fill: str = ""
+    """How restores fill a tree's private memory (``drivers.pagefill.Setting.summary``)."""
     """Pulls whose work the store still holds, and its bytes (root only: a pull's work is not filed by owner)."""
 
 
@@ -764,6 +766,7 @@ class Daemon:
             standby_host_memory_bytes=sum(s.live_memory_bytes(table) for s in standbys),
             unfinished_pulls=pulls,
             unfinished_pull_bytes=pull_bytes,
+            page_fill=self.deps.criu.page_fill.summary(),
         )
 
     def _tiers(self, uid: int | None) -> tuple[TierUsage, ...]:

@@ -29,7 +29,7 @@ from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.api.types import FinishedOperation
 from gpusnap.daemon.config import DaemonConfig
 from gpusnap.daemon.core import Daemon
-from gpusnap.daemon.drivers import host
+from gpusnap.daemon.drivers import host, pagefill
 from gpusnap.daemon.drivers.criu import CriuDriver
 from gpusnap.daemon.executor import Executor
 from gpusnap.daemon.gpu.support import GpuSupport
@@ -158,7 +158,15 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     host.raise_open_file_limit()
     executor = Executor()
     undo.callback(executor.shutdown)  # a start that fails before the store opens (idempotent: see below)
-    criu = CriuDriver(config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs")
+    page_fill = pagefill.setting(config.page_fill_threads)
+    if page_fill.reason and config.page_fill_threads >= 0:
+        log.warning("page_fill.off", reason=page_fill.reason)
+    criu = CriuDriver(
+        config.criu_binary,
+        config.pycriu_path,
+        failed_logs_dir=config.store / "logs",
+        page_fill=page_fill,
+    )
     criu_version = criu.require_supported()
     criu.keep_spare_helper()
     undo.callback(criu.close)

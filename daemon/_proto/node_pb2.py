@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gpusnap.daemon._proto import types_pb2 as gpusnap_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gpusnap/v1/node.proto\x12\ngpusnap.v1\x1a\x16gpusnap/v1/types.proto\"\x14\n\x12GetNodeInfoRequest\"\xc6\x03\n\x08NodeInfo\x12#\n\x04host\x18\x01 \x01(\x0b\x32\x15.gpusnap.v1.HostFacts\x12\x12\n\nstore_path\x18\x02 \x01(\t\x12\x18\n\x10store_used_bytes\x18\x03 \x01(\x04\x12\x16\n\x0esnapshot_count\x18\x04 \x01(\r\x12!\n\x04gpus\x18\x05 \x03(\x0b\x32\x13.gpusnap.v1.GpuInfo\x12!\n\x19\x63uda_checkpoint_supported\x18\x06 \x01(\x08\x12\x1f\n\x17\x63uda_unavailable_reason\x18\x07 \x01(\t\x12\x11\n\tcriu_path\x18\x08 \x01(\t\x12\x0e\n\x06remote\x18\t \x01(\t\x12$\n\x05tiers\x18\n \x03(\x0b\x32\x15.gpusnap.v1.StoreTier\x12+\n\x0bgpu_prefill\x18\x0c \x01(\x0b\x32\x16.gpusnap.v1.GpuPrefill\x12\x10\n\x08standbys\x18\r \x01(\r\x12!\n\x19standby_host_memory_bytes\x18\x0e \x01(\x04\x12\x18\n\x10unfinished_pulls\x18\x0f \x01(\r\x12\x1d\n\x15unfinished_pull_bytes\x18\x10 \x01(\x04J\x04\x08\x0b\x10\x0c\"\x91\x01\n\nGpuPrefill\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04gpus\x18\x03 \x01(\r\x12\x13\n\x0busable_gpus\x18\x04 \x01(\r\x12\x10\n\x08\x63ontexts\x18\x05 \x01(\t\x12\x18\n\x10registered_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bregistering\x18\x07 \x01(\x08\"t\n\tStoreTier\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x04\x12\x12\n\nfree_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x62lobs\x18\x06 \x01(\r\"9\n\x13GetNodeInfoResponse\x12\"\n\x04node\x18\x01 \x01(\x0b\x32\x14.gpusnap.v1.NodeInfo2]\n\x0bNodeService\x12N\n\x0bGetNodeInfo\x12\x1e.gpusnap.v1.GetNodeInfoRequest\x1a\x1f.gpusnap.v1.GetNodeInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gpusnap/v1/node.proto\x12\ngpusnap.v1\x1a\x16gpusnap/v1/types.proto\"\x14\n\x12GetNodeInfoRequest\"\xd9\x03\n\x08NodeInfo\x12#\n\x04host\x18\x01 \x01(\x0b\x32\x15.gpusnap.v1.HostFacts\x12\x12\n\nstore_path\x18\x02 \x01(\t\x12\x18\n\x10store_used_bytes\x18\x03 \x01(\x04\x12\x16\n\x0esnapshot_count\x18\x04 \x01(\r\x12!\n\x04gpus\x18\x05 \x03(\x0b\x32\x13.gpusnap.v1.GpuInfo\x12!\n\x19\x63uda_checkpoint_supported\x18\x06 \x01(\x08\x12\x1f\n\x17\x63uda_unavailable_reason\x18\x07 \x01(\t\x12\x11\n\tcriu_path\x18\x08 \x01(\t\x12\x0e\n\x06remote\x18\t \x01(\t\x12$\n\x05tiers\x18\n \x03(\x0b\x32\x15.gpusnap.v1.StoreTier\x12+\n\x0bgpu_prefill\x18\x0c \x01(\x0b\x32\x16.gpusnap.v1.GpuPrefill\x12\x10\n\x08standbys\x18\r \x01(\r\x12!\n\x19standby_host_memory_bytes\x18\x0e \x01(\x04\x12\x18\n\x10unfinished_pulls\x18\x0f \x01(\r\x12\x1d\n\x15unfinished_pull_bytes\x18\x10 \x01(\x04\x12\x11\n\tpage_fill\x18\x11 \x01(\tJ\x04\x08\x0b\x10\x0c\"\x91\x01\n\nGpuPrefill\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04gpus\x18\x03 \x01(\r\x12\x13\n\x0busable_gpus\x18\x04 \x01(\r\x12\x10\n\x08\x63ontexts\x18\x05 \x01(\t\x12\x18\n\x10registered_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bregistering\x18\x07 \x01(\x08\"t\n\tStoreTier\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x04\x12\x12\n\nfree_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x62lobs\x18\x06 \x01(\r\"9\n\x13GetNodeInfoResponse\x12\"\n\x04node\x18\x01 \x01(\x0b\x32\x14.gpusnap.v1.NodeInfo2]\n\x0bNodeService\x12N\n\x0bGetNodeInfo\x12\x1e.gpusnap.v1.GetNodeInfoRequest\x1a\x1f.gpusnap.v1.GetNodeInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETNODEINFOREQUEST']._serialized_start=61
   _globals['_GETNODEINFOREQUEST']._serialized_end=81
   _globals['_NODEINFO']._serialized_start=84
-  _globals['_NODEINFO']._serialized_end=538
-  _globals['_GPUPREFILL']._serialized_start=541
-  _globals['_GPUPREFILL']._serialized_end=686
-  _globals['_STORETIER']._serialized_start=688
-  _globals['_STORETIER']._serialized_end=804
-  _globals['_GETNODEINFORESPONSE']._serialized_start=806
-  _globals['_GETNODEINFORESPONSE']._serialized_end=863
-  _globals['_NODESERVICE']._serialized_start=865
-  _globals['_NODESERVICE']._serialized_end=958
+  _globals['_NODEINFO']._serialized_end=557
+  _globals['_GPUPREFILL']._serialized_start=560
+  _globals['_GPUPREFILL']._serialized_end=705
+  _globals['_STORETIER']._serialized_start=707
+  _globals['_STORETIER']._serialized_end=823
+  _globals['_GETNODEINFORESPONSE']._serialized_start=825
+  _globals['_GETNODEINFORESPONSE']._serialized_end=882
+  _globals['_NODESERVICE']._serialized_start=884
+  _globals['_NODESERVICE']._serialized_end=977
 # @@protoc_insertion_point(module_scope)

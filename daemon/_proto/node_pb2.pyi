@@ -53,6 +53,7 @@ class NodeInfo(_message.Message):
     STANDBY_HOST_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     UNFINISHED_PULLS_FIELD_NUMBER: _builtins.int
     UNFINISHED_PULL_BYTES_FIELD_NUMBER: _builtins.int
+    PAGE_FILL_FIELD_NUMBER: _builtins.int
     store_path: _builtins.str
     store_used_bytes: _builtins.int
     snapshot_count: _builtins.int
@@ -71,6 +72,8 @@ class NodeInfo(_message.Message):
     """pulls whose work is still in the store (root only): a retry resumes them"""
     unfinished_pull_bytes: _builtins.int
     """what they hold; removed after pull_grace without a write"""
+    page_fill: _builtins.str
+    """how restores fill private memory: "N threads", or "off (why)" """
     @_builtins.property
     def host(self) -> _types_pb2.HostFacts: ...
     @_builtins.property
@@ -101,10 +104,11 @@ class NodeInfo(_message.Message):
         standby_host_memory_bytes: _builtins.int = ...,
         unfinished_pulls: _builtins.int = ...,
         unfinished_pull_bytes: _builtins.int = ...,
+        page_fill: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpu_prefill", b"gpu_prefill", "host", b"host"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["criu_path", b"criu_path", "cuda_checkpoint_supported", b"cuda_checkpoint_supported", "cuda_unavailable_reason", b"cuda_unavailable_reason", "gpu_prefill", b"gpu_prefill", "gpus", b"gpus", "host", b"host", "remote", b"remote", "snapshot_count", b"snapshot_count", "standby_host_memory_bytes", b"standby_host_memory_bytes", "standbys", b"standbys", "store_path", b"store_path", "store_used_bytes", b"store_used_bytes", "tiers", b"tiers", "unfinished_pull_bytes", b"unfinished_pull_bytes", "unfinished_pulls", b"unfinished_pulls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["criu_path", b"criu_path", "cuda_checkpoint_supported", b"cuda_checkpoint_supported", "cuda_unavailable_reason", b"cuda_unavailable_reason", "gpu_prefill", b"gpu_prefill", "gpus", b"gpus", "host", b"host", "page_fill", b"page_fill", "remote", b"remote", "snapshot_count", b"snapshot_count", "standby_host_memory_bytes", b"standby_host_memory_bytes", "standbys", b"standbys", "store_path", b"store_path", "store_used_bytes", b"store_used_bytes", "tiers", b"tiers", "unfinished_pull_bytes", b"unfinished_pull_bytes", "unfinished_pulls", b"unfinished_pulls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,6 +31,7 @@ def node(obj: Ctx) -> None:
         ("cpu", h.cpu_model),
         ("nvidia driver", h.nvidia_driver_version or "-"),
         ("cuda checkpoint", "supported" if info.cuda_checkpoint_supported else (info.cuda_unavailable_reason or "-")),
+        ("page fill", info.page_fill or "-"),
         ("gpu prefill", info.gpu_prefill.summary()),
         ("standbys", f"{info.standbys}, {human_size(info.standby_host_memory_bytes)} of host memory"),
     ):

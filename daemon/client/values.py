@@ -316,6 +316,8 @@ class NodeInfo:
     unfinished_pulls: int
     """Pulls whose work the store still holds (root only); a retry resumes them."""
     unfinished_pull_bytes: int
+    page_fill: str
+    """How restores fill a tree's private memory: ``N threads``, or ``off (why)``."""
 
 
 class Rung(enum.Enum):

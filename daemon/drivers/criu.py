@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from gpusnap.daemon.api.errors import (
 from gpusnap.daemon.api.text import cut
 from gpusnap.daemon.api.types import Creds, FileCopy, TcpMode
 from gpusnap.daemon.defaults import INSTALL_CRIU
+from gpusnap.daemon.drivers import pagefill
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +74,18 @@ Iptables configuration failed | tcp: Failed to lock TCP connection")."""
 
 
 @dataclasses.dataclass(frozen=True)
+class PageFillStats:
+    """What filling a restored tree's private pages did (``pagefill.Stats``): ``bytes`` copied by ``threads``
+    threads in ``seconds``, for ``processes`` processes; ``faults`` served before the threads had the page in."""
+
+    bytes: int
+    seconds: float
+    threads: int
+    processes: int
+    faults: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RestoredTree:
     """A restored tree: ``init_pid`` is the host PID of its namespace's init (0 without a new
     namespace); ``ns_pid`` the root's PID as CRIU created it (its original PID)."""
@@ -81,6 +94,24 @@ class RestoredTree:
     ns_pid: int
     file_copies: tuple[FileCopy, ...] = ()
     """Files the tree continues writing in copies made for it (``filecopies``)."""
+    page_fill: PageFillStats | None = None
+    """What the page fill did, when the tree's pages were filled that way."""
+
+
+@contextlib.contextmanager
+def _private_work_dir(path: Path | None, log: Path) -> Iterator[None]:
+    """With ``path``: make it (root's, 0700) with ``log`` linked into it under its name (CRIU writes its log in its
+    working directory, by name alone), and remove it afterwards; the log stays at ``log``."""
+    if path is None:
+        yield
+        return
+    path.mkdir(mode=0o700)
+    try:
+        os.close(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600))
+        os.link(log, path / log.name)
+        yield
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class CriuError(GpusnapError):
@@ -122,8 +153,16 @@ class CriuDriver:
             removed, as a failed dump's staging directory is).
     """
 
-    def __init__(self, binary: str, pycriu_path: str = "", failed_logs_dir: Path | None = None):
+    def __init__(
+        self,
+        binary: str,
+        pycriu_path: str = "",
+        failed_logs_dir: Path | None = None,
+        page_fill: pagefill.Setting = pagefill.OFF,
+    ):
         self.binary = binary
+        self.page_fill = page_fill
+        """How restores fill a tree's private pages (``pagefill``; no threads: each restored task reads its own)."""
         self.command = launch_command(binary)
         """How the helper starts CRIU (``swrk <fd>`` is appended)."""
         self.pycriu_path = pycriu_path
@@ -303,8 +342,13 @@ class CriuDriver:
         file_copies: Mapping[str, Any] | None = None,
         on_progress: Callable[[int], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
+        criu_dir: Path | None = None,
     ) -> RestoredTree:
         """Restore the tree dumped in ``images_dir``; the log goes to ``work_dir/<log_name>``.
+
+        With ``page_fill`` threads and a ``criu_dir``, the tree's private pages are filled by that many threads
+        (``gpusnap.daemon.drivers.pagefill``) instead of by each restored task on one thread; the result's
+        ``page_fill`` says what that did.
 
         Args:
             leave_stopped: leave every restored task stopped (CRIU ``--leave-stopped``: each gets a
@@ -337,6 +381,9 @@ class CriuDriver:
             cancelled: polled about every ``POLL_S`` while CRIU runs; once it says True, CRIU and everything it
                 restored are killed (with a new PID namespace, its init: nothing of the tree is left) and
                 ``CancelledError`` is raised. Only for ``new_pidns``.
+            criu_dir: a directory, made and removed here, where CRIU works when this request needs one of its own
+                (a page fill: CRIU's lazy-pages socket has a fixed name); the log, made there, is linked as
+                ``work_dir/<log_name>`` too, so ``criu_dir`` must be on ``work_dir``'s file system.
 
         Raises:
             PermissionDeniedError, FailedPreconditionError, InternalError: ``owner``'s sockets could not be
@@ -367,10 +414,11 @@ class CriuDriver:
             opts["tcp_close"] = True
         if (new_netns or shm_dir) and not new_pidns:
             raise ValueError("a private network or /dev/shm needs the fresh namespaces of new_pidns")
+        fill = self.page_fill.threads > 0 and criu_dir is not None
         req: dict[str, Any] = {
             "action": "restore",
             "images_dir": str(images_dir),
-            "work_dir": str(work_dir),
+            "work_dir": str(criu_dir if fill else work_dir),
             "opts": opts,
             "new_pidns": new_pidns,
             "new_netns": new_netns,
@@ -378,6 +426,7 @@ class CriuDriver:
             "terminals": dict(terminals) if terminals else None,
             "title": list(title),
             "file_copies": dict(file_copies) if file_copies else None,
+            "page_fill": {"threads": self.page_fill.threads, "timeout_s": timeout_s} if fill else None,
         }
         if scratch_dir is not None:
             req["scratch_dir"] = str(scratch_dir)
@@ -394,22 +443,29 @@ class CriuDriver:
                 before_resume(RestoredTree(init_pid=int(init), ns_pid=int(root)))
 
             handler = _NotifyHandler({"pre-resume": pre_resume})
-        events = self._run(
-            req,
-            work_dir / log_name,
-            timeout_s,
-            on_notify=handler,
-            private_log=private_log,
-            before_criu=before_criu,
-            progress=_Ticker(on_progress, _restore_reads) if on_progress else None,
-            cancelled=cancelled,
-        )
+        with _private_work_dir(criu_dir if fill else None, work_dir / log_name):
+            events = self._run(
+                req,
+                work_dir / log_name,
+                timeout_s,
+                on_notify=handler,
+                private_log=private_log,
+                before_criu=before_criu,
+                progress=_Ticker(on_progress, _restore_reads) if on_progress else None,
+                cancelled=cancelled,
+            )
         init_pid = next((e["pid"] for e in events if e.get("event") == "init"), 0)
         result = events[-1]
         copies = tuple(
             FileCopy(str(c["path"]), str(c["copy"]), int(c["size_bytes"])) for c in result.get("file_copies", [])
         )
-        return RestoredTree(init_pid=init_pid, ns_pid=int(result["pid"]), file_copies=copies)
+        filled = next((e["page_fill"] for e in events if e.get("script") == "pre-resume" and "page_fill" in e), None)
+        return RestoredTree(
+            init_pid=init_pid,
+            ns_pid=int(result["pid"]),
+            file_copies=copies,
+            page_fill=PageFillStats(**filled) if filled else None,
+        )
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -36,7 +36,7 @@ from gpusnap.daemon.api.errors import (
 )
 from gpusnap.daemon.api.types import Creds, FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import criu_userpaths, devshm, proc, restored
-from gpusnap.daemon.drivers.criu import RestoredTree
+from gpusnap.daemon.drivers.criu import PageFillStats, RestoredTree
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.operations import file_copies, provenance, workers
@@ -251,6 +251,8 @@ class Restore:
             progress.bytes = snapshot.size_bytes
             # Without a namespace init, ns_pid is the host PID; register before anything else can fail.
             kill = run.on_failure("kill-restored", lambda: _kill_tree(tree.init_pid, tree.ns_pid))
+            if tree.page_fill is not None:  # what filled the private pages, for `gpusnap wait --events` and benches
+                progress.report(progress.bytes, snapshot.size_bytes, _page_fill_message(tree.page_fill))
             init_start = proc.start_time(tree.init_pid or tree.ns_pid)
             root = _host_root_pid(tree.init_pid, tree.ns_pid)
             _note_tree(
@@ -312,6 +314,7 @@ class Restore:
                     ),
                     on_progress=on_progress,
                     cancelled=cancelled,
+                    criu_dir=store.restore_criu_dir(_label(run)),
                 )
             except CancelledError as exc:
                 raise run.cancelled(
@@ -447,6 +450,15 @@ class _CriuHooks:
         except BaseException:
             _kill_before_it_runs(t.init_pid, found[0] if found else t.ns_pid)
             raise
+
+
+def _page_fill_message(f: PageFillStats) -> str:
+    """``pages filled: 4.29 GB by 2 threads in 1.10 s (3.90 GB/s), 3 processes``."""
+    rate = f" ({f.bytes / f.seconds / 1e9:.2f} GB/s)" if f.seconds > 0 else ""
+    return (
+        f"pages filled: {f.bytes / 1e9:.2f} GB by {f.threads} threads in {f.seconds:.2f} s{rate}, "
+        f"{f.processes} processes"
+    )
 
 
 def _restored_as_data(path: str, private_shm: bool) -> bool:

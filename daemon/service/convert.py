@@ -327,6 +327,7 @@ def node_info(n: NodeInfo) -> node_pb2.NodeInfo:
         standby_host_memory_bytes=n.standby_host_memory_bytes,
         unfinished_pulls=n.unfinished_pulls,
         unfinished_pull_bytes=n.unfinished_pull_bytes,
+        page_fill=n.page_fill,
         tiers=[
             node_pb2.StoreTier(
                 name=t.name,

@@ -483,6 +483,11 @@ class SnapshotStore:
         """Root's scratch directory of restore ``label`` (as :func:`restore_log_name`), under the staging area."""
         return self.staging_dir / f"restore-{label}"
 
+    def restore_criu_dir(self, label: str) -> Path:
+        """Where CRIU works for restore ``label`` when it needs a directory of its own (``CriuDriver.restore``'s
+        ``criu_dir``), under the staging area: on the snapshots' file system, removed at start if left behind."""
+        return self.staging_dir / f"restore-{label}.criu"
+
     def used_bytes(self, owner_uid: int | None = None) -> int:
         """Bytes used by published snapshots and the buffer store (each blob once); of ``owner_uid``'s
         snapshots and buffer blobs only, when given."""
