@@ -561,8 +561,11 @@ def _kill_before_it_runs(init_pid: int, root: int) -> None:
     answer, so each is killed here, before the answer. Each process is sent SIGKILL itself (the namespace
     init's and CRIU among them): once ``kill`` returns every thread of it has a fatal signal pending and
     runs no instruction of its own again. Killing only the namespace init left that to the init's exit,
-    after the answer: a restored task then ran (wrote a line of its log) before it died."""
-    proc.kill_tree(proc.tree_pids_or_empty(init_pid or root))
+    after the answer: a restored task then ran (wrote a line of its log) before it died. Children go before
+    their parents: an init or a CRIU killed first breaks CRIU's notification socket (a killed process closes
+    its descriptors before its namespace's tasks are killed) or its ptrace hold, and CRIU (or the kernel, for a
+    tracer that died) resumes the tasks it still held: one ran in 1 of 12 runs of test_restore_verify."""
+    proc.kill_tree(list(reversed(proc.tree_pids_or_empty(init_pid or root))))
     _kill_tree(init_pid, root)
 
 
