@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpusnap.adapters import buffers, memory_report, reach, vmm
+from gpusnap.adapters import buffers, heaptrim, memory_report, reach, vmm
 from gpusnap.adapters.base import EngineAdapter, RestoreContext
 from gpusnap.adapters.contract import capture_settings, wire
 from gpusnap.adapters.contract._proto import agent_pb2
@@ -204,7 +204,8 @@ class WorkerAgent:
                 for fd in fds:
                     os.close(fd)
             closing = result.ok and ((kind == "quiesce" and not result.buffers) or (kind == "free" and msg.free.last))
-            if closing:  # what the CUDA checkpoint will carry (a diagnostic, if asked), before the daemon locks it
+            if closing:  # the dump comes next: what the quiesced worker freed stays out of the image, and what
+                heaptrim.trim()  # the CUDA checkpoint will carry is reported (a diagnostic, if asked) before the lock
                 memory_report.write_if_requested()
             result.duration_seconds = time.monotonic() - start
             wire.send(sock, agent_pb2.AgentMessage(result=result))

@@ -35,7 +35,7 @@ from gpusnap.daemon.api.errors import (
     NotFoundError,
 )
 from gpusnap.daemon.api.types import Creds, FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
-from gpusnap.daemon.drivers import criu_userpaths, devshm, proc, restored
+from gpusnap.daemon.drivers import criu_userpaths, devshm, pagefill, proc, restored
 from gpusnap.daemon.drivers.criu import PageFillStats, RestoredTree
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.gpu.controller import GpuTreeController
@@ -314,7 +314,7 @@ class Restore:
                     ),
                     on_progress=on_progress,
                     cancelled=cancelled,
-                    criu_dir=store.restore_criu_dir(_label(run)),
+                    criu_dir=store.restore_criu_dir(_label(run)) if _worth_a_page_fill(snapshot) else None,
                 )
             except CancelledError as exc:
                 raise run.cancelled(
@@ -450,6 +450,12 @@ class _CriuHooks:
         except BaseException:
             _kill_before_it_runs(t.init_pid, found[0] if found else t.ns_pid)
             raise
+
+
+def _worth_a_page_fill(snapshot: Snapshot) -> bool:
+    """Whether the snapshot's private pages are many enough for a page fill (``drivers.pagefill.MIN_BYTES``)."""
+    pages = sum(f.size_bytes for f in snapshot.files if checksum.RAW_PAGES.fullmatch(f.path))
+    return pages >= pagefill.MIN_BYTES
 
 
 def _page_fill_message(f: PageFillStats) -> str:
