@@ -19,7 +19,7 @@ Each restore is timed from its request to the worker's first answer (SIGUSR2 →
 touches almost no memory), and every restored worker's memory is hashed and compared with the source's
 (untimed). The page leg's rate: for plain CRIU, the pages' bytes over its restore (an upper bound on its page
 time: a lower bound on the rate); for gpusnap, what its page fill reported (bytes over its own seconds); for
-``copy``, the bytes over the copy. Results: bench/results/restore-5g[-<label>]-<date>.json with every sample,
+``copy``, the bytes over the copy. Results: ``bench/results/restore-5g-[<label>-]<date>.json`` with every sample,
 min and median, ``gpusnap_over_criu`` (median restore → first request, gpusnap over plain CRIU) and the rates.
 """
 

@@ -79,7 +79,7 @@ class DaemonConfig:
     checkpoint_timeout: float = 900.0
     restore_timeout: float = 900.0
     page_fill_threads: int = 0
-    """Threads that fill a restored tree's private memory (``drivers/pagefill``: CRIU's lazy-pages protocol,
+    """Threads that fill a restored tree's private memory (``daemon/drivers/pagefill.py``: CRIU's lazy-pages protocol,
     served at once by gpusnap, before any restored task runs); 0 = one per CPU gpusnapd may run on, at most 8;
     -1 = off (each restored task reads its own pages, as plain CRIU does). Off, too, where the kernel has no
     ``userfaultfd`` with the events CRIU needs: gpusnapd says so at start and in ``gpusnap node``."""

@@ -1,5 +1,5 @@
 """gpusnapd fills a restored tree's private pages on several threads where there are enough of them
-(``drivers/pagefill``, ``pagefill.MIN_BYTES``), says so in the restore's events and in ``gpusnap node``, and
+(``daemon/drivers/pagefill.py``, ``pagefill.MIN_BYTES``), says so in the restore's events and in ``gpusnap node``, and
 leaves them to CRIU when ``page_fill_threads = -1``. Real gpusnapd, CRIU and workload."""
 
 from __future__ import annotations

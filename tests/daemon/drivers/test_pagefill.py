@@ -1,4 +1,4 @@
-"""A restored tree's private pages filled by several threads (``drivers/pagefill``), through real CRIU: the
+"""A restored tree's private pages filled by several threads (``daemon/drivers/pagefill.py``), through real CRIU: the
 memory comes back equal, holes stay zero, every process of a tree is filled, and a fill that cannot finish
 kills the tree before any of it runs."""
 
