@@ -45,7 +45,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import results_file  # noqa: E402
-from bench.overhead_bench import CRIU_OPTS, _become_subreaper, _criu_log_seconds, _reap  # noqa: E402
+from bench.overhead_bench import _become_subreaper, _reap  # noqa: E402
+from bench.plain_criu import OPTS as CRIU_OPTS  # noqa: E402
+from bench.plain_criu import log_seconds as _criu_log_seconds  # noqa: E402
 from tests.conftest import criu_prefix, kill_tree, start_daemon, stop_daemon, wait_for  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "daemon" / "workloads" / "anon_regions.py"
