@@ -12,7 +12,7 @@ import pytest
 
 from tests.adapters import torch_venv
 from tests.adapters.test_vllm_serve import _server
-from tests.adapters.vllm_model import make_tiny_llama
+from tests.adapters.vllm_model import make_tiny_llama, write_weights
 from tests.adapters.vllm_server import CPU_MODEL as MODEL
 from tests.adapters.vllm_server import PROMPT
 from tests.conftest import DaemonProc, kill_tree, wait_for
@@ -23,7 +23,13 @@ pytestmark = [torch_venv.needs_venv, pytest.mark.slow, pytest.mark.timeout(1800)
 def test_a_later_restore_of_vllm_continues_copies_that_go_with_its_tree(
     daemon: DaemonProc, tmp_path: Path, gpusnap_target: Path
 ) -> None:
-    server = _server(daemon, tmp_path, gpusnap_target, make_tiny_llama(tmp_path / "m", **MODEL), "a")
+    server = _server(
+        daemon,
+        tmp_path,
+        gpusnap_target,
+        write_weights(make_tiny_llama(tmp_path / "m", **MODEL), torch_venv.PYTHON),
+        "a",
+    )
     trees: list[int] = []
     try:
         server.wait_up(900)

@@ -16,7 +16,7 @@ import pytest
 from gpusnap.daemon.drivers import devshm
 from tests.adapters import torch_venv
 from tests.adapters.test_vllm_serve import _server
-from tests.adapters.vllm_model import make_tiny_llama
+from tests.adapters.vllm_model import make_tiny_llama, write_weights
 from tests.adapters.vllm_server import CPU_MODEL as MODEL
 from tests.adapters.vllm_server import PROMPT
 from tests.conftest import DaemonProc, kill_tree
@@ -31,7 +31,13 @@ def _names() -> set[str]:
 def test_default_dump_and_stop_leave_no_dev_shm_file_of_the_source(
     daemon: DaemonProc, tmp_path: Path, gpusnap_target: Path
 ) -> None:
-    server = _server(daemon, tmp_path, gpusnap_target, make_tiny_llama(tmp_path / "m", **MODEL), "a")
+    server = _server(
+        daemon,
+        tmp_path,
+        gpusnap_target,
+        write_weights(make_tiny_llama(tmp_path / "m", **MODEL), torch_venv.PYTHON),
+        "a",
+    )
     restored = 0
     try:
         server.wait_up(900)
