@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -31,7 +31,11 @@ from gpusnap.daemon.api.types import OperationState as OperationState
 from gpusnap.daemon.operations.failpoints import NONE as NO_FAULTS
 from gpusnap.daemon.operations.failpoints import Failpoints
 from gpusnap.daemon.park.standbys import Standby
+from gpusnap.daemon.store import facts as journaled
+from gpusnap.daemon.store.facts import CaptureFacts, Facts, RestoreFacts, TransferFacts
 from gpusnap.daemon.store.journal import Entry, EntryError, EntryResult, Journal
+
+F = TypeVar("F", CaptureFacts, RestoreFacts, TransferFacts)
 
 
 class Phase(enum.StrEnum):
@@ -103,8 +107,10 @@ class OperationRecord:
         """A checkpoint that runs its preflight only (``dump --dry-run``)."""
         self.request_id = request_id
         self.journal = journal
-        self.facts: dict[str, Any] = {}
-        """What recovery needs after a daemon crash (PIDs frozen or locked, the tree restored, …)."""
+        self.facts: Facts = journaled.empty(kind)
+        """What recovery needs after a daemon crash (PIDs frozen or locked, the tree restored, …): written
+        through :meth:`note` only."""
+        self._facts_lock = threading.Lock()
         self.cancel_requested = threading.Event()
         self.kind = kind
         self.target_pid = target_pid
@@ -169,10 +175,33 @@ class OperationRecord:
             if listener in self._listeners:
                 self._listeners.remove(listener)
 
-    def note(self, **facts: Any) -> None:
-        """Add ``facts`` for recovery and make them durable before returning."""
-        self.facts.update(facts)
-        self.save()
+    def note(self, kind: type[F], update: Callable[[F], F]) -> None:
+        """Change what recovery reads of this operation (its facts, of type ``kind``: ``gpusnap.daemon.store.facts``)
+        to ``update(facts)``, durable before returning; the one way facts are written.
+
+        Raises:
+            TypeError: this operation's facts are not of type ``kind``.
+        """
+        with self._facts_lock:
+            facts = self.facts
+            if not isinstance(facts, kind):
+                raise TypeError(f"a {self.kind.value} journals {type(facts).__name__}, not {kind.__name__}")
+            self.facts = update(facts)
+            self.save()
+
+    @property
+    def capture_facts(self) -> CaptureFacts:
+        """The facts of a checkpoint, suspend or resume."""
+        if not isinstance(self.facts, CaptureFacts):
+            raise TypeError(f"a {self.kind.value} journals no capture facts")
+        return self.facts
+
+    @property
+    def restore_facts(self) -> RestoreFacts:
+        """The facts of a restore, activation or standby operation."""
+        if not isinstance(self.facts, RestoreFacts):
+            raise TypeError(f"a {self.kind.value} journals no restore facts")
+        return self.facts
 
     def save(self) -> None:
         """Write this operation's journal entry (see ``gpusnap.daemon.store.journal``), if it has a journal."""
@@ -201,7 +230,7 @@ class OperationRecord:
             target_pid=self.target_pid,
             target_snapshot=self.target_snapshot,
             dry_run=self.dry_run,
-            facts=self.facts,
+            facts=journaled.raw(self.facts),
             error=error,
             result=entry_result(self.result),
         )

@@ -46,6 +46,7 @@ from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import agents as agent_checks
 from gpusnap.daemon.preflight import capture as capture_checks
 from gpusnap.daemon.preflight import gpu as gpu_preflight
+from gpusnap.daemon.store.facts import CaptureFacts
 from gpusnap.daemon.store.manifest import TCP_LABEL
 from gpusnap.daemon.store.store import DEV_SHM, IN_PLACE, StagingDir
 from gpusnap.daemon.weights import capture as weights
@@ -107,8 +108,10 @@ class Checkpoint:
         if opts.dry_run:
             return None
         pids = source.facts.tree_pids
+        starts = tuple(proc.start_time(p) for p in pids)
         run.record.note(
-            tree_pids=list(pids), starts=[proc.start_time(p) for p in pids], leave_running=opts.leave_running
+            CaptureFacts,
+            lambda f: dataclasses.replace(f, tree_pids=tuple(pids), starts=starts, leave_running=opts.leave_running),
         )
         run.on_failure("resume-source", lambda: _resume_source(list(pids)))
         capture = workers.prepare_capture(run, self.deps, opts, pids, self.owner_uid)
@@ -160,7 +163,7 @@ class Checkpoint:
             return None
         ctl = self.deps.gpu.controller(tree.gpu_bytes)
         lock_timeout_s = self.opts.gpu_lock_timeout_s or self.deps.config.gpu_lock_timeout
-        run.record.note(cuda_pids=list(tree.cuda_pids))
+        run.record.note(CaptureFacts, lambda f: dataclasses.replace(f, cuda_pids=tuple(tree.cuda_pids)))
         with run.phase(Phase.GPU_LOCK):
             ctl.lock_all(tree.cuda_pids, int(lock_timeout_s * 1000))
         undo = run.on_failure("gpu-rollback", lambda: ctl.rollback_to_running(tree.cuda_pids).raise_for_problems())
@@ -175,7 +178,7 @@ class Checkpoint:
         its ``unpublish`` undo step."""
         run, opts, deps = self.run, self.opts, self.deps
         with deps.store.stage(opts.name, self.owner_uid) as staging:
-            run.record.note(staging=staging.snapshot_id)
+            run.record.note(CaptureFacts, lambda f: dataclasses.replace(f, staging=staging.snapshot_id))
             progress = run.open_phase(Phase.DUMP)
             terminals = capture_checks.outside_terminals(source.facts.tree_pids)  # a shell's job: dumped external
             publish = _Publisher(self, source, capture, staging, terminals, progress)
@@ -191,7 +194,7 @@ class Checkpoint:
                 timeout_s=self.timeout,
                 enter_ns_of=source.enter_ns_of,
                 on_post_dump=publish,
-                on_start=lambda helper: run.record.note(criu_helper=helper, criu_helper_start=proc.start_time(helper)),
+                on_start=lambda helper: _note_helper(run, helper),
                 on_progress=progress.ticks(),  # the images as CRIU writes them (their total is not known before)
             )
             devshm.remove_link_remaps(publish.remaps)
@@ -256,7 +259,7 @@ class _Publisher:
         with run.phase(Phase.CHECKSUM) as progress:
             files = self.checkpoint.deps.store.describe_images(staging.images, progress.every_percent())
             progress.bytes = sum(f.size_bytes for f in files)
-            buffers = weights.commit(self.capture.parts, lambda staged: run.record.note(staged=staged))
+            buffers = weights.commit(self.capture.parts, lambda staged: workers.note_staged(run, staged))
         if opts.leave_running:  # the source keeps its files: no restore continues them in place
             (staging.path / IN_PLACE).touch(mode=0o600)
         with run.phase(Phase.PUBLISH):
@@ -281,7 +284,7 @@ class _Publisher:
                 terminals=self.terminals,
             )
             self.checkpoint.deps.store.publish(staging, snapshot)
-        run.record.note(snapshot_id=snapshot.id)
+        run.record.note(CaptureFacts, lambda f: dataclasses.replace(f, snapshot_id=snapshot.id))
         deps = self.checkpoint.deps
         self.published = (snapshot, run.on_failure("unpublish", lambda: _unpublish(deps, snapshot.id)))
         run.open_phase(Phase.FINISH)
@@ -297,6 +300,12 @@ def _labels(opts: CheckpointOptions) -> dict[str, str]:
     """The caller's labels, plus the TCP mode when it is not the default (restore must use the same)."""
     extra = {} if opts.tcp is TcpMode.REFUSE else {TCP_LABEL: opts.tcp.value}
     return {**opts.labels, **extra}
+
+
+def _note_helper(run: PhaseRunner, helper: int) -> None:
+    """Journal the dump's CRIU helper before it has its request (``operations.leftover_criu``)."""
+    start = proc.start_time(helper)
+    run.record.note(CaptureFacts, lambda f: dataclasses.replace(f, criu_helper=helper, criu_helper_start=start))
 
 
 def _resume_source(pids: list[int]) -> None:

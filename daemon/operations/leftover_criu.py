@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from gpusnap.daemon.drivers import proc
+from gpusnap.daemon.store import facts as journaled
+from gpusnap.daemon.store.facts import CaptureFacts
 from gpusnap.daemon.store.journal import Entry
 
 START_SLACK_S = 0.02
@@ -33,22 +34,26 @@ REPORT_EVERY_S = 30.0
 """How often :func:`wait` reports that it still waits."""
 
 
-def running(facts: dict[str, Any]) -> list[int]:
+def running(facts: CaptureFacts) -> list[int]:
     """The live processes of the journaled dump helper's process group (the helper and its CRIU); empty when
     none was journaled or they are gone."""
-    helper, since = int(facts.get("criu_helper", 0)), float(facts.get("criu_helper_start", 0.0))
-    if not helper or not since:
+    if not facts.criu_helper or not facts.criu_helper_start:
         return []
-    return proc.group_members(helper, since - START_SLACK_S)
+    return proc.group_members(facts.criu_helper, facts.criu_helper_start - START_SLACK_S)
 
 
 def busy_staging(entries: Iterable[Entry]) -> list[str]:
     """The staging directories (snapshot ids) of unfinished journal ``entries`` whose dump CRIU still runs:
     the store must keep them (``SnapshotStore.open``) until :func:`wait` returns."""
-    return [str(e.facts["staging"]) for e in entries if e.running and e.facts.get("staging") and running(e.facts)]
+    busy = []
+    for entry in entries:
+        facts = journaled.of_entry(entry)
+        if entry.running and isinstance(facts, CaptureFacts) and facts.staging and running(facts):
+            busy.append(facts.staging)
+    return busy
 
 
-def wait(facts: dict[str, Any], report: Callable[[list[int], float], None]) -> float:
+def wait(facts: CaptureFacts, report: Callable[[list[int], float], None]) -> float:
     """Return once the journaled dump helper's process group is gone; ``report(pids, seconds)`` every
     :data:`REPORT_EVERY_S` meanwhile. Returns the seconds waited."""
     start = time.monotonic()

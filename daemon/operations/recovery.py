@@ -23,9 +23,10 @@ get the original outcome across the restart.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import structlog
 
@@ -37,10 +38,11 @@ from gpusnap.daemon.operations import leftover_criu, workers
 from gpusnap.daemon.operations.base import OperationKind, OperationRecord, OperationState, PhaseRunner
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.operations.registry import OperationRegistry
+from gpusnap.daemon.store import facts as journaled
 from gpusnap.daemon.store.buffers import HeldFiles
+from gpusnap.daemon.store.facts import CaptureFacts, Facts, JournaledTree, RestoreFacts
 from gpusnap.daemon.store.journal import Entry, Journal
 from gpusnap.daemon.workers import controldir
-from gpusnap.daemon.workers.agents import AgentInfo
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +56,8 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
     for entry in journal.entries():
         kind = entry.kind
         record = _record(entry)
+        if record is None:  # its facts do not read as its kind's: say so (journal.facts_unreadable), go on
+            continue
         if not entry.running:
             _restore_result(deps, record, entry)
             registry.adopt(record)
@@ -65,20 +69,19 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
         facts = record.facts
         record.journal = journal
         log.warning("recovery.operation", operation_id=record.id, kind=kind.value, phase=record.phase)
-        if kind is OperationKind.CHECKPOINT and leftover_criu.running(facts):
-            _after_leftover_criu(deps, registry, record)  # its CUDA processes and buffers are its own
+        if kind is OperationKind.CHECKPOINT and isinstance(facts, CaptureFacts) and leftover_criu.running(facts):
+            _after_leftover_criu(deps, registry, record, facts)  # its CUDA processes and buffers are its own
             staged_paths, staged_keys = _staged(facts)
             kept[0].extend(staged_paths)
             kept[1].extend(staged_keys)
             recovered.append(record)
             continue
-        for tree in (*facts.get("earlier_trees", []), facts.get("tree", {}), facts):
-            stray_cuda.update(_alive(tree.get("cuda_pids", []), None))
+        stray_cuda.update(_alive(_cuda_pids(facts), None))
         try:
-            if kind in (OperationKind.RESTORE, OperationKind.ACTIVATE):
+            if isinstance(facts, RestoreFacts) and kind in (OperationKind.RESTORE, OperationKind.ACTIVATE):
                 _recover_restore(deps, registry, record, facts)
-            elif kind is OperationKind.STANDBY:
-                killed = _kill_restored(deps, facts.get("tree", {}))
+            elif isinstance(facts, RestoreFacts) and kind is OperationKind.STANDBY:
+                killed = _kill_restored(deps, facts.tree or JournaledTree())
                 what = f"the copy being made (PIDs {killed}) was killed" if killed else "no copy was being made"
                 record.finish(
                     error=_restarted(
@@ -86,7 +89,7 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
                         "made before are kept (`gpusnap standbys`)"
                     )
                 )
-            elif kind in (OperationKind.CHECKPOINT, OperationKind.SUSPEND, OperationKind.RESUME):
+            elif isinstance(facts, CaptureFacts):
                 _recover_capture(deps, record, facts)
             else:  # a transfer: it changed no process; a half-written local copy was removed with staging
                 record.finish(
@@ -103,7 +106,7 @@ def recover(deps: Deps, journal: Journal, registry: OperationRegistry) -> list[O
                 "recovery.finished",
                 operation_id=record.id,
                 state=record.state.value,
-                message=str(record.error or record.facts.get("recovery", "")),
+                message=str(record.error or record.facts.recovery),
             )
         recovered.append(record)
     try:
@@ -123,32 +126,43 @@ def held_buffers(journal: Journal) -> tuple[list[Path], list[str]]:
     paths: list[Path] = []
     keys: list[str] = []
     for entry in journal.entries():
-        if entry.running:
-            entry_paths, entry_keys = _staged(entry.facts)
+        facts = journaled.of_entry(entry) if entry.running else None
+        if isinstance(facts, CaptureFacts):
+            entry_paths, entry_keys = _staged(facts)
             paths += entry_paths
             keys += entry_keys
     return paths, keys
 
 
-def _staged(facts: dict[str, Any]) -> tuple[list[Path], list[str]]:
+def _staged(facts: CaptureFacts) -> tuple[list[Path], list[str]]:
     """One journal entry's staged buffer files and committed blob keys (:func:`held_buffers`)."""
     paths: list[Path] = []
     keys: list[str] = []
-    for staged in facts.get("staged", []):
-        paths += [Path(p) for p in staged.get("paths", [])]
-        keys += [f"{int(staged['uid'])}/{d}" for d in staged.get("digests", [])]
+    for staged in facts.staged:
+        paths += [Path(p) for p in staged.paths]
+        keys += [f"{staged.uid}/{d}" for d in staged.digests]
     return paths, keys
 
 
-def _held_files(deps: Deps, facts: dict[str, Any], instance_id: str) -> HeldFiles | None:
+def _cuda_pids(facts: Facts) -> list[int]:
+    """Every CUDA process an unfinished operation's facts name: a capture's, or each restored tree's."""
+    if isinstance(facts, CaptureFacts):
+        return list(facts.cuda_pids)
+    if isinstance(facts, RestoreFacts):
+        trees = (*facts.earlier_trees, facts.tree) if facts.tree is not None else facts.earlier_trees
+        return [p for tree in trees for p in tree.cuda_pids]
+    return []
+
+
+def _held_files(deps: Deps, facts: CaptureFacts, instance_id: str) -> HeldFiles | None:
     """The buffers an agent wrote out before the crash, wherever they are now: its staged file, or the blob
     it became at commit. Buffers found in neither were still held by the worker (it skips those at reload)."""
-    for staged in facts.get("staged", []):
-        if staged.get("instance_id") != instance_id:
+    for staged in facts.staged:
+        if staged.instance_id != instance_id:
             continue
-        uid, digests = int(staged["uid"]), list(staged.get("digests", []))
+        uid, digests = staged.uid, staged.digests
         names, paths = [], []
-        for n, (name, path) in enumerate(zip(staged["names"], staged["paths"], strict=True)):
+        for n, (name, path) in enumerate(zip(staged.names, staged.paths, strict=True)):
             found = Path(path)
             if not found.is_file() and n < len(digests):
                 found = deps.store.buffers.path(uid, digests[n])
@@ -159,7 +173,12 @@ def _held_files(deps: Deps, facts: dict[str, Any], instance_id: str) -> HeldFile
     return None
 
 
-def _record(entry: Entry) -> OperationRecord:
+def _record(entry: Entry) -> OperationRecord | None:
+    """The operation of ``entry``; ``None`` for an unfinished one whose facts do not read (a finished one's are
+    not needed: it reads with none)."""
+    facts = journaled.of_entry(entry)
+    if facts is None and entry.running:
+        return None
     record = OperationRecord(
         entry.kind,
         target_pid=entry.target_pid,
@@ -171,7 +190,7 @@ def _record(entry: Entry) -> OperationRecord:
     record.id = entry.id
     record.started = entry.started
     record.phase = entry.phase
-    record.facts = dict(entry.facts)
+    record.facts = facts or journaled.empty(entry.kind)
     if not entry.running:
         record.state = entry.state
         record.finished = datetime.fromisoformat(entry.finished) if entry.finished else datetime.now(UTC)
@@ -200,7 +219,7 @@ def _restarted(message: str) -> AbortedError:
     return AbortedError(message, reason="DAEMON_RESTARTED")
 
 
-def _alive(pids: list[int], starts: list[float] | None) -> list[int]:
+def _alive(pids: Sequence[int], starts: Sequence[float] | None) -> list[int]:
     """The PIDs that still name the processes of the journal (same start time when it is known)."""
     out = []
     for n, pid in enumerate(pids):
@@ -210,19 +229,18 @@ def _alive(pids: list[int], starts: list[float] | None) -> list[int]:
     return out
 
 
-def _recover_capture(deps: Deps, record: OperationRecord, facts: dict[str, Any]) -> None:
+def _recover_capture(deps: Deps, record: OperationRecord, facts: CaptureFacts) -> None:
     try:
         record.finish(result=_capture_outcome(deps, record, facts))
     except AbortedError as err:
         record.finish(error=err)
 
 
-def _after_leftover_criu(deps: Deps, registry: OperationRegistry, record: OperationRecord) -> None:
+def _after_leftover_criu(deps: Deps, registry: OperationRegistry, record: OperationRecord, facts: CaptureFacts) -> None:
     """Run the rest of a checkpoint whose CRIU outlived the crashed daemon: wait for that CRIU, then remove its
     staging directory and bring the source back as :func:`_recover_capture` does. The operation holds the tree
     meanwhile, so nothing reports the source running, or captures it again, while that CRIU holds it."""
-    facts = record.facts
-    tree = _alive(facts.get("tree_pids", []), facts.get("starts"))
+    tree = _alive(facts.tree_pids, facts.starts)
     log.warning("recovery.waiting_for_criu", operation_id=record.id, pids=leftover_criu.running(facts))
 
     def rest(run: PhaseRunner) -> Snapshot:
@@ -231,8 +249,8 @@ def _after_leftover_criu(deps: Deps, registry: OperationRegistry, record: Operat
 
         waited = leftover_criu.wait(facts, still)
         log.warning("recovery.criu_ended", operation_id=record.id, waited_s=round(waited, 3))
-        if facts.get("staging"):
-            deps.store.remove_staging(str(facts["staging"]))
+        if facts.staging:
+            deps.store.remove_staging(facts.staging)
         try:
             return _capture_outcome(deps, record, facts, f"its CRIU ended {waited:.1f} s after gpusnapd restarted")
         finally:
@@ -241,33 +259,33 @@ def _after_leftover_criu(deps: Deps, registry: OperationRegistry, record: Operat
     registry.resume(record, tree, rest)
 
 
-def _capture_outcome(deps: Deps, record: OperationRecord, facts: dict[str, Any], waited: str = "") -> Snapshot:
+def _capture_outcome(deps: Deps, record: OperationRecord, facts: CaptureFacts, waited: str = "") -> Snapshot:
     """Bring back the source of a capture the crashed daemon left (module docstring); its snapshot when one was
     durable before the crash.
 
     Raises:
         AbortedError: none was (reason ``DAEMON_RESTARTED``), saying what was undone.
     """
-    tree = _alive(facts.get("tree_pids", []), facts.get("starts"))
+    tree = _alive(facts.tree_pids, facts.starts)
     done: list[str] = [waited] if waited else []
     thawed = proc.ensure_no_frozen(tree)
     if thawed:
         done.append(f"continued stopped PIDs {thawed}")
-    cuda = _alive(facts.get("cuda_pids", []), None)
+    cuda = _alive(facts.cuda_pids, None)
     if cuda and deps.gpu.available:
         deps.gpu.controller().rollback_to_running(cuda).raise_for_problems()
         done.append(f"restored and unlocked the CUDA state of PIDs {cuda}")
-    for agent in (AgentInfo(**a) for a in facts.get("agents", [])):
+    for agent in facts.agents:
         if proc.alive(agent.pid):
             held = _held_files(deps, facts, agent.instance_id)
             workers.resume_source(deps, agent, held)
             back = f", with {len(held.names)} buffers read back" if held else ""
             done.append(f"resumed the worker (PID {agent.pid}){back}")
-    if facts.get("control_dir") and tree:
-        controldir.signal_file(Path(facts["control_dir"]), record.owner_uid, controldir.RESTORE_COMPLETE)
+    if facts.control_dir and tree:
+        controldir.signal_file(Path(facts.control_dir), record.owner_uid, controldir.RESTORE_COMPLETE)
         done.append("signalled restore-complete to the control-directory worker")
     what = "; ".join(done) or "nothing of the source needed undoing"
-    snapshot_id = facts.get("snapshot_id")
+    snapshot_id = facts.snapshot_id
     if snapshot_id:
         try:
             snapshot = deps.store.get(snapshot_id)
@@ -275,9 +293,8 @@ def _capture_outcome(deps: Deps, record: OperationRecord, facts: dict[str, Any],
             snapshot = None
         if snapshot is not None:  # complete and durable: the capture succeeded
             left = "was left running" if tree else "was ended, as the capture asked"
-            record.facts["recovery"] = (
-                f"snapshot {snapshot_id} was durable before gpusnapd restarted; the source {left} ({what})"
-            )
+            said = f"snapshot {snapshot_id} was durable before gpusnapd restarted; the source {left} ({what})"
+            record.note(CaptureFacts, lambda f: dataclasses.replace(f, recovery=said))
             return snapshot
     running = "keeps running" if tree else "is gone"
     raise _restarted(
@@ -286,25 +303,17 @@ def _capture_outcome(deps: Deps, record: OperationRecord, facts: dict[str, Any],
     )
 
 
-def _recover_restore(deps: Deps, registry: OperationRegistry, record: OperationRecord, facts: dict[str, Any]) -> None:
-    earlier: list[dict[str, Any]] = list(facts.get("earlier_trees", []))
-    tree_facts: dict[str, Any] = dict(facts.get("tree", {}))
-    init_pid, root = int(tree_facts.get("init_pid", 0)), int(tree_facts.get("root", 0))
-    init_alive = bool(init_pid) and bool(_alive([init_pid], [tree_facts.get("init_start", 0.0)]))
-    root_alive = bool(root) and bool(_alive([root], [tree_facts.get("root_start", 0.0)]))
-    if tree_facts.get("validated") and root_alive and not earlier:  # fan-outs are not adopted: all or none
-        snapshot = deps.store.get(facts["snapshot_id"])
-        opts = RestoreOptions(
-            snapshot=snapshot.id,
-            env=facts.get("env", {}),
-            unset_env=tuple(facts.get("unset_env", [])),
-            values=facts.get("values", {}),
-        )
-        pids = [int(p) for p in tree_facts.get("pids", [root])]
-        result = RestoreResult(
-            pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=int(tree_facts.get("ns_pid", root))
-        )
-        record.facts["recovery"] = "adopted"
+def _recover_restore(deps: Deps, registry: OperationRegistry, record: OperationRecord, facts: RestoreFacts) -> None:
+    earlier, tree = facts.earlier_trees, facts.tree or JournaledTree()
+    init_pid, root = tree.init_pid, tree.root
+    init_alive = bool(init_pid) and bool(_alive([init_pid], [tree.init_start]))
+    root_alive = bool(root) and bool(_alive([root], [tree.root_start]))
+    if tree.validated and root_alive and not earlier:  # fan-outs are not adopted: all or none
+        snapshot = deps.store.get(facts.snapshot_id)
+        opts = RestoreOptions(snapshot=snapshot.id, env=facts.env, unset_env=facts.unset_env, values=facts.values)
+        pids = list(tree.pids) or [root]
+        result = RestoreResult(pid=root, pids=tuple(pids), snapshot_id=snapshot.id, namespace_pid=tree.ns_pid or root)
+        record.note(RestoreFacts, lambda f: dataclasses.replace(f, recovery="adopted"))
 
         def resume(run: PhaseRunner) -> RestoreResult:
             run.on_failure("kill-restored", lambda: _kill(init_pid if init_alive else 0, pids))
@@ -315,9 +324,10 @@ def _recover_restore(deps: Deps, registry: OperationRegistry, record: OperationR
         log.warning("recovery.restore_adopted", operation_id=record.id, pid=root)
         return
     killed: list[int] = []
-    for tree in [*earlier, tree_facts]:
-        killed += _kill_restored(deps, tree)
-    record.facts["recovery"] = "killed" if killed else "nothing restored"
+    for each in [*earlier, tree]:
+        killed += _kill_restored(deps, each)
+    outcome = "killed" if killed else "nothing restored"
+    record.note(RestoreFacts, lambda f: dataclasses.replace(f, recovery=outcome))
     what = f"the half-restored tree (PIDs {killed}) was killed" if killed else "no restored process was found"
     record.finish(
         error=_restarted(
@@ -327,12 +337,12 @@ def _recover_restore(deps: Deps, registry: OperationRegistry, record: OperationR
     )
 
 
-def _kill_restored(deps: Deps, tree: dict[str, Any]) -> list[int]:
+def _kill_restored(deps: Deps, tree: JournaledTree) -> list[int]:
     """Release the GPU state of a journaled restored tree, then kill it; the PIDs killed."""
-    init_pid, root = int(tree.get("init_pid", 0)), int(tree.get("root", 0))
-    init_alive = bool(init_pid) and bool(_alive([init_pid], [tree.get("init_start", 0.0)]))
-    root_alive = bool(root) and bool(_alive([root], [tree.get("root_start", 0.0)]))
-    cuda = _alive(tree.get("cuda_pids", []), None)
+    init_pid, root = tree.init_pid, tree.root
+    init_alive = bool(init_pid) and bool(_alive([init_pid], [tree.init_start]))
+    root_alive = bool(root) and bool(_alive([root], [tree.root_start]))
+    cuda = _alive(tree.cuda_pids, None)
     if cuda and deps.gpu.available:  # killing a process with GPU state hangs hosts (cuda-checkpoint#53)
         deps.gpu.controller().release_gpus_for_kill(cuda, lock_timeout_ms=int(deps.config.gpu_lock_timeout * 1000))
     strays = _started_by_helper(tree)
@@ -343,18 +353,18 @@ def _kill_restored(deps: Deps, tree: dict[str, Any]) -> list[int]:
     return sorted({init_pid} | set(strays)) if init_alive else pids
 
 
-def _started_by_helper(tree: dict[str, Any]) -> list[int]:
+def _started_by_helper(tree: JournaledTree) -> list[int]:
     """What the journaled CRIU helper of a restore may have left: itself and its process group (CRIU), and,
     for a restore into gpusnapd's PID namespace, each PID the snapshot's tree had that a process started
     since the helper holds (CRIU gives restored tasks their old PIDs). Empty when no helper was journaled."""
-    helper, since = int(tree.get("helper_pid", 0)), float(tree.get("helper_start", 0.0))
+    helper, since = tree.helper_pid, tree.helper_start
     if not helper or not since:
         return []
     found = set(_alive([helper], [since])) | set(proc.group_members(helper, since - START_SLACK_S))
-    for pid in tree.get("expect_pids", []):
-        start = proc.start_time(int(pid))
-        if start and start >= since - START_SLACK_S and proc.alive(int(pid)):
-            found.add(int(pid))
+    for pid in tree.expect_pids:
+        start = proc.start_time(pid)
+        if start and start >= since - START_SLACK_S and proc.alive(pid):
+            found.add(pid)
     return sorted(found)
 
 

@@ -45,6 +45,7 @@ from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.preflight import restore as restore_preflight
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.store import checksum
+from gpusnap.daemon.store.facts import JournaledTree, RestoreFacts
 from gpusnap.daemon.store.imagecheck import ImageCheck
 from gpusnap.daemon.store.manifest import TCP_LABEL
 from gpusnap.daemon.store.store import DEV_SHM, restore_log_name
@@ -212,9 +213,6 @@ class Restore:
         buffers_verified: Callable[[], None],
     ) -> RestoreResult:
         """Restore one copy of a checked snapshot: CRIU, GPU, validation, worker resume (module docstring)."""
-        earlier = self.run.record.facts.pop("tree", None)
-        if earlier is not None:  # a fan-out's earlier copy: recovery must find every copy's tree
-            self.run.record.facts.setdefault("earlier_trees", []).append(earlier)
         self.start_prefill(snapshot, gpu_map)  # while CRIU runs
         side = self.restore_cpu(snapshot, opts)
         return self.bring_up(snapshot, opts, side, gpu_map, buffers_verified)
@@ -235,9 +233,20 @@ class Restore:
             FailedPreconditionError: CRIU restored too little (``RESTORE_INCOMPLETE``); as ``CriuDriver.restore``.
         """
         run = self.run
-        run.record.note(
-            snapshot_id=snapshot.id, env=dict(opts.env), unset_env=list(opts.unset_env), values=dict(opts.values)
-        )
+
+        def context(f: RestoreFacts) -> RestoreFacts:
+            return dataclasses.replace(
+                f,
+                snapshot_id=snapshot.id,
+                env=dict(opts.env),
+                unset_env=tuple(opts.unset_env),
+                values=dict(opts.values),
+                # a fan-out's earlier copy: recovery must find every copy's tree
+                earlier_trees=(*f.earlier_trees, f.tree) if f.tree is not None else f.earlier_trees,
+                tree=None,
+            )
+
+        run.record.note(RestoreFacts, context)
         with run.phase(Phase.RESTORE) as progress:
             workers.before_restore(snapshot)
             assert self._images is not None, "verify_images runs before any copy's restore"
@@ -255,13 +264,17 @@ class Restore:
                 progress.report(progress.bytes, snapshot.size_bytes, _page_fill_message(tree.page_fill))
             init_start = proc.start_time(tree.init_pid or tree.ns_pid)
             root = _host_root_pid(tree.init_pid, tree.ns_pid)
+            root_start = proc.start_time(root)
             _note_tree(
                 run,
-                init_pid=tree.init_pid,
-                ns_pid=tree.ns_pid,
-                init_start=init_start,
-                root=root,
-                root_start=proc.start_time(root),
+                lambda t: dataclasses.replace(
+                    t,
+                    init_pid=tree.init_pid,
+                    ns_pid=tree.ns_pid,
+                    init_start=init_start,
+                    root=root,
+                    root_start=root_start,
+                ),
             )
         cuda_pids = _restored_cuda_pids(run, snapshot, root)
         return CpuSide(tree.init_pid, tree.ns_pid, root, tuple(hooks.restored), cuda_pids, tree.file_copies, kill=kill)
@@ -350,7 +363,7 @@ class Restore:
                     reason="RESTORE_INCOMPLETE",
                 )
             pids = proc.tree_pids(side.root)
-        _note_tree(self.run, validated=True, pids=pids)
+        _note_tree(self.run, lambda t: dataclasses.replace(t, validated=True, pids=tuple(pids)))
         prefill, self._prefill = self._prefill, None
         try:
             workers.resume_restored(
@@ -416,13 +429,18 @@ class _CriuHooks:
         """What CRIU restored, counted before any task could fork or exit."""
 
     def before_criu(self, helper: int, init: int) -> None:  # journaled before CRIU restores anything
+        helper_start, init_start = proc.start_time(helper), proc.start_time(init) if init else 0.0
+        expect = () if init else tuple(self.snapshot.source.tree_pids)  # same PIDs in gpusnapd's namespace
         _note_tree(
             self.run,
-            helper_pid=helper,
-            helper_start=proc.start_time(helper),
-            init_pid=init,
-            init_start=proc.start_time(init) if init else 0.0,
-            expect_pids=[] if init else list(self.snapshot.source.tree_pids),  # same PIDs in gpusnapd's namespace
+            lambda t: dataclasses.replace(
+                t,
+                helper_pid=helper,
+                helper_start=helper_start,
+                init_pid=init,
+                init_start=init_start,
+                expect_pids=expect,
+            ),
         )
         self.run.failpoints.hit(self.run.record.kind.value, "criu-started" + self.run.phase_suffix)
 
@@ -499,7 +517,7 @@ def _restored_cuda_pids(run: PhaseRunner, snapshot: Snapshot, root: int) -> tupl
             f"restore of {snapshot.id} lacks CUDA processes {[g.pid for g in snapshot.gpu_processes]}",
             reason="RESTORE_INCOMPLETE",
         )
-    _note_tree(run, cuda_pids=cuda_pids)
+    _note_tree(run, lambda t: dataclasses.replace(t, cuda_pids=tuple(cuda_pids)))
     return tuple(cuda_pids)
 
 
@@ -521,10 +539,9 @@ def check_restored_count(run: PhaseRunner, snapshot: Snapshot, side: CpuSide) ->
         )
 
 
-def _note_tree(run: PhaseRunner, **facts: object) -> None:
+def _note_tree(run: PhaseRunner, update: Callable[[JournaledTree], JournaledTree]) -> None:
     """Journal what recovery needs of the tree being restored (durable before returning)."""
-    run.record.facts.setdefault("tree", {}).update(facts)
-    run.record.save()
+    run.record.note(RestoreFacts, lambda f: dataclasses.replace(f, tree=update(f.tree or JournaledTree())))
 
 
 def _label(run: PhaseRunner) -> str:

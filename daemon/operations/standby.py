@@ -39,6 +39,7 @@ from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.park.standbys import Standby, StandbyRegistry, kill, new_standby_id, now
 from gpusnap.daemon.preflight import restore as restore_preflight
+from gpusnap.daemon.store.facts import JournaledTree, RestoreFacts
 
 STOP_WAIT_S = 5.0
 """How long a standby's validation waits for its tasks to show as stopped after CRIU's restore."""
@@ -89,8 +90,7 @@ def run_standby(run: PhaseRunner, deps: Deps, opts: StandbyOptions, snapshot: Sn
         made.append(sb)
         run.on_failure(f"drop-standby-{sb.id}", _dropper(deps, sb.id))
         kill.drop()  # (the drop kills it)
-        run.record.facts.pop("tree", None)  # registered: recovery leaves it to the registry
-        run.record.save()
+        run.record.note(RestoreFacts, lambda f: dataclasses.replace(f, tree=None))  # registered: the registry's now
     if deps.prefill is not None:  # the fill's blobs, registered ahead of the activation
         deps.prefill.after_publish(snapshot)
     plan.release(prepared)
@@ -232,22 +232,26 @@ def run_activate(run: PhaseRunner, deps: Deps, sb: Standby, opts: RestoreOptions
     the operation's starter read it)."""
     standbys = registry(deps)
     with run.phase(Phase.PREFLIGHT):
-        run.record.note(
-            standby=sb.id,
-            snapshot_id=sb.snapshot_id,
-            env=dict(opts.env),
-            unset_env=list(opts.unset_env),
-            values=dict(opts.values),
+        tree = JournaledTree(
+            init_pid=sb.init_pid,
+            init_start=sb.init_start,
+            ns_pid=sb.ns_pid,
+            root=sb.root,
+            root_start=sb.root_start,
+            cuda_pids=sb.cuda_pids,
         )
-        run.record.facts["tree"] = {
-            "init_pid": sb.init_pid,
-            "init_start": sb.init_start,
-            "ns_pid": sb.ns_pid,
-            "root": sb.root,
-            "root_start": sb.root_start,
-            "cuda_pids": list(sb.cuda_pids),
-        }
-        run.record.save()  # recovery now owns the tree: it kills it, or adopts it once validated
+        run.record.note(  # recovery now owns the tree: it kills it, or adopts it once validated
+            RestoreFacts,
+            lambda f: dataclasses.replace(
+                f,
+                standby=sb.id,
+                snapshot_id=sb.snapshot_id,
+                env=dict(opts.env),
+                unset_env=tuple(opts.unset_env),
+                values=dict(opts.values),
+                tree=tree,
+            ),
+        )
         forget = run.on_failure("forget-standby", lambda: _forget(standbys, sb))  # (claimed: shown until it is up)
         run.on_failure("kill-restored", lambda: kill(sb))
         unpin = run.on_failure("unpin-buffers", lambda: _unpin(deps, sb))

@@ -29,6 +29,7 @@ from gpusnap.daemon.drivers import proc
 from gpusnap.daemon.operations.base import Phase, PhaseRunner, Undo
 from gpusnap.daemon.operations.deps import Deps
 from gpusnap.daemon.store.buffers import HeldFiles, StagedBuffers
+from gpusnap.daemon.store.facts import CaptureFacts, JournaledAgent, JournaledBuffers
 from gpusnap.daemon.weights import capture as weights
 from gpusnap.daemon.weights import restore as weights_restore
 from gpusnap.daemon.weights.prefill import Prefill
@@ -131,7 +132,7 @@ def prepare_capture(
     cfg = deps.config
     if opts.control_dir:
         cdir = controldir.check_dir(opts.control_dir, owner_uid)
-        run.record.note(control_dir=str(cdir))
+        run.record.note(CaptureFacts, lambda f: dataclasses.replace(f, control_dir=str(cdir)))
         with run.phase(Phase.WAIT_READY):
             controldir.clear(cdir, owner_uid, controldir.RESTORE_COMPLETE, controldir.SNAPSHOT_COMPLETE)
             with run.waiting(), run.stoppable() as cancelled:
@@ -168,7 +169,8 @@ def prepare_capture(
         for part in fronts:
             part.canary = part.client.warm_up(cfg.warmup_timeout)
     capture.resume = run.on_failure("resume-worker", lambda: _undo(deps, capture, tree_pids))
-    run.record.note(agents=[dataclasses.asdict(p.info) for p in capture.parts])  # recovery resumes them
+    agents = tuple(JournaledAgent(p.info.pid, p.info.uid, p.info.instance_id, p.info.wake_dir) for p in capture.parts)
+    run.record.note(CaptureFacts, lambda f: dataclasses.replace(f, agents=agents))  # recovery resumes them
     with run.phase(Phase.QUIESCE), run.waiting():
         for part in fronts:  # the front ends stop work first: then nothing runs in the other processes
             _quiesce(part, opts.offload, cfg.quiesce_timeout)
@@ -180,7 +182,7 @@ def prepare_capture(
                 deps.store.buffers,
                 cfg.quiesce_timeout,
                 progress,
-                journal=lambda staged: run.record.note(staged=staged),  # recovery hands them back (module docstring)
+                journal=lambda staged: note_staged(run, staged),  # recovery hands them back (module docstring)
                 before_free=lambda: run.failpoints.hit(run.record.kind.value, "offload-free"),
             )
     infos = [p.worker_info() for p in fronts + others]
@@ -327,7 +329,14 @@ def _check_canary(worker: WorkerInfo, tokens: str) -> None:
         )
 
 
-def resume_source(deps: Deps, agent: AgentInfo, staged: StagedBuffers | HeldFiles | None = None) -> None:
+def note_staged(run: PhaseRunner, staged: tuple[JournaledBuffers, ...]) -> None:
+    """Journal the capture's staged buffers (``weights.capture.staged_facts``) before anything depends on them."""
+    run.record.note(CaptureFacts, lambda f: dataclasses.replace(f, staged=staged))
+
+
+def resume_source(
+    deps: Deps, agent: AgentInfo | JournaledAgent, staged: StagedBuffers | HeldFiles | None = None
+) -> None:
     """Wake the source's agent after a quiesce, hand it back the buffers it wrote to ``staged``, and resume
     it (a failed capture, ``--leave-running``, or recovery after a daemon crash: ``HeldFiles``)."""
     if not proc.alive(agent.pid):

@@ -64,6 +64,15 @@ def decode(data: bytes, into: type[T], previous: tuple[Any, Callable[[Any], T]] 
             doc = found if isinstance(found, typing.get_origin(into) or into) else previous[1](found)
     except msgspec.MsgspecError as exc:
         raise DocumentError(str(exc)) from exc
+    return _readable(doc, into)
+
+
+def _readable(doc: T, into: Any) -> T:
+    """``doc``, unless a newer gpusnapd wrote it (its ``schema_version`` is above this release's).
+
+    Raises:
+        DocumentError: a newer ``schema_version``.
+    """
     version = getattr(doc, "schema_version", None)
     if version is None:  # a document versioned by a field of its own (a manifest's ``manifest_version``)
         return doc
@@ -80,13 +89,14 @@ def to_builtins(doc: object) -> Any:
 
 
 def convert(obj: Any, into: type[T]) -> T:
-    """The document of type ``into`` that :func:`to_builtins` gave ``obj``.
+    """The document of type ``into`` that :func:`to_builtins` gave ``obj`` (a document carried inside another:
+    a remote manifest's provenance, a journal entry's facts).
 
     Raises:
-        DocumentError: a field of the wrong type or missing.
+        DocumentError: a field of the wrong type or missing, or a newer ``schema_version``.
     """
     try:
-        return msgspec.convert(obj, type=into)
+        return _readable(msgspec.convert(obj, type=into), into)
     except msgspec.MsgspecError as exc:
         raise DocumentError(str(exc)) from exc
 

@@ -11,17 +11,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from gpusnap.daemon.api.types import BufferRef
 from gpusnap.daemon.store.buffers import BufferStore, HeldFiles, StagedBuffers
+from gpusnap.daemon.store.facts import JournaledBuffers
 from gpusnap.daemon.weights import exchange
 from gpusnap.daemon.weights.exchange import Progress
 from gpusnap.daemon.workers.agents import AgentInfo
 from gpusnap.daemon.workers.client import AgentClient, Announced
 from gpusnap.daemon.workers.parallel import in_parallel
 
-Journal = Callable[[list[dict[str, Any]]], None]
+Journal = Callable[[tuple[JournaledBuffers, ...]], None]
 """Where the staged facts go before anything depends on them (the operation's journal)."""
 
 
@@ -69,20 +69,20 @@ def _offload(part: AgentWeights, timeout_s: float, progress: Progress, before_fr
     exchange.report(progress, part.info.label, part.staged.total_bytes, time.monotonic() - start, "written out")
 
 
-def staged_facts(parts: Sequence[AgentWeights], digests: bool = False) -> list[dict[str, Any]]:
+def staged_facts(parts: Sequence[AgentWeights], digests: bool = False) -> tuple[JournaledBuffers, ...]:
     """What recovery needs to hand the buffers back after a daemon crash: per agent, its staged files and
     (with ``digests``, which waits for them) the blobs they become at commit."""
-    return [
-        {
-            "instance_id": p.info.instance_id,
-            "uid": p.staged.uid,
-            "names": p.staged.names,
-            "paths": [str(x) for x in p.staged.paths],
-            "digests": p.staged.digests() if digests else [],
-        }
+    return tuple(
+        JournaledBuffers(
+            instance_id=p.info.instance_id,
+            uid=p.staged.uid,
+            names=tuple(p.staged.names),
+            paths=tuple(str(x) for x in p.staged.paths),
+            digests=tuple(p.staged.digests()) if digests else (),
+        )
         for p in parts
         if p.staged is not None
-    ]
+    )
 
 
 def commit(parts: Sequence[AgentWeights], journal: Journal = lambda _: None) -> tuple[BufferRef, ...]:

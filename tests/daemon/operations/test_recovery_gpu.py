@@ -24,6 +24,7 @@ from gpusnap.daemon.operations.checkpoint import run_checkpoint
 from gpusnap.daemon.operations.failpoints import Failpoints
 from gpusnap.daemon.operations.registry import OperationRegistry
 from gpusnap.daemon.operations.restore import run_restore
+from gpusnap.daemon.store.facts import RestoreFacts
 from gpusnap.daemon.store.journal import Journal
 from tests.conftest import wait_for
 from tests.daemon.operations.conftest import NCCL_ENV, GpuNode
@@ -122,13 +123,14 @@ def test_restore_crash_after_gpu_phases(node: GpuNode, phase: str) -> None:
     assert psutil.pid_exists(restored.init_pid)
     [record] = recovery.recover(node.deps, journal, OperationRegistry(journal=journal))
     assert record.state is OperationState.FAILED and record.error is not None
-    assert "was killed" in record.error.message and record.facts["recovery"] == "killed"
+    assert "was killed" in record.error.message and record.facts.recovery == "killed"
     wait_for(
         lambda: not psutil.pid_exists(restored.init_pid) or psutil.Process(restored.init_pid).status() == "zombie",
         15,
         "the half-restored tree still runs",
     )
-    gpu_pids = [p for p in record.facts["tree"].get("cuda_pids", [])]
+    assert isinstance(record.facts, RestoreFacts) and record.facts.tree is not None
+    gpu_pids = list(record.facts.tree.cuda_pids)
     assert all(
         node.cuda.get_state(p) in (ProcessState.CHECKPOINTED, ProcessState.FAILED)
         for p in gpu_pids

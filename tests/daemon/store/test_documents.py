@@ -21,8 +21,16 @@ from gpusnap.daemon.park.policy import Policies, Rule
 from gpusnap.daemon.park.standbys import Standby
 from gpusnap.daemon.remote import evict
 from gpusnap.daemon.remote.layout import Provenance
-from gpusnap.daemon.store import documents, manifest
+from gpusnap.daemon.store import documents, facts, manifest
 from gpusnap.daemon.store.documents import DocumentError
+from gpusnap.daemon.store.facts import (
+    CaptureFacts,
+    JournaledAgent,
+    JournaledBuffers,
+    JournaledTree,
+    RestoreFacts,
+    TransferFacts,
+)
 from gpusnap.daemon.store.journal import Entry, EntryResult, Journal
 
 PREVIOUS = Path(__file__).parent / "previous"
@@ -161,3 +169,55 @@ def test_the_previous_release_s_journal_loads(tmp_path: Path) -> None:
     assert entries["suspendcancelled"].state is OperationState.CANCELLED
     for entry in entries.values():
         assert documents.decode(documents.encode(entry), Entry) == entry
+
+
+def test_the_previous_release_s_recovery_facts_read_as_their_kind_s_types(tmp_path: Path) -> None:
+    """What recovery reads of each unfinished operation the previous release journaled: one type per kind
+    (gpusnap.daemon.store.facts), every fact as it wrote it (its agents' other keys are not read)."""
+    shutil.copytree(PREVIOUS / "journal", tmp_path / "journal")
+    entries = {e.id.removeprefix("op-").rstrip("a"): e for e in Journal(tmp_path / "journal").entries()}
+    read = {name: facts.read(e.kind, e.facts) for name, e in entries.items()}
+    assert read["checkpointrunning"] == CaptureFacts(
+        tree_pids=(4101, 4102),
+        starts=(1764789089.25, 1764789089.5),
+        control_dir="/home/u/ctl",
+        agents=(JournaledAgent(pid=4101, uid=1000, instance_id="ab" * 16, wake_dir="/run/gpusnap/wake"),),
+        staged=(
+            JournaledBuffers(
+                instance_id="ab" * 16,
+                uid=1000,
+                names=("model.embed",),
+                paths=("/var/lib/gpusnap/buffers/staging/x.buf",),
+                digests=("12" * 32,),
+            ),
+        ),
+        cuda_pids=(4102,),
+        staging="snap-previousreleasebbbbbbbbbbb",
+        criu_helper=4300,
+        criu_helper_start=1764789095.5,
+        snapshot_id="snap-previousreleasebbbbbbbbbbb",
+    )
+    restore = read["restorerunning"]
+    assert isinstance(restore, RestoreFacts) and restore.env == {"A": "1"} and restore.unset_env == ("B",)
+    assert restore.earlier_trees == (
+        JournaledTree(
+            helper_pid=4400,
+            helper_start=1764789100.5,
+            init_pid=4401,
+            init_start=1764789100.75,
+            ns_pid=1,
+            root=4402,
+            root_start=1764789100.8,
+            cuda_pids=(4403,),
+            validated=True,
+            pids=(4402, 4403),
+        ),
+    )
+    assert restore.tree == JournaledTree(helper_pid=4500, helper_start=1764789101.5, expect_pids=(4101, 4102))
+    activate = read["activaterunning"]
+    assert isinstance(activate, RestoreFacts) and activate.standby == "sb-" + "a" * 26
+    assert activate.tree is not None and activate.tree.cuda_pids == (4602,) and not activate.tree.validated
+    assert isinstance(read["standbyrunning"], RestoreFacts) and read["standbyrunning"].tree is not None
+    assert read["suspendcancelled"] == CaptureFacts() and read["pushfailed"] == TransferFacts()
+    for name, entry in entries.items():  # and what this release writes reads back the same
+        assert facts.read(entry.kind, facts.raw(read[name])) == read[name]
