@@ -13,12 +13,8 @@ user's uid, gid and groups for good (``setresgid``/``setresuid``), and then for 
   only an ACL opens is refused, the safe side).
 
 Everything it reports is something that user could have found out alone, so callers may pass its
-answers on. Request (stdin, one JSON object)::
-
-    {"uid": 1000, "gid": 1000, "groups": [1000], "mnt_ns_of": 0,
-     "items": [{"path": "/home/u/x", "dev": 2049, "ino": 131, "access": 4}]}   # dev/ino -1: any
-
-Reply (stdout): ``{"problems": [null | "missing" | "symlink" | "replaced" | "denied", …]}``, one per item.
+answers on. It reads a :class:`Request` on stdin and writes a :class:`Reply` on stdout, both through the saved
+documents' one codec (``gpusnap.daemon.store.documents``).
 """
 
 from __future__ import annotations
@@ -26,19 +22,22 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
-import json
 import os
 import stat
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Literal
 
 from gpusnap.daemon.access.nofollow import permits, walk
 from gpusnap.daemon.api.errors import InternalError
 from gpusnap.daemon.api.types import Creds
+from gpusnap.daemon.drivers.owner_child import become
+from gpusnap.daemon.store import documents
 
 CLONE_NEWNS = 0x00020000
+
+Problem = Literal["missing", "symlink", "replaced", "denied"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +47,26 @@ class Item:
     """``os.R_OK | os.W_OK | os.X_OK`` bits (0: only that it resolves)."""
     dev: int = -1
     ino: int = -1
+    """The inode expected there (-1: any)."""
 
 
-def check(creds: Creds, items: Sequence[Item], *, mnt_ns_of: int = 0, timeout_s: float = 60) -> list[str | None]:
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the helper checks, as whom, and in which mount namespace (``mnt_ns_of``: a host PID's; 0: its own)."""
+
+    creds: Creds
+    items: tuple[Item, ...]
+    mnt_ns_of: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """One answer per item: ``None`` (that user reaches that inode with that access) or what is wrong."""
+
+    problems: tuple[Problem | None, ...]
+
+
+def check(creds: Creds, items: Sequence[Item], *, mnt_ns_of: int = 0, timeout_s: float = 60) -> list[Problem | None]:
     """For each item ``None`` (the user reaches that inode with that access) or what is wrong.
 
     Args:
@@ -61,26 +77,19 @@ def check(creds: Creds, items: Sequence[Item], *, mnt_ns_of: int = 0, timeout_s:
     """
     if not items:
         return []
-    req = {
-        "uid": creds.uid,
-        "gid": creds.gid,
-        "groups": list(creds.groups),
-        "mnt_ns_of": mnt_ns_of,
-        "items": [dataclasses.asdict(i) for i in items],
-    }
+    req = Request(creds=creds, items=tuple(items), mnt_ns_of=mnt_ns_of)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     try:
         res = subprocess.run(
             [sys.executable, "-m", __name__],
-            input=json.dumps(req),
+            input=documents.encode(req) + b"\n",
             capture_output=True,
-            text=True,
             timeout=timeout_s,
             env=env,
             cwd="/",
         )
-        problems: list[str | None] = json.loads(res.stdout)["problems"]
-    except (OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+        problems = list(documents.decode(res.stdout, Reply).problems)
+    except (OSError, subprocess.SubprocessError, documents.DocumentError) as exc:
         raise InternalError(
             f"the file-rights check as uid {creds.uid} failed ({type(exc).__name__})", reason="ACCESS_CHECK_FAILED"
         ) from exc
@@ -89,9 +98,9 @@ def check(creds: Creds, items: Sequence[Item], *, mnt_ns_of: int = 0, timeout_s:
     return problems
 
 
-def _one(item: dict[str, Any], creds: Creds) -> str | None:
+def _one(item: Item, creds: Creds) -> Problem | None:
     try:
-        fd = walk(item["path"], final_flags=os.O_PATH)
+        fd = walk(item.path, final_flags=os.O_PATH)
     except OSError as exc:
         if exc.errno == errno.ENOENT:
             return "missing"
@@ -104,30 +113,24 @@ def _one(item: dict[str, Any], creds: Creds) -> str | None:
         os.close(fd)
     if stat.S_ISLNK(st.st_mode):
         return "symlink"
-    if item["dev"] != -1 and (st.st_dev, st.st_ino) != (item["dev"], item["ino"]):
+    if item.dev != -1 and (st.st_dev, st.st_ino) != (item.dev, item.ino):
         return "replaced"
-    if not permits(st, int(item["access"]), creds.uid, {creds.gid, *creds.groups}):
+    if not permits(st, item.access, creds.uid, {creds.gid, *creds.groups}):
         return "denied"
     return None
 
 
 def main() -> int:
-    req = json.loads(sys.stdin.readline())
-    creds = Creds(uid=int(req["uid"]), gid=int(req["gid"]), groups=tuple(int(g) for g in req["groups"]))
-    if req.get("mnt_ns_of"):
-        fd = os.open(f"/proc/{int(req['mnt_ns_of'])}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    req = documents.decode(sys.stdin.buffer.readline(), Request)
+    if req.mnt_ns_of:
+        fd = os.open(f"/proc/{req.mnt_ns_of}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.setns(fd, CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "setns(mnt)")
         os.close(fd)
         os.chdir("/")
-    os.setgroups(list(creds.groups))
-    os.setresgid(creds.gid, creds.gid, creds.gid)
-    os.setresuid(creds.uid, creds.uid, creds.uid)
-    if creds.uid != 0 and os.geteuid() == 0:
-        raise SystemExit("could not drop to the owner's uid")
-    problems = [_one(item, creds) for item in req["items"]]
-    sys.stdout.write(json.dumps({"problems": problems}))
+    become(req.creds)
+    sys.stdout.buffer.write(documents.encode(Reply(tuple(_one(item, req.creds) for item in req.items))))
     return 0
 
 

@@ -51,6 +51,8 @@ from gpusnap.daemon.api.text import cut
 from gpusnap.daemon.api.types import Creds, FileCopy, TcpMode
 from gpusnap.daemon.defaults import INSTALL_CRIU
 from gpusnap.daemon.drivers import pagefill
+from gpusnap.daemon.drivers.filecopies import CopySpec
+from gpusnap.daemon.store import documents
 
 log = structlog.get_logger(__name__)
 
@@ -339,7 +341,7 @@ class CriuDriver:
         owner: Creds | None = None,
         scratch_dir: Path | None = None,
         leave_stopped: bool = False,
-        file_copies: Mapping[str, Any] | None = None,
+        file_copies: CopySpec | None = None,
         on_progress: Callable[[int], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
         criu_dir: Path | None = None,
@@ -425,7 +427,7 @@ class CriuDriver:
             "shm_dir": str(shm_dir) if shm_dir else "",
             "terminals": dict(terminals) if terminals else None,
             "title": list(title),
-            "file_copies": dict(file_copies) if file_copies else None,
+            "file_copies": documents.to_builtins(file_copies) if file_copies else None,
             "page_fill": {"threads": self.page_fill.threads, "timeout_s": timeout_s} if fill else None,
         }
         if scratch_dir is not None:
@@ -433,7 +435,7 @@ class CriuDriver:
         if owner is not None:
             if scratch_dir is None:
                 raise ValueError("a restore with an owner needs a scratch_dir")
-            req["owner"] = {"uid": owner.uid, "gid": owner.gid, "groups": list(owner.groups)}
+            req["owner"] = documents.to_builtins(owner)
         handler = None
         if before_resume:
 

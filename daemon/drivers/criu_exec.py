@@ -72,9 +72,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from gpusnap.daemon.api.types import Creds
 from gpusnap.daemon.defaults import INSTALL_CRIU
 from gpusnap.daemon.drivers import criu_userpaths, filecopies
 from gpusnap.daemon.drivers.pagefill import PageFill, PageFillError
+from gpusnap.daemon.store import documents
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
@@ -394,14 +396,15 @@ def _next_size(sk: socket.socket, criu_pid: int, fill: PageFill | None = None) -
             return (len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK | socket.MSG_DONTWAIT)) if ready else 0), True
 
 
-def _prepare_images(req: dict[str, Any], made: filecopies.Made) -> criu_userpaths.Prepared | None:
+def _prepare_images(req: dict[str, Any], made: filecopies.Copies) -> criu_userpaths.Prepared | None:
     """The images CRIU restores from: a tree that ran as a user gets its path-named unix sockets made as that
     user (``owner``: criu_userpaths); files whose copies CRIU reopens once per description are marked
     external (``filecopies``)."""
     reopen = made.reopened()
     if req["action"] != "restore" or not (req.get("owner") or reopen):
         return None
-    return criu_userpaths.prepare(req["images_dir"], req["scratch_dir"], req.get("owner"), reopen)
+    owner = documents.convert(req["owner"], Creds) if req.get("owner") else None
+    return criu_userpaths.prepare(req["images_dir"], req["scratch_dir"], owner, reopen)
 
 
 def _criu_for(inherit: Sequence[tuple[str, int]], command: list[str], stdin: int = -1) -> Swrk:
@@ -425,9 +428,10 @@ def _restore(req: dict[str, Any], swrk: Swrk, command: list[str], stdin: int = -
     continues writing (``req["file_copies"]``, ``filecopies``): when there are any, a fresh CRIU inherits them.
     The result lists the copies (``file_copies``); a failed restore removes them."""
     prepared = None
-    made = filecopies.Made()
+    made = filecopies.Copies()
     try:
-        made = filecopies.make(req.get("file_copies"))
+        spec = req.get("file_copies")
+        made = filecopies.make(documents.convert(spec, filecopies.CopySpec) if spec else None)
         prepared = _prepare_images(req, made)  # in the tree's namespaces, as its user (criu_userpaths)
         inherit = [*(prepared.inherit if prepared else ()), *made.inherit]
         if inherit:  # CRIU must inherit them: a fresh one
@@ -443,7 +447,7 @@ def _restore(req: dict[str, Any], swrk: Swrk, command: list[str], stdin: int = -
         if prepared is not None:
             criu_userpaths.discard(prepared.images_dir)
     if result["ok"]:
-        result["file_copies"] = made.copies
+        result["file_copies"] = [documents.to_builtins(c) for c in made.copies]
         result[LEDGER] = made.ledger()  # for the tree's init, which removes them once the tree ends
     else:
         made.discard()
@@ -455,12 +459,13 @@ LEDGER = "_copies"
 helper; the namespace init hands it to the reaper (``--copies-fd``), which removes the copies with the tree."""
 
 
-def _ledger_fd(ledger: list[dict[str, Any]]) -> int:
-    """A memfd holding ``ledger`` as JSON, inheritable (for the reaper's ``--copies-fd``); -1 when empty."""
-    if not ledger:
+def _ledger_fd(ledger: filecopies.Ledger | None) -> int:
+    """A memfd holding ``ledger`` (the one codec's JSON), inheritable (for the reaper's ``--copies-fd``); -1 when
+    there is none or it is empty."""
+    if ledger is None or not ledger.copies:
         return -1
     fd = os.memfd_create("gpusnap-copies", 0)
-    os.write(fd, json.dumps(ledger).encode())
+    os.write(fd, documents.encode(ledger))
     os.lseek(fd, 0, os.SEEK_SET)
     os.set_inheritable(fd, True)
     return fd
@@ -688,7 +693,7 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
             except OSError as exc:
                 _kill_restored(0)
                 result = {"event": "result", "ok": False, "error": f"namespace init: {exc}", "errno": exc.errno or 0}
-        copies = _ledger_fd(result.pop(LEDGER, []))
+        copies = _ledger_fd(result.pop(LEDGER, None))
         os.write(w, (json.dumps(result) + "\n").encode())
         os.close(w)
         if not result["ok"]:

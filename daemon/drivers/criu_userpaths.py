@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import os
 import shutil
 import socket
@@ -53,7 +52,8 @@ import stat
 import struct
 from typing import Any
 
-from gpusnap.daemon.drivers import criu_images
+from gpusnap.daemon.api.types import Creds
+from gpusnap.daemon.drivers import criu_images, owner_child
 
 USK_EXTERN = 1
 """criu/sk-unix.c: an entry CRIU does not create, bind or unlink by name."""
@@ -261,9 +261,9 @@ def external(files_img: bytes, reopen: frozenset[str]) -> bytes | None:
 
 
 def prepare(
-    images_dir: str, scratch_dir: str, owner: dict[str, Any] | None, reopen: frozenset[str] = frozenset()
+    images_dir: str, scratch_dir: str, owner: Creds | None, reopen: frozenset[str] = frozenset()
 ) -> Prepared | None:
-    """Make the snapshot's path-named unix sockets as ``owner`` (``uid``, ``gid``, ``groups``; ``None``: a
+    """Make the snapshot's path-named unix sockets as ``owner`` (``None``: a
     tree that ran as root, whose sockets and ghosts are CRIU's) and the images CRIU restores instead (see the
     module docstring), with the regular files of ``reopen`` external (:func:`external`); ``None`` when
     nothing needs either.
@@ -345,63 +345,60 @@ def _restore_common(fd: int, u: Any) -> None:
         sk.close()
 
 
-def _as_owner(ops: list[_Op], owner: dict[str, Any]) -> list[int]:
-    """Run :func:`_make` in a child that is ``owner``; returns its sockets' fds (one per op, in order).
+@dataclasses.dataclass(frozen=True)
+class SocketFailure:
+    """The first socket the owner's child could not make: its index among the ops, and the owner's own error."""
+
+    op: int
+    errno: int
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SocketsMade:
+    """The owner's child's answer: every socket made (their descriptors come with it), or the first failure."""
+
+    failure: SocketFailure | None = None
+
+
+def _as_owner(ops: list[_Op], owner: Creds) -> list[int]:
+    """Run :func:`_make` in a child that is ``owner`` (``drivers.owner_child``); returns its sockets' fds (one per
+    op, in order).
 
     Raises:
         Refused: the first op that failed, with the owner's own error.
     """
-    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child's exit code and message are checked by the parent
-        code = 1
-        try:
-            parent.close()
-            os.setgroups([int(g) for g in owner["groups"]])
-            os.setresgid(int(owner["gid"]), int(owner["gid"]), int(owner["gid"]))
-            os.setresuid(int(owner["uid"]), int(owner["uid"]), int(owner["uid"]))
-            if os.geteuid() == 0 or os.getegid() == 0 and int(owner["gid"]) != 0:
-                raise OSError(errno.EPERM, "could not drop to the owner's credentials")
-            made: list[int] = []
-            failure = None
-            for op in ops:
-                try:
-                    made.append(_make(op))
-                except OSError as exc:
-                    failure = {"op": len(made), "errno": exc.errno or 0, "error": exc.strerror or str(exc)}
-                    break
-            else:
-                for op in ops:
-                    if op.deleted:  # its name was gone at the dump: gone again, once everything connected
-                        os.unlink(_show(op.bind, op.bind_dir))
-            socket.send_fds(child, [json.dumps({"failure": failure}).encode()], made)
-            code = 0
-        finally:
-            os._exit(code)
-    child.close()
-    try:
-        msg, fds, _flags, _addr = socket.recv_fds(parent, 65536, len(ops))
-    finally:
-        parent.close()
-        _, status = os.waitpid(pid, 0)
-    if not msg or os.waitstatus_to_exitcode(status) != 0:
-        for fd in fds:
-            os.close(fd)
+
+    def work() -> list[tuple[SocketsMade, list[int]]]:
+        made: list[int] = []
+        for op in ops:
+            try:
+                made.append(_make(op))
+            except OSError as exc:
+                return [(SocketsMade(SocketFailure(len(made), exc.errno or 0, exc.strerror or str(exc))), made)]
+        for op in ops:
+            if op.deleted:  # its name was gone at the dump: gone again, once everything connected
+                os.unlink(_show(op.bind, op.bind_dir))
+        return [(SocketsMade(), made)]
+
+    replies, status = owner_child.run_as(owner, work, SocketsMade, max_fds=max(len(ops), 1))
+    if len(replies) != 1 or status != 0:
+        owner_child.close_all(replies)
         raise Refused(
-            f"the unix sockets of the tree could not be made as uid {owner['uid']} (helper exit status "
-            f"{os.waitstatus_to_exitcode(status)})",
+            f"the unix sockets of the tree could not be made as uid {owner.uid} (helper exit status {status})",
             reason="ACCESS_CHECK_FAILED",
             code="INTERNAL",
         )
-    failure = json.loads(msg)["failure"]
+    ((answer, fds),) = replies
+    failure = answer.failure
     if failure is None:
-        return list(fds)
+        return fds
     for fd in fds:
         os.close(fd)
-    op = ops[failure["op"]]
+    op = ops[failure.op]
     what = "bound" if op.bind else "connected"
     path = _show(op.bind, op.bind_dir) if op.bind else _show(op.connect, op.connect_dir)
-    if op.bind and failure["errno"] == errno.EADDRINUSE:
+    if op.bind and failure.errno == errno.EADDRINUSE:
         raise Refused(
             f"the tree's unix socket {path} cannot be bound again: something else is at that path now; "
             "remove it, or restore the snapshot where the path is free",
@@ -409,7 +406,7 @@ def _as_owner(ops: list[_Op], owner: dict[str, Any]) -> list[int]:
             code="FAILED_PRECONDITION",
         )
     raise Refused(
-        f"the tree's unix socket {path} cannot be {what} by uid {owner['uid']} ({failure['error']}); a restore "
+        f"the tree's unix socket {path} cannot be {what} by uid {owner.uid} ({failure.error}); a restore "
         f"makes a non-root snapshot's sockets with its owner's rights: put the directories back as they were "
         "at the dump, or restore as root",
         reason="FILE_NOT_PERMITTED",

@@ -15,7 +15,7 @@ The namespace init of ``gpusnap.daemon.drivers.criu_exec`` execs ``python -m gpu
   (the init of a PID namespace takes the namespace with it). This is how ``gpusnap stop`` ends a tree;
 - on SIGUSR2 (:data:`END_NOW`) sends SIGKILL to every process of the namespace at once: how gpusnapd kills a
   tree (a standby dropped, a restore that failed after CRIU) so that what follows still runs;
-- for a tree that continues files in copies of its own (``--copies-fd=FD``: the copies' ledger, JSON,
+- for a tree that continues files in copies of its own (``--copies-fd=FD``: the copies' ledger, a ``Ledger``
   ``gpusnap.daemon.drivers.filecopies``): once the tree has ended, however it ended, removes those copies,
   each as the user who made it and only while its name still names that copy. A copy lives as long as the
   tree that writes it (issue 27, item 4); only a SIGKILL of this init itself leaves them.
@@ -24,7 +24,6 @@ The namespace init of ``gpusnap.daemon.drivers.criu_exec`` execs ``python -m gpu
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import sys
@@ -50,21 +49,30 @@ def main(argv: list[str]) -> int:
         if copies:
             for sig in (signal.SIGTERM, signal.SIGINT, END_NOW):  # the tree is gone: nothing left to stop
                 signal.signal(sig, signal.SIG_IGN)
-            from gpusnap.daemon.drivers import filecopies
-
-            filecopies.remove(copies)
+            _remove_copies(copies)
 
 
-def _ledger(fd: str) -> list[dict[str, object]]:
-    """The copies' ledger read from the inherited descriptor ``fd`` (closed); none when not given or unreadable."""
+def _ledger(fd: str) -> bytes:
+    """The copies' ledger (a ``filecopies.Ledger``, encoded) read from the inherited descriptor ``fd`` (closed);
+    empty when not given or unreadable. It is decoded only once the tree has ended (this init stays small)."""
     if not fd.isdigit():
-        return []
+        return b""
     try:
         with os.fdopen(int(fd), "rb") as fh:
-            doc = json.loads(fh.read())
-    except (OSError, ValueError):
-        return []
-    return [c for c in doc if isinstance(c, dict)] if isinstance(doc, list) else []
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def _remove_copies(ledger: bytes) -> None:
+    """Remove the copies of ``ledger`` (``filecopies.remove``); an unreadable ledger removes nothing."""
+    from gpusnap.daemon.drivers import filecopies
+    from gpusnap.daemon.store import documents
+
+    try:
+        filecopies.remove(documents.decode(ledger, filecopies.Ledger))
+    except documents.DocumentError:
+        pass
 
 
 def _reap(root: int, pump: str) -> int:

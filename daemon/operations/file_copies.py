@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Collection
-from typing import Any
 
 from gpusnap.daemon.access import tree_rights
 from gpusnap.daemon.api.types import Creds, HeldFile, Snapshot
+from gpusnap.daemon.drivers.filecopies import CopySpec, FileToCopy
 
 INFIX = ".gpusnap-"
 """A copy's name is the file's name, this, and the restore's operation id (and ``-<i>`` in a fan-out)."""
@@ -47,7 +47,7 @@ def continued(held: HeldFile) -> bool:
 
 def request(
     snapshot: Snapshot, label: str, take_in_place: Callable[[], bool], fresh: Collection[str] = ()
-) -> dict[str, Any] | None:
+) -> CopySpec | None:
     """What the restore's helper needs to give this copy of the tree its own copy of each file it writes
     without ``O_APPEND`` (``criu_exec``'s ``file_copies``), or ``None`` when the tree writes none.
 
@@ -78,18 +78,16 @@ def request(
         access = os.O_RDWR if reads or writer.flags & os.O_ACCMODE == os.O_RDWR else os.O_WRONLY
         reopen = len(fds) > 1
         files.append(
-            {
-                "path": path,
+            FileToCopy(
+                path=path,
                 # CRIU's name of a regular file: its path without the first "/"; of an external one, the path
-                "key": path if reopen else path.lstrip("/") or ".",
-                "reopen": reopen,
-                "copy": os.path.basename(path) + INFIX + label,
-                "size": writer.size,
-                "pos": writer.pos,
-                "flags": (writer.flags & ~os.O_ACCMODE) | (os.O_RDWR if reopen else access),
-                "uid": creds.uid,
-                "gid": creds.gid,
-                "groups": list(creds.groups),
-            }
+                key=path if reopen else path.lstrip("/") or ".",
+                reopen=reopen,
+                copy=os.path.basename(path) + INFIX + label,
+                size=writer.size,
+                pos=writer.pos,
+                flags=(writer.flags & ~os.O_ACCMODE) | (os.O_RDWR if reopen else access),
+                owner=creds,
+            )
         )
-    return {"in_place": take_in_place(), "files": files}
+    return CopySpec(in_place=take_in_place(), files=tuple(files))

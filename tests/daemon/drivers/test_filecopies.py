@@ -8,13 +8,23 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.daemon.api.types import Creds, FileCopy
 from gpusnap.daemon.drivers import filecopies
+from gpusnap.daemon.store import documents
 
 
-def _spec(log: Path, size: int, in_place: bool, flags: int = os.O_WRONLY) -> dict[str, object]:
-    entry = {"path": str(log), "key": str(log)[1:], "copy": "w.log.gpusnap-op-x", "size": size, "pos": size}
-    owner = {"uid": 0, "gid": 0, "groups": []}
-    return {"in_place": in_place, "files": [{**entry, "flags": flags, **owner}]}
+def _spec(log: Path, size: int, in_place: bool, flags: int = os.O_WRONLY) -> filecopies.CopySpec:
+    copy = filecopies.FileToCopy(
+        path=str(log),
+        key=str(log)[1:],
+        reopen=False,
+        copy="w.log.gpusnap-op-x",
+        size=size,
+        pos=size,
+        flags=flags,
+        owner=Creds(uid=0, gid=0),
+    )
+    return filecopies.CopySpec(in_place=in_place, files=(copy,))
 
 
 def test_a_grown_file_gets_a_copy_of_its_dumped_bytes_at_its_position(tmp_path: Path) -> None:
@@ -24,7 +34,7 @@ def test_a_grown_file_gets_a_copy_of_its_dumped_bytes_at_its_position(tmp_path: 
     made = filecopies.make(_spec(log, 7, in_place=True, flags=os.O_WRONLY | os.O_NONBLOCK))
     [(key, fd)] = made.inherit
     copy = tmp_path / "w.log.gpusnap-op-x"
-    assert key == str(log)[1:] and made.copies == [{"path": str(log), "copy": str(copy), "size_bytes": 7}]
+    assert key == str(log)[1:] and made.copies == [FileCopy(str(log), str(copy), 7)]
     assert copy.read_bytes() == b"dumped\n" and os.stat(copy).st_mode & 0o777 == 0o640
     assert os.lseek(fd, 0, os.SEEK_CUR) == 7
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -68,3 +78,16 @@ def test_discard_removes_only_the_copy_it_made(tmp_path: Path) -> None:
     copy.write_bytes(b"another file now")
     made.discard()
     assert copy.read_bytes() == b"another file now" and (tmp_path / "moved").read_bytes() == b"dumped\n"
+
+
+def test_the_ledger_reaches_the_reaper_and_removes_the_copies_as_their_owner(tmp_path: Path) -> None:
+    """What the restore's namespace init hands the reaper (``--copies-fd``) reads back as the ledger made, and
+    removes the copies."""
+    log = tmp_path / "w.log"
+    log.write_bytes(b"dumped\nmore\n")
+    made = filecopies.make(_spec(log, 7, in_place=False))
+    made.close_fds()
+    ledger = documents.decode(documents.encode(made.ledger()), filecopies.Ledger)
+    assert ledger == made.ledger() and ledger.copies[0].owner == Creds(uid=0, gid=0)
+    filecopies.remove(ledger)
+    assert not (tmp_path / "w.log.gpusnap-op-x").exists() and log.exists()

@@ -7,6 +7,7 @@ import os
 from datetime import UTC, datetime
 
 from gpusnap.daemon.api.types import Creds, HeldFile, HostFacts, ProcessFacts, Snapshot
+from gpusnap.daemon.drivers.filecopies import CopySpec, FileToCopy
 from gpusnap.daemon.operations import file_copies
 
 W, R = os.W_OK, os.R_OK
@@ -45,29 +46,27 @@ def test_only_files_written_at_their_own_position_get_copies() -> None:
     assert file_copies.request(_snapshot(*held), "op-a", lambda: taken.append(True) or True) is None
     assert taken == [], "the in-place claim is taken only when a file needs it"
     req = file_copies.request(_snapshot(*held, _fd("/h/w.log", os.O_WRONLY | 0o100000)), "op-a-1", lambda: False)
-    assert req == {
-        "in_place": False,
-        "files": [
-            {
-                "path": "/h/w.log",
-                "key": "h/w.log",
-                "reopen": False,
-                "copy": "w.log.gpusnap-op-a-1",
-                "size": 10,
-                "pos": 10,
-                "flags": os.O_WRONLY | 0o100000,
-                "uid": 1000,
-                "gid": 1000,
-                "groups": [1000, 27],
-            }
-        ],
-    }
+    assert req == CopySpec(
+        in_place=False,
+        files=(
+            FileToCopy(
+                path="/h/w.log",
+                key="h/w.log",
+                reopen=False,
+                copy="w.log.gpusnap-op-a-1",
+                size=10,
+                pos=10,
+                flags=os.O_WRONLY | 0o100000,
+                owner=Creds(1000, 1000, (1000, 27)),
+            ),
+        ),
+    )
 
 
 def test_a_file_also_read_or_mapped_gets_a_copy_it_can_read() -> None:
     mapped = HeldFile(pid=1, what="map 7f00", path="/h/db", dev=1, ino=2, access=R | W)
     req = file_copies.request(_snapshot(_fd("/h/db", os.O_WRONLY), mapped), "op-b", lambda: True)
-    assert req is not None and req["in_place"] and req["files"][0]["flags"] & os.O_ACCMODE == os.O_RDWR
+    assert req is not None and req.in_place and req.files[0].flags & os.O_ACCMODE == os.O_RDWR
 
 
 def test_a_file_held_through_several_descriptors_is_reopened_from_its_copy_once_each() -> None:
@@ -75,11 +74,11 @@ def test_a_file_held_through_several_descriptors_is_reopened_from_its_copy_once_
     CRIU reopens the copy once per description (the key is the path itself: an external file)."""
     held = (_fd("/h/w.log", os.O_WRONLY, pos=10), _fd("/h/w.log", os.O_RDONLY, pos=0, what="fd 4"))
     req = file_copies.request(_snapshot(*held), "op-c", lambda: True)
-    assert req is not None and req["in_place"]
-    [f] = req["files"]
-    assert (f["key"], f["reopen"], f["flags"] & os.O_ACCMODE) == ("/h/w.log", True, os.O_RDWR)
+    assert req is not None and req.in_place
+    [f] = req.files
+    assert (f.key, f.reopen, f.flags & os.O_ACCMODE) == ("/h/w.log", True, os.O_RDWR)
     one = file_copies.request(_snapshot(_fd("/h/w.log", os.O_WRONLY)), "op-c", lambda: True)
-    assert one is not None and (one["files"][0]["key"], one["files"][0]["reopen"]) == ("h/w.log", False)
+    assert one is not None and (one.files[0].key, one.files[0].reopen) == ("h/w.log", False)
 
 
 def test_each_copy_is_made_as_the_process_that_writes_it() -> None:
@@ -94,8 +93,8 @@ def test_each_copy_is_made_as_the_process_that_writes_it() -> None:
     )
     req = file_copies.request(snap, "op-d", lambda: True)
     assert req is not None
-    assert [(f["path"], f["uid"], f["groups"]) for f in req["files"]] == [
-        ("/h/a.log", 1000, [1000]),
-        ("/h/b.log", 1001, []),
-        ("/r.log", 0, []),
+    assert [(f.path, f.owner.uid, f.owner.groups) for f in req.files] == [
+        ("/h/a.log", 1000, (1000,)),
+        ("/h/b.log", 1001, ()),
+        ("/r.log", 0, ()),
     ]
