@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import json
 import os
 import re
 import selectors
@@ -31,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,17 @@ from gpusnap.daemon.api.errors import (
 from gpusnap.daemon.api.text import cut
 from gpusnap.daemon.api.types import Creds, FileCopy, TcpMode
 from gpusnap.daemon.defaults import INSTALL_CRIU
+from gpusnap.daemon.drivers import criu_protocol as protocol
 from gpusnap.daemon.drivers import pagefill
+from gpusnap.daemon.drivers.criu_protocol import (
+    Answer,
+    CriuOpts,
+    Event,
+    Notify,
+    PageFillRequest,
+    Request,
+    Terminals,
+)
 from gpusnap.daemon.drivers.filecopies import CopySpec
 from gpusnap.daemon.store import documents
 
@@ -75,16 +84,16 @@ CRIU prefix) instead of running ``iptables``, which Debian 12 hosts lack ("exite
 Iptables configuration failed | tcp: Failed to lock TCP connection")."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PageFillStats:
-    """What filling a restored tree's private pages did (``pagefill.Stats``): ``bytes`` copied by ``threads``
-    threads in ``seconds``, for ``processes`` processes; ``faults`` served before the threads had the page in."""
-
-    bytes: int
-    seconds: float
-    threads: int
-    processes: int
-    faults: int
+def _opts(tcp: TcpMode) -> CriuOpts:
+    """CRIU's options for every dump and restore: a shell's job, external unix sockets, file locks and link
+    remaps, the log at level 4, and for ``tcp`` established connections locked (nftables) and restored, or
+    closed."""
+    common = CriuOpts(shell_job=True, ext_unix_sk=True, file_locks=True, link_remap=True, log_level=4)
+    if tcp is TcpMode.ESTABLISHED:
+        return dataclasses.replace(common, tcp_established=True, network_lock=NETWORK_LOCK_NFTABLES)
+    if tcp is TcpMode.CLOSE:
+        return dataclasses.replace(common, tcp_close=True)
+    return common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +105,7 @@ class RestoredTree:
     ns_pid: int
     file_copies: tuple[FileCopy, ...] = ()
     """Files the tree continues writing in copies made for it (``filecopies``)."""
-    page_fill: PageFillStats | None = None
+    page_fill: pagefill.Stats | None = None
     """What the page fill did, when the tree's pages were filled that way."""
 
 
@@ -291,31 +300,21 @@ class CriuDriver:
             CriuError: CRIU refused (FAILED_PRECONDITION, with log lines) or died (ABORTED).
             DeadlineExceededError: not done within ``timeout_s``; CRIU was killed.
         """
-        opts: dict[str, Any] = {
-            "pid": pid,
-            "shell_job": True,
-            "ext_unix_sk": True,
-            "file_locks": True,
-            "link_remap": True,
-            "leave_running": leave_running,
-            "leave_stopped": leave_stopped,
-            "ghost_limit": GHOST_LIMIT_BYTES,
-            "log_level": 4,
-            "log_file": "dump.log",
-            "timeout": freeze_timeout_s,
-        }
-        if external:
-            opts["external"] = list(external)
-        if tcp is TcpMode.ESTABLISHED:
-            opts["tcp_established"] = True
-            opts["network_lock"] = NETWORK_LOCK_NFTABLES
-        elif tcp is TcpMode.CLOSE:
-            opts["tcp_close"] = True
-        req: dict[str, Any] = {"action": "dump", "images_dir": str(images_dir), "work_dir": str(work_dir), "opts": opts}
-        if enter_ns_of:
-            req["enter_ns_of"] = enter_ns_of
+        opts = dataclasses.replace(
+            _opts(tcp),
+            pid=pid,
+            leave_running=leave_running,
+            leave_stopped=leave_stopped,
+            ghost_limit=GHOST_LIMIT_BYTES,
+            log_file="dump.log",
+            timeout=freeze_timeout_s,
+            external=tuple(external),
+        )
+        req = Request(
+            action="dump", images_dir=str(images_dir), work_dir=str(work_dir), opts=opts, enter_ns_of=enter_ns_of
+        )
         handler = (
-            _NotifyHandler({"post-dump": lambda event, _events: on_post_dump(_image_bytes(event))})
+            _NotifyHandler({"post-dump": lambda notify, _events: on_post_dump(_image_bytes(notify))})
             if on_post_dump
             else None
         )
@@ -336,7 +335,7 @@ class CriuDriver:
         before_resume: Callable[[RestoredTree], None] | None = None,
         private_log: bool = False,
         before_criu: Callable[[int, int], None] | None = None,
-        terminals: Mapping[str, Any] | None = None,
+        terminals: Terminals | None = None,
         title: Sequence[str] = (),
         owner: Creds | None = None,
         scratch_dir: Path | None = None,
@@ -366,8 +365,7 @@ class CriuDriver:
                 there); the exception is re-raised here.
             private_log: keep CRIU's log lines out of the error (for callers who may not see what CRIU
                 saw as root, e.g. the size of a file they cannot stat); the log stays for root.
-            terminals: terminals left behind at dump and the file standing in for them
-                (``{"keys": [...], "path": "", "uid", "gid", "groups"}``, see ``criu_exec``).
+            terminals: terminals left behind at dump and the file standing in for them (``criu_protocol``).
             title: what the namespace init's command line says once the tree runs (``["snapshot=…", …]``).
             owner: the user a tree ran as (``access.tree_rights``; ``None``: every process ran as root): its
                 unix sockets named by path are made with that user's rights and inherited by CRIU, which then
@@ -399,50 +397,37 @@ class CriuDriver:
         """
         if cancelled is not None and not new_pidns:
             raise ValueError("only a restore into a new PID namespace can be stopped (its init takes the tree along)")
-        opts: dict[str, Any] = {
-            "shell_job": True,
-            "ext_unix_sk": True,
-            "file_locks": True,
-            "link_remap": True,
-            "log_level": 4,
-            "log_file": log_name,
-        }
-        if leave_stopped:
-            opts["leave_stopped"] = True
-        if tcp is TcpMode.ESTABLISHED:
-            opts["tcp_established"] = True
-            opts["network_lock"] = NETWORK_LOCK_NFTABLES
-        elif tcp is TcpMode.CLOSE:
-            opts["tcp_close"] = True
+        opts = dataclasses.replace(
+            _opts(tcp),
+            log_file=log_name,
+            leave_stopped=True if leave_stopped else None,
+        )
         if (new_netns or shm_dir) and not new_pidns:
             raise ValueError("a private network or /dev/shm needs the fresh namespaces of new_pidns")
+        if owner is not None and scratch_dir is None:
+            raise ValueError("a restore with an owner needs a scratch_dir")
         fill = self.page_fill.threads > 0 and criu_dir is not None
-        req: dict[str, Any] = {
-            "action": "restore",
-            "images_dir": str(images_dir),
-            "work_dir": str(criu_dir if fill else work_dir),
-            "opts": opts,
-            "new_pidns": new_pidns,
-            "new_netns": new_netns,
-            "shm_dir": str(shm_dir) if shm_dir else "",
-            "terminals": dict(terminals) if terminals else None,
-            "title": list(title),
-            "file_copies": documents.to_builtins(file_copies) if file_copies else None,
-            "page_fill": {"threads": self.page_fill.threads, "timeout_s": timeout_s} if fill else None,
-        }
-        if scratch_dir is not None:
-            req["scratch_dir"] = str(scratch_dir)
-        if owner is not None:
-            if scratch_dir is None:
-                raise ValueError("a restore with an owner needs a scratch_dir")
-            req["owner"] = documents.to_builtins(owner)
+        req = Request(
+            action="restore",
+            images_dir=str(images_dir),
+            work_dir=str(criu_dir if fill else work_dir),
+            opts=opts,
+            new_pidns=new_pidns,
+            new_netns=new_netns,
+            shm_dir=str(shm_dir) if shm_dir else "",
+            terminals=terminals,
+            title=tuple(title),
+            owner=owner,
+            scratch_dir=str(scratch_dir) if scratch_dir is not None else "",
+            file_copies=file_copies,
+            page_fill=PageFillRequest(self.page_fill.threads, timeout_s) if fill else None,
+        )
         handler = None
         if before_resume:
 
-            def pre_resume(_event: dict[str, Any], events: list[dict[str, Any]]) -> None:
-                init = next((e["pid"] for e in events if e.get("event") == "init"), 0)
-                root = next(e["pid"] for e in events if e.get("event") == "notify" and e["script"] == "post-restore")
-                before_resume(RestoredTree(init_pid=int(init), ns_pid=int(root)))
+            def pre_resume(_notify: Notify, events: list[Event]) -> None:
+                root = next(e.notify.pid for e in events if e.notify and e.notify.script == "post-restore")
+                before_resume(RestoredTree(init_pid=_init_pid(events), ns_pid=root))
 
             handler = _NotifyHandler({"pre-resume": pre_resume})
         with _private_work_dir(criu_dir if fill else None, work_dir / log_name):
@@ -456,17 +441,11 @@ class CriuDriver:
                 progress=_Ticker(on_progress, _restore_reads) if on_progress else None,
                 cancelled=cancelled,
             )
-        init_pid = next((e["pid"] for e in events if e.get("event") == "init"), 0)
-        result = events[-1]
-        copies = tuple(
-            FileCopy(str(c["path"]), str(c["copy"]), int(c["size_bytes"])) for c in result.get("file_copies", [])
-        )
-        filled = next((e["page_fill"] for e in events if e.get("script") == "pre-resume" and "page_fill" in e), None)
+        result = events[-1].result
+        assert result is not None  # _run returns only with one
+        filled = next((e.notify.page_fill for e in events if e.notify and e.notify.script == "pre-resume"), None)
         return RestoredTree(
-            init_pid=init_pid,
-            ns_pid=int(result["pid"]),
-            file_copies=copies,
-            page_fill=PageFillStats(**filled) if filled else None,
+            init_pid=_init_pid(events), ns_pid=result.pid, file_copies=result.file_copies, page_fill=filled
         )
 
     def _env(self) -> dict[str, str]:
@@ -479,7 +458,7 @@ class CriuDriver:
 
     def _run(
         self,
-        req: dict[str, Any],
+        req: Request,
         log_path: Path,
         timeout_s: float,
         on_start: Callable[[int], None] | None = None,
@@ -488,9 +467,9 @@ class CriuDriver:
         before_criu: Callable[[int, int], None] | None = None,
         progress: _Ticker | None = None,
         cancelled: Callable[[], bool] | None = None,
-    ) -> list[dict[str, Any]]:
-        action = req["action"]
-        line = json.dumps(req).encode() + b"\n"
+    ) -> list[Event]:
+        action = req.action
+        line = protocol.line(req)
         proc = self._take_helper()
         try:
             if on_start:  # before the helper has the request: its CRIU is known wherever the daemon dies
@@ -565,10 +544,10 @@ class CriuDriver:
         before_criu: Callable[[int, int], None] | None = None,
         progress: _Ticker | None = None,
         cancelled: Callable[[], bool] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[Event]:
         start_error: BaseException | None = None
         assert proc.stdin and proc.stdout and proc.stderr
-        events: list[dict[str, Any]] = []
+        events: list[Event] = []
         deadline = time.monotonic() + timeout_s
         overdue = False  # a dump past its deadline: never killed (its parasite may be in a task), stopped at post-dump
         buf = b""
@@ -605,31 +584,32 @@ class CriuDriver:
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    event = json.loads(line)
+                    event = documents.decode(line, Event)
                     events.append(event)
-                    if event.get("event") == "result":  # the last line: no need to wait for EOF
+                    if event.result is not None:  # the last line: no need to wait for EOF
                         buf = b""
                         break
-                    if event.get("event") == "start":  # a restore's CRIU waits for this answer
+                    if event.start is not None:  # a restore's CRIU waits for this answer
                         try:
                             if before_criu:
-                                before_criu(int(event["helper"]), int(event["init"]))
+                                before_criu(event.start.helper, event.start.init)
                         except BaseException as exc:  # re-raised once the helper has given up
                             start_error = exc
                         _answer(proc, start_error is None)
-                    if event.get("event") == "notify":
-                        if event["script"] == "post-dump":
+                    notify = event.notify
+                    if notify is not None:
+                        if notify.script == "post-dump":
                             progress = None  # the images are complete: what follows is the caller's phases
-                        if overdue and event["script"] == "post-dump":
+                        if overdue and notify.script == "post-dump":
                             ok = False  # past its deadline: nothing is published, CRIU resumes the tree
                         else:
-                            ok = on_notify.handle(event, events) if on_notify else True
+                            ok = on_notify.handle(notify, events) if on_notify else True
                         _answer(proc, ok)
-                        if ok and event["script"] == "post-dump":
+                        if ok and notify.script == "post-dump":
                             # The snapshot is published and CRIU now ends the source: killing CRIU for
                             # the deadline here would lose both, so wait for it to finish.
                             deadline = float("inf")
-                if events and events[-1].get("event") == "result":
+                if events and events[-1].result is not None:
                     if progress is not None:  # all of it, however fast it went (a restored task keeps its count)
                         progress.tick(events, last=True)
                     break
@@ -645,8 +625,8 @@ class CriuDriver:
                 "(`dump --timeout`) if the tree is large",
                 reason="CRIU_TIMEOUT",
             )
-        result = events[-1] if events and events[-1].get("event") == "result" else None
-        if result and result["ok"] and start_error is None and not (on_notify and on_notify.error):
+        result = events[-1].result if events else None
+        if result and result.ok and start_error is None and not (on_notify and on_notify.error):
             # Answered: the helper has reaped CRIU and only exits now; reap it off this request's path.
             threading.Thread(target=proc.wait, name="gpusnap-criu-reap", daemon=True).start()
         else:
@@ -667,18 +647,18 @@ class CriuDriver:
                 reason="CRIU_DIED",
                 log_lines=lines,
             )
-        if not result["ok"] and result.get("reason"):  # refused by the helper before CRIU ran
-            raise _REFUSALS.get(result.get("code", ""), InternalError)(result["error"], reason=result["reason"])
-        if not result["ok"]:
+        if not result.ok and result.reason:  # refused by the helper before CRIU ran
+            raise _REFUSALS.get(result.code, InternalError)(result.error, reason=result.reason)
+        if not result.ok:
             if on_notify and on_notify.error:
                 raise on_notify.error
             lines = log_lines(log_path)
             kept = self._keep_log(log_path)
-            died = int(result.get("errno") or 0) in CRIU_GONE_ERRNOS
-            headline = result["error"]
+            died = result.errno in CRIU_GONE_ERRNOS
+            headline = result.error
             if lines and any(b in headline for b in BENIGN_LOG_LINES):  # CRIU's first error, not its cause
                 headline = lines[0]
-            hint = failure_hint(action, int(result.get("errno") or 0), lines)
+            hint = failure_hint(action, result.errno, lines)
             if hint:
                 headline = f"{headline} ({hint})"
             details = f"{_joined(lines, LOG_EXCERPT_CHARS)} ({kept})"
@@ -722,13 +702,13 @@ class CriuDriver:
             return f"CRIU's full log could not be kept: {exc.strerror or exc}"
 
     @staticmethod
-    def _kill(proc: subprocess.Popen[bytes], events: list[dict[str, Any]]) -> None:
-        for event in events:  # a restore's namespace init takes everything inside with it
-            if event.get("event") == "init":
-                try:
-                    os.kill(int(event["pid"]), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+    def _kill(proc: subprocess.Popen[bytes], events: list[Event]) -> None:
+        init = _init_pid(events)
+        if init:  # a restore's namespace init takes everything inside with it
+            try:
+                os.kill(init, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -756,7 +736,7 @@ def _answer(proc: subprocess.Popen[bytes], ok: bool) -> None:
     its end of output, comes next."""
     assert proc.stdin
     try:  # unbuffered: a refused write leaves nothing behind for close() to fail on again
-        os.write(proc.stdin.fileno(), json.dumps({"ok": ok}).encode() + b"\n")
+        os.write(proc.stdin.fileno(), protocol.line(Answer(ok)))
     except BrokenPipeError:
         pass
 
@@ -773,7 +753,7 @@ def _end_helper(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-_Callback = Callable[[dict[str, Any], list[dict[str, Any]]], None]
+_Callback = Callable[[Notify, list[Event]], None]
 
 PROGRESS_S = 0.5
 """How often a request's progress is measured and reported while CRIU runs."""
@@ -785,12 +765,12 @@ class _Ticker:
     """Reports a running request's progress: ``measure(events so far)`` handed to ``report`` at most every
     ``PROGRESS_S``. A measurement that fails (a file or task gone meanwhile) is skipped."""
 
-    def __init__(self, report: Callable[[int], None], measure: Callable[[list[dict[str, Any]]], int]):
+    def __init__(self, report: Callable[[int], None], measure: Callable[[list[Event]], int]):
         self.report = report
         self.measure = measure
         self._next = 0.0
 
-    def tick(self, events: list[dict[str, Any]], *, last: bool = False) -> None:
+    def tick(self, events: list[Event], *, last: bool = False) -> None:
         now = time.monotonic()
         if now < self._next and not last:
             return
@@ -820,12 +800,15 @@ def dir_bytes(path: Path) -> int:
     return total
 
 
-def _restore_reads(events: list[dict[str, Any]]) -> int:
+def _init_pid(events: list[Event]) -> int:
+    """The host PID of a restore's namespace init (its ``init`` event), 0 without one."""
+    return next((e.init.pid for e in events if e.init is not None), 0)
+
+
+def _restore_reads(events: list[Event]) -> int:
     """Bytes read so far by a restore's CRIU and the tasks it restores: every process under the namespace init (or,
     without one, under the helper, whose PID the ``start`` event names)."""
-    top = next((int(e["pid"]) for e in events if e.get("event") == "init"), 0) or next(
-        (int(e["helper"]) for e in events if e.get("event") == "start"), 0
-    )
+    top = _init_pid(events) or next((e.start.helper for e in events if e.start is not None), 0)
     if not top:
         return 0
     total = 0
@@ -837,12 +820,9 @@ def _restore_reads(events: list[dict[str, Any]]) -> int:
     return total
 
 
-def _image_bytes(event: dict[str, Any]) -> dict[int, int]:
-    """The post-dump event's ``image_bytes`` (PID → bytes of pages in the images), checked; empty if absent."""
-    raw = event.get("image_bytes")
-    if not isinstance(raw, dict):
-        return {}
-    return {int(k): int(v) for k, v in raw.items() if str(k).isdigit() and isinstance(v, int) and v >= 0}
+def _image_bytes(notify: Notify) -> dict[int, int]:
+    """The post-dump notification's ``image_bytes`` (PID → bytes of pages in the images), the plausible ones."""
+    return {p.pid: p.image_bytes for p in notify.image_bytes if p.pid > 0 and p.image_bytes >= 0}
 
 
 class _NotifyHandler:
@@ -853,12 +833,12 @@ class _NotifyHandler:
         self.callbacks = callbacks
         self.error: BaseException | None = None
 
-    def handle(self, event: dict[str, Any], events: list[dict[str, Any]]) -> bool:
-        callback = self.callbacks.get(event["script"])
+    def handle(self, notify: Notify, events: list[Event]) -> bool:
+        callback = self.callbacks.get(notify.script)
         if callback is None:
             return True
         try:
-            callback(event, events)
+            callback(notify, events)
         except BaseException as exc:  # re-raised by _run once CRIU has resumed (or killed) the tree
             self.error = exc
             return False

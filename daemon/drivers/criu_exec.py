@@ -12,44 +12,10 @@ namespaces and a restore into its PID namespace use it; a request that must run 
 ends it (at end of stream CRIU exits) and starts its own there. A helper that reads end of file
 instead exits at once.
 
-Request (one JSON object)::
-
-    {"action": "dump" | "restore", "images_dir": "…", "work_dir": "…",
-     "opts": {criu_opts field: value, …},      # see images/rpc.proto in CRIU
-     "new_pidns": false,                       # restore: into a fresh PID + mount namespace
-     "new_netns": false,                       # restore (with new_pidns): also a fresh network namespace, lo up
-     "shm_dir": "",                            # restore (with new_pidns): private tmpfs on /dev/shm seeded from here
-     "enter_ns_of": 0,                         # dump: enter this host PID's PID + mount namespaces
-     "terminals": {"keys": ["tty[8803:19]"],   # restore with new_pidns: terminals left behind at dump; the tree
-                   "path": "",                 # gets a fresh pty instead, whose output goes to this file
-                   "uid": 1000, "gid": 1000, "groups": []},   # ("": /dev/null), opened as that user
-     "title": ["snapshot=snap-…", …],          # restore with new_pidns: what the namespace init's command line
-                                               # says once the tree runs (``gpusnap.daemon.drivers.reaper``)
-     "owner": null | {"uid": …, "gid": …, "groups": […]},  # restore of a tree that ran as a user: its
-                                               # path-named unix sockets are made as that user (criu_userpaths)
-     "scratch_dir": "…",                       # where the images CRIU reads are linked when it must read
-                                               # rewritten ones (the owner's, or external file copies)
-     "file_copies": null | {…},                # restore: copies of files the tree continues writing, made as
-                                               # their owner and inherited by CRIU (``filecopies``)
-     "page_fill": null | {"threads": 2,        # restore: the tree's private pages filled by this many threads
-                          "timeout_s": 900}}   # (``pagefill``; CRIU restores with lazy pages, ``work_dir`` must
-                                               # be private to the request)
-
-Replies, one JSON object per line::
-
-    {"event": "init", "pid": <host PID of the namespace's init>}   # restore with new_pidns only
-    {"event": "start", "helper": <this helper's PID>, "init": <the init's PID, or 0>}   # restore: CRIU
-                                              # gets its request only once the daemon answers {"ok": true}
-    {"event": "result", "ok": true, "pid": <restored root PID, as CRIU sees it>,
-     "file_copies": [{"path": "…", "copy": "…", "size_bytes": 0}],   # restore: the copies made, if any
-     "page_fill": {"bytes": …, "seconds": …, "threads": …, "processes": …, "faults": …}}  # with page_fill
-    {"event": "result", "ok": false, "error": "…", "errno": 0}   # errno: CRIU's own ``cr_errno`` when CRIU
-                                              # answered (0, ESRCH, EEXIST or EBADRQC: criu/include/cr-errno.h);
-                                              # EPIPE or ECONNRESET when CRIU went away without answering
-                                              # (killed, crashed); another OSError's errno, or 0, otherwise
-    {"event": "result", "ok": false, "error": "…", "errno": 0, "reason": "…", "code": "…"}  # refused before
-                                              # CRIU ran (criu_userpaths.Refused, also for filecopies): the
-                                              # message is the daemon's
+The request is one :class:`~gpusnap.daemon.drivers.criu_protocol.Request` line; the helper answers with
+:class:`~gpusnap.daemon.drivers.criu_protocol.Event` lines (``init``, ``start``, ``notify``, then ``result``) and
+reads an :class:`~gpusnap.daemon.drivers.criu_protocol.Answer` line after ``start`` and after each ``notify``
+(``drivers.criu_protocol`` says what each field means).
 
 With ``new_pidns`` the helper unshares a PID and a mount namespace and forks the namespace's init:
 that init (PID 1 inside) makes mounts slaves of the host's, mounts a fresh /proc and starts CRIU
@@ -61,9 +27,9 @@ never clash with PIDs in use and the tree outlives both the helper and gpusnapd.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import importlib.util
-import json
 import os
 import select
 import signal
@@ -72,9 +38,21 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from gpusnap.daemon.api.types import Creds
+from gpusnap.daemon.api.types import Creds, ProcessImage
 from gpusnap.daemon.defaults import INSTALL_CRIU
-from gpusnap.daemon.drivers import criu_userpaths, filecopies
+from gpusnap.daemon.drivers import criu_protocol as protocol
+from gpusnap.daemon.drivers import criu_userpaths, filecopies, owner_child
+from gpusnap.daemon.drivers.criu_protocol import (
+    Answer,
+    CriuOpts,
+    Event,
+    InheritFd,
+    Init,
+    Notify,
+    Request,
+    Result,
+    Start,
+)
 from gpusnap.daemon.drivers.pagefill import PageFill, PageFillError
 from gpusnap.daemon.store import documents
 
@@ -115,9 +93,20 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int) -> N
     _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), None), f"mount({target})")
 
 
-def _emit(stream: Any, obj: dict[str, Any]) -> None:
-    stream.write(json.dumps(obj) + "\n")
+def _emit(stream: Any, event: Event) -> None:
+    stream.write(protocol.line(event).decode())
     stream.flush()
+
+
+def _asked() -> bool:
+    """gpusnapd's :class:`Answer` on stdin; end of input (gpusnapd died) or a line that is none means no."""
+    answer = sys.stdin.readline()
+    if not answer:
+        return False
+    try:
+        return documents.decode(answer.encode(), Answer).ok
+    except documents.DocumentError:
+        return False
 
 
 def _pycriu() -> tuple[Any, Any]:
@@ -204,16 +193,16 @@ CRIU_POLL_S = 0.2
 """How often the helper checks that CRIU still runs while it waits for CRIU's next message."""
 
 
-def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared | None = None) -> dict[str, Any]:
-    """Run the request's CRIU action on ``swrk`` (a CRIU this process started); returns the result event.
+def _run_criu(req: Request, swrk: Swrk, prepared: criu_userpaths.Prepared | None = None) -> Result:
+    """Run the request's CRIU action on ``swrk`` (a CRIU this process started); returns the result.
 
     CRIU's notifications (``notify_scripts``) are relayed: for ``post-dump`` (images complete, tree
     still frozen), ``post-restore`` (tree restored; ``pid`` is the root's PID as CRIU sees it) and
     ``pre-resume`` (every task restored with its credentials and stopped before its first instruction)
-    the helper emits ``{"event": "notify", "script": …, "pid": …}`` (at ``post-dump`` also ``"image_bytes"``: PID →
-    bytes of pages the images hold for it, :mod:`gpusnap.daemon.drivers.criu_pages`; at ``pre-resume`` with a
-    page fill also ``"page_fill"``, its :class:`~gpusnap.daemon.drivers.pagefill.Stats`) and waits for a line
-    ``{"ok": true|false}`` on stdin; ``false`` makes CRIU fail the dump and resume the tree, or kill the
+    the helper emits a :class:`Notify` (at ``post-dump`` with ``image_bytes``: PID → bytes of pages the images
+    hold for it, :mod:`gpusnap.daemon.drivers.criu_pages`; at ``pre-resume`` with a page fill ``page_fill``, its
+    :class:`~gpusnap.daemon.drivers.pagefill.Stats`) and waits for gpusnapd's :class:`Answer`; no makes CRIU
+    fail the dump and resume the tree, or kill the
     restored tree (at ``post-restore``). At ``pre-resume`` CRIU only logs a refusal and would go on to resume
     the tasks, so this helper kills them first: on ``false``, on end of input (gpusnapd died) and when the page
     fill failed (then without asking gpusnapd). pycriu answers one request with one response and has no
@@ -221,28 +210,23 @@ def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared
     """
     criu_class, rpc = _pycriu()
     c = criu_class()
-    images_fd = os.open(prepared.images_dir if prepared else req["images_dir"], os.O_DIRECTORY)
-    work_fd = os.open(req["work_dir"], os.O_DIRECTORY)
+    images_fd = os.open(prepared.images_dir if prepared else req.images_dir, os.O_DIRECTORY)
+    work_fd = os.open(req.work_dir, os.O_DIRECTORY)
     fill: PageFill | None = None
     failure = ""
     try:
         c.opts.images_dir_fd = images_fd
         c.opts.work_dir_fd = work_fd
-        for key, value in req.get("opts", {}).items():
-            if isinstance(value, list):  # repeated fields: strings (external) or messages (inherit_fd)
-                for item in value:
-                    getattr(c.opts, key).add(**item) if isinstance(item, dict) else getattr(c.opts, key).append(item)
-            else:
-                setattr(c.opts, key, value)
+        _set_opts(c.opts, req.opts)
         for key, fd in prepared.inherit if prepared else ():
             inherited = c.opts.inherit_fd.add()
             inherited.key, inherited.fd = key, fd
         c.opts.notify_scripts = True
-        if req["action"] == "restore" and req.get("page_fill"):
-            fill = PageFill(images_fd, work_fd, int(req["page_fill"]["threads"]))
+        if req.action == "restore" and req.page_fill is not None:
+            fill = PageFill(images_fd, work_fd, req.page_fill.threads)
             c.opts.lazy_pages = True
         msg = rpc.criu_req()
-        msg.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[req["action"]]
+        msg.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[req.action]
         msg.opts.MergeFrom(c.opts)
         sk = swrk.sk
         reaped = False
@@ -261,20 +245,18 @@ def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared
                 ok = True
                 script = resp.notify.script
                 if script in ASKED_SCRIPTS:
-                    event: dict[str, Any] = {"event": "notify", "script": script, "pid": resp.notify.pid}
-                    if script == "post-dump":
-                        event["image_bytes"] = _image_bytes(images_fd)
+                    image_bytes = _image_bytes(images_fd) if script == "post-dump" else ()
+                    stats = None
                     if fill is not None and script == "post-restore":
                         fill.start()  # every task forked and mapped: see pagefill, step 4
-                    if fill is not None and script == "pre-resume":
+                    if fill is not None and req.page_fill is not None and script == "pre-resume":
                         try:
-                            event["page_fill"] = fill.finish(float(req["page_fill"].get("timeout_s", 900))).as_dict()
+                            stats = fill.finish(req.page_fill.timeout_s)
                         except PageFillError as exc:
                             failure = f"filling the restored tree's pages failed: {exc}"
                     if not failure:
-                        _emit(sys.stdout, event)
-                        answer = sys.stdin.readline()
-                        ok = bool(answer) and bool(json.loads(answer).get("ok"))
+                        _emit(sys.stdout, Event(notify=Notify(script, resp.notify.pid, image_bytes, stats)))
+                        ok = _asked()
                     if script == "pre-resume" and (failure or not ok):
                         _kill_restored(swrk.pid)  # before CRIU, which only logs the refusal, resumes them
                         ok = False
@@ -289,23 +271,15 @@ def _run_criu(req: dict[str, Any], swrk: Swrk, prepared: criu_userpaths.Prepared
             swrk.reaped = swrk.reaped or reaped
             swrk.close()
         if failure:
-            return {"event": "result", "ok": False, "error": failure, "errno": 0}
+            return Result(ok=False, error=failure)
         if not resp.success:
             err = resp.cr_errmsg or os.strerror(resp.cr_errno) if resp.cr_errno else resp.cr_errmsg
-            return {"event": "result", "ok": False, "error": err or "CRIU reported failure", "errno": resp.cr_errno}
-        result: dict[str, Any] = {"event": "result", "ok": True, "pid": 0}
-        if req["action"] == "restore":
-            result["pid"] = int(resp.restore.pid)
-        return result
+            return Result(ok=False, error=err or "CRIU reported failure", errno=resp.cr_errno)
+        return Result(ok=True, pid=int(resp.restore.pid) if req.action == "restore" else 0)
     except Exception as exc:  # transport errors, a killed criu, OSError, …
         if fill is not None:
             _kill_restored(swrk.pid)  # nothing restored may run with pages left out
-        return {
-            "event": "result",
-            "ok": False,
-            "error": failure or f"{type(exc).__name__}: {exc}",
-            "errno": getattr(exc, "errno", 0) or 0,
-        }
+        return Result(ok=False, error=failure or f"{type(exc).__name__}: {exc}", errno=getattr(exc, "errno", 0) or 0)
     finally:
         swrk.close()
         if fill is not None:
@@ -354,15 +328,31 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-def _image_bytes(images_fd: int) -> dict[str, int]:
-    """PID (as a string: JSON) → bytes of pages the complete images hold for it (``criu_pages``); empty if the
-    images cannot be read, which never fails the dump."""
+def _set_opts(target: Any, opts: CriuOpts) -> None:
+    """Set ``opts`` on pycriu's ``criu_opts`` message ``target``: the fields set (``None`` and empty ones are left
+    unset: CRIU's defaults)."""
+    for field in dataclasses.fields(CriuOpts):
+        value = getattr(opts, field.name)
+        if value is None or value == ():
+            continue
+        if field.name == "inherit_fd":
+            for inherited in opts.inherit_fd:
+                target.inherit_fd.add(key=inherited.key, fd=inherited.fd)
+        elif field.name == "external":
+            target.external.extend(opts.external)
+        else:
+            setattr(target, field.name, value)
+
+
+def _image_bytes(images_fd: int) -> tuple[ProcessImage, ...]:
+    """Bytes of pages the complete images hold for each process (``criu_pages``); empty if the images cannot be
+    read, which never fails the dump."""
     from gpusnap.daemon.drivers import criu_pages
 
     try:
-        return {str(pid): n for pid, n in criu_pages.image_bytes_by_pid(images_fd).items()}
+        return tuple(ProcessImage(pid, n) for pid, n in criu_pages.image_bytes_by_pid(images_fd).items())
     except Exception:  # noqa: BLE001 (a statistic for inspect; the dump goes on without it)
-        return {}
+        return ()
 
 
 def _next_size(sk: socket.socket, criu_pid: int, fill: PageFill | None = None) -> tuple[int, bool]:
@@ -396,15 +386,14 @@ def _next_size(sk: socket.socket, criu_pid: int, fill: PageFill | None = None) -
             return (len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK | socket.MSG_DONTWAIT)) if ready else 0), True
 
 
-def _prepare_images(req: dict[str, Any], made: filecopies.Copies) -> criu_userpaths.Prepared | None:
+def _prepare_images(req: Request, made: filecopies.Copies) -> criu_userpaths.Prepared | None:
     """The images CRIU restores from: a tree that ran as a user gets its path-named unix sockets made as that
     user (``owner``: criu_userpaths); files whose copies CRIU reopens once per description are marked
     external (``filecopies``)."""
     reopen = made.reopened()
-    if req["action"] != "restore" or not (req.get("owner") or reopen):
+    if req.action != "restore" or not (req.owner or reopen):
         return None
-    owner = documents.convert(req["owner"], Creds) if req.get("owner") else None
-    return criu_userpaths.prepare(req["images_dir"], req["scratch_dir"], owner, reopen)
+    return criu_userpaths.prepare(req.images_dir, req.scratch_dir, req.owner, reopen)
 
 
 def _criu_for(inherit: Sequence[tuple[str, int]], command: list[str], stdin: int = -1) -> Swrk:
@@ -418,45 +407,39 @@ def _criu_for(inherit: Sequence[tuple[str, int]], command: list[str], stdin: int
             os.close(fd)
 
 
-def _refused(exc: criu_userpaths.Refused) -> dict[str, Any]:
-    return {"event": "result", "ok": False, "error": str(exc), "errno": 0, "reason": exc.reason, "code": exc.code}
+def _refused(exc: criu_userpaths.Refused) -> Result:
+    return Result(ok=False, error=str(exc), reason=exc.reason, code=exc.code)
 
 
-def _restore(req: dict[str, Any], swrk: Swrk, command: list[str], stdin: int = -1) -> dict[str, Any]:
+def _restore(req: Request, swrk: Swrk, command: list[str], stdin: int = -1) -> tuple[Result, filecopies.Ledger | None]:
     """CRIU's restore on ``swrk`` (``stdin``: the terminal standing in for a shell job's). First, a non-root
     snapshot's path-named unix sockets, made as its owner (``criu_userpaths``), and copies of the files the tree
-    continues writing (``req["file_copies"]``, ``filecopies``): when there are any, a fresh CRIU inherits them.
-    The result lists the copies (``file_copies``); a failed restore removes them."""
+    continues writing (``req.file_copies``, ``filecopies``): when there are any, a fresh CRIU inherits them.
+    The result lists the copies (``file_copies``); a failed restore removes them. Returns it, and (restored)
+    the copies' ledger: it stays in the helper; the namespace init hands it to the reaper (``--copies-fd``),
+    which removes the copies with the tree."""
     prepared = None
     made = filecopies.Copies()
     try:
-        spec = req.get("file_copies")
-        made = filecopies.make(documents.convert(spec, filecopies.CopySpec) if spec else None)
+        made = filecopies.make(req.file_copies)
         prepared = _prepare_images(req, made)  # in the tree's namespaces, as its user (criu_userpaths)
         inherit = [*(prepared.inherit if prepared else ()), *made.inherit]
         if inherit:  # CRIU must inherit them: a fresh one
             swrk.close()
             swrk = _criu_for(inherit, command, stdin)
-        copies = [{"key": key, "fd": fd} for key, fd in made.inherit]
-        req["opts"]["inherit_fd"] = [*req["opts"].get("inherit_fd", []), *copies]
-        result = _run_criu(req, swrk, prepared)
+        copies = tuple(InheritFd(key, fd) for key, fd in made.inherit)
+        opts = dataclasses.replace(req.opts, inherit_fd=(*req.opts.inherit_fd, *copies))
+        result = _run_criu(dataclasses.replace(req, opts=opts), swrk, prepared)
     except criu_userpaths.Refused as exc:
         swrk.close()
         result = _refused(exc)
     finally:
         if prepared is not None:
             criu_userpaths.discard(prepared.images_dir)
-    if result["ok"]:
-        result["file_copies"] = [documents.to_builtins(c) for c in made.copies]
-        result[LEDGER] = made.ledger()  # for the tree's init, which removes them once the tree ends
-    else:
+    if not result.ok:
         made.discard()
-    return result
-
-
-LEDGER = "_copies"
-"""The key of a restore's result that holds its copies' ledger (``filecopies.Made.ledger``): it stays in the
-helper; the namespace init hands it to the reaper (``--copies-fd``), which removes the copies with the tree."""
+        return result, None
+    return dataclasses.replace(result, file_copies=tuple(made.copies)), made.ledger()
 
 
 def _ledger_fd(ledger: filecopies.Ledger | None) -> int:
@@ -571,8 +554,8 @@ def _drop_carried(path: str) -> None:
         path = os.path.dirname(path)
 
 
-def _terminal(req: dict[str, Any]) -> tuple[int, int, int]:
-    """For a tree started from a terminal (``req["terminals"]``): a fresh pty for CRIU's stdin, which CRIU's
+def _terminal(req: Request) -> tuple[int, int, int]:
+    """For a tree started from a terminal (``req.terminals``): a fresh pty for CRIU's stdin, which CRIU's
     ``shell_job`` restore gives the tree in place of the terminal left behind, and the file its output goes
     to. Returns (slave, master, out), or (-1, -1, -1) when the tree held no terminal.
 
@@ -581,15 +564,15 @@ def _terminal(req: dict[str, Any]) -> tuple[int, int, int]:
     resolves a user's path. The namespace init then copies what the tree writes to the pty into it
     (``gpusnap.daemon.drivers.reaper``).
     """
-    spec = req.get("terminals")
-    if not spec or not spec.get("keys"):
+    spec = req.terminals
+    if spec is None or not spec.keys:
         return -1, -1, -1
-    if spec.get("path"):
+    if spec.path:
         try:
-            out = _open_as_owner(spec["path"], int(spec["uid"]), int(spec["gid"]), [int(g) for g in spec["groups"]])
+            out = _open_as_owner(spec.path, spec.owner)
         except OSError as exc:  # said as it is (the owner could find it out alone); CRIU never ran: no log
             raise criu_userpaths.Refused(
-                f"the restore's --terminal file {spec['path']} cannot be opened for appending by uid {spec['uid']} "
+                f"the restore's --terminal file {spec.path} cannot be opened for appending by uid {spec.owner.uid} "
                 f"({os.strerror(exc.errno) if exc.errno else exc}); name a file that uid may create or append to",
                 reason="TERMINAL",
                 code="FAILED_PRECONDITION",
@@ -604,49 +587,50 @@ def _terminal(req: dict[str, Any]) -> tuple[int, int, int]:
     return slave, master, out
 
 
-def _open_as_owner(path: str, uid: int, gid: int, groups: list[int]) -> int:
-    """``path`` opened for appending (created 0644 if missing) by a child that is ``uid``/``gid``/``groups``.
+@dataclasses.dataclass(frozen=True)
+class _Opened:
+    """The owner's child's answer: the file's descriptor comes with it, or why not (``errno``, ``error``)."""
+
+    errno: int = 0
+    error: str = ""
+
+
+def _open_as_owner(path: str, owner: Creds) -> int:
+    """``path`` opened for appending (created 0644 if missing) by a child that is ``owner``
+    (``drivers.owner_child``).
 
     Raises:
         OSError: the child could not open it (its errno and message).
     """
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    child = os.fork()
-    if child == 0:
+
+    def work() -> list[tuple[_Opened, list[int]]]:
         try:
-            ours.close()
-            os.setgroups(groups)
-            os.setresgid(gid, gid, gid)
-            os.setresuid(uid, uid, uid)
             fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOCTTY | os.O_CLOEXEC, 0o644)
-            socket.send_fds(theirs, [b"0"], [fd])
         except OSError as exc:
-            theirs.sendall(f"{exc.errno} {exc.strerror}".encode())
-        finally:
-            os._exit(0)
-    theirs.close()
-    try:
-        msg, fds, _, _ = socket.recv_fds(ours, 256, 1)
-    finally:
-        ours.close()
-        os.waitpid(child, 0)
+            return [(_Opened(exc.errno or 0, exc.strerror or str(exc)), [])]
+        return [(_Opened(), [fd])]
+
+    replies, status = owner_child.run_as(owner, work, _Opened)
+    if status != 0 or len(replies) != 1:
+        owner_child.close_all(replies)
+        raise OSError(0, f"the snapshot's owner cannot open {path}: its helper exited with status {status}")
+    ((opened, fds),) = replies
     if not fds:
-        errno_, _, why = msg.decode(errors="replace").partition(" ")
-        raise OSError(int(errno_) if errno_.isdigit() else 0, f"the snapshot's owner cannot open {path}: {why}")
+        raise OSError(opened.errno, f"the snapshot's owner cannot open {path}: {opened.error}")
     return fds[0]
 
 
-def _common_dir(req: dict[str, Any]) -> str:
+def _common_dir(req: Request) -> str:
     """The directory that holds every path of the store a restore request names (the store's root)."""
-    paths = [req["images_dir"], req["work_dir"], req.get("shm_dir") or req["images_dir"]]
-    if req.get("scratch_dir"):
-        paths.append(req["scratch_dir"])
+    paths = [req.images_dir, req.work_dir, req.shm_dir or req.images_dir]
+    if req.scratch_dir:
+        paths.append(req.scratch_dir)
     return str(os.path.commonpath([os.path.realpath(p) for p in paths]))
 
 
-def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> int:
-    _unshare(CLONE_NEWPID | CLONE_NEWNS | (CLONE_NEWNET if req.get("new_netns") else 0))
-    if req.get("new_netns"):
+def _restore_in_new_pidns(req: Request, out: Any, command: list[str]) -> int:
+    _unshare(CLONE_NEWPID | CLONE_NEWNS | (CLONE_NEWNET if req.new_netns else 0))
+    if req.new_netns:
         _loopback_up()
     r, w = os.pipe()
     go_r, go_w = os.pipe()
@@ -662,41 +646,37 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
             os.setsid()
             _mount(None, "/", None, MS_REC | MS_SLAVE)
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-            if req.get("shm_dir"):
-                carried = _private_dev_shm(req["shm_dir"], _common_dir(req))
+            if req.shm_dir:
+                carried = _private_dev_shm(req.shm_dir, _common_dir(req))
             slave, master, term_out = _terminal(req)
             swrk = Swrk(command, stdin=slave)  # on the fresh /proc: CRIU keeps the /proc it first opens
-            if req.get("owner"):
+            if req.owner:
                 criu_userpaths.warm()
         except BaseException as exc:
             failed = exc
         if os.read(go_r, 1) != b"1":  # the daemon did not journal this init: restore nothing
             os._exit(1)
         os.close(go_r)
+        ledger = None
         try:
             if failed is not None:
                 raise failed
             assert swrk is not None
-            result = _restore(req, swrk, command, stdin=slave)
+            result, ledger = _restore(req, swrk, command, stdin=slave)
         except criu_userpaths.Refused as exc:  # refused before CRIU ran: the daemon's own message and reason
             result = _refused(exc)
         except BaseException as exc:  # report anything, never hang the daemon
-            result = {
-                "event": "result",
-                "ok": False,
-                "error": f"namespace init: {exc}",
-                "errno": getattr(exc, "errno", 0) or 0,
-            }
-        if result["ok"]:
+            result = Result(ok=False, error=f"namespace init: {exc}", errno=getattr(exc, "errno", 0) or 0)
+        if result.ok:
             try:
                 _drop_carried(carried)  # CRIU is done: the tree's /dev/shm holds only its own files
             except OSError as exc:
                 _kill_restored(0)
-                result = {"event": "result", "ok": False, "error": f"namespace init: {exc}", "errno": exc.errno or 0}
-        copies = _ledger_fd(result.pop(LEDGER, None))
-        os.write(w, (json.dumps(result) + "\n").encode())
+                result = Result(ok=False, error=f"namespace init: {exc}", errno=exc.errno or 0)
+        copies = _ledger_fd(ledger if result.ok else None)
+        os.write(w, protocol.line(result))
         os.close(w)
-        if not result["ok"]:
+        if not result.ok:
             os._exit(1)
         _silence_stdio()
         pump = [] if copies < 0 else [f"--copies-fd={copies}"]
@@ -711,9 +691,9 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
                     sys.executable,
                     "-m",
                     "gpusnap.daemon.drivers.reaper",
-                    f"--root={result['pid']}",
+                    f"--root={result.pid}",
                     *pump,
-                    *req.get("title", []),
+                    *req.title,
                 ],
             )
         except OSError:
@@ -721,7 +701,7 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
         os._exit(0)
     os.close(w)
     os.close(go_r)
-    _emit(out, {"event": "init", "pid": child})
+    _emit(out, Event(init=Init(child)))
     go = _may_start(out, child)
     if go:
         os.write(go_w, b"1")
@@ -730,35 +710,32 @@ def _restore_in_new_pidns(req: dict[str, Any], out: Any, command: list[str]) -> 
         os.waitpid(child, 0)
         _emit(out, _NOT_STARTED)
         return 1
-    with os.fdopen(r) as fh:
+    with os.fdopen(r, "rb") as fh:
         line = fh.readline()
-    if not line:
-        _emit(out, {"event": "result", "ok": False, "error": "namespace init died before reporting", "errno": 0})
+    try:
+        result = documents.decode(line, Result)
+    except documents.DocumentError:
+        _emit(out, protocol.failed("namespace init died before reporting"))
         return 1
-    result = json.loads(line)
-    if not result["ok"]:
+    if not result.ok:
         os.waitpid(child, 0)
-    _emit(out, result)
-    return 0 if result["ok"] else 1
+    _emit(out, Event(result=result))
+    return 0 if result.ok else 1
 
 
-_NOT_STARTED = {"event": "result", "ok": False, "error": "gpusnapd did not confirm the restore's start", "errno": 0}
+_NOT_STARTED = protocol.failed("gpusnapd did not confirm the restore's start")
 
 
 def _may_start(out: Any, init_pid: int) -> bool:
     """Before a restore's CRIU runs: report this helper's PID and the namespace init's (0: none) and wait
     for the daemon's ``{"ok": true}``, sent once it has journaled them, so that whatever CRIU restores can
     be found again after a daemon crash. End of input (the daemon died) or ``false`` means: restore nothing."""
-    _emit(out, {"event": "start", "helper": os.getpid(), "init": init_pid})
-    answer = sys.stdin.readline()
-    try:
-        return bool(answer) and bool(json.loads(answer).get("ok"))
-    except ValueError:
-        return False
+    _emit(out, Event(start=Start(os.getpid(), init_pid)))
+    return _asked()
 
 
-def _dump_in_ns_of(req: dict[str, Any], out: Any, command: list[str]) -> int:
-    host_pid = int(req["enter_ns_of"])
+def _dump_in_ns_of(req: Request, out: Any, command: list[str]) -> int:
+    host_pid = req.enter_ns_of
     # Load pycriu while still in gpusnapd's own mount namespace. CRIU itself is then run by path inside
     # the target's, which is safe only because the daemon enters mount namespaces owned by the initial
     # user namespace alone, i.e. made and changeable only by root (checkpoint preflight refuses others).
@@ -770,9 +747,9 @@ def _dump_in_ns_of(req: dict[str, Any], out: Any, command: list[str]) -> int:
             _setns(f"/proc/{host_pid}/ns/mnt", CLONE_NEWNS)
             result = _run_criu(req, Swrk(command))
         except BaseException as exc:
-            result = {"event": "result", "ok": False, "error": f"entering namespaces of {host_pid}: {exc}", "errno": 0}
-        _emit(out, result)
-        os._exit(0 if result["ok"] else 1)
+            result = Result(ok=False, error=f"entering namespaces of {host_pid}: {exc}")
+        _emit(out, Event(result=result))
+        os._exit(0 if result.ok else 1)
     _, status = os.waitpid(child, 0)
     return os.waitstatus_to_exitcode(status)
 
@@ -787,39 +764,30 @@ def main() -> int:
     if not line:  # a spare ended without a request
         warm.close()
         return 0
-    req = json.loads(line)
+    req = documents.decode(line.encode(), Request)
     out = sys.stdout
-    if req["action"] == "restore" and req.get("new_pidns"):
+    if req.action == "restore" and req.new_pidns:
         warm.close(wait=False)  # CRIU must start inside the namespaces made for it
         return _restore_in_new_pidns(req, out, command)
-    if req["action"] == "dump" and req.get("enter_ns_of"):
+    if req.action == "dump" and req.enter_ns_of:
         warm.close(wait=False)
         return _dump_in_ns_of(req, out, command)
-    if req.get("owner"):
+    if req.owner:
         criu_userpaths.warm()
-    if req["action"] == "restore" and not _may_start(out, 0):
+    if req.action == "restore" and not _may_start(out, 0):
         warm.close()
         _emit(out, _NOT_STARTED)
         return 1
-    if req.get("terminals", {}) and req["terminals"].get("keys"):
+    if req.terminals is not None and req.terminals.keys:
         warm.close()  # gpusnapd refuses a --host-pidns restore of a tree started from a terminal
-        _emit(
-            out,
-            {
-                "event": "result",
-                "ok": False,
-                "error": "a terminal needs a restore in a PID namespace of its own",
-                "errno": 0,
-            },
-        )
+        _emit(out, protocol.failed("a terminal needs a restore in a PID namespace of its own"))
         return 1
-    if req["action"] == "restore":
-        result = _restore(req, _ready(warm, command), command)
-        result.pop(LEDGER, None)  # no init outlives the tree here: its copies stay, named in the result
+    if req.action == "restore":  # no init outlives the tree here: its copies stay, named in the result
+        result, _ledger = _restore(req, _ready(warm, command), command)
     else:
         result = _run_criu(req, _ready(warm, command))
-    _emit(out, result)
-    return 0 if result["ok"] else 1
+    _emit(out, Event(result=result))
+    return 0 if result.ok else 1
 
 
 if __name__ == "__main__":

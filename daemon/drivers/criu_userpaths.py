@@ -38,7 +38,8 @@ restores into a private tmpfs). Abstract socket names have no path and stay CRIU
 are restored as CRIU does it (root's own paths). Files CRIU only opens by path (open, mapped, cwd, root,
 exe, FIFOs) are the file-rights check's (``access.file_rights``; docs/security.md).
 
-Only the helper imports this module: it needs pycriu's generated image classes (``fdinfo_pb2``).
+Only the helper runs this module (gpusnapd imports it for ``Refused``, through ``criu_protocol``): it needs pycriu's
+generated image classes (``fdinfo_pb2``), which it loads on first use.
 """
 
 from __future__ import annotations

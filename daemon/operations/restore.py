@@ -36,7 +36,9 @@ from gpusnap.daemon.api.errors import (
 )
 from gpusnap.daemon.api.types import Creds, FileCopy, RestoreOptions, RestoreResult, Snapshot, TcpMode
 from gpusnap.daemon.drivers import criu_userpaths, devshm, pagefill, proc, restored
-from gpusnap.daemon.drivers.criu import PageFillStats, RestoredTree
+from gpusnap.daemon.drivers.criu import RestoredTree
+from gpusnap.daemon.drivers.criu_protocol import Terminals
+from gpusnap.daemon.drivers.pagefill import Stats as PageFillStats
 from gpusnap.daemon.gpu import gpumap
 from gpusnap.daemon.gpu.controller import GpuTreeController
 from gpusnap.daemon.operations import file_copies, provenance, workers
@@ -608,7 +610,7 @@ def _put_back_link_remaps(run: PhaseRunner, shm_dir: Path) -> list[devshm.LinkRe
     return made.remaps
 
 
-def _terminal_stand_in(snapshot: Snapshot, opts: RestoreOptions) -> dict[str, object] | None:
+def _terminal_stand_in(snapshot: Snapshot, opts: RestoreOptions) -> Terminals | None:
     """What stands in for the terminals a shell's job was started from (``Snapshot.terminals``): the restore's
     ``terminal`` file (opened as the snapshot's owner) or ``/dev/null``; ``None`` when the tree held none."""
     keys = sorted({t.key for t in snapshot.terminals if t.fds and t.key})
@@ -622,4 +624,4 @@ def _terminal_stand_in(snapshot: Snapshot, opts: RestoreOptions) -> dict[str, ob
             reason="TERMINAL",
         )
     creds = tree_rights.of(snapshot).user or Creds(uid=0, gid=0)  # the tree's user opens it, whoever restores
-    return {"keys": keys, "path": opts.terminal, "uid": creds.uid, "gid": creds.gid, "groups": list(creds.groups)}
+    return Terminals(keys=tuple(keys), path=opts.terminal, owner=creds)

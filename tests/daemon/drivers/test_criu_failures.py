@@ -4,26 +4,26 @@ CRIU answered; EPIPE or ECONNRESET when CRIU went away), never by the words of C
 from __future__ import annotations
 
 import errno
-import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gpusnap.daemon.api.errors import AbortedError, FailedPreconditionError
 from gpusnap.daemon.drivers import criu_exec
+from gpusnap.daemon.drivers import criu_protocol as protocol
 from gpusnap.daemon.drivers.criu import CRIU_GONE_ERRNOS, CriuDriver, CriuError
+from gpusnap.daemon.drivers.criu_protocol import CriuOpts, Event, Request, Result
 from tests.conftest import criu_prefix, needs_pycriu
 
 
-def _failed(tmp_path: Path, action: str, result: dict[str, Any], log: str = "") -> CriuError:
+def _failed(tmp_path: Path, action: str, result: Result, log: str = "") -> CriuError:
     """What ``CriuDriver`` raises for ``result``, the last line of a helper (a process that writes that line
     and exits, standing in for criu_exec), with ``log`` as CRIU's log."""
     log_path = tmp_path / f"{action}.log"
     log_path.write_text(log)
-    line = json.dumps({"event": "result", "ok": False, **result})
+    line = protocol.line(Event(result=result)).decode().strip()
     helper = subprocess.Popen(
         [sys.executable, "-c", f"print({line!r})"],
         stdin=subprocess.PIPE,
@@ -41,7 +41,7 @@ def test_an_answer_that_speaks_of_a_connection_is_a_failure_not_a_death(tmp_path
     err = _failed(
         tmp_path,
         "dump",
-        {"error": "tcp: Failed to lock TCP connection", "errno": 0},
+        Result(ok=False, error="tcp: Failed to lock TCP connection"),
         "(00.2) Error (criu/sk-tcp.c:130): tcp: Failed to lock TCP connection\n",
     )
     assert err.reason == "CRIU_DUMP_FAILED" and err.code == FailedPreconditionError.code, err
@@ -49,7 +49,9 @@ def test_an_answer_that_speaks_of_a_connection_is_a_failure_not_a_death(tmp_path
 
 @pytest.mark.parametrize("gone", sorted(CRIU_GONE_ERRNOS))
 def test_criu_gone_without_answering_is_a_death(tmp_path: Path, gone: int) -> None:
-    err = _failed(tmp_path, "restore", {"error": f"OSError: [Errno {gone}] {errno.errorcode[gone]}", "errno": gone})
+    err = _failed(
+        tmp_path, "restore", Result(ok=False, error=f"OSError: [Errno {gone}] {errno.errorcode[gone]}", errno=gone)
+    )
     assert err.reason == "CRIU_DIED" and err.code == AbortedError.code, err
 
 
@@ -57,7 +59,7 @@ def test_a_taken_pid_is_named_by_crius_errno(tmp_path: Path) -> None:
     """A restore CRIU refuses with cr_errno EEXIST names the fix, whatever its first logged error says (here the
     benign RLIMIT_NOFILE line, as CRIU reports when it runs without CAP_SYS_RESOURCE)."""
     benign = "Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted"
-    err = _failed(tmp_path, "restore", {"error": benign, "errno": errno.EEXIST}, f"(00.1) {benign}\n")
+    err = _failed(tmp_path, "restore", Result(ok=False, error=benign, errno=errno.EEXIST), f"(00.1) {benign}\n")
     assert err.reason == "CRIU_RESTORE_FAILED" and "restore without --host-pidns" in err.message, err
 
 
@@ -69,8 +71,9 @@ def test_the_helper_reports_a_criu_that_ends_without_answering_as_gone(
     result whose errno the driver reads as CRIU gone."""
     monkeypatch.syspath_prepend(str(criu_prefix() / "python"))  # pycriu's messages (no CRIU runs)
     swrk = criu_exec.Swrk(["true"])
-    result = criu_exec._run_criu({"action": "dump", "images_dir": str(tmp_path), "work_dir": str(tmp_path)}, swrk)
-    assert not result["ok"] and result["errno"] in CRIU_GONE_ERRNOS, result
+    req = Request(action="dump", images_dir=str(tmp_path), work_dir=str(tmp_path), opts=CriuOpts())
+    result = criu_exec._run_criu(req, swrk)
+    assert not result.ok and result.errno in CRIU_GONE_ERRNOS, result
 
 
 def test_a_quoted_criu_log_is_never_cut_mid_word() -> None:
