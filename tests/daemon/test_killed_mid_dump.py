@@ -50,9 +50,14 @@ def _status(pid: int) -> dict[str, str]:
 
 
 def _deleted_images(criu: psutil.Process) -> list[str]:
-    """Files CRIU holds open that are deleted (an image written into a removed staging directory)."""
+    """Files CRIU holds open that are deleted (an image written into a removed staging directory); none once it
+    has exited (it may between the caller's look and this one)."""
     out = []
-    for fd in os.listdir(f"/proc/{criu.pid}/fd"):
+    try:
+        fds = os.listdir(f"/proc/{criu.pid}/fd")
+    except FileNotFoundError:
+        return []
+    for fd in fds:
         try:
             target = os.readlink(f"/proc/{criu.pid}/fd/{fd}")
         except OSError:
