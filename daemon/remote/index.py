@@ -22,7 +22,6 @@ module docstring gives.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -79,7 +78,7 @@ class RemoteIndex:
         self.threads = threads
 
     def put(self, snapshot: Snapshot) -> None:
-        self.objects.put(entry_key(snapshot), json.dumps(manifest.to_json(snapshot), sort_keys=True).encode())
+        self.objects.put(entry_key(snapshot), manifest.encode(snapshot))
 
     def remove(self, snapshot: Snapshot) -> None:
         self.objects.delete(entry_key(snapshot))
@@ -98,10 +97,10 @@ class RemoteIndex:
         def one(e: Entry) -> Snapshot | None:
             try:
                 data = self.objects.get(e.key, 0, MAX_ENTRY_BYTES + 1)
-                snap = manifest.from_json(json.loads(data))
+                snap = manifest.decode(data)
             except NotFoundError:
                 return None
-            except (DataLossError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            except DataLossError as exc:
                 log.warning("remote.index_entry_unusable", key=e.key, error=str(exc)[:300])
                 return None
             if (snap.id, snap.owner_uid, snap.name) != (e.snapshot_id, e.owner_uid, e.name) or len(

@@ -24,7 +24,6 @@ Every field of a document read back is checked: it may come from anyone who can 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -84,14 +83,34 @@ class RemoteManifest:
         return {d for c in self.file_chunks for d in c} | {d for c in self.buffer_chunks.values() for d in c}
 
     def to_bytes(self) -> bytes:
-        doc = {
-            "format": FORMAT,
-            "snapshot": manifest.to_json(self.snapshot),
-            "provenance": documents.to_builtins(self.provenance),
-            "files": [list(c) for c in self.file_chunks],
-            "buffers": {k: list(v) for k, v in self.buffer_chunks.items()},
-        }
-        return json.dumps(doc, indent=1, sort_keys=True).encode()
+        stored = Stored(
+            format=FORMAT,
+            snapshot=manifest.to_json(self.snapshot),
+            provenance=self.provenance,
+            files=self.file_chunks,
+            buffers=self.buffer_chunks,
+        )
+        return documents.encode(stored, indent=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A remote manifest as its object holds it (``manifests/<id>.json``): the snapshot's manifest (read by
+    ``store.manifest``, which checks its version), its provenance, and the chunk digests of every image file (in
+    the manifest's order) and of every buffer (by its digest)."""
+
+    format: str
+    snapshot: dict[str, Any]
+    provenance: Provenance
+    files: tuple[tuple[str, ...], ...]
+    buffers: dict[str, tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Format:
+    """What any remote manifest holds: its format (read only to say why one of another does not decode)."""
+
+    format: Any = None
 
 
 def parse(data: bytes, key_id: str) -> RemoteManifest:
@@ -111,20 +130,19 @@ def parse(data: bytes, key_id: str) -> RemoteManifest:
         )
 
     try:
-        doc = json.loads(data)
-    except ValueError as exc:
-        raise bad(f"not JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise bad(f"format {doc.get('format') if isinstance(doc, dict) else None!r}, this gpusnap reads {FORMAT}")
+        found = documents.decode(data, _Format).format
+    except documents.DocumentError as exc:
+        raise bad(f"not a JSON object ({exc})") from None
+    if found != FORMAT:
+        raise bad(f"format {found!r}, this gpusnap reads {FORMAT}")
     try:
-        snap = manifest.from_json(doc["snapshot"])
-        prov = documents.convert(doc["provenance"], Provenance)
-        files = tuple(tuple(str(d) for d in c) for c in doc["files"])
-        buffers = {str(k): tuple(str(d) for d in v) for k, v in doc["buffers"].items()}
+        doc = documents.decode(data, Stored)
+        snap = manifest.from_json(doc.snapshot)
+    except documents.DocumentError as exc:
+        raise bad(str(exc)) from None
     except DataLossError as exc:
         raise bad(exc.message) from None
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise bad(f"{type(exc).__name__}: {exc}") from None
+    prov, files, buffers = doc.provenance, doc.files, doc.buffers
     if snap.id != key_id:
         raise bad(f"it describes {snap.id}")
     if len(files) != len(snap.files):

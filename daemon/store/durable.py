@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
 import secrets
 from concurrent.futures import Executor, Future, wait
@@ -55,11 +54,6 @@ def fsync_tree(root: Path, pool: Executor) -> None:
         error = future.exception()
         if error is not None:
             raise error
-
-
-def write_json(path: Path, doc: object) -> None:
-    """Replace ``path`` with ``doc`` as JSON (:func:`write_file`)."""
-    write_file(path, json.dumps(doc, sort_keys=True).encode())
 
 
 def write_file(path: Path, data: bytes) -> None:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,11 +152,38 @@ def _malformed(exc: DocumentError) -> DataLossError:
     return DataLossError(f"manifest is malformed ({exc})", reason="MANIFEST_CORRUPT")
 
 
+def encode(snapshot: Snapshot, indent: int = 0) -> bytes:
+    """The manifest of ``snapshot``, as this release writes it (``indent``: for people, in a snapshot's
+    directory; compact in the remote index)."""
+    return documents.encode(Manifest.of(snapshot), indent=indent)
+
+
+def decode(data: bytes, unreadable: Callable[[DocumentError], DataLossError] | None = None) -> Snapshot:
+    """The snapshot of a manifest's bytes.
+
+    Raises:
+        DataLossError: ``unreadable(error)`` for bytes that are no JSON object (default: ``MANIFEST_CORRUPT``), a
+            version or digest algorithm this release does not read (``MANIFEST_VERSION``), or a malformed
+            manifest (``MANIFEST_CORRUPT``).
+    """
+    try:
+        manifest = documents.decode(data, Manifest)
+    except DocumentError as exc:
+        try:
+            header = documents.decode(data, _Header)
+        except DocumentError:
+            raise (unreadable or _malformed)(exc) from exc  # not JSON, or not an object
+        _check_version(header)
+        raise _malformed(exc) from exc
+    _check_version(manifest)
+    return manifest.snapshot()
+
+
 def write(directory: Path, snapshot: Snapshot, *, sync: bool = True) -> None:
     """Write ``directory/manifest.json``; fsync it unless ``sync`` is false (the caller syncs it with
     the rest of the directory)."""
     path = directory / MANIFEST_NAME
-    data = documents.encode(Manifest.of(snapshot), indent=2)
+    data = encode(snapshot, indent=2)
     with open(path, "wb") as fh:
         fh.write(data)
         fh.flush()
@@ -183,14 +211,4 @@ def read(directory: Path) -> Snapshot:
         data = path.read_bytes()
     except OSError as exc:
         raise corrupt(exc) from exc
-    try:
-        manifest = documents.decode(data, Manifest)
-    except DocumentError as exc:
-        try:
-            header = documents.decode(data, _Header)
-        except DocumentError:
-            raise corrupt(exc) from exc  # not JSON, or not an object
-        _check_version(header)
-        raise _malformed(exc) from exc
-    _check_version(manifest)
-    return manifest.snapshot()
+    return decode(data, corrupt)

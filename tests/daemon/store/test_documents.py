@@ -19,7 +19,7 @@ from gpusnap.daemon.operations import provenance
 from gpusnap.daemon.park.ladder import Tracked
 from gpusnap.daemon.park.policy import Policies, Rule
 from gpusnap.daemon.park.standbys import Standby
-from gpusnap.daemon.remote import evict
+from gpusnap.daemon.remote import evict, layout
 from gpusnap.daemon.remote.layout import Provenance
 from gpusnap.daemon.store import documents, facts, manifest
 from gpusnap.daemon.store.documents import DocumentError
@@ -221,3 +221,18 @@ def test_the_previous_release_s_recovery_facts_read_as_their_kind_s_types(tmp_pa
     assert read["suspendcancelled"] == CaptureFacts() and read["pushfailed"] == TransferFacts()
     for name, entry in entries.items():  # and what this release writes reads back the same
         assert facts.read(entry.kind, facts.raw(read[name])) == read[name]
+
+
+def test_the_previous_release_s_remote_manifest_and_index_entry_load() -> None:
+    """What another node of the previous release pushed reads here, and what this release pushes reads as the same
+    (its own code is gone: the document's shape is compared)."""
+    data = (PREVIOUS / "remote-manifest.json").read_bytes()
+    doc = layout.parse(data, "snap-previousremoteaaaaaaaaaaaa")
+    assert doc.snapshot.buffers[0].arena == 1 and doc.provenance.gpu_model == "NVIDIA H200"
+    assert doc.file_chunks == (("01" * 32,),) and len(doc.chunks()) == 3
+    assert layout.parse(doc.to_bytes(), doc.snapshot.id) == doc
+    old, new = json.loads(data), json.loads(doc.to_bytes())
+    assert new == {**old, "snapshot": {**old["snapshot"], "created": "2026-12-03T19:11:29.123456Z"}}
+    entry = (PREVIOUS / "remote-index-entry.json").read_bytes()
+    assert manifest.decode(entry) == doc.snapshot
+    assert json.loads(manifest.encode(doc.snapshot)) == {**json.loads(entry), "created": "2026-12-03T19:11:29.123456Z"}
