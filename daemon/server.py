@@ -14,16 +14,6 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gpusnap.daemon import __version__
-from gpusnap.daemon._proto import (
-    node_pb2,
-    node_pb2_grpc,
-    operations_pb2,
-    operations_pb2_grpc,
-    park_pb2,
-    park_pb2_grpc,
-    snapshots_pb2,
-    snapshots_pb2_grpc,
-)
 from gpusnap.daemon.access import callers, rundirs
 from gpusnap.daemon.api.errors import FailedPreconditionError
 from gpusnap.daemon.api.types import FinishedOperation
@@ -51,24 +41,17 @@ from gpusnap.daemon.remote import objects as remote_objects
 from gpusnap.daemon.remote.evict import RemoteEvictor
 from gpusnap.daemon.remote.store import RemoteStore
 from gpusnap.daemon.remote.transfer import TransferLimits
-from gpusnap.daemon.service import reflection
+from gpusnap.daemon.service import reflection, servicers
 from gpusnap.daemon.service.aio import AioServer, streams_per_connection
 from gpusnap.daemon.service.limits import CallerLimits
 from gpusnap.daemon.service.peercred import PeerCredProxy
-from gpusnap.daemon.service.servicers import NodeServicer, OperationServicer, ParkServicer, SnapshotServicer
+from gpusnap.daemon.service.servicers import SERVICE_NAMES
 from gpusnap.daemon.store import SnapshotStore
 from gpusnap.daemon.store.journal import JOURNAL, Journal
 from gpusnap.daemon.weights.prefill import PrefillSupport
 from gpusnap.daemon.workers.agents import AgentRegistry
 
 log = structlog.get_logger(__name__)
-
-SERVICE_NAMES = (
-    operations_pb2.DESCRIPTOR.services_by_name["OperationService"].full_name,
-    snapshots_pb2.DESCRIPTOR.services_by_name["SnapshotService"].full_name,
-    node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
-    park_pb2.DESCRIPTOR.services_by_name["ParkService"].full_name,
-)
 
 MAX_QUEUED_PER_CALLER = 256
 """Unary calls of one caller that may wait for a turn; more fail with RESOURCE_EXHAUSTED."""
@@ -358,11 +341,7 @@ def _api(
 
     async def setup() -> None:  # on the server's loop
         aio = server.server
-        edge = (daemon, proxy, executor.rpc, limits)
-        operations_pb2_grpc.add_OperationServiceServicer_to_server(OperationServicer(*edge), aio)
-        snapshots_pb2_grpc.add_SnapshotServiceServicer_to_server(SnapshotServicer(*edge), aio)
-        node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(*edge), aio)
-        park_pb2_grpc.add_ParkServiceServicer_to_server(ParkServicer(*edge), aio)
+        servicers.serve(aio, daemon, proxy, executor.rpc, limits)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, aio)
         reflection.enable((*SERVICE_NAMES, health.SERVICE_NAME), aio)
         aio.add_insecure_port(f"unix:{private}")

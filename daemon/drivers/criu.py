@@ -56,7 +56,6 @@ from gpusnap.daemon.drivers.criu_protocol import (
     CriuOpts,
     Event,
     Notify,
-    PageFillRequest,
     Request,
     Terminals,
 )
@@ -420,7 +419,8 @@ class CriuDriver:
             owner=owner,
             scratch_dir=str(scratch_dir) if scratch_dir is not None else "",
             file_copies=file_copies,
-            page_fill=PageFillRequest(self.page_fill.threads, timeout_s) if fill else None,
+            page_fill_threads=self.page_fill.threads if fill else 0,
+            timeout_s=timeout_s,
         )
         handler = None
         if before_resume:
@@ -802,7 +802,7 @@ def dir_bytes(path: Path) -> int:
 
 def _init_pid(events: list[Event]) -> int:
     """The host PID of a restore's namespace init (its ``init`` event), 0 without one."""
-    return next((e.init.pid for e in events if e.init is not None), 0)
+    return next((e.init for e in events if e.init), 0)
 
 
 def _restore_reads(events: list[Event]) -> int:

@@ -46,8 +46,6 @@ from gpusnap.daemon.drivers.criu_protocol import (
     Answer,
     CriuOpts,
     Event,
-    InheritFd,
-    Init,
     Notify,
     Request,
     Result,
@@ -187,6 +185,8 @@ def _ready(warm: Swrk, command: list[str]) -> Swrk:
     return Swrk(command)
 
 
+DEFAULT_FILL_TIMEOUT_S = 900.0
+"""How long a page fill may take when the request names no timeout."""
 ASKED_SCRIPTS = frozenset({"post-dump", "post-restore", "pre-resume"})
 """CRIU notifications the daemon answers itself; all others are acknowledged here at once."""
 CRIU_POLL_S = 0.2
@@ -222,8 +222,8 @@ def _run_criu(req: Request, swrk: Swrk, prepared: criu_userpaths.Prepared | None
             inherited = c.opts.inherit_fd.add()
             inherited.key, inherited.fd = key, fd
         c.opts.notify_scripts = True
-        if req.action == "restore" and req.page_fill is not None:
-            fill = PageFill(images_fd, work_fd, req.page_fill.threads)
+        if req.action == "restore" and req.page_fill_threads > 0:
+            fill = PageFill(images_fd, work_fd, req.page_fill_threads)
             c.opts.lazy_pages = True
         msg = rpc.criu_req()
         msg.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[req.action]
@@ -249,9 +249,9 @@ def _run_criu(req: Request, swrk: Swrk, prepared: criu_userpaths.Prepared | None
                     stats = None
                     if fill is not None and script == "post-restore":
                         fill.start()  # every task forked and mapped: see pagefill, step 4
-                    if fill is not None and req.page_fill is not None and script == "pre-resume":
+                    if fill is not None and script == "pre-resume":
                         try:
-                            stats = fill.finish(req.page_fill.timeout_s)
+                            stats = fill.finish(req.timeout_s or DEFAULT_FILL_TIMEOUT_S)
                         except PageFillError as exc:
                             failure = f"filling the restored tree's pages failed: {exc}"
                     if not failure:
@@ -300,32 +300,13 @@ def _kill_restored(criu_pid: int) -> None:
         except ProcessLookupError:
             pass
         return
-    for pid in _descendants(criu_pid):
+    from gpusnap.daemon.drivers import proc  # (psutil's import stays off a helper's start)
+
+    for pid in proc.ProcessTable.now().descendants(criu_pid)[1:]:  # CRIU's, from one pass over /proc
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (from ``/proc/<pid>/stat``'s parent PIDs)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def _set_opts(target: Any, opts: CriuOpts) -> None:
@@ -336,8 +317,8 @@ def _set_opts(target: Any, opts: CriuOpts) -> None:
         if value is None or value == ():
             continue
         if field.name == "inherit_fd":
-            for inherited in opts.inherit_fd:
-                target.inherit_fd.add(key=inherited.key, fd=inherited.fd)
+            for key, fd in opts.inherit_fd:
+                target.inherit_fd.add(key=key, fd=fd)
         elif field.name == "external":
             target.external.extend(opts.external)
         else:
@@ -427,8 +408,7 @@ def _restore(req: Request, swrk: Swrk, command: list[str], stdin: int = -1) -> t
         if inherit:  # CRIU must inherit them: a fresh one
             swrk.close()
             swrk = _criu_for(inherit, command, stdin)
-        copies = tuple(InheritFd(key, fd) for key, fd in made.inherit)
-        opts = dataclasses.replace(req.opts, inherit_fd=(*req.opts.inherit_fd, *copies))
+        opts = dataclasses.replace(req.opts, inherit_fd=(*req.opts.inherit_fd, *made.inherit))
         result = _run_criu(dataclasses.replace(req, opts=opts), swrk, prepared)
     except criu_userpaths.Refused as exc:
         swrk.close()
@@ -587,14 +567,6 @@ def _terminal(req: Request) -> tuple[int, int, int]:
     return slave, master, out
 
 
-@dataclasses.dataclass(frozen=True)
-class _Opened:
-    """The owner's child's answer: the file's descriptor comes with it, or why not (``errno``, ``error``)."""
-
-    errno: int = 0
-    error: str = ""
-
-
 def _open_as_owner(path: str, owner: Creds) -> int:
     """``path`` opened for appending (created 0644 if missing) by a child that is ``owner``
     (``drivers.owner_child``).
@@ -603,14 +575,14 @@ def _open_as_owner(path: str, owner: Creds) -> int:
         OSError: the child could not open it (its errno and message).
     """
 
-    def work() -> list[tuple[_Opened, list[int]]]:
+    def work() -> list[tuple[owner_child.Outcome, list[int]]]:
         try:
             fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOCTTY | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            return [(_Opened(exc.errno or 0, exc.strerror or str(exc)), [])]
-        return [(_Opened(), [fd])]
+            return [(owner_child.Outcome.failed(0, exc), [])]
+        return [(owner_child.Outcome(), [fd])]
 
-    replies, status = owner_child.run_as(owner, work, _Opened)
+    replies, status = owner_child.run_as(owner, work, owner_child.Outcome)
     if status != 0 or len(replies) != 1:
         owner_child.close_all(replies)
         raise OSError(0, f"the snapshot's owner cannot open {path}: its helper exited with status {status}")
@@ -701,7 +673,7 @@ def _restore_in_new_pidns(req: Request, out: Any, command: list[str]) -> int:
         os._exit(0)
     os.close(w)
     os.close(go_r)
-    _emit(out, Event(init=Init(child)))
+    _emit(out, Event(init=child))
     go = _may_start(out, child)
     if go:
         os.write(go_w, b"1")

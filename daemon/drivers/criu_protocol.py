@@ -21,34 +21,37 @@ from gpusnap.daemon.store import documents
 
 
 @dataclasses.dataclass(frozen=True)
-class InheritFd:
-    """A descriptor CRIU inherits, by the key its images name the file with (``inherit_fd``)."""
-
-    key: str
-    fd: int
-
-
-@dataclasses.dataclass(frozen=True)
 class CriuOpts:
     """The ``criu_opts`` fields gpusnap sets (CRIU's images/rpc.proto); ``None`` and empty ones are left unset
     (CRIU's defaults)."""
 
     pid: int | None = None
+    """Dump: the tree's root, as seen where CRIU runs."""
     shell_job: bool | None = None
     ext_unix_sk: bool | None = None
     file_locks: bool | None = None
     link_remap: bool | None = None
+    """What every gpusnap request allows: a shell's job, external unix sockets, file locks, link remaps."""
     leave_running: bool | None = None
+    """Dump: the source runs on."""
     leave_stopped: bool | None = None
+    """Every task is left stopped (a dump in the tree's PID namespace; a standby's restore)."""
     ghost_limit: int | None = None
+    """The largest deleted file copied into the images, bytes."""
     log_level: int | None = None
     log_file: str | None = None
+    """CRIU's log, named in its working directory."""
     timeout: int | None = None
+    """Dump: seconds the tree may take to freeze."""
     tcp_established: bool | None = None
     tcp_close: bool | None = None
     network_lock: int | None = None
+    """TCP connections restored (locked meanwhile, by this method) or closed."""
     external: tuple[str, ...] = ()
-    inherit_fd: tuple[InheritFd, ...] = ()
+    """Resources outside the tree (``tty[rdev:dev]``: a terminal left behind)."""
+    inherit_fd: tuple[tuple[str, int], ...] = ()
+    """Descriptors CRIU inherits (passed to it at its start), each by the key its images name the file with:
+    ``tty[rdev:dev]``, ``socket:[ino]``, a path without its first ``/``, or a path."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,16 +60,10 @@ class Terminals:
     tree gets a fresh pty instead, whose output goes to ``path`` (``""``: /dev/null), opened as ``owner``."""
 
     keys: tuple[str, ...]
+    """CRIU's names of the terminals, ``tty[rdev:dev]``."""
     path: str
     owner: Creds
-
-
-@dataclasses.dataclass(frozen=True)
-class PageFillRequest:
-    """Fill the restored tree's private pages on ``threads`` threads within ``timeout_s`` (``drivers.pagefill``)."""
-
-    threads: int
-    timeout_s: float
+    """Who opens ``path``: the tree's user."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,23 +92,21 @@ class Request:
     """Where the images CRIU reads are linked when it must read rewritten ones (an ``owner``, external copies)."""
     file_copies: CopySpec | None = None
     """Restore: copies of the files the tree continues writing, made as their owners (``filecopies``)."""
-    page_fill: PageFillRequest | None = None
-    """Restore: CRIU restores with lazy pages, which the helper fills (``work_dir`` private to the request)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Init:
-    """A restore into a fresh PID namespace: the host PID of its init."""
-
-    pid: int
+    page_fill_threads: int = 0
+    """Restore: CRIU restores with lazy pages, which the helper fills on this many threads (``drivers.pagefill``;
+    ``work_dir`` private to the request); 0: no page fill."""
+    timeout_s: float = 0.0
+    """The request's own timeout, seconds: a page fill ends by then."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Start:
-    """A restore's CRIU is about to get its request: this helper's PID and the init's (0: none)."""
+    """A restore's CRIU is about to get its request (gpusnapd journals these first)."""
 
     helper: int
+    """This helper's PID: its process group holds CRIU."""
     init: int
+    """The namespace init's host PID (0: none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +118,7 @@ class Notify:
 
     script: str
     pid: int = 0
+    """The restored root, as CRIU sees it (``post-restore``)."""
     image_bytes: tuple[ProcessImage, ...] = ()
     page_fill: Stats | None = None
 
@@ -139,6 +135,7 @@ class Result:
     """Restore: the restored root's PID, as CRIU sees it."""
     error: str = ""
     errno: int = 0
+    """CRIU's ``cr_errno``, or the transport's (see above)."""
     reason: str = ""
     code: str = ""
     file_copies: tuple[FileCopy, ...] = ()
@@ -149,10 +146,12 @@ class Result:
 class Event:
     """One line of the helper: exactly one field set."""
 
-    init: Init | None = None
+    init: int = 0
+    """A restore into a fresh PID namespace: the host PID of its init (its own line, before ``start``)."""
     start: Start | None = None
     notify: Notify | None = None
     result: Result | None = None
+    """The last line."""
 
 
 @dataclasses.dataclass(frozen=True)

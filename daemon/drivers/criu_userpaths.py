@@ -346,22 +346,6 @@ def _restore_common(fd: int, u: Any) -> None:
         sk.close()
 
 
-@dataclasses.dataclass(frozen=True)
-class SocketFailure:
-    """The first socket the owner's child could not make: its index among the ops, and the owner's own error."""
-
-    op: int
-    errno: int
-    error: str
-
-
-@dataclasses.dataclass(frozen=True)
-class SocketsMade:
-    """The owner's child's answer: every socket made (their descriptors come with it), or the first failure."""
-
-    failure: SocketFailure | None = None
-
-
 def _as_owner(ops: list[_Op], owner: Creds) -> list[int]:
     """Run :func:`_make` in a child that is ``owner`` (``drivers.owner_child``); returns its sockets' fds (one per
     op, in order).
@@ -370,19 +354,19 @@ def _as_owner(ops: list[_Op], owner: Creds) -> list[int]:
         Refused: the first op that failed, with the owner's own error.
     """
 
-    def work() -> list[tuple[SocketsMade, list[int]]]:
+    def work() -> list[tuple[owner_child.Outcome, list[int]]]:
         made: list[int] = []
         for op in ops:
             try:
                 made.append(_make(op))
-            except OSError as exc:
-                return [(SocketsMade(SocketFailure(len(made), exc.errno or 0, exc.strerror or str(exc))), made)]
+            except OSError as exc:  # the sockets before it were made
+                return [(owner_child.Outcome.failed(len(made), exc), made)]
         for op in ops:
             if op.deleted:  # its name was gone at the dump: gone again, once everything connected
                 os.unlink(_show(op.bind, op.bind_dir))
-        return [(SocketsMade(), made)]
+        return [(owner_child.Outcome(), made)]
 
-    replies, status = owner_child.run_as(owner, work, SocketsMade, max_fds=max(len(ops), 1))
+    replies, status = owner_child.run_as(owner, work, owner_child.Outcome, max_fds=max(len(ops), 1))
     if len(replies) != 1 or status != 0:
         owner_child.close_all(replies)
         raise Refused(
@@ -390,13 +374,12 @@ def _as_owner(ops: list[_Op], owner: Creds) -> list[int]:
             reason="ACCESS_CHECK_FAILED",
             code="INTERNAL",
         )
-    ((answer, fds),) = replies
-    failure = answer.failure
-    if failure is None:
+    ((failure, fds),) = replies
+    if failure.at < 0:
         return fds
     for fd in fds:
         os.close(fd)
-    op = ops[failure.op]
+    op = ops[failure.at]
     what = "bound" if op.bind else "connected"
     path = _show(op.bind, op.bind_dir) if op.bind else _show(op.connect, op.connect_dir)
     if op.bind and failure.errno == errno.EADDRINUSE:

@@ -74,9 +74,11 @@ class Copied:
 
     dev: int = 0
     ino: int = 0
+    """The copy's device and inode."""
     error: str = ""
     now: int = 0
     why: str = ""
+    """``copy``: the owner's own error."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,7 @@ class Made:
     """A copy made: removed later only while its name still names it (same device and inode), as its owner."""
 
     path: str
+    """The copy's path."""
     dev: int
     ino: int
     owner: Creds

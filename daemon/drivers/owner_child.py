@@ -11,6 +11,7 @@ instead (``gpusnap.daemon.access.asowner``).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import socket
@@ -22,6 +23,21 @@ from gpusnap.daemon.store import documents
 
 M = TypeVar("M")
 MAX_MESSAGE = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What the owner's child says of a piece of work: done (what it made comes with it as descriptors), or the
+    OS error the owner met, at which item."""
+
+    at: int = -1
+    """The item it failed at (-1: it did them all)."""
+    errno: int = 0
+    error: str = ""
+
+    @staticmethod
+    def failed(at: int, exc: OSError) -> Outcome:
+        return Outcome(at, exc.errno or 0, exc.strerror or str(exc))
 
 
 def become(creds: Creds) -> None:

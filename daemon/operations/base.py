@@ -219,13 +219,13 @@ class OperationRecord:
         if self.error is not None:
             error = EntryError(code=int(self.error.code), reason=self.error.reason, message=self.error.message)
         return Entry(
-            id=self.id,
-            kind=self.kind,
-            owner_uid=self.owner_uid,
+            self.id,
+            self.kind,
+            self.owner_uid,
+            self.started,
+            self.state,
             request_id=self.request_id,
-            started=self.started,
             finished=self.finished.isoformat() if self.finished else "",
-            state=self.state,
             phase=self.phase,
             target_pid=self.target_pid,
             target_snapshot=self.target_snapshot,
@@ -386,25 +386,13 @@ class PhaseRunner:
         Before the block runs, the operation's journal names the phase (``Journal.write_phase``), and a requested
         cancellation ends the operation (``CancelledError``, then rollback).
         """
-        self.check_cancelled()
-        name = phase.value + self.phase_suffix
-        self.record.phase = name
-        self.record.save_phase()
-        self.failpoints.hit(self.record.kind.value, name)
-        self.record.emit(EventType.PHASE_STARTED, phase=name)
-        progress = PhaseProgress(self.record, name)
-        start = time.monotonic()
+        name, start, progress = self._start(phase)
         try:
             yield progress
         except BaseException as exc:
-            elapsed = time.monotonic() - start
-            self.record.emit(EventType.PHASE_FAILED, phase=name, duration_seconds=elapsed, message=str(exc))
-            self.log.warning("phase.failed", phase=name, duration_s=round(elapsed, 4), error=str(exc))
+            self._failed(name, start, exc)
             raise
-        elapsed = time.monotonic() - start
-        self.record.phases.append(PhaseTiming(phase=name, duration_seconds=elapsed, bytes=progress.bytes))
-        self.record.emit(EventType.PHASE_FINISHED, phase=name, duration_seconds=elapsed, bytes=progress.bytes)
-        self.log.info("phase.finished", phase=name, duration_s=round(elapsed, 4), bytes=progress.bytes)
+        self._finished(name, start, progress)
 
     def open_phase(self, phase: Phase) -> PhaseProgress:
         """Start ``phase`` without a block (closing any phase opened this way before).
@@ -413,32 +401,37 @@ class PhaseRunner:
         A phase left open when the operation fails is reported as failed.
         """
         self.close_phase()
+        self._open = self._start(phase)
+        return self._open[2]
+
+    def close_phase(self) -> None:
+        """Finish the phase opened by :meth:`open_phase`, if any."""
+        opened, self._open = self._open, None
+        if opened is not None:
+            self._finished(*opened)
+
+    def _fail_open_phase(self, exc: BaseException) -> None:
+        opened, self._open = self._open, None
+        if opened is not None:
+            self._failed(opened[0], opened[1], exc)
+
+    def _start(self, phase: Phase) -> tuple[str, float, PhaseProgress]:
+        """A phase's start (see :meth:`phase`): its name, start time and progress."""
         self.check_cancelled()
         name = phase.value + self.phase_suffix
         self.record.phase = name
         self.record.save_phase()
         self.failpoints.hit(self.record.kind.value, name)
         self.record.emit(EventType.PHASE_STARTED, phase=name)
-        progress = PhaseProgress(self.record, name)
-        self._open = (name, time.monotonic(), progress)
-        return progress
+        return name, time.monotonic(), PhaseProgress(self.record, name)
 
-    def close_phase(self) -> None:
-        """Finish the phase opened by :meth:`open_phase`, if any."""
-        if self._open is None:
-            return
-        name, start, progress = self._open
-        self._open = None
+    def _finished(self, name: str, start: float, progress: PhaseProgress) -> None:
         elapsed = time.monotonic() - start
         self.record.phases.append(PhaseTiming(phase=name, duration_seconds=elapsed, bytes=progress.bytes))
         self.record.emit(EventType.PHASE_FINISHED, phase=name, duration_seconds=elapsed, bytes=progress.bytes)
         self.log.info("phase.finished", phase=name, duration_s=round(elapsed, 4), bytes=progress.bytes)
 
-    def _fail_open_phase(self, exc: BaseException) -> None:
-        if self._open is None:
-            return
-        name, start, _ = self._open
-        self._open = None
+    def _failed(self, name: str, start: float, exc: BaseException) -> None:
         elapsed = time.monotonic() - start
         self.record.emit(EventType.PHASE_FAILED, phase=name, duration_seconds=elapsed, message=str(exc))
         self.log.warning("phase.failed", phase=name, duration_s=round(elapsed, 4), error=str(exc))

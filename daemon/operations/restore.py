@@ -102,8 +102,8 @@ class Restore:
         self.run = run
         self.deps = deps
         self.opts = opts
-        self.snapshot = snapshot
         self.timeout = opts.timeout_s or deps.config.restore_timeout
+        self.snapshot = snapshot
         self._prefill: tuple[weights_prefill.Prefill, Undo] | None = None
         self._images: ImageCheck | None = None
         """The image check :meth:`verify_images` began; every copy's ``pre-resume`` waits for it."""

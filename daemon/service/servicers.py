@@ -42,6 +42,13 @@ from gpusnap.daemon.service import convert, convert_park
 from gpusnap.daemon.service.limits import CallerLimits
 from gpusnap.daemon.service.peercred import PeerCredProxy
 
+SERVICE_NAMES = (
+    operations_pb2.DESCRIPTOR.services_by_name["OperationService"].full_name,
+    snapshots_pb2.DESCRIPTOR.services_by_name["SnapshotService"].full_name,
+    node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
+    park_pb2.DESCRIPTOR.services_by_name["ParkService"].full_name,
+)
+"""The gpusnap services the servicers serve (health and reflection name them too)."""
 R = TypeVar("R", bound=Message)
 Context = grpc.aio.ServicerContext[Any, Any]
 log = structlog.get_logger(__name__)
@@ -377,6 +384,16 @@ class ParkServicer(_Servicer, park_pb2_grpc.ParkServiceServicer):
             return park_pb2.DeletePolicyResponse()
 
         return await self.unary(context, answer)
+
+
+def serve(
+    server: grpc.aio.Server, daemon: Daemon, proxy: PeerCredProxy, lane: ThreadPoolExecutor, limits: CallerLimits
+) -> None:
+    """Add every gpusnap servicer to ``server`` (on its loop, before it starts); see :class:`_Servicer`'s arguments."""
+    operations_pb2_grpc.add_OperationServiceServicer_to_server(OperationServicer(daemon, proxy, lane, limits), server)
+    snapshots_pb2_grpc.add_SnapshotServiceServicer_to_server(SnapshotServicer(daemon, proxy, lane, limits), server)
+    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(daemon, proxy, lane, limits), server)
+    park_pb2_grpc.add_ParkServiceServicer_to_server(ParkServicer(daemon, proxy, lane, limits), server)
 
 
 async def _events(record: OperationRecord) -> AsyncIterator[Any]:

@@ -30,6 +30,7 @@ class JournaledAgent:
 
     pid: int
     uid: int
+    """Its process and user: its wake file is created in a directory of that user's (or root's)."""
     instance_id: str
     wake_dir: str
 

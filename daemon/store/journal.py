@@ -59,6 +59,7 @@ class EntryError:
     """How a failed or cancelled operation ended (``GpusnapError``'s code, reason and message)."""
 
     code: int
+    """Its gRPC code, as a number (``api.errors.Code``)."""
     reason: str
     message: str
 
@@ -71,6 +72,7 @@ class EntryResult:
 
     snapshot_id: str = ""
     restore: RestoreResult | None = None
+    """Its trees, replicas included."""
     gpu_map: dict[str, str] | None = None
     standbys: tuple[str, ...] = ()
 
