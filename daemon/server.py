@@ -141,18 +141,7 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
     host.raise_open_file_limit()
     executor = Executor()
     undo.callback(executor.shutdown)  # a start that fails before the store opens (idempotent: see below)
-    page_fill = pagefill.setting(config.page_fill_threads)
-    if page_fill.reason and config.page_fill_threads >= 0:
-        log.warning("page_fill.off", reason=page_fill.reason)
-    criu = CriuDriver(
-        config.criu_binary,
-        config.pycriu_path,
-        failed_logs_dir=config.store / "logs",
-        page_fill=page_fill,
-    )
-    criu_version = criu.require_supported()
-    criu.keep_spare_helper()
-    undo.callback(criu.close)
+    criu, criu_version = _criu(config, undo)
     remote = _remote(config)
     prefill = PrefillSupport.probe(config.gpu_prefill, overrides.fill_driver, jobs=executor.prefill)
     undo.callback(prefill.close)
@@ -218,6 +207,25 @@ def _build(config: DaemonConfig, overrides: Overrides, undo: contextlib.ExitStac
         gpu_reason=gpu.reason or None,
     )
     return running
+
+
+def _criu(config: DaemonConfig, undo: contextlib.ExitStack) -> tuple[CriuDriver, str]:
+    """The CRIU driver (its page fill as set, or off with the reason logged), checked, with a spare helper
+    started; and CRIU's version.
+
+    Raises:
+        FailedPreconditionError: CRIU missing or older than 4.1.
+    """
+    page_fill = pagefill.setting(config.page_fill_threads)
+    if page_fill.reason and config.page_fill_threads >= 0:
+        log.warning("page_fill.off", reason=page_fill.reason)
+    criu = CriuDriver(
+        config.criu_binary, config.pycriu_path, failed_logs_dir=config.store / "logs", page_fill=page_fill
+    )
+    criu_version = criu.require_supported()
+    criu.keep_spare_helper()
+    undo.callback(criu.close)
+    return criu, criu_version
 
 
 def _storage(

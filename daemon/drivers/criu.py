@@ -57,6 +57,7 @@ from gpusnap.daemon.drivers.criu_protocol import (
     Event,
     Notify,
     Request,
+    Result,
     Terminals,
 )
 from gpusnap.daemon.drivers.filecopies import CopySpec
@@ -652,27 +653,32 @@ class CriuDriver:
         if not result.ok:
             if on_notify and on_notify.error:
                 raise on_notify.error
-            lines = log_lines(log_path)
-            kept = self._keep_log(log_path)
-            died = result.errno in CRIU_GONE_ERRNOS
-            headline = result.error
-            if lines and any(b in headline for b in BENIGN_LOG_LINES):  # CRIU's first error, not its cause
-                headline = lines[0]
-            hint = failure_hint(action, result.errno, lines)
-            if hint:
-                headline = f"{headline} ({hint})"
-            details = f"{_joined(lines, LOG_EXCERPT_CHARS)} ({kept})"
-            if private_log:
-                headline = hint or "see the log"
-                details = f"(the log, {log_path.name}, is kept for root)"
-            retry = next((r for phrase, r in RETRY_PHRASES.items() if any(phrase in ln for ln in lines)), "")
-            raise CriuError(
-                f"CRIU {action} failed: {headline}. {details}",
-                code_cls=AbortedError if died or retry else FailedPreconditionError,
-                reason="CRIU_DIED" if died else retry or f"CRIU_{action.upper()}_FAILED",
-                log_lines=lines,
-            )
+            raise self._failure(action, result, log_path, private_log)
         return events
+
+    def _failure(self, action: str, result: Result, log_path: Path, private_log: bool) -> CriuError:
+        """What a failed request raises: CRIU's answer (or its end) and its log, named by cause, with the fix
+        where gpusnap knows it; ``private_log``: the log's lines stay out of the message."""
+        lines = log_lines(log_path)
+        kept = self._keep_log(log_path)
+        died = result.errno in CRIU_GONE_ERRNOS
+        headline = result.error
+        if lines and any(b in headline for b in BENIGN_LOG_LINES):  # CRIU's first error, not its cause
+            headline = lines[0]
+        hint = failure_hint(action, result.errno, lines)
+        if hint:
+            headline = f"{headline} ({hint})"
+        details = f"{_joined(lines, LOG_EXCERPT_CHARS)} ({kept})"
+        if private_log:
+            headline = hint or "see the log"
+            details = f"(the log, {log_path.name}, is kept for root)"
+        retry = next((r for phrase, r in RETRY_PHRASES.items() if any(phrase in ln for ln in lines)), "")
+        return CriuError(
+            f"CRIU {action} failed: {headline}. {details}",
+            code_cls=AbortedError if died or retry else FailedPreconditionError,
+            reason="CRIU_DIED" if died else retry or f"CRIU_{action.upper()}_FAILED",
+            log_lines=lines,
+        )
 
     def _keep_log(self, log_path: Path) -> str:
         """Keep a failed request's log where it survives its work directory (a staging directory goes with
