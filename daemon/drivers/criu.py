@@ -51,15 +51,6 @@ from gpusnap.daemon.api.types import Creds, FileCopy, TcpMode
 from gpusnap.daemon.defaults import INSTALL_CRIU
 from gpusnap.daemon.drivers import criu_protocol as protocol
 from gpusnap.daemon.drivers import pagefill
-from gpusnap.daemon.drivers.criu_protocol import (
-    Answer,
-    CriuOpts,
-    Event,
-    Notify,
-    Request,
-    Result,
-    Terminals,
-)
 from gpusnap.daemon.drivers.filecopies import CopySpec
 from gpusnap.daemon.store import documents
 
@@ -84,11 +75,11 @@ CRIU prefix) instead of running ``iptables``, which Debian 12 hosts lack ("exite
 Iptables configuration failed | tcp: Failed to lock TCP connection")."""
 
 
-def _opts(tcp: TcpMode) -> CriuOpts:
+def _opts(tcp: TcpMode) -> protocol.CriuOpts:
     """CRIU's options for every dump and restore: a shell's job, external unix sockets, file locks and link
     remaps, the log at level 4, and for ``tcp`` established connections locked (nftables) and restored, or
     closed."""
-    common = CriuOpts(shell_job=True, ext_unix_sk=True, file_locks=True, link_remap=True, log_level=4)
+    common = protocol.CriuOpts(shell_job=True, ext_unix_sk=True, file_locks=True, link_remap=True, log_level=4)
     if tcp is TcpMode.ESTABLISHED:
         return dataclasses.replace(common, tcp_established=True, network_lock=NETWORK_LOCK_NFTABLES)
     if tcp is TcpMode.CLOSE:
@@ -310,7 +301,7 @@ class CriuDriver:
             timeout=freeze_timeout_s,
             external=tuple(external),
         )
-        req = Request(
+        req = protocol.Request(
             action="dump", images_dir=str(images_dir), work_dir=str(work_dir), opts=opts, enter_ns_of=enter_ns_of
         )
         handler = (
@@ -335,7 +326,7 @@ class CriuDriver:
         before_resume: Callable[[RestoredTree], None] | None = None,
         private_log: bool = False,
         before_criu: Callable[[int, int], None] | None = None,
-        terminals: Terminals | None = None,
+        terminals: protocol.Terminals | None = None,
         title: Sequence[str] = (),
         owner: Creds | None = None,
         scratch_dir: Path | None = None,
@@ -407,7 +398,7 @@ class CriuDriver:
         if owner is not None and scratch_dir is None:
             raise ValueError("a restore with an owner needs a scratch_dir")
         fill = self.page_fill.threads > 0 and criu_dir is not None
-        req = Request(
+        req = protocol.Request(
             action="restore",
             images_dir=str(images_dir),
             work_dir=str(criu_dir if fill else work_dir),
@@ -426,7 +417,7 @@ class CriuDriver:
         handler = None
         if before_resume:
 
-            def pre_resume(_notify: Notify, events: list[Event]) -> None:
+            def pre_resume(_notify: protocol.Notify, events: list[protocol.Event]) -> None:
                 root = next(e.notify.pid for e in events if e.notify and e.notify.script == "post-restore")
                 before_resume(RestoredTree(init_pid=_init_pid(events), ns_pid=root))
 
@@ -459,7 +450,7 @@ class CriuDriver:
 
     def _run(
         self,
-        req: Request,
+        req: protocol.Request,
         log_path: Path,
         timeout_s: float,
         on_start: Callable[[int], None] | None = None,
@@ -468,7 +459,7 @@ class CriuDriver:
         before_criu: Callable[[int, int], None] | None = None,
         progress: _Ticker | None = None,
         cancelled: Callable[[], bool] | None = None,
-    ) -> list[Event]:
+    ) -> list[protocol.Event]:
         action = req.action
         line = protocol.line(req)
         proc = self._take_helper()
@@ -545,10 +536,10 @@ class CriuDriver:
         before_criu: Callable[[int, int], None] | None = None,
         progress: _Ticker | None = None,
         cancelled: Callable[[], bool] | None = None,
-    ) -> list[Event]:
+    ) -> list[protocol.Event]:
         start_error: BaseException | None = None
         assert proc.stdin and proc.stdout and proc.stderr
-        events: list[Event] = []
+        events: list[protocol.Event] = []
         deadline = time.monotonic() + timeout_s
         overdue = False  # a dump past its deadline: never killed (its parasite may be in a task), stopped at post-dump
         buf = b""
@@ -585,7 +576,7 @@ class CriuDriver:
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    event = documents.decode(line, Event)
+                    event = documents.decode(line, protocol.Event)
                     events.append(event)
                     if event.result is not None:  # the last line: no need to wait for EOF
                         buf = b""
@@ -656,7 +647,7 @@ class CriuDriver:
             raise self._failure(action, result, log_path, private_log)
         return events
 
-    def _failure(self, action: str, result: Result, log_path: Path, private_log: bool) -> CriuError:
+    def _failure(self, action: str, result: protocol.Result, log_path: Path, private_log: bool) -> CriuError:
         """What a failed request raises: CRIU's answer (or its end) and its log, named by cause, with the fix
         where gpusnap knows it; ``private_log``: the log's lines stay out of the message."""
         lines = log_lines(log_path)
@@ -708,7 +699,7 @@ class CriuDriver:
             return f"CRIU's full log could not be kept: {exc.strerror or exc}"
 
     @staticmethod
-    def _kill(proc: subprocess.Popen[bytes], events: list[Event]) -> None:
+    def _kill(proc: subprocess.Popen[bytes], events: list[protocol.Event]) -> None:
         init = _init_pid(events)
         if init:  # a restore's namespace init takes everything inside with it
             try:
@@ -742,7 +733,7 @@ def _answer(proc: subprocess.Popen[bytes], ok: bool) -> None:
     its end of output, comes next."""
     assert proc.stdin
     try:  # unbuffered: a refused write leaves nothing behind for close() to fail on again
-        os.write(proc.stdin.fileno(), protocol.line(Answer(ok)))
+        os.write(proc.stdin.fileno(), protocol.line(protocol.Answer(ok)))
     except BrokenPipeError:
         pass
 
@@ -759,7 +750,7 @@ def _end_helper(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-_Callback = Callable[[Notify, list[Event]], None]
+_Callback = Callable[[protocol.Notify, list[protocol.Event]], None]
 
 PROGRESS_S = 0.5
 """How often a request's progress is measured and reported while CRIU runs."""
@@ -771,12 +762,12 @@ class _Ticker:
     """Reports a running request's progress: ``measure(events so far)`` handed to ``report`` at most every
     ``PROGRESS_S``. A measurement that fails (a file or task gone meanwhile) is skipped."""
 
-    def __init__(self, report: Callable[[int], None], measure: Callable[[list[Event]], int]):
+    def __init__(self, report: Callable[[int], None], measure: Callable[[list[protocol.Event]], int]):
         self.report = report
         self.measure = measure
         self._next = 0.0
 
-    def tick(self, events: list[Event], *, last: bool = False) -> None:
+    def tick(self, events: list[protocol.Event], *, last: bool = False) -> None:
         now = time.monotonic()
         if now < self._next and not last:
             return
@@ -806,12 +797,12 @@ def dir_bytes(path: Path) -> int:
     return total
 
 
-def _init_pid(events: list[Event]) -> int:
+def _init_pid(events: list[protocol.Event]) -> int:
     """The host PID of a restore's namespace init (its ``init`` event), 0 without one."""
     return next((e.init for e in events if e.init), 0)
 
 
-def _restore_reads(events: list[Event]) -> int:
+def _restore_reads(events: list[protocol.Event]) -> int:
     """Bytes read so far by a restore's CRIU and the tasks it restores: every process under the namespace init (or,
     without one, under the helper, whose PID the ``start`` event names)."""
     top = _init_pid(events) or next((e.start.helper for e in events if e.start is not None), 0)
@@ -826,7 +817,7 @@ def _restore_reads(events: list[Event]) -> int:
     return total
 
 
-def _image_bytes(notify: Notify) -> dict[int, int]:
+def _image_bytes(notify: protocol.Notify) -> dict[int, int]:
     """The post-dump notification's ``image_bytes`` (PID → bytes of pages in the images), the plausible ones."""
     return {p.pid: p.image_bytes for p in notify.image_bytes if p.pid > 0 and p.image_bytes >= 0}
 
@@ -839,7 +830,7 @@ class _NotifyHandler:
         self.callbacks = callbacks
         self.error: BaseException | None = None
 
-    def handle(self, notify: Notify, events: list[Event]) -> bool:
+    def handle(self, notify: protocol.Notify, events: list[protocol.Event]) -> bool:
         callback = self.callbacks.get(notify.script)
         if callback is None:
             return True
