@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -44,16 +43,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import results_file  # noqa: E402
+from bench import results_file, vllm_runs  # noqa: E402
 from bench.overhead_bench import _become_subreaper, _reap  # noqa: E402
 from bench.plain_criu import OPTS as CRIU_OPTS  # noqa: E402
 from bench.plain_criu import log_seconds as _criu_log_seconds  # noqa: E402
-from tests.conftest import criu_prefix, kill_tree, start_daemon, stop_daemon, wait_for  # noqa: E402
+from tests.conftest import DaemonProc, criu_prefix, kill_tree, start_daemon, stop_daemon, wait_for  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "daemon" / "workloads" / "anon_regions.py"
 REGION_MB = 256
 MIB = 1 << 20
-_FILLED = re.compile(r"pages filled: ([\d.]+) GB by (\d+) threads in ([\d.]+) s")
 
 
 def _start_worker(wd: Path, anon_mb: int, shm_mb: int) -> subprocess.Popen[bytes]:
@@ -137,7 +135,7 @@ def _restore_criu(images: Path, wd: Path, segment: tuple[Path, Path]) -> dict[st
     }
 
 
-def _restore_gpusnap(client: Any, snap: str, wd: Path) -> dict[str, Any]:
+def _restore_gpusnap(daemon: DaemonProc, client: Any, snap: str, wd: Path) -> dict[str, Any]:
     (wd / "answer").unlink(missing_ok=True)
     t = time.perf_counter()
     op = client.wait(client.restore(snap).id)
@@ -152,7 +150,7 @@ def _restore_gpusnap(client: Any, snap: str, wd: Path) -> dict[str, Any]:
     finally:
         client.stop_restored_tree(operation_id=op.id)
     phases = {p.phase: p.duration_seconds for p in op.phases}
-    filled = next((m for e in client.watch(op.id) if (m := _FILLED.search(e.message or ""))), None)
+    filled = vllm_runs.page_fill(vllm_runs.messages(daemon, op.id))
     out: dict[str, Any] = {
         "restore_to_first_request_s": total,
         "restore_s": restored,
@@ -160,8 +158,7 @@ def _restore_gpusnap(client: Any, snap: str, wd: Path) -> dict[str, Any]:
         "same_memory": same,
     }
     if filled:
-        gb, threads, seconds = float(filled.group(1)), int(filled.group(2)), float(filled.group(3))
-        out["page_fill"] = {"bytes": int(gb * 1e9), "threads": threads, "seconds": seconds}
+        out["page_fill"] = filled
     return out
 
 
@@ -275,9 +272,10 @@ def main() -> int:
         saved = next((images / "dev-shm").iterdir())
         segment = (saved, Path("/dev/shm") / saved.name)
         page_bytes = sum(p.stat().st_size for p in pages)
+        first = daemon
         steps: dict[str, Callable[[], dict[str, Any]]] = {
             "criu": lambda: _restore_criu(images, wd, segment),
-            "gpusnap": lambda: _restore_gpusnap(client, snap, wd),
+            "gpusnap": lambda: _restore_gpusnap(first, client, snap, wd),
             "copy": lambda: {
                 "pages_1_thread_s": _copy_pages(pages, 1),
                 f"pages_{a.threads}_threads_s": _copy_pages(pages, a.threads),
@@ -287,11 +285,11 @@ def main() -> int:
         _run_rounds(a.rounds, steps, samples)
         if a.no_fill:
             stop_daemon(daemon)
-            daemon = start_daemon(root / "d", extra_env={"GPUSNAP_PAGE_FILL_THREADS": "-1"})
+            second = daemon = start_daemon(root / "d", extra_env={"GPUSNAP_PAGE_FILL_THREADS": "-1"})
             client = daemon.client()
             _run_rounds(
                 a.rounds,
-                {"criu_2": steps["criu"], "gpusnap_no_fill": lambda: _restore_gpusnap(client, snap, wd)},
+                {"criu_2": steps["criu"], "gpusnap_no_fill": lambda: _restore_gpusnap(second, client, snap, wd)},
                 samples,
             )
     finally:

@@ -19,7 +19,9 @@ from tests.adapters.vllm_server import request
 from tests.conftest import DaemonProc
 
 ANSWER_TOKENS = 16
-PAGES_FILLED = re.compile(r"pages filled: ([\d.]+) GB by (\d+) threads in ([\d.]+) s")
+PAGES_FILLED = re.compile(
+    r"pages filled: ([\d.]+) GB by (\d+) threads in ([\d.]+) s.*?(?:and ([\d.]+) GB of its /dev/shm files)?$"
+)
 """The restore's PROGRESS message of its page fill (daemon/operations/restore.py, ``_page_fill_message``)."""
 
 
@@ -33,13 +35,15 @@ def messages(daemon: DaemonProc, op_id: str) -> dict[str, list[str]]:
 
 
 def page_fill(said: dict[str, list[str]]) -> dict[str, Any] | None:
-    """The page fill a restore reported (``pages filled: 4.29 GB by 2 threads in 1.10 s``): bytes, threads,
-    seconds; ``None`` where the restore filled no pages itself (CRIU read them)."""
+    """The page fill a restore reported (``pages filled: 4.29 GB by 2 threads in 1.100 s …, and 1.07 GB of its
+    /dev/shm files``): bytes, threads, seconds, file_bytes; ``None`` where the restore filled no pages itself (CRIU
+    read them)."""
     for text in (m for ms in said.values() for m in ms):
         found = PAGES_FILLED.search(text)
         if found:
             gb, threads, seconds = float(found.group(1)), int(found.group(2)), float(found.group(3))
-            return {"bytes": int(gb * 1e9), "threads": threads, "seconds": seconds}
+            files = float(found.group(4) or 0)
+            return {"bytes": int(gb * 1e9), "threads": threads, "seconds": seconds, "file_bytes": int(files * 1e9)}
     return None
 
 

@@ -41,7 +41,7 @@ from typing import Any
 from gpusnap.daemon.api.types import Creds, ProcessImage
 from gpusnap.daemon.defaults import INSTALL_CRIU
 from gpusnap.daemon.drivers import criu_protocol as protocol
-from gpusnap.daemon.drivers import criu_userpaths, filecopies, owner_child
+from gpusnap.daemon.drivers import criu_userpaths, filecopies, owner_child, privateshm
 from gpusnap.daemon.drivers.criu_protocol import (
     Answer,
     CriuOpts,
@@ -193,7 +193,12 @@ CRIU_POLL_S = 0.2
 """How often the helper checks that CRIU still runs while it waits for CRIU's next message."""
 
 
-def _run_criu(req: Request, swrk: Swrk, prepared: criu_userpaths.Prepared | None = None) -> Result:
+def _run_criu(
+    req: Request,
+    swrk: Swrk,
+    prepared: criu_userpaths.Prepared | None = None,
+    deferred: Sequence[privateshm.Deferred] = (),
+) -> Result:
     """Run the request's CRIU action on ``swrk`` (a CRIU this process started); returns the result.
 
     CRIU's notifications (``notify_scripts``) are relayed: for ``post-dump`` (images complete, tree
@@ -223,7 +228,7 @@ def _run_criu(req: Request, swrk: Swrk, prepared: criu_userpaths.Prepared | None
             inherited.key, inherited.fd = key, fd
         c.opts.notify_scripts = True
         if req.action == "restore" and req.page_fill_threads > 0:
-            fill = PageFill(images_fd, work_fd, req.page_fill_threads)
+            fill = PageFill(images_fd, work_fd, req.page_fill_threads, files=deferred)
             c.opts.lazy_pages = True
         msg = rpc.criu_req()
         msg.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[req.action]
@@ -392,7 +397,13 @@ def _refused(exc: criu_userpaths.Refused) -> Result:
     return Result(ok=False, error=str(exc), reason=exc.reason, code=exc.code)
 
 
-def _restore(req: Request, swrk: Swrk, command: list[str], stdin: int = -1) -> tuple[Result, filecopies.Ledger | None]:
+def _restore(
+    req: Request,
+    swrk: Swrk,
+    command: list[str],
+    stdin: int = -1,
+    deferred: Sequence[privateshm.Deferred] = (),
+) -> tuple[Result, filecopies.Ledger | None]:
     """CRIU's restore on ``swrk`` (``stdin``: the terminal standing in for a shell job's). First, a non-root
     snapshot's path-named unix sockets, made as its owner (``criu_userpaths``), and copies of the files the tree
     continues writing (``req.file_copies``, ``filecopies``): when there are any, a fresh CRIU inherits them.
@@ -409,7 +420,7 @@ def _restore(req: Request, swrk: Swrk, command: list[str], stdin: int = -1) -> t
             swrk.close()
             swrk = _criu_for(inherit, command, stdin)
         opts = dataclasses.replace(req.opts, inherit_fd=(*req.opts.inherit_fd, *made.inherit))
-        result = _run_criu(dataclasses.replace(req, opts=opts), swrk, prepared)
+        result = _run_criu(dataclasses.replace(req, opts=opts), swrk, prepared, deferred)
     except criu_userpaths.Refused as exc:
         swrk.close()
         result = _refused(exc)
@@ -463,75 +474,6 @@ def _loopback_up() -> None:
         ifr = fcntl.ioctl(s, siocgifflags, struct.pack("16sH22x", b"lo", 0))
         flags = struct.unpack("16sH", ifr[:18])[1]
         fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
-
-
-def _private_dev_shm(saved: str, store: str) -> str:
-    """Mount a fresh tmpfs on /dev/shm (in this mount namespace only) holding the files saved at dump.
-
-    CRIU keeps only the path and size of a linked tmpfs file that a process maps or holds open, so
-    named POSIX shared memory (vLLM's ``psm_*`` message queues, its ``*-cpushm_*`` TP buffers, spawn-
-    context semaphores) must be brought back around it; a private copy per restore keeps two restored
-    trees (or a restored tree and its still-running source) from sharing one segment.
-
-    A store under /dev/shm (a RAM store: ``store``, the directory holding the request's images and work
-    directories) would be hidden by that tmpfs: it is carried over, a bind mount of it at the same path in the
-    fresh tmpfs, so that CRIU and this helper find every path they were given (:func:`_drop_carried` removes it
-    once CRIU is done, before the tree could look). Returns the path carried over ("" when none was).
-    """
-    import subprocess
-
-    carried = _clone_mount(store) if _under(store, "/dev/shm") else -1
-    _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV)
-    os.chmod("/dev/shm", 0o1777)
-    if carried >= 0:
-        os.makedirs(store, 0o700, exist_ok=True)
-        _move_mount(carried, store)
-    names = sorted(os.path.join(saved, n) for n in os.listdir(saved))
-    if names:  # one cp keeps hard links (CRIU's link_remap.N beside the name it stands for) and holes
-        subprocess.run(["cp", "-a", "--sparse=always", "--", *names, "/dev/shm/"], check=True)
-    return store if carried >= 0 else ""
-
-
-def _under(path: str, top: str) -> bool:
-    real = os.path.realpath(path)
-    return real == top or real.startswith(top + "/")
-
-
-SYS_OPEN_TREE, SYS_MOVE_MOUNT = 428, 429
-"""The new mount API's system calls (the same numbers on every architecture since Linux 5.2)."""
-OPEN_TREE_CLONE, AT_RECURSIVE, MOVE_MOUNT_F_EMPTY_PATH, MNT_DETACH = 1, 0x8000, 0x4, 2
-AT_FDCWD = -100
-
-
-def _clone_mount(path: str) -> int:
-    """A detached bind mount of ``path`` (with what is mounted below it), as a descriptor."""
-    fd = _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(path), OPEN_TREE_CLONE | AT_RECURSIVE)
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"open_tree({path}): {os.strerror(err)}")
-    return int(fd)
-
-
-def _move_mount(fd: int, path: str) -> None:
-    """Attach the detached mount ``fd`` at ``path``."""
-    _check(
-        _libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, os.fsencode(path), MOVE_MOUNT_F_EMPTY_PATH),
-        f"move_mount({path})",
-    )
-    os.close(fd)
-
-
-def _drop_carried(path: str) -> None:
-    """Unmount what :func:`_private_dev_shm` carried over at ``path`` and remove the directories made for it."""
-    if not path:
-        return
-    _check(_libc.umount2(os.fsencode(path), MNT_DETACH), f"umount({path})")
-    while path not in ("/dev/shm", "/"):
-        try:
-            os.rmdir(path)
-        except OSError:
-            return
-        path = os.path.dirname(path)
 
 
 def _terminal(req: Request) -> tuple[int, int, int]:
@@ -600,99 +542,166 @@ def _common_dir(req: Request) -> str:
     return str(os.path.commonpath([os.path.realpath(p) for p in paths]))
 
 
-def _restore_in_new_pidns(req: Request, out: Any, command: list[str]) -> int:
-    _unshare(CLONE_NEWPID | CLONE_NEWNS | (CLONE_NEWNET if req.new_netns else 0))
-    if req.new_netns:
-        _loopback_up()
-    r, w = os.pipe()
-    go_r, go_w = os.pipe()
-    child = os.fork()
-    if child == 0:  # PID 1 of the new namespace
-        os.close(r)
-        os.close(go_w)
-        swrk: Swrk | None = None
-        failed: BaseException | None = None
-        slave = master = term_out = -1
-        carried = ""
-        try:  # while the daemon journals this init: nothing here is seen outside the new namespaces
-            os.setsid()
-            _mount(None, "/", None, MS_REC | MS_SLAVE)
-            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-            if req.shm_dir:
-                carried = _private_dev_shm(req.shm_dir, _common_dir(req))
-            slave, master, term_out = _terminal(req)
-            swrk = Swrk(command, stdin=slave)  # on the fresh /proc: CRIU keeps the /proc it first opens
-            if req.owner:
-                criu_userpaths.warm()
-        except BaseException as exc:
-            failed = exc
-        if os.read(go_r, 1) != b"1":  # the daemon did not journal this init: restore nothing
-            os._exit(1)
-        os.close(go_r)
-        ledger = None
+class NamespaceInit:
+    """The init (PID 1) of a fresh PID namespace, in a fresh mount namespace, that will restore a tree there,
+    and this helper's end of its pipes: ``requests`` (the request, one line), ``go`` (one byte once gpusnapd has
+    journaled it) and ``results`` (the result, one line).
+
+    :meth:`ahead` makes one before the request is known (a spare helper does: the init's fork, its mount
+    namespace, its ``/proc`` and its CRIU's ``exec`` then happen between requests, not on a restore's path), for a
+    restore on the host's network; :meth:`for_request` makes one for a known request (a private network: the
+    namespaces are made with it). An init made ahead ends when this helper ends without giving it a request (end
+    of file on ``requests``), its namespace and CRIU with it.
+    """
+
+    def __init__(self, pid: int, requests: int, go: int, results: int):
+        self.pid, self.requests, self.go, self.results = pid, requests, go, results
+
+    @classmethod
+    def ahead(cls, command: list[str]) -> NamespaceInit:
+        own = os.open("/proc/self/ns/pid", os.O_RDONLY)
         try:
-            if failed is not None:
-                raise failed
-            assert swrk is not None
-            result, ledger = _restore(req, swrk, command, stdin=slave)
-        except criu_userpaths.Refused as exc:  # refused before CRIU ran: the daemon's own message and reason
-            result = _refused(exc)
-        except BaseException as exc:  # report anything, never hang the daemon
-            result = Result(ok=False, error=f"namespace init: {exc}", errno=getattr(exc, "errno", 0) or 0)
-        if result.ok:
+            _unshare(CLONE_NEWPID)  # this helper's next child is the new namespace's init
+            return cls._fork(command, None, new_mounts=True)
+        finally:  # later children of this helper (a dump's CRIU) stay in its own PID namespace
+            _check(_libc.setns(ctypes.c_int(own), ctypes.c_int(CLONE_NEWPID)), "setns(own PID namespace)")
+            os.close(own)
+
+    @classmethod
+    def for_request(cls, command: list[str], req: Request) -> NamespaceInit:
+        _unshare(CLONE_NEWPID | CLONE_NEWNS | (CLONE_NEWNET if req.new_netns else 0))
+        if req.new_netns:
+            _loopback_up()
+        return cls._fork(command, req, new_mounts=False)
+
+    @classmethod
+    def _fork(cls, command: list[str], req: Request | None, *, new_mounts: bool) -> NamespaceInit:
+        req_r, req_w = os.pipe()
+        go_r, go_w = os.pipe()
+        res_r, res_w = os.pipe()
+        child = os.fork()
+        if child == 0:  # PID 1 of the new namespace
+            for fd in (req_w, go_w, res_r):
+                os.close(fd)
             try:
-                _drop_carried(carried)  # CRIU is done: the tree's /dev/shm holds only its own files
-            except OSError as exc:
-                _kill_restored(0)
-                result = Result(ok=False, error=f"namespace init: {exc}", errno=exc.errno or 0)
-        copies = _ledger_fd(ledger if result.ok else None)
-        os.write(w, protocol.line(result))
-        os.close(w)
+                _namespace_init(command, req, req_r, go_r, res_w, new_mounts=new_mounts)
+            finally:
+                os._exit(1)
+        for fd in (req_r, go_r, res_w):
+            os.close(fd)
+        return cls(child, req_w, go_w, res_r)
+
+    def discard(self) -> None:
+        """End an init that got no request (and its CRIU, with its namespace); not waited for."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for fd in (self.requests, self.go, self.results):
+            os.close(fd)
+
+    def restore(self, req: Request, out: Any) -> int:
+        """Give the init ``req``, report it to gpusnapd, let it restore once gpusnapd has journaled it, relay the
+        result; returns this helper's exit code."""
+        os.write(self.requests, protocol.line(req))
+        os.close(self.requests)
+        _emit(out, Event(init=self.pid))
+        go = _may_start(out, self.pid)
+        if go:
+            os.write(self.go, b"1")
+        os.close(self.go)
+        if not go:
+            os.waitpid(self.pid, 0)
+            _emit(out, _NOT_STARTED)
+            return 1
+        with os.fdopen(self.results, "rb") as fh:
+            line = fh.readline()
+        try:
+            result = documents.decode(line, Result)
+        except documents.DocumentError:
+            _emit(out, protocol.failed("namespace init died before reporting"))
+            return 1
         if not result.ok:
-            os._exit(1)
-        _silence_stdio()
-        pump = [] if copies < 0 else [f"--copies-fd={copies}"]
-        if master >= 0:
-            os.set_inheritable(master, True)
-            os.set_inheritable(term_out, True)
-            pump.append(f"--pump={master},{term_out}")
-        try:  # the tree's reaper, with a command line naming what it restored
-            os.execv(
-                sys.executable,
-                [
-                    sys.executable,
-                    "-m",
-                    "gpusnap.daemon.drivers.reaper",
-                    f"--root={result.pid}",
-                    *pump,
-                    *req.title,
-                ],
-            )
-        except OSError:
-            _reap_forever()
-        os._exit(0)
-    os.close(w)
-    os.close(go_r)
-    _emit(out, Event(init=child))
-    go = _may_start(out, child)
-    if go:
-        os.write(go_w, b"1")
-    os.close(go_w)
-    if not go:
-        os.waitpid(child, 0)
-        _emit(out, _NOT_STARTED)
-        return 1
-    with os.fdopen(r, "rb") as fh:
-        line = fh.readline()
+            os.waitpid(self.pid, 0)
+        _emit(out, Event(result=result))
+        return 0 if result.ok else 1
+
+
+def _namespace_init(
+    command: list[str], req: Request | None, requests: int, go: int, results: int, *, new_mounts: bool
+) -> None:
+    """The body of :class:`NamespaceInit`'s init: its namespaces and CRIU readied (before the request, when it is
+    made ahead), the request's own preparations (a private /dev/shm, a terminal), then the restore once gpusnapd
+    said go, then the tree's reaper. Nothing it does before go is seen outside the new namespaces."""
+    swrk: Swrk | None = None
+    failed: BaseException | None = None
+    slave = master = term_out = -1
+    carried = ""
+    deferred: list[privateshm.Deferred] = []
     try:
-        result = documents.decode(line, Result)
-    except documents.DocumentError:
-        _emit(out, protocol.failed("namespace init died before reporting"))
-        return 1
-    if not result.ok:
-        os.waitpid(child, 0)
-    _emit(out, Event(result=result))
-    return 0 if result.ok else 1
+        os.setsid()
+        if new_mounts:
+            _unshare(CLONE_NEWNS)
+        _mount(None, "/", None, MS_REC | MS_SLAVE)
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        if req is None:
+            swrk = Swrk(command)  # on the fresh /proc: CRIU keeps the /proc it first opens
+            with os.fdopen(requests, "rb") as fh:
+                line = fh.readline()
+            if not line:  # the helper ended (or discarded it) without a restore for this init
+                os._exit(0)
+            req = documents.decode(line, Request)
+        else:
+            os.close(requests)
+        if req.shm_dir:
+            carried, deferred = privateshm.mount(req.shm_dir, _common_dir(req), defer=req.page_fill_threads > 0)
+        slave, master, term_out = _terminal(req)
+        if swrk is None or slave >= 0:  # CRIU gets the stand-in terminal as its stdin when it starts
+            if swrk is not None:
+                swrk.close()
+            swrk = Swrk(command, stdin=slave)
+        if req.owner:
+            criu_userpaths.warm()
+    except BaseException as exc:
+        failed = exc
+    if os.read(go, 1) != b"1":  # the daemon did not journal this init: restore nothing
+        os._exit(1)
+    os.close(go)
+    ledger = None
+    try:
+        if failed is not None:
+            raise failed
+        assert swrk is not None and req is not None
+        result, ledger = _restore(req, swrk, command, stdin=slave, deferred=deferred)
+    except criu_userpaths.Refused as exc:  # refused before CRIU ran: the daemon's own message and reason
+        result = _refused(exc)
+    except BaseException as exc:  # report anything, never hang the daemon
+        result = Result(ok=False, error=f"namespace init: {exc}", errno=getattr(exc, "errno", 0) or 0)
+    if result.ok:
+        try:
+            privateshm.drop_carried(carried)  # CRIU is done: the tree's /dev/shm holds only its own files
+        except OSError as exc:
+            _kill_restored(0)
+            result = Result(ok=False, error=f"namespace init: {exc}", errno=exc.errno or 0)
+    copies = _ledger_fd(ledger if result.ok else None)
+    os.write(results, protocol.line(result))
+    os.close(results)
+    if not result.ok or req is None:
+        os._exit(1)
+    _silence_stdio()
+    pump = [] if copies < 0 else [f"--copies-fd={copies}"]
+    if master >= 0:
+        os.set_inheritable(master, True)
+        os.set_inheritable(term_out, True)
+        pump.append(f"--pump={master},{term_out}")
+    try:  # the tree's reaper, with a command line naming what it restored
+        os.execv(
+            sys.executable,
+            [sys.executable, "-m", "gpusnap.daemon.drivers.reaper", f"--root={result.pid}", *pump, *req.title],
+        )
+    except OSError:
+        _reap_forever()
+    os._exit(0)
 
 
 _NOT_STARTED = protocol.failed("gpusnapd did not confirm the restore's start")
@@ -732,15 +741,21 @@ def main() -> int:
     _pycriu()
     command = sys.argv[1:] or ["criu"]
     warm = Swrk(command)
+    ahead = NamespaceInit.ahead(command)  # a restore into a fresh PID namespace (the default) uses it
     line = sys.stdin.readline()
     if not line:  # a spare ended without a request
+        ahead.discard()
         warm.close()
         return 0
     req = documents.decode(line.encode(), Request)
     out = sys.stdout
     if req.action == "restore" and req.new_pidns:
         warm.close(wait=False)  # CRIU must start inside the namespaces made for it
-        return _restore_in_new_pidns(req, out, command)
+        if not req.new_netns:
+            return ahead.restore(req, out)
+        ahead.discard()
+        return NamespaceInit.for_request(command, req).restore(req, out)
+    ahead.discard()
     if req.action == "dump" and req.enter_ns_of:
         warm.close(wait=False)
         return _dump_in_ns_of(req, out, command)

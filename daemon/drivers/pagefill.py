@@ -45,6 +45,7 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import select
@@ -52,10 +53,10 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from gpusnap.daemon.drivers import criu_images
+from gpusnap.daemon.drivers import criu_images, privateshm
 
 SOCKET_NAME = "lazy-pages.socket"
 """The name CRIU connects to in its working directory (criu/uffd.c ``LAZY_PAGES_SOCK_NAME``)."""
@@ -238,13 +239,15 @@ def _zero_page(uffd: int, address: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class Stats:
     """What a fill did: ``bytes`` of pages copied by ``threads`` threads in ``seconds`` (from :meth:`PageFill.start`
-    to the last copy), ``processes`` filled, page ``faults`` served before the threads had a page in."""
+    to the last copy), ``processes`` filled, page ``faults`` served before the threads had a page in, and
+    ``file_bytes`` of private /dev/shm files copied with them (``privateshm.Deferred``)."""
 
     bytes: int
     seconds: float
     threads: int
     processes: int
     faults: int
+    file_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -260,8 +263,10 @@ class PageFill:
         threads: how many threads fill the pages (at least 1).
     """
 
-    def __init__(self, images_dir_fd: int, work_dir_fd: int, threads: int):
+    def __init__(self, images_dir_fd: int, work_dir_fd: int, threads: int, files: Sequence[privateshm.Deferred] = ()):
         self.images_dir_fd = images_dir_fd
+        self.files = list(files)
+        """Private /dev/shm files whose bytes the threads copy too (``privateshm``)."""
         self.threads = max(1, threads)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(f"/proc/self/fd/{work_dir_fd}/{SOCKET_NAME}")
@@ -275,12 +280,15 @@ class PageFill:
         self.faults = 0
         self.error: BaseException | None = None
         self._lock = threading.Lock()
-        self._work: list[tuple[_Process, int, int, int]] = []
+        self._work: list[tuple[Callable[[], None], int, str]] = []
+        """(copy, bytes, what) for each chunk of pages, or of a file (its bytes negated)."""
         self._next = 0
         self._workers: list[threading.Thread] = []
         self._started = 0.0
         self._last_copy = 0.0
         self._bytes = 0
+        self._file_bytes = 0
+        self._views: list[memoryview] = []
 
     def selectables(self) -> list[int]:
         """The descriptors to watch: the socket (listening, then CRIU's connection) and every ``userfaultfd``."""
@@ -365,8 +373,16 @@ class PageFill:
     def start(self) -> None:
         """Start the threads (at CRIU's ``post-restore``: module docstring, step 4)."""
         for p in self.processes.values():
-            self._work.extend(p.chunks())
-        self._work.sort(key=lambda w: -w[3])  # whole chunks first, the short tails of runs last
+            for _, dst, src, n in p.chunks():
+                self._work.append((functools.partial(copy, p.uffd, dst, src, n), n, f"PID {p.pid}'s pages at {dst:#x}"))
+        for f in self.files:
+            view = f.view()
+            self._views.append(view)
+            for offset, length in f.data:
+                for done in range(0, length, CHUNK_BYTES):
+                    at, n = offset + done, min(CHUNK_BYTES, length - done)
+                    self._work.append((functools.partial(privateshm.copy_range, f.fd, view, at, n), -n, f.source))
+        self._work.sort(key=lambda w: -abs(w[1]))  # whole chunks first, the short tails of runs last
         self._started = self._last_copy = time.monotonic()
         for i in range(min(self.threads, max(1, len(self._work)))):
             t = threading.Thread(target=self._fill, name=f"gpusnap-pagefill-{i}", daemon=True)
@@ -378,17 +394,20 @@ class PageFill:
             with self._lock:
                 if self.error is not None or self._next >= len(self._work):
                     return
-                p, dst, src, n = self._work[self._next]
+                job, n, what = self._work[self._next]
                 self._next += 1
             try:
-                copy(p.uffd, dst, src, n)
+                job()
             except BaseException as exc:  # noqa: BLE001 (kept for finish(), which raises it)
                 with self._lock:
                     if self.error is None:
-                        self.error = PageFillError(f"filling PID {p.pid}'s pages at {dst:#x} failed: {exc}")
+                        self.error = PageFillError(f"filling {what} failed: {exc}")
                 return
             with self._lock:
-                self._bytes += n
+                if n >= 0:
+                    self._bytes += n
+                else:  # a file's bytes
+                    self._file_bytes -= n
                 self._last_copy = time.monotonic()
 
     def finish(self, timeout_s: float) -> Stats:
@@ -417,11 +436,25 @@ class PageFill:
         if self._next < len(self._work):
             raise PageFillError(f"{len(self._work) - self._next} runs of pages were never filled")
         stats = Stats(
-            self._bytes, self._last_copy - self._started, len(self._workers), len(self.processes), self.faults
+            self._bytes,
+            self._last_copy - self._started,
+            len(self._workers),
+            len(self.processes),
+            self.faults,
+            self._file_bytes,
         )
         for p in self.processes.values():
             p.close()  # the tasks' registered ranges go with the last reference: they fault as usual from now
+        self._close_files()
         return stats
+
+    def _close_files(self) -> None:
+        self._work.clear()
+        for v in self._views:
+            v.release()
+        self._views.clear()
+        for f in self.files:
+            f.close()
 
     def close(self) -> None:
         """Stop the threads and release everything (after a failure: only once the tree is killed)."""
@@ -431,6 +464,7 @@ class PageFill:
             t.join(timeout=5)
         for p in self.processes.values():
             p.close()
+        self._close_files()
         if self.conn is not None:
             self.conn.close()
         self.listener.close()

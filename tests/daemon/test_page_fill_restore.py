@@ -1,6 +1,7 @@
 """gpusnapd fills a restored tree's private pages on several threads where there are enough of them
-(``daemon/drivers/pagefill.py``, ``pagefill.MIN_BYTES``), says so in the restore's events and in ``gpusnap node``, and
-leaves them to CRIU when ``page_fill_threads = -1``. Real gpusnapd, CRIU and workload."""
+(``daemon/drivers/pagefill.py``, ``pagefill.MIN_BYTES``), and the files of its private /dev/shm with them
+(``daemon/drivers/privateshm.py``), says so in the restore's events and in ``gpusnap node``, and leaves them to
+CRIU and one copy when ``page_fill_threads = -1``. Real gpusnapd, CRIU and workload."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,12 +22,14 @@ WORKLOAD = Path(__file__).resolve().parent / "workloads" / "anon_regions.py"
 
 
 @starts("workload")
-def _dumped(d: DaemonProc, wd: Path, workloads: Workloads) -> str:
-    """anon_regions.py with twice ``pagefill.MIN_BYTES`` of dirty memory, dumped (and ended)."""
+def _dumped(d: DaemonProc, wd: Path, workloads: Workloads, shm: str) -> str:
+    """anon_regions.py with twice ``pagefill.MIN_BYTES`` of dirty memory and an 8 MiB /dev/shm segment ``shm``
+    (larger than ``privateshm.DEFER_BYTES``), dumped (and ended)."""
     wd.mkdir()
     mb = 2 * pagefill.MIN_BYTES >> 20
     proc = workloads.spawn(
         [sys.executable, str(WORKLOAD), str(wd), "--regions", "2", "--mb", str(mb // 2), "--sparse-mb", "8"]
+        + ["--shm-mb", "8", "--shm-name", shm]
     )
     wait_for((wd / "ready").exists, 60, "the workload did not start")
     snap = json.loads(d.cli("-o", "json", "dump", str(proc.pid), check=True).stdout)["id"]
@@ -52,10 +56,19 @@ def test_a_restore_fills_its_pages_and_says_so(tmp_path: Path, workloads: Worklo
     try:
         node = d.cli("node", check=True).stdout
         assert ("page fill" in node) and (("off (page_fill_threads = -1)" in node) == (threads == "-1")), node
-        snap = _dumped(d, tmp_path / "w", workloads)
+        shm = f"gsn-fill-{uuid.uuid4().hex[:8]}"
+        snap = _dumped(d, tmp_path / "w", workloads, shm)
+        saved = d.store / "snapshots" / snap / "images" / "dev-shm" / shm
         pid, events = _restore_events(d, snap)
         workloads.adopt(pid)
         assert ("pages filled:" in events) == (threads == "0"), events
-        assert _same_memory(tmp_path / "w", pid)
+        assert _same_memory(tmp_path / "w", pid)  # the regions and the segment (its bytes copied by the fill)
+        copy, kept = os.stat(f"/proc/{pid}/root/dev/shm/{shm}"), saved.stat()
+        assert (copy.st_size, copy.st_mode, copy.st_uid, copy.st_mtime_ns) == (
+            kept.st_size,
+            kept.st_mode,
+            kept.st_uid,
+            kept.st_mtime_ns,
+        )
     finally:
         stop_daemon(d)
