@@ -544,8 +544,9 @@ def _common_dir(req: Request) -> str:
 
 class NamespaceInit:
     """The init (PID 1) of a fresh PID namespace, in a fresh mount namespace, that will restore a tree there,
-    and this helper's end of its pipes: ``requests`` (the request, one line), ``go`` (one byte once gpusnapd has
-    journaled it) and ``results`` (the result, one line).
+    and this helper's end of its pipes: ``requests`` (the request, one line, for an init made ahead; -1 for one
+    made with its request), ``go`` (one byte once gpusnapd has journaled it) and ``results`` (the result, one
+    line).
 
     :meth:`ahead` makes one before the request is known (a spare helper does: the init's fork, its mount
     namespace, its ``/proc`` and its CRIU's ``exec`` then happen between requests, not on a restore's path), for a
@@ -589,6 +590,9 @@ class NamespaceInit:
                 os._exit(1)
         for fd in (req_r, go_r, res_w):
             os.close(fd)
+        if req is not None:  # the init has its request already
+            os.close(req_w)
+            req_w = -1
         return cls(child, req_w, go_w, res_r)
 
     def discard(self) -> None:
@@ -598,13 +602,15 @@ class NamespaceInit:
         except ProcessLookupError:
             pass
         for fd in (self.requests, self.go, self.results):
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     def restore(self, req: Request, out: Any) -> int:
         """Give the init ``req``, report it to gpusnapd, let it restore once gpusnapd has journaled it, relay the
         result; returns this helper's exit code."""
-        os.write(self.requests, protocol.line(req))
-        os.close(self.requests)
+        if self.requests >= 0:  # made ahead: its request
+            os.write(self.requests, protocol.line(req))
+            os.close(self.requests)
         _emit(out, Event(init=self.pid))
         go = _may_start(out, self.pid)
         if go:
