@@ -1,14 +1,17 @@
 """Two unprivileged local users for hostile-user tests, created for one test session and removed after.
 
 Names carry the test session's PID (``gsn<pid>a``/``gsn<pid>b``) so concurrent sessions never share or
-remove each other's users; users left behind by a session that died are removed when their PID is gone.
-Both are in one fresh group (``gsn<pid>``) that the tests give a daemon as its socket group.
+remove each other's users. A session holds a lock on ``LOCKS/gsn<pid>`` for as long as its users exist; users
+left behind by a session that died are removed when no one holds their lock (a PID alone cannot tell: a session
+in another PID namespace, as CI's, has PIDs this one cannot see). Both are in one fresh group (``gsn<pid>``)
+that the tests give a daemon as its socket group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import grp
 import os
 import pwd
@@ -36,32 +39,44 @@ class User:
         return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups"]
 
 
+LOCKS = "/tmp/gpusnap-test-users"
+"""Where each session's lock lies (a directory every session on this machine shares)."""
+
+
 def _remove_stale() -> None:
     for entry in [*pwd.getpwall(), *grp.getgrall()]:
         name = str(entry[0])
         m = _NAME_RE.match(name)
-        if not m or _alive(int(m.group(1))):
+        if not m or _held(f"{PREFIX}{m.group(1)}"):
             continue
         tool = "userdel" if isinstance(entry, pwd.struct_passwd) else "groupdel"
         subprocess.run([tool, name], capture_output=True)
 
 
-def _alive(pid: int) -> bool:
+def _held(tag: str) -> bool:
+    """Whether the session that made ``tag``'s users still runs: it holds their lock."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(os.path.join(LOCKS, tag), os.O_RDONLY)
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    return True
+    finally:
+        os.close(fd)
+    return False
 
 
 @starts("test users")
 @contextlib.contextmanager
 def hostile_users() -> Iterator[tuple[User, User]]:
     """Create the two users (and their shared group); remove them on exit."""
-    _remove_stale()
+    os.makedirs(LOCKS, exist_ok=True)
     tag = f"{PREFIX}{os.getpid()}"
+    lock = os.open(os.path.join(LOCKS, tag), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # held until the users are gone
+    _remove_stale()
     subprocess.run(["groupadd", tag], check=True, capture_output=True)
     made: list[str] = []
     try:
@@ -90,3 +105,5 @@ def hostile_users() -> Iterator[tuple[User, User]]:
         for name in made:
             subprocess.run(["userdel", name], capture_output=True)
         subprocess.run(["groupdel", tag], capture_output=True)
+        os.unlink(os.path.join(LOCKS, tag))
+        os.close(lock)
