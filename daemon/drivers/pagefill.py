@@ -288,7 +288,6 @@ class PageFill:
         self._last_copy = 0.0
         self._bytes = 0
         self._file_bytes = 0
-        self._views: list[memoryview] = []
 
     def selectables(self) -> list[int]:
         """The descriptors to watch: the socket (listening, then CRIU's connection) and every ``userfaultfd``."""
@@ -376,12 +375,11 @@ class PageFill:
             for _, dst, src, n in p.chunks():
                 self._work.append((functools.partial(copy, p.uffd, dst, src, n), n, f"PID {p.pid}'s pages at {dst:#x}"))
         for f in self.files:
-            view = f.view()
-            self._views.append(view)
+            src = f.source_fd()
             for offset, length in f.data:
                 for done in range(0, length, CHUNK_BYTES):
                     at, n = offset + done, min(CHUNK_BYTES, length - done)
-                    self._work.append((functools.partial(privateshm.copy_range, f.fd, view, at, n), -n, f.source))
+                    self._work.append((functools.partial(privateshm.copy_range, src, f.fd, at, n), -n, f.source))
         self._work.sort(key=lambda w: -abs(w[1]))  # whole chunks first, the short tails of runs last
         self._started = self._last_copy = time.monotonic()
         for i in range(min(self.threads, max(1, len(self._work)))):
@@ -450,9 +448,6 @@ class PageFill:
 
     def _close_files(self) -> None:
         self._work.clear()
-        for v in self._views:
-            v.release()
-        self._views.clear()
         for f in self.files:
             f.close()
 

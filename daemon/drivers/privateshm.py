@@ -8,7 +8,8 @@ restored tree and its still-running source) from sharing one segment.
 
 CRIU only opens such a file and checks its size; no code reads its bytes before the restored tasks run. So
 where the restore fills pages on several threads (``pagefill``), a large file is made at its size now and its
-bytes are copied by those threads with the pages (:class:`Deferred`), off the path CRIU waits on; small files,
+bytes are copied by those threads with the pages (:class:`Deferred`), between CRIU's ``post-restore`` and
+``pre-resume``, on every core instead of one ``cp``'s; small files,
 and files linked under several names (CRIU's ``link_remap.N`` beside the name it stands for), are copied at
 once, by one ``cp`` that keeps the links and holes.
 
@@ -21,9 +22,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import mmap
+import errno
 import os
 import subprocess
+import threading
 
 MS_NOSUID, MS_NODEV = 2, 4
 SYS_OPEN_TREE, SYS_MOVE_MOUNT = 428, 429
@@ -54,41 +56,65 @@ class Deferred:
     times_ns: tuple[int, int]
     data: list[tuple[int, int]]
     """The (offset, length) ranges of ``source`` that hold data (its holes stay holes)."""
-    _map: mmap.mmap | None = None
+    src_fd: int = -1
 
-    def view(self) -> memoryview:
-        """The source's bytes, mapped read-only."""
-        if self._map is None:
-            with open(self.source, "rb") as fh:
-                self._map = mmap.mmap(fh.fileno(), self.size, prot=mmap.PROT_READ)
-        return memoryview(self._map)
+    def source_fd(self) -> int:
+        """The saved file, opened read-only (once)."""
+        if self.src_fd < 0:
+            self.src_fd = os.open(self.source, os.O_RDONLY | os.O_CLOEXEC)
+        return self.src_fd
 
     def close(self) -> None:
-        """Give the copy the saved file's access and modification times (as ``cp -a`` does), then close it."""
+        """Give the copy the saved file's access and modification times (as ``cp -a`` does), then close both."""
         if self.fd >= 0:
             os.utime(self.fd, ns=self.times_ns)
             os.close(self.fd)
             self.fd = -1
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        if self.src_fd >= 0:
+            os.close(self.src_fd)
+            self.src_fd = -1
 
     def copy_now(self) -> None:
         """Copy every data range on this thread (a restore without a page fill)."""
-        view = self.view()
-        try:
-            for offset, length in self.data:
-                copy_range(self.fd, view, offset, length)
-        finally:
-            view.release()
+        buf = memoryview(bytearray(COPY_BUFFER_BYTES))
+        for offset, length in self.data:
+            copy_range(self.source_fd(), self.fd, offset, length, buf)
         self.close()
 
 
-def copy_range(fd: int, view: memoryview, offset: int, length: int) -> None:
-    """Write ``view[offset:offset + length]`` at ``offset`` of ``fd``."""
+COPY_BUFFER_BYTES = 4 << 20
+"""The buffer each copying thread reads a saved file into before it writes the private copy."""
+
+_buffers = threading.local()
+
+
+def thread_buffer() -> memoryview:
+    """This thread's copy buffer (``COPY_BUFFER_BYTES``), made on its first copy."""
+    buf: memoryview | None = getattr(_buffers, "buf", None)
+    if buf is None:
+        buf = _buffers.buf = memoryview(bytearray(COPY_BUFFER_BYTES))
+    return buf
+
+
+def copy_range(src: int, dst: int, offset: int, length: int, buf: memoryview | None = None) -> None:
+    """Copy bytes ``[offset, offset + length)`` of file ``src`` to the same offsets of file ``dst``, through
+    ``buf`` (default: this thread's buffer). ``pread`` into a buffer the thread reuses, then ``pwrite``: no page
+    of the source is mapped, so the copy faults nothing in, and threads on distinct ranges do not serialize on
+    one address space (an ``mmap`` of the source ran 20–30 % slower on the 2-core VM).
+
+    Raises:
+        OSError: a read or a write failed, or the source ended before ``offset + length``.
+    """
+    buf = thread_buffer() if buf is None else buf
     end = offset + length
     while offset < end:
-        offset += os.pwrite(fd, view[offset:end], offset)
+        got = os.preadv(src, [buf[: min(len(buf), end - offset)]], offset)
+        if got == 0:
+            raise OSError(errno.EIO, f"the saved file ended at byte {offset} of a copy up to {end}")
+        done = 0
+        while done < got:
+            done += os.pwrite(dst, buf[done:got], offset + done)
+        offset += got
 
 
 def mount(saved: str, store: str, defer: bool) -> tuple[str, list[Deferred]]:
