@@ -18,7 +18,8 @@ which ends it); then, round by round, in an order rotated each round so that loa
 Each restore is timed from its request to the worker's first answer (SIGUSR2 → WORKDIR/answer: a request that
 touches almost no memory), and every restored worker's memory is hashed and compared with the source's
 (untimed). The page leg's rate: for plain CRIU, the pages' bytes over its restore (an upper bound on its page
-time: a lower bound on the rate); for gpusnap, what its page fill reported (bytes over its own seconds); for
+time: a lower bound on the rate); for gpusnap, what its page fill reported (the pages' bytes and the private /dev/shm files' it copied with
+them, over its own seconds); for
 ``copy``, the bytes over the copy. Results: ``bench/results/restore-5g-[<label>-]<date>.json`` with every sample,
 min and median, ``gpusnap_over_criu`` (median restore → first request, gpusnap over plain CRIU) and the rates.
 """
@@ -315,7 +316,10 @@ def _summary(samples: dict[str, list[dict[str, Any]]], a: Any, page_bytes: int, 
         "copy_segment_gb_s": shm_bytes / 1e9 / copy["segment_s"]["median"],
     }
     if fills:
-        rates["gpusnap_page_fill_gb_s"] = statistics.median(f["bytes"] / 1e9 / f["seconds"] for f in fills)
+        # the fill's threads copy the private /dev/shm's large files too (daemon/drivers/privateshm.py)
+        rates["gpusnap_page_fill_gb_s"] = statistics.median(
+            (f["bytes"] + f.get("file_bytes", 0)) / 1e9 / f["seconds"] for f in fills
+        )
         rates["gpusnap_page_fill_over_criu"] = rates["gpusnap_page_fill_gb_s"] / rates["criu_pages_gb_s"]
     doc: dict[str, Any] = {
         "worker": {"anon_bytes": a.anon_mb * MIB, "shm_bytes": shm_bytes, "page_image_bytes": page_bytes},
