@@ -25,6 +25,21 @@ from tests.fakes.cuda_vmm import FakeVmmDriver
 POISON = 0x5A
 
 
+class BlockTables:
+    """vLLM 0.26's V2 runner's block tables (``vllm/v1/worker/gpu/block_table.py``): a table, and a tensor of its
+    raw address that kernels follow, rebuilt by ``init_block_table_layout_tensors``."""
+
+    def __init__(self) -> None:
+        self.tables = [torch.zeros(2048, dtype=torch.int32)]
+        self.init_block_table_layout_tensors()
+
+    def init_block_table_layout_tensors(self) -> None:
+        self.block_table_ptrs = torch.tensor([t.data_ptr() for t in self.tables], dtype=torch.int64)
+
+    def stale(self) -> bool:
+        return [int(p) for p in self.block_table_ptrs] != [t.data_ptr() for t in self.tables]
+
+
 class Runner:
     """vLLM's model runner, as the plugin sees it."""
 
@@ -33,6 +48,7 @@ class Runner:
         self.kv_caches: list[torch.Tensor] = []
         self.input_ids = torch.arange(4096, dtype=torch.int32)  # persistent buffers
         self.table = torch.linspace(0, 1, 8192)
+        self.block_tables = BlockTables()
         self.captured_with: dict[str, bool] = {}
 
     def get_model(self) -> torch.nn.Module:
@@ -46,6 +62,8 @@ class Runner:
             "input_ids": vmm.is_stable(self.input_ids),
             "table": vmm.is_stable(self.table),
             "workspace": vmm.is_stable(workspace_module()._manager._current_workspaces[0]),
+            "block_table": vmm.is_stable(self.block_tables.tables[0]),
+            "block_table_ptrs_stale": self.block_tables.stale(),
         }
         return 0
 
@@ -99,7 +117,13 @@ def main() -> None:
     assert part.stable, "weights and KV cache in arenas, as before"
     assert "capture_model" not in vars(plain.model_runner), "capture_model is vLLM's own"
     plain.model_runner.capture_model()
-    assert plain.model_runner.captured_with == {"input_ids": False, "table": False, "workspace": False}
+    assert plain.model_runner.captured_with == {
+        "input_ids": False,
+        "table": False,
+        "workspace": False,
+        "block_table": False,
+        "block_table_ptrs_stale": False,
+    }
     assert part.plan() == memory_plan(None, "cpu", stable=True), "the plan and its words are unchanged"
     assert part.pool_buffers() == {} and part.release_scratch() == 0 and pools.graphs() is None
     assert set(adapter_of(part).buffers()) == set(part.weights()), "only the weights are named"
@@ -131,7 +155,7 @@ def main() -> None:
     vmm.arena_of(segment).bytes_tensor(segment, 3 << 20).copy_(pattern)  # type: ignore[union-attr]
     w = worker()
     runner = w.model_runner
-    persistent = [runner.input_ids, runner.table]
+    persistent = [runner.input_ids, runner.table, runner.block_tables.tables[0]]
     segments = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in persistent]
     pools.default_pool_tensors = lambda device: vmm_pool.default_pool_tensors(device, segments)  # torch's, on a GPU
     ids, table = runner.input_ids.clone(), runner.table.clone()
@@ -139,7 +163,13 @@ def main() -> None:
     part = plugin._process_adapter().workers[-1]
     assert "capture_model" in vars(runner), "the runner's capture_model moves the buffers first"
     runner.capture_model()
-    assert runner.captured_with == {"input_ids": True, "table": True, "workspace": True}, runner.captured_with
+    assert runner.captured_with == {
+        "input_ids": True,
+        "table": True,
+        "workspace": True,
+        "block_table": True,
+        "block_table_ptrs_stale": False,  # vLLM's table of its block tables' addresses, rebuilt after the move
+    }, runner.captured_with
     assert torch.equal(runner.input_ids, ids) and torch.equal(runner.table, table), "moved with their bytes"
     held = {r.name: r.policy for r in part.pools()}
     assert held == {

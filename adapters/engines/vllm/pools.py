@@ -158,9 +158,26 @@ def move_before_capture(part: Any, device: int) -> None:
         )
 
 
+def repoint(runner: Any) -> None:
+    """Rebuild the device tables in which vLLM keeps raw addresses of its buffers, after they moved.
+
+    vLLM 0.26's V2 model runner keeps ``data_ptr()`` values of its block tables in device tensors
+    (``BlockTables.block_table_ptrs`` and ``input_block_table_ptrs``, ``vllm/v1/worker/gpu/block_table.py``), which
+    its Triton kernels (``_compute_slot_mappings_kernel``, the staged writes) follow. vLLM rebuilds them with
+    ``init_block_table_layout_tensors()`` when its own buffers move (``post_kv_cache_wake_up`` after a CuMem
+    wake-up); a move into arenas needs the same, or the next step reads the freed memory: an illegal memory
+    access on the H200 (``bench/results/gpu-vllm-h200-8b-pools-*``, issue 29). A runner without such tables
+    (vLLM's V1 runner, CPU) is left alone. Not rebuilt: ``PCPManager._local_block_table_ptrs`` (prefill context
+    parallel only), which vLLM's own wake-up does not rebuild either."""
+    refresh = getattr(getattr(runner, "block_tables", None), "init_block_table_layout_tensors", None)
+    if callable(refresh):
+        refresh()
+
+
 def wrap_capture(runner: Any, part: Any) -> None:
-    """Make ``runner.capture_model`` move the worker's buffers first (:func:`move_before_capture`); the instance
-    attribute shadows the method for the runner's life. A runner without ``capture_model`` (CPU) is left alone."""
+    """Make ``runner.capture_model`` move the worker's buffers first (:func:`move_before_capture`) and then
+    rebuild vLLM's tables of their addresses (:func:`repoint`); the instance attribute shadows the method for
+    the runner's life. A runner without ``capture_model`` (CPU) is left alone."""
     original = getattr(runner, "capture_model", None)
     if original is None or getattr(original, "_gpusnap", False):
         return
@@ -171,6 +188,7 @@ def wrap_capture(runner: Any, part: Any) -> None:
             move_before_capture(part, device)
         except Exception:  # noqa: BLE001 (what did not move stays where it was: captured with the process)
             log.exception("gpusnap: moving the worker's buffers into arenas failed; the rest stay in place")
+        repoint(runner)  # also after a move that stopped part-way: what moved until then has new addresses
         return original(*args, **kwargs)
 
     capture_model._gpusnap = True  # type: ignore[attr-defined]
