@@ -207,6 +207,7 @@ def gpusnap_round(daemon: DaemonProc, tmp: Path, target: Path, model: Path, kv_b
             "restore_to_first_token_s": restore["restore_to_first_token_s"],
             "first_token_after_restore_s": restore["restore_to_first_token_s"] - restore["restore_call_s"],
             "restore_phases": restore["phases"],
+            "restore_page_fill": restore["page_fill"],
             "cli": {k: v for k, v in cli.items() if k not in ("pid", "answer")},
             "standby": {
                 **made,
