@@ -4,7 +4,9 @@ The worker is tests/daemon/workloads/anon_regions.py with ``--anon-mb`` MiB of d
 (256 MiB regions, as a Python/torch heap's large allocations) and a ``--shm-mb`` MiB POSIX shared-memory segment
 in /dev/shm (as vLLM's queues), 4 GiB + 1 GiB by default. gpusnapd's store is on a tmpfs (a RAM tier for images:
 plain CRIU gets the same images from the same tmpfs). The worker is checkpointed once by gpusnap (a default dump,
-which ends it); then, round by round, in an order rotated each round so that load drifts hit all alike:
+which ends it); then, round by round, in an order rotated each round so that load drifts hit all alike, each
+step after 1.25 times the worker's bytes of fresh memory were touched and freed (``--pretouch``; this VM hands
+freed memory back to its host, whose next touch is slow: bench/fresh_memory.py):
 
 - ``criu``: plain ``criu restore -d`` of those images into this PID namespace, with the options gpusnapd gives
   CRIU; the segment is put back at its path first (untimed: plain CRIU reopens it by name, it copies nothing);
@@ -44,7 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import results_file, vllm_runs  # noqa: E402
+from bench import fresh_memory, results_file, vllm_runs  # noqa: E402
 from bench.overhead_bench import _become_subreaper, _reap  # noqa: E402
 from bench.plain_criu import OPTS as CRIU_OPTS  # noqa: E402
 from bench.plain_criu import log_seconds as _criu_log_seconds  # noqa: E402
@@ -224,12 +226,16 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 def _run_rounds(
-    rounds: int, steps: dict[str, Callable[[], dict[str, Any]]], samples: dict[str, list[dict[str, Any]]]
+    rounds: int,
+    steps: dict[str, Callable[[], dict[str, Any]]],
+    samples: dict[str, list[dict[str, Any]]],
+    pretouch_bytes: int = 0,
 ) -> None:
     names = list(steps)
     for i in range(rounds):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             time.sleep(1.0)  # let the last step's memory go back before the next one takes it
+            fresh_memory.touch(pretouch_bytes)  # ... and be the guest's again (bench/fresh_memory.py)
             r = steps[name]()
             samples.setdefault(name, []).append(r)
             print(f"round {i} {name}: {_brief(r)}", flush=True)
@@ -247,6 +253,12 @@ def main() -> int:
     ap.add_argument("--tmpfs", default="/dev/shm", help="where gpusnapd's store and the copies go")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads of the copy")
     ap.add_argument("--no-fill", action="store_true", help="also a block with page_fill_threads = -1")
+    ap.add_argument(
+        "--pretouch",
+        type=float,
+        default=1.25,
+        help="before each step, touch and free this many times the worker's bytes of fresh memory (0: none)",
+    )
     results_file.add_arguments(ap)
     a = ap.parse_args()
     _become_subreaper()
@@ -283,7 +295,8 @@ def main() -> int:
                 "segment_s": _copy_segment(saved, root / "segment-copy"),
             },
         }
-        _run_rounds(a.rounds, steps, samples)
+        touch = int((a.anon_mb + a.shm_mb) * MIB * a.pretouch)
+        _run_rounds(a.rounds, steps, samples, touch)
         if a.no_fill:
             stop_daemon(daemon)
             second = daemon = start_daemon(root / "d", extra_env={"GPUSNAP_PAGE_FILL_THREADS": "-1"})
@@ -292,6 +305,7 @@ def main() -> int:
                 a.rounds,
                 {"criu_2": steps["criu"], "gpusnap_no_fill": lambda: _restore_gpusnap(second, client, snap, wd)},
                 samples,
+                touch,
             )
     finally:
         if worker is not None and worker.poll() is None:
@@ -323,6 +337,7 @@ def _summary(samples: dict[str, list[dict[str, Any]]], a: Any, page_bytes: int, 
         rates["gpusnap_page_fill_over_criu"] = rates["gpusnap_page_fill_gb_s"] / rates["criu_pages_gb_s"]
     doc: dict[str, Any] = {
         "worker": {"anon_bytes": a.anon_mb * MIB, "shm_bytes": shm_bytes, "page_image_bytes": page_bytes},
+        "pretouch_bytes": int((a.anon_mb + a.shm_mb) * MIB * a.pretouch),
         "restore_to_first_request_s": first,
         "gpusnap_over_criu": first["gpusnap"]["median"] / first["criu"]["median"],
         "copy_s": copy,

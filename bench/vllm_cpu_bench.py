@@ -49,7 +49,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import plain_criu, results_file, tmpfs  # noqa: E402
+from bench import fresh_memory, plain_criu, results_file, tmpfs  # noqa: E402
 from bench.overhead_bench import _become_subreaper, _reap  # noqa: E402
 from bench.vllm_runs import (  # noqa: E402
     activate_to_first_token,
@@ -70,10 +70,8 @@ SETTLE_S = [1.0]
 (fsyncs, a spare CRIU helper's start) done, as for a restore some time after its checkpoint."""
 PRETOUCH_BYTES = [3 << 30]
 """Fresh memory touched and freed right before each timed restore, gpusnap's and plain CRIU's (``--pretouch-gib``;
-0: none). This VM gives freed memory back to its host (virtio-balloon free page reporting), and the next touch
-of such memory runs at the host's speed: without it, whichever restore first takes memory freed a second or more
-before pays that (the first restore after a dump: 1.1 s instead of 0.6 s here), while plain CRIU's, which runs as
-soon as its source is reaped, did not (docs/performance.md)."""
+0: none; bench/fresh_memory.py says why): without it the first restore after a dump took 1.1 s instead of 0.6 s
+here, while plain CRIU's, which runs as soon as its source is reaped, did not pay that."""
 TARGETS = {"restore_to_first_token_s": 0.6, "speedup": 35, "activation_to_first_token_s": 0.15}
 """Issue 25's, on this CPU class."""
 
@@ -126,11 +124,8 @@ def stop(pid: int) -> None:
 
 
 def pretouch() -> None:
-    """Touch every page of ``PRETOUCH_BYTES`` of fresh memory, then free it (:data:`PRETOUCH_BYTES`)."""
-    if PRETOUCH_BYTES[0]:
-        block = bytearray(PRETOUCH_BYTES[0])
-        block[::4096] = b"\x01" * (len(block) // 4096)
-        del block
+    """:data:`PRETOUCH_BYTES` of fresh memory touched and freed (bench/fresh_memory.py)."""
+    fresh_memory.touch(PRETOUCH_BYTES[0])
 
 
 def du(path: Path) -> int:
