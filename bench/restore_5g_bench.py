@@ -20,9 +20,8 @@ freed memory back to its host, whose next touch is slow: bench/fresh_memory.py):
 Each restore is timed from its request to the worker's first answer (SIGUSR2 → WORKDIR/answer: a request that
 touches almost no memory), and every restored worker's memory is hashed and compared with the source's
 (untimed). The page leg's rate: for plain CRIU, the pages' bytes over its restore (an upper bound on its page
-time: a lower bound on the rate); for gpusnap, what its page fill reported (the pages' bytes and the private /dev/shm files' it copied with
-them, over its own seconds); for
-``copy``, the bytes over the copy. Results: ``bench/results/restore-5g-[<label>-]<date>.json`` with every sample,
+time: a lower bound on the rate); for gpusnap, what its page fill reported (the pages' bytes and the private
+/dev/shm files' it copied with them, over its own seconds); for ``copy``, the bytes over the copy. Results: ``bench/results/restore-5g-[<label>-]<date>.json`` with every sample,
 min and median, ``gpusnap_over_criu`` (median restore → first request, gpusnap over plain CRIU) and the rates.
 """
 
@@ -241,6 +240,11 @@ def _run_rounds(
             print(f"round {i} {name}: {_brief(r)}", flush=True)
 
 
+def _pretouch_bytes(a: Any) -> int:
+    """Fresh memory touched before each step: ``--pretouch`` times the worker's bytes."""
+    return int((a.anon_mb + a.shm_mb) * MIB * a.pretouch)
+
+
 def _brief(r: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in r.items() if isinstance(v, float))
 
@@ -295,7 +299,7 @@ def main() -> int:
                 "segment_s": _copy_segment(saved, root / "segment-copy"),
             },
         }
-        touch = int((a.anon_mb + a.shm_mb) * MIB * a.pretouch)
+        touch = _pretouch_bytes(a)
         _run_rounds(a.rounds, steps, samples, touch)
         if a.no_fill:
             stop_daemon(daemon)
@@ -337,7 +341,7 @@ def _summary(samples: dict[str, list[dict[str, Any]]], a: Any, page_bytes: int, 
         rates["gpusnap_page_fill_over_criu"] = rates["gpusnap_page_fill_gb_s"] / rates["criu_pages_gb_s"]
     doc: dict[str, Any] = {
         "worker": {"anon_bytes": a.anon_mb * MIB, "shm_bytes": shm_bytes, "page_image_bytes": page_bytes},
-        "pretouch_bytes": int((a.anon_mb + a.shm_mb) * MIB * a.pretouch),
+        "pretouch_bytes": _pretouch_bytes(a),
         "restore_to_first_request_s": first,
         "gpusnap_over_criu": first["gpusnap"]["median"] / first["criu"]["median"],
         "copy_s": copy,

@@ -52,7 +52,6 @@ class Deferred:
 
     source: str
     fd: int
-    size: int
     times_ns: tuple[int, int]
     data: list[tuple[int, int]]
     """The (offset, length) ranges of ``source`` that hold data (its holes stay holes)."""
@@ -152,7 +151,7 @@ def _made_at_size(path: str, st: os.stat_result) -> Deferred:
     os.fchown(fd, st.st_uid, st.st_gid)
     os.fchmod(fd, st.st_mode & 0o7777)
     os.ftruncate(fd, st.st_size)
-    return Deferred(path, fd, st.st_size, (st.st_atime_ns, st.st_mtime_ns), _data_ranges(path, st.st_size))
+    return Deferred(path, fd, (st.st_atime_ns, st.st_mtime_ns), _data_ranges(path, st.st_size))
 
 
 def _data_ranges(path: str, size: int) -> list[tuple[int, int]]:
