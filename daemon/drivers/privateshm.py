@@ -73,13 +73,6 @@ class Deferred:
             os.close(self.src_fd)
             self.src_fd = -1
 
-    def copy_now(self) -> None:
-        """Copy every data range on this thread (a restore without a page fill)."""
-        buf = memoryview(bytearray(COPY_BUFFER_BYTES))
-        for offset, length in self.data:
-            copy_range(self.source_fd(), self.fd, offset, length, buf)
-        self.close()
-
 
 COPY_BUFFER_BYTES = 4 << 20
 """The buffer each copying thread reads a saved file into before it writes the private copy."""
@@ -95,16 +88,17 @@ def thread_buffer() -> memoryview:
     return buf
 
 
-def copy_range(src: int, dst: int, offset: int, length: int, buf: memoryview | None = None) -> None:
-    """Copy bytes ``[offset, offset + length)`` of file ``src`` to the same offsets of file ``dst``, through
-    ``buf`` (default: this thread's buffer). ``pread`` into a buffer the thread reuses, then ``pwrite``: no page
+def copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    """Copy bytes ``[offset, offset + length)`` of file ``src`` to the same offsets of file ``dst``, through this
+    thread's buffer (:func:`thread_buffer`). ``pread`` into a buffer the thread reuses, then ``pwrite``: no page
     of the source is mapped, so the copy faults nothing in, and threads on distinct ranges do not serialize on
-    one address space (an ``mmap`` of the source ran 20–30 % slower on the 2-core VM).
+    one address space (an ``mmap`` of the source ran 20–30 % slower in a 1 GiB microbenchmark on the 2-core VM,
+    and alike in the vLLM-on-CPU bench).
 
     Raises:
         OSError: a read or a write failed, or the source ended before ``offset + length``.
     """
-    buf = thread_buffer() if buf is None else buf
+    buf = thread_buffer()
     end = offset + length
     while offset < end:
         got = os.preadv(src, [buf[: min(len(buf), end - offset)]], offset)
@@ -119,8 +113,8 @@ def copy_range(src: int, dst: int, offset: int, length: int, buf: memoryview | N
 def mount(saved: str, store: str, defer: bool) -> tuple[str, list[Deferred]]:
     """Mount the fresh tmpfs on /dev/shm (this mount namespace only, which must be the restore's own), carry a
     store under /dev/shm over, and bring back the files ``saved`` holds: small and linked ones now, and with
-    ``defer`` the others made at their size, their bytes left to the caller (each :class:`Deferred` must be
-    filled, or :meth:`Deferred.copy_now` called, before the tree runs). Returns the path carried over ("": none)
+    ``defer`` the others made at their size, their bytes left to the caller (the page fill's threads copy
+    each :class:`Deferred` before the tree runs; without ``defer`` every file is copied now). Returns the path carried over ("": none)
     and what was deferred.
 
     Raises:
